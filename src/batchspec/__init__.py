@@ -1,0 +1,8 @@
+"""batchspec: batch speculative decoding that is output-equivalent to plain autoregressive generation."""
+
+from batchspec.api import GenerationResult, generate
+from batchspec.config import SpecConfig
+from batchspec.metrics import GenerationStats
+
+__all__ = ["GenerationResult", "GenerationStats", "SpecConfig", "generate"]
+__version__ = "0.1.0"

@@ -1,0 +1,53 @@
+"""Validated configuration of one generation run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("autoregressive", "eqspec")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Everything the engine needs to know about a run, validated on construction.
+
+    Attributes:
+        method: "autoregressive" (target alone, batched greedy) or "eqspec".
+        batch_size: rows decoded together (B).
+        max_new_tokens: budget of new tokens per prompt; 0 returns empty sequences.
+        num_draft_tokens: draft length k proposed per round (clipped near a row's budget).
+        eos_token_ids: tokens that end a sequence (empty: only the budget ends it).
+        pad_token_id: filler value written into padding columns; never read back as padding.
+        check_invariants: verify the batch invariants (I1, I2, cache lengths) after every round.
+        timing: measure per-stage seconds (draft/verify/realign/other); wall time is always measured.
+    """
+
+    method: str = "eqspec"
+    batch_size: int = 8
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 5
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    check_invariants: bool = False
+    timing: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        _require_int("batch_size", self.batch_size, minimum=1)
+        _require_int("max_new_tokens", self.max_new_tokens, minimum=0)
+        _require_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
+        _require_int("pad_token_id", self.pad_token_id, minimum=0)
+        for eos in self.eos_token_ids:
+            _require_int("eos_token_id", eos, minimum=0)
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "autoregressive"
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")

@@ -1,0 +1,117 @@
+"""One stats object per run: token counts, acceptance and where the time went."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+STAGES = ("draft", "verify", "realign", "other")
+
+
+@dataclass
+class GenerationStats:
+    """Counters filled by every method.
+
+    Terms: a *round* is one propose → verify → accept → realign step of one batch; a *row-round* is one row's
+    part in a round. ``accepted_length_histogram[a]`` counts row-rounds that accepted ``a`` draft tokens
+    (the bonus token is not counted in ``a``). Seconds are split into draft, verify, realign and other
+    (bookkeeping: accepting tokens, retiring rows, building batches); their sum is close to ``wall_s``.
+    """
+
+    generated_tokens: int = 0
+    rounds: int = 0
+    row_rounds: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    ragged_rounds: int = 0
+    accepted_length_histogram: dict[int, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    realign_s: float = 0.0
+    other_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of proposed draft tokens that the target accepted (0 when nothing was proposed)."""
+        return self.draft_tokens_accepted / self.draft_tokens_proposed if self.draft_tokens_proposed else 0.0
+
+    @property
+    def mean_tokens_per_row_round(self) -> float:
+        """New tokens a row gains per round: accepted drafts plus the bonus token, averaged."""
+        return self.generated_tokens / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Alias of ``mean_tokens_per_row_round`` in the speculative-decoding literature's terms."""
+        return self.mean_tokens_per_row_round
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def record_round(self, accepted: list[int], proposed_per_row: int) -> None:
+        """Account one round: ``accepted[i]`` draft tokens accepted by row ``i`` out of ``proposed_per_row``."""
+        self.rounds += 1
+        self.row_rounds += len(accepted)
+        self.draft_tokens_proposed += proposed_per_row * len(accepted)
+        self.draft_tokens_accepted += sum(accepted)
+        if proposed_per_row and len(set(accepted)) > 1:
+            self.ragged_rounds += 1
+        counts = Counter(accepted) if proposed_per_row else Counter()
+        for length, count in counts.items():
+            self.accepted_length_histogram[length] = self.accepted_length_histogram.get(length, 0) + count
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready view, derived rates included."""
+        out: dict[str, object] = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        out["accepted_length_histogram"] = {str(k): v for k, v in sorted(self.accepted_length_histogram.items())}
+        out["acceptance_rate"] = self.acceptance_rate
+        out["mean_tokens_per_row_round"] = self.mean_tokens_per_row_round
+        out["tokens_per_s"] = self.tokens_per_s
+        return out
+
+
+class StageTimer:
+    """Adds elapsed seconds to a stage of a :class:`GenerationStats`.
+
+    With ``enabled=False`` stages cost nothing and stay at zero, except ``other`` which is then the whole wall
+    time. On CUDA the device is synchronised at stage edges so that seconds land in the right stage.
+    """
+
+    def __init__(self, stats: GenerationStats, *, enabled: bool, device: torch.device) -> None:
+        self.stats = stats
+        self.enabled = enabled
+        self._sync = enabled and device.type == "cuda"
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if self._sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            attr = f"{name}_s"
+            setattr(self.stats, attr, getattr(self.stats, attr) + time.perf_counter() - start)
+
+    @contextmanager
+    def wall(self) -> Iterator[None]:
+        """Times the whole run; whatever no stage claimed is booked as ``other``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.wall_s += time.perf_counter() - start
+            staged = self.stats.draft_s + self.stats.verify_s + self.stats.realign_s + self.stats.other_s
+            self.stats.other_s += max(0.0, self.stats.wall_s - staged)

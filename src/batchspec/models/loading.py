@@ -1,0 +1,231 @@
+"""Loading target and draft models with their tokenizer.
+
+A model spec given to :func:`load_model` is one of:
+
+* ``"<preset>:<role>"`` such as ``"qwen2.5-coder:target"`` or ``"smollm2:draft"``: obtained into the
+  cache by :func:`batchspec.models.presets.obtain_preset` on first use;
+* a local ``.gguf`` file: dequantized through transformers; with ``cache_gguf`` the dense result is
+  kept in ``<cache>/models/gguf/<name>-<key>/`` so later loads are fast;
+* a local directory holding a transformers checkpoint;
+* a Hugging Face Hub id such as ``"Qwen/Qwen2.5-Coder-0.5B-Instruct"`` (a ``gguf_file`` inside the
+  repository can be named).
+
+:func:`load_pair` loads a target and a draft and checks that they share a vocabulary before any
+generation happens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from batchspec.models.presets import (
+    DEFAULT_PRESET,
+    PRESETS,
+    ROLES,
+    build_directory,
+    default_cache_dir,
+    dequantize_gguf,
+    get_preset,
+    hub_offline,
+    obtain_preset,
+)
+
+DType = Literal["bfloat16", "float32"]
+_DTYPES: tuple[str, ...] = ("bfloat16", "float32")
+
+
+@dataclass
+class LoadedPair:
+    """A target and a draft model in eval mode, the tokenizer they share, and a name for reports."""
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    name: str
+
+
+def _torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"Unsupported dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def parse_preset_spec(spec: str) -> tuple[str, str] | None:
+    """``(preset, role)`` when ``spec`` names a preset role like ``"smollm2:draft"``, else None."""
+    name, sep, role = spec.rpartition(":")
+    if not sep or name not in PRESETS:
+        return None
+    if role not in ROLES:
+        raise ValueError(f"Unknown role {role!r} in {spec!r}; expected {name}:target or {name}:draft")
+    return name, role
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
+
+
+def _load_dir(directory: Path, dtype: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with hub_offline():
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=_torch_dtype(dtype), local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def _gguf_cache_dir(gguf: Path, cache_dir: Path) -> tuple[Path, dict]:
+    stat = gguf.stat()
+    fingerprint = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    identity = {"format": 1, "gguf": str(gguf.resolve()), "fingerprint": key}
+    return cache_dir / "models" / "gguf" / f"{gguf.stem}-{key}", identity
+
+
+def _load_gguf(gguf: Path, dtype: str, cache_gguf: bool, cache_dir: Path, progress: bool) -> tuple[Any, Any]:
+    if cache_gguf:
+        directory, identity = _gguf_cache_dir(gguf, cache_dir)
+        build_directory(directory, identity, lambda tmp: dequantize_gguf(gguf, tmp, progress))
+        return _load_dir(directory, dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    with hub_offline():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=str(gguf), quantization_config=GgufConfig(dequantize=True),
+            dtype=_torch_dtype(dtype), local_files_only=True,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
+    return model.eval(), tokenizer
+
+
+def _load_hub(repo_id: str, dtype: str, gguf_file: str | None) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    extra: dict[str, Any] = {}
+    if gguf_file is not None:
+        from transformers import GgufConfig
+
+        extra = {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=_torch_dtype(dtype), **extra)
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except OSError as error:
+        raise FileNotFoundError(
+            f"Model {repo_id!r} could not be found locally or on the Hugging Face Hub "
+            f"(no such local path, and the Hub could not provide it: {error}). "
+            f"Known presets: {', '.join(f'{name}:target/{name}:draft' for name in sorted(PRESETS))}"
+        ) from error
+    return model.eval(), tokenizer
+
+
+def load_model(
+    spec: str,
+    dtype: DType = "bfloat16",
+    *,
+    cache_dir: str | Path | None = None,
+    cache_gguf: bool = True,
+    gguf_file: str | None = None,
+    progress: bool = True,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for ``spec``: a preset role, a local GGUF file or directory, or a Hub id.
+
+    ``dtype`` is ``"bfloat16"`` or ``"float32"``. The model is returned in eval mode. ``cache_dir``
+    defaults to :func:`batchspec.models.presets.default_cache_dir`. ``gguf_file`` names a GGUF file
+    inside a Hub repository or local directory.
+    """
+    _torch_dtype(dtype)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    preset_role = parse_preset_spec(spec)
+    if preset_role is not None:
+        name, role = preset_role
+        paths = obtain_preset(name, root, progress)
+        return _load_dir(paths.target_dir if role == "target" else paths.draft_dir, dtype)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(
+                f"{path} is a file but not a .gguf file; pass a model directory, GGUF file or Hub id"
+            )
+        return _load_gguf(path, dtype, cache_gguf, root, progress)
+    if path.is_dir():
+        if gguf_file is not None:
+            return _load_gguf(path / gguf_file, dtype, cache_gguf, root, progress)
+        return _load_dir(path, dtype)
+    if _looks_like_path(spec):
+        raise FileNotFoundError(f"Model path {spec!r} does not exist")
+    return _load_hub(spec, dtype, gguf_file)
+
+
+def vocab_size(model: Any) -> int:
+    """Rows of the model's output embedding (the number of logits per position)."""
+    embeddings = model.get_output_embeddings()
+    if embeddings is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings; a causal LM is needed")
+    return int(embeddings.weight.shape[0])
+
+
+_SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def check_compatible(target: Any, draft: Any, target_tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Raise ValueError unless target and draft share one vocabulary and tokenizer.
+
+    Compares the output-embedding sizes, the tokenizer lengths, the special token ids and the
+    token-to-id maps.
+    """
+    target_rows, draft_rows = vocab_size(target), vocab_size(draft)
+    if target_rows != draft_rows:
+        raise ValueError(
+            f"Target and draft have different vocabulary sizes: target lm_head has {target_rows} rows, "
+            f"draft lm_head has {draft_rows}; speculative decoding needs one shared vocabulary"
+        )
+    if len(target_tokenizer) != len(draft_tokenizer):
+        raise ValueError(
+            f"Target and draft tokenizers differ: {len(target_tokenizer)} vs {len(draft_tokenizer)} tokens"
+        )
+    for attribute in _SPECIAL_TOKENS:
+        target_id = getattr(target_tokenizer, attribute, None)
+        draft_id = getattr(draft_tokenizer, attribute, None)
+        if target_id != draft_id:
+            raise ValueError(f"Target and draft tokenizers differ in {attribute}: {target_id} vs {draft_id}")
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError("Target and draft tokenizers map tokens to different ids")
+
+
+def load_pair(
+    preset: str | None = None,
+    target: str | None = None,
+    draft: str | None = None,
+    dtype: DType = "bfloat16",
+    *,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> LoadedPair:
+    """Load a target and a draft sharing one tokenizer.
+
+    With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
+    :func:`load_model`) replace the preset's models; without a ``preset`` both must be given.
+    """
+    if preset is None and (target is None) != (draft is None):
+        raise ValueError("Give both target= and draft=, or a preset= whose models fill in the missing one")
+    if preset is None and target is None:
+        preset = DEFAULT_PRESET
+    if preset is not None:
+        get_preset(preset)
+        target = target or f"{preset}:target"
+        draft = draft or f"{preset}:draft"
+    assert target is not None and draft is not None
+    target_model, target_tokenizer = load_model(target, dtype, cache_dir=cache_dir, progress=progress)
+    draft_model, draft_tokenizer = load_model(draft, dtype, cache_dir=cache_dir, progress=progress)
+    check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
+    uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
+    name = preset if uses_preset else f"{target} + {draft}"
+    return LoadedPair(target=target_model, draft=draft_model, tokenizer=target_tokenizer, name=name)

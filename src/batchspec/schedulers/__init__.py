@@ -1,0 +1,1 @@
+"""Schedulers decide which sequences are decoded together."""

@@ -1,0 +1,233 @@
+"""Argument validation and unsupported-model rejection of batchspec.generate."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import tiny_models
+import torch
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    BartConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    T5Config,
+)
+
+PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def _gen(bs, bundle, draft="identical", prompts=PROMPTS, **kw):
+    d = bundle.drafts[draft] if isinstance(draft, str) else draft
+    kw.setdefault("max_new_tokens", 4)
+    kw.setdefault("num_draft_tokens", 2)
+    kw.setdefault("check_invariants", True)
+    return bs.generate(bundle.target, d, prompts, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# argument errors
+
+
+@pytest.mark.parametrize("method", ["eqspec", "autoregressive"])
+@pytest.mark.parametrize(
+    "prompts",
+    [[[]], [[1, 2], []], [[5], [6, 7], [], [8]]],
+    ids=["only-empty", "empty-last", "empty-middle"],
+)
+def test_empty_prompt_rejected(method, prompts, bs, llama):
+    with pytest.raises(ValueError, match="(?i)prompt"):
+        _gen(bs, llama, prompts=prompts, method=method)
+
+
+@pytest.mark.parametrize("method", ["eqspec", "autoregressive"])
+@pytest.mark.parametrize("value", [-1, -100])
+def test_negative_max_new_tokens_rejected(method, value, bs, llama):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        _gen(bs, llama, method=method, max_new_tokens=value)
+
+
+@pytest.mark.parametrize("method", ["eqspec", "autoregressive"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_bad_batch_size_rejected(method, value, bs, llama):
+    with pytest.raises(ValueError, match="batch_size"):
+        _gen(bs, llama, method=method, batch_size=value)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_bad_num_draft_tokens_rejected(value, bs, llama):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        _gen(bs, llama, method="eqspec", num_draft_tokens=value)
+
+
+@pytest.mark.parametrize("method", ["beam", "", "EQSPEC-typo", "speculative"])
+def test_unknown_method_rejected(method, bs, llama):
+    with pytest.raises(ValueError, match="method"):
+        _gen(bs, llama, method=method)
+
+
+def test_eqspec_without_draft_rejected(bs, llama):
+    with pytest.raises(ValueError, match="draft"):
+        bs.generate(llama.target, None, PROMPTS, method="eqspec", max_new_tokens=4, check_invariants=True)
+
+
+def test_autoregressive_without_draft_ok(bs, llama, reference):
+    res = bs.generate(
+        llama.target, None, PROMPTS, method="autoregressive", max_new_tokens=5, check_invariants=True
+    )
+    assert res.sequences == [reference(llama.target, p, 5, llama.eos_id) for p in PROMPTS]
+
+
+# --------------------------------------------------------------------------------------------------
+# degenerate but valid inputs
+
+
+@pytest.mark.parametrize("method", ["eqspec", "autoregressive"])
+def test_empty_prompt_list(method, bs, llama):
+    res = _gen(bs, llama, prompts=[], method=method)
+    assert res.sequences == []
+    assert res.finish_reasons == []
+    assert res.stats.generated_tokens == 0
+
+
+@pytest.mark.parametrize("method", ["eqspec", "autoregressive"])
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_max_new_tokens_zero(method, target, bs, bundles):
+    bundle = bundles[target]
+    prompts = PROMPTS + [[bundle.eos_id], [bundle.pad_id, bundle.pad_id, 9]]
+    res = _gen(bs, bundle, prompts=prompts, method=method, max_new_tokens=0, batch_size=2)
+    assert res.sequences == [[] for _ in prompts]
+    assert len(res.finish_reasons) == len(prompts)
+    assert all(r == "length" for r in res.finish_reasons)
+    assert res.stats.generated_tokens == 0
+
+
+@pytest.mark.parametrize("method", ["eqspec", "autoregressive"])
+def test_batch_size_larger_than_prompt_count(method, bs, llama, reference):
+    res = _gen(bs, llama, method=method, batch_size=64, max_new_tokens=6)
+    assert res.sequences == [reference(llama.target, p, 6, llama.eos_id) for p in PROMPTS]
+
+
+def test_autoregressive_ignores_draft(bs, llama, qwen2, reference):
+    """With method="autoregressive" the draft is ignored, even one that eqspec would reject."""
+    bad_draft = _different_vocab_draft(llama.target)
+    for draft in (bad_draft, qwen2.target, llama.drafts["unrelated"]):
+        res = bs.generate(
+            llama.target, draft, PROMPTS, method="autoregressive", max_new_tokens=5, check_invariants=True
+        )
+        assert res.sequences == [reference(llama.target, p, 5, llama.eos_id) for p in PROMPTS]
+        assert res.stats.draft_tokens_proposed == 0
+
+
+def test_inputs_not_mutated(bs, llama):
+    prompts = [list(p) for p in PROMPTS]
+    before = copy.deepcopy(prompts)
+    eos = [llama.eos_id, llama.pad_id]
+    eos_before = list(eos)
+    _gen(bs, llama, prompts=prompts, eos_token_id=eos)
+    assert prompts == before
+    assert eos == eos_before
+    assert llama.target.generation_config.eos_token_id == llama.eos_id
+
+
+# --------------------------------------------------------------------------------------------------
+# unsupported models
+
+
+def _encoder_decoder(kind: str):
+    torch.manual_seed(0)
+    if kind == "t5":
+        cfg = T5Config(
+            vocab_size=tiny_models.VOCAB_SIZE,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_decoder_layers=1,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    else:
+        cfg = BartConfig(
+            vocab_size=tiny_models.VOCAB_SIZE,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=128,
+        )
+    model = AutoModelForSeq2SeqLM.from_config(cfg).to(torch.float64).eval()
+    assert model.config.is_encoder_decoder
+    return model
+
+
+def _sliding_window_model(kind: str):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=tiny_models.VOCAB_SIZE,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
+    if kind == "qwen2":
+        cfg = Qwen2Config(**common, use_sliding_window=True, sliding_window=16, max_window_layers=0)
+        assert "sliding_attention" in cfg.layer_types
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        cfg = MistralConfig(**common, sliding_window=16)
+        model = MistralForCausalLM(cfg)
+    return model.to(torch.float64).eval()
+
+
+def _different_vocab_draft(target):
+    return tiny_models.build_llama(seed=5, vocab_size=tiny_models.VOCAB_SIZE + 32)
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_encoder_decoder_rejected(kind, role, bs, llama):
+    encdec = _encoder_decoder(kind)
+    target, draft = (encdec, llama.target) if role == "target" else (llama.target, encdec)
+    with pytest.raises(ValueError, match="(?i)encoder"):
+        bs.generate(target, draft, PROMPTS, method="eqspec", max_new_tokens=4, check_invariants=True)
+
+
+def test_encoder_decoder_target_rejected_autoregressive(bs):
+    with pytest.raises(ValueError, match="(?i)encoder"):
+        bs.generate(_encoder_decoder("t5"), None, PROMPTS, method="autoregressive", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_sliding_window_rejected(kind, role, bs, llama):
+    sw = _sliding_window_model(kind)
+    target, draft = (sw, llama.target) if role == "target" else (llama.target, sw)
+    with pytest.raises(ValueError, match="(?i)sliding"):
+        bs.generate(target, draft, PROMPTS, method="eqspec", max_new_tokens=4, check_invariants=True)
+
+
+def test_sliding_window_target_rejected_autoregressive(bs):
+    with pytest.raises(ValueError, match="(?i)sliding"):
+        bs.generate(_sliding_window_model("qwen2"), None, PROMPTS, method="autoregressive", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("direction", ["bigger", "smaller"])
+def test_vocab_mismatch_rejected(direction, bs, llama):
+    if direction == "bigger":
+        draft = _different_vocab_draft(llama.target)
+    else:
+        draft = tiny_models.build_llama(seed=6, vocab_size=tiny_models.VOCAB_SIZE - 16)
+    assert draft.config.vocab_size != llama.target.config.vocab_size
+    with pytest.raises(ValueError, match="(?i)vocab"):
+        bs.generate(llama.target, draft, PROMPTS, method="eqspec", max_new_tokens=4, check_invariants=True)

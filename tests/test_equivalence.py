@@ -1,0 +1,547 @@
+"""Output equivalence: batchspec.generate must reproduce batch-size-1 greedy decoding token for token.
+
+Every case runs with ``check_invariants=True``. The parameter space (target x draft kind x method x
+batch layout x num_draft_tokens x max_new_tokens) is covered by a hand-chosen list of cases in
+which every value of every parameter occurs, instead of the full cartesian product.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import pytest
+import tiny_models
+import torch
+from conftest import make_prompts_for, reference_greedy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+class Case(NamedTuple):
+    target: str  # "llama" | "qwen2"
+    draft: str | None  # "identical" | "unrelated" | "perturbed" | None
+    method: str  # "eqspec" | "autoregressive"
+    n_prompts: int
+    batch_size: int
+    k: int  # num_draft_tokens
+    max_new: int
+
+
+E, A = "eqspec", "autoregressive"
+
+CASES = [
+    # ---- eqspec, llama
+    Case("llama", "identical", E, 3, 1, 1, 13),
+    Case("llama", "identical", E, 8, 8, 8, 23),
+    Case("llama", "identical", E, 11, 4, 4, 1),
+    Case("llama", "unrelated", E, 5, 2, 4, 23),
+    Case("llama", "unrelated", E, 11, 4, 8, 13),
+    Case("llama", "unrelated", E, 3, 3, 1, 1),
+    Case("llama", "perturbed", E, 6, 3, 8, 13),
+    Case("llama", "perturbed", E, 11, 4, 4, 23),
+    Case("llama", "perturbed", E, 4, 2, 1, 23),
+    Case("llama", "perturbed", E, 1, 1, 4, 13),
+    Case("llama", "perturbed", E, 8, 8, 8, 1),
+    Case("llama", "perturbed", E, 5, 5, 8, 5),  # k larger than the whole budget
+    # ---- eqspec, qwen2
+    Case("qwen2", "identical", E, 6, 3, 4, 23),
+    Case("qwen2", "identical", E, 4, 2, 1, 13),
+    Case("qwen2", "identical", E, 8, 8, 8, 1),
+    Case("qwen2", "unrelated", E, 8, 8, 4, 13),
+    Case("qwen2", "unrelated", E, 2, 1, 8, 23),
+    Case("qwen2", "unrelated", E, 11, 4, 1, 23),
+    Case("qwen2", "perturbed", E, 8, 8, 1, 13),
+    Case("qwen2", "perturbed", E, 11, 4, 8, 23),
+    Case("qwen2", "perturbed", E, 3, 3, 4, 13),
+    Case("qwen2", "perturbed", E, 2, 2, 8, 1),
+    Case("qwen2", "perturbed", E, 3, 1, 8, 23),
+    Case("qwen2", "identical", E, 8, 8, 4, 40),  # long enough for many EOS hits
+    Case("llama", "perturbed", E, 17, 8, 5, 31),  # default k, two full batches and a partial one
+    # ---- autoregressive (the draft, when given, must be ignored)
+    Case("llama", None, A, 3, 1, 4, 13),
+    Case("llama", "identical", A, 4, 2, 1, 23),
+    Case("llama", "unrelated", A, 7, 3, 8, 1),
+    Case("llama", "perturbed", A, 8, 8, 4, 23),
+    Case("llama", None, A, 11, 4, 4, 13),
+    Case("qwen2", None, A, 2, 1, 4, 23),
+    Case("qwen2", "perturbed", A, 5, 2, 4, 13),
+    Case("qwen2", None, A, 6, 3, 4, 23),
+    Case("qwen2", "unrelated", A, 8, 8, 1, 1),
+    Case("qwen2", "identical", A, 11, 4, 8, 23),
+]
+
+
+def _case_id(c: Case) -> str:
+    return f"{c.target}-{c.draft or 'nodraft'}-{c.method}-n{c.n_prompts}-b{c.batch_size}-k{c.k}-m{c.max_new}"
+
+
+def _run(bs, bundle, draft, prompts, **kw):
+    kw.setdefault("check_invariants", True)
+    return bs.generate(bundle.target, draft, prompts, **kw)
+
+
+def test_case_list_covers_every_value():
+    assert {c.target for c in CASES} == set(tiny_models.TARGET_KINDS)
+    for t in tiny_models.TARGET_KINDS:
+        assert {c.draft for c in CASES if c.target == t and c.method == E} == set(tiny_models.DRAFT_KINDS)
+    assert {c.method for c in CASES} == {E, A}
+    assert {1, 2, 3, 8} <= {c.batch_size for c in CASES}
+    assert {1, 2, 3, 8} <= {c.batch_size for c in CASES if c.n_prompts == c.batch_size}
+    assert any(c.n_prompts > c.batch_size and c.n_prompts % c.batch_size for c in CASES)
+    assert {1, 4, 8} <= {c.k for c in CASES if c.method == E}
+    assert {1, 13, 23} <= {c.max_new for c in CASES}
+    assert any(c.max_new % c.k and c.k > 1 for c in CASES if c.method == E)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_reference(case: Case, bs, bundles, make_prompts, reference, check):
+    bundle = bundles[case.target]
+    draft = bundle.drafts[case.draft] if case.draft else None
+    seed = 1000 + CASES.index(case)
+    prompts = make_prompts(bundle, case.n_prompts, seed=seed)
+    result = _run(
+        bs,
+        bundle,
+        draft,
+        prompts,
+        method=case.method,
+        batch_size=case.batch_size,
+        max_new_tokens=case.max_new,
+        num_draft_tokens=case.k,
+    )
+    refs = [reference(bundle.target, p, case.max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, case.max_new, bundle.eos_id)
+    check.stats_consistent(result, case.method, case.k)
+
+
+# --------------------------------------------------------------------------------------------------
+# draft kinds
+
+
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_identical_draft_accepts_everything(target, bs, bundles, make_prompts, reference, check):
+    bundle = bundles[target]
+    k, max_new, n = 4, 23, 6
+    prompts = make_prompts(bundle, n, seed=21)
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["identical"],
+        prompts,
+        method=E,
+        batch_size=n,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+    )
+    refs = [reference(bundle.target, p, max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, bundle.eos_id)
+    check.stats_consistent(result, E, k)
+    st_ = result.stats
+    assert st_.draft_tokens_proposed > 0
+    assert st_.draft_tokens_accepted == st_.draft_tokens_proposed
+    assert st_.acceptance_rate == 1.0
+    # speculation must actually save rounds: with everything accepted a round emits >= k tokens per row
+    assert st_.rounds <= math.ceil(max_new / k) + 1, st_.rounds
+    assert st_.mean_tokens_per_row_round > 2.0
+    assert max(st_.accepted_length_histogram) == k
+
+
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_unrelated_draft_low_acceptance_same_output(target, bs, bundles, make_prompts, reference, check):
+    bundle = bundles[target]
+    k, max_new, n = 4, 23, 6
+    prompts = make_prompts(bundle, n, seed=22)
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["unrelated"],
+        prompts,
+        method=E,
+        batch_size=3,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+    )
+    refs = [reference(bundle.target, p, max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, bundle.eos_id)
+    check.stats_consistent(result, E, k)
+    assert result.stats.draft_tokens_proposed > 0
+    assert result.stats.acceptance_rate < 0.3
+
+
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_perturbed_draft_is_ragged_and_partial(target, bs, bundles, make_prompts, reference, check):
+    bundle = bundles[target]
+    k, max_new, n = 4, 23, 8
+    prompts = make_prompts(bundle, n, seed=23)
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["perturbed"],
+        prompts,
+        method=E,
+        batch_size=n,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+    )
+    refs = [reference(bundle.target, p, max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, bundle.eos_id)
+    check.stats_consistent(result, E, k)
+    st_ = result.stats
+    assert st_.ragged_rounds > 0, "rows of one batch should accept different numbers of draft tokens"
+    assert 0.15 < st_.acceptance_rate < 0.95, st_.acceptance_rate
+    assert len([c for c in st_.accepted_length_histogram.values() if c > 0]) >= 2
+
+
+# --------------------------------------------------------------------------------------------------
+# special tokens, EOS handling, lengths
+
+
+def _special_prompts(bundle) -> list[list[int]]:
+    eos, pad = bundle.eos_id, bundle.pad_id
+    x = next(t for t in range(5, tiny_models.VOCAB_SIZE) if t not in (eos, pad))
+    long_ = make_prompts_for(bundle, 1, seed=77, min_len=45, max_len=45, specials=False)[0]
+    long_[::7] = [pad] * len(long_[::7])
+    long_[3::11] = [eos] * len(long_[3::11])
+    return [
+        [eos],
+        [pad, pad, x],
+        [pad],
+        [eos, eos, pad],
+        [x, pad],
+        [x, eos],
+        long_,
+        [pad] * 10 + [x],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("target", "method", "draft_kind", "pad_choice"),
+    [
+        ("llama", E, "perturbed", "pad"),
+        ("llama", E, "identical", "eos"),
+        ("llama", A, None, "pad"),
+        ("qwen2", E, "perturbed", "eos"),
+        ("qwen2", E, "unrelated", "pad"),
+        ("qwen2", A, None, "default"),
+    ],
+)
+def test_pad_and_eos_inside_prompts(target, method, draft_kind, pad_choice, bs, bundles, reference, check):
+    bundle = bundles[target]
+    prompts = _special_prompts(bundle)
+    pad_token_id = {"pad": bundle.pad_id, "eos": bundle.eos_id, "default": None}[pad_choice]
+    if pad_token_id is not None:
+        assert any(pad_token_id in p for p in prompts)
+    max_new, k = 13, 4
+    draft = bundle.drafts[draft_kind] if draft_kind else None
+    result = _run(
+        bs,
+        bundle,
+        draft,
+        prompts,
+        method=method,
+        batch_size=4,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+        pad_token_id=pad_token_id,
+    )
+    refs = [reference(bundle.target, p, max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, bundle.eos_id)
+    check.stats_consistent(result, method, k)
+    # a prompt that ends with EOS does not end the generation
+    assert len(result.sequences[0]) >= 1
+
+
+@pytest.fixture(scope="module")
+def early_eos_prompts(bundles):
+    """Per target: prompts whose reference (23 tokens) hits EOS at index 1..6, and prompts that don't."""
+    out = {}
+    for kind, bundle in bundles.items():
+        early, none = [], []
+        for p in make_prompts_for(bundle, 80, seed=5):
+            r = reference_greedy(bundle.target, p, 23, bundle.eos_id)
+            if r and r[-1] == bundle.eos_id and 1 <= len(r) - 1 <= 6:
+                early.append(p)
+            elif len(r) == 23 and bundle.eos_id not in r:
+                none.append(p)
+        assert len(early) >= 2, f"{kind}: no prompt with an early EOS; adjust the prompt seed"
+        out[kind] = (early[:3], none[:3])
+    return out
+
+
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "mixed"])
+def test_eos_inside_accepted_draft_run(target, alone, bs, bundles, early_eos_prompts, reference, check):
+    bundle = bundles[target]
+    early, none = early_eos_prompts[target]
+    k, max_new = 8, 23
+    prompts = [early[0]] if alone else [none[0], early[0], none[1], early[1]]
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["identical"],
+        prompts,
+        method=E,
+        batch_size=len(prompts),
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+    )
+    refs = [reference(bundle.target, p, max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, bundle.eos_id)
+    check.stats_consistent(result, E, k)
+    for i, p in enumerate(prompts):
+        if p in early:
+            seq = result.sequences[i]
+            assert seq[-1] == bundle.eos_id and len(seq) <= 7
+            assert bundle.eos_id not in seq[:-1]
+            assert result.finish_reasons[i] == "eos"
+        else:
+            assert len(result.sequences[i]) == max_new
+            assert result.finish_reasons[i] == "length"
+    assert result.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("method", [E, A])
+def test_lengths_and_finish_reasons(method, bs, qwen2, make_prompts, reference, check):
+    bundle = qwen2
+    max_new, k = 40, 4
+    prompts = make_prompts(bundle, 11, seed=31)
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["perturbed"],
+        prompts,
+        method=method,
+        batch_size=4,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+    )
+    refs = [reference(bundle.target, p, max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, bundle.eos_id)
+    check.stats_consistent(result, method, k)
+    reasons = result.finish_reasons
+    assert set(reasons) == {"eos", "length"}, "this prompt set must exercise both outcomes"
+    for seq, reason in zip(result.sequences, reasons, strict=True):
+        assert len(seq) <= max_new
+        if reason == "length":
+            assert len(seq) == max_new and seq[-1] != bundle.eos_id
+        else:
+            assert seq[-1] == bundle.eos_id and bundle.eos_id not in seq[:-1]
+
+
+@pytest.mark.parametrize(("target", "method"), [("llama", E), ("qwen2", E), ("llama", A)])
+def test_eos_list_of_two_ids(target, method, bs, bundles, make_prompts, reference, check):
+    bundle = bundles[target]
+    # second EOS: the most frequent generated token other than the EOS and pad ids
+    counts: dict[int, int] = {}
+    for _, cont in bundle.probe:
+        for t in set(cont[2:]):
+            counts[t] = counts.get(t, 0) + 1
+    eos2 = max((t for t in counts if t not in (bundle.eos_id, bundle.pad_id)), key=lambda t: (counts[t], -t))
+    eos_list = [bundle.eos_id, eos2]
+    max_new, k = 23, 4
+    prompts = make_prompts(bundle, 10, seed=41)
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["perturbed"],
+        prompts,
+        method=method,
+        batch_size=4,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+        eos_token_id=eos_list,
+    )
+    refs = [reference(bundle.target, p, max_new, eos_list) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, eos_list)
+    check.stats_consistent(result, method, k)
+    last = {s[-1] for s, r in zip(result.sequences, result.finish_reasons, strict=True) if r == "eos"}
+    assert eos2 in last, "the second EOS id must end at least one sequence in this prompt set"
+
+
+@pytest.mark.parametrize("method", [E, A])
+def test_explicit_eos_overrides_generation_config(method, bs, llama, make_prompts, reference, check):
+    bundle = llama
+    other_eos = bundle.pad_id  # a frequent token, different from the configured EOS
+    assert other_eos != bundle.target.generation_config.eos_token_id
+    max_new, k = 23, 4
+    prompts = make_prompts(bundle, 6, seed=51)
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["perturbed"],
+        prompts,
+        method=method,
+        batch_size=3,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+        eos_token_id=other_eos,
+    )
+    refs = [reference(bundle.target, p, max_new, other_eos) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, other_eos)
+    assert any(r == "eos" for r in result.finish_reasons)
+
+
+def test_deterministic_and_order_preserving(bs, llama, make_prompts, check):
+    bundle = llama
+    prompts = make_prompts(bundle, 9, seed=61)
+    kw = dict(method=E, batch_size=4, max_new_tokens=13, num_draft_tokens=4)
+    a = _run(bs, bundle, bundle.drafts["perturbed"], prompts, **kw)
+    b = _run(bs, bundle, bundle.drafts["perturbed"], prompts[::-1], **kw)
+    assert a.sequences == b.sequences[::-1]
+    assert a.finish_reasons == b.finish_reasons[::-1]
+
+
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_stats_consistency(target, bs, bundles, make_prompts):
+    bundle = bundles[target]
+    prompts = make_prompts(bundle, 7, seed=71)
+    for method in (E, A):
+        res = _run(
+            bs,
+            bundle,
+            bundle.drafts["perturbed"],
+            prompts,
+            method=method,
+            batch_size=3,
+            max_new_tokens=23,
+            num_draft_tokens=4,
+        )
+        st_ = res.stats
+        assert isinstance(st_, bs.GenerationStats)
+        assert st_.generated_tokens == sum(len(s) for s in res.sequences)
+        assert st_.draft_tokens_accepted <= st_.draft_tokens_proposed
+        parts = st_.draft_s + st_.verify_s + st_.realign_s + st_.other_s
+        assert abs(parts - st_.wall_s) <= max(0.10 * st_.wall_s, 0.005)
+        if method == A:
+            assert st_.draft_tokens_proposed == 0
+        else:
+            assert st_.draft_tokens_proposed > 0
+            assert st_.draft_s > 0 and st_.verify_s > 0
+            row_rounds = sum(st_.accepted_length_histogram.values())
+            assert row_rounds >= len(prompts)
+            assert st_.mean_tokens_per_row_round == pytest.approx(st_.generated_tokens / row_rounds, rel=0.2)
+
+
+# --------------------------------------------------------------------------------------------------
+# randomized cases
+
+
+@pytest.mark.parametrize(("target", "method"), [("llama", E), ("qwen2", E), ("llama", A)])
+def test_long_prompts_beyond_initial_cache_capacity(target, method, bs, bundles, reference, check):
+    """Prompts of ~250-300 tokens plus generation run past any small initial KV allocation."""
+    bundle = bundles[target]
+    prompts = [
+        make_prompts_for(bundle, 1, seed=90 + i, min_len=n, max_len=n, specials=False)[0]
+        for i, n in enumerate((1, 300, 250, 31, 255))
+    ]
+    prompts[1][100] = bundle.pad_id
+    prompts[2][-1] = bundle.eos_id
+    max_new, k = 40, 8
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts["perturbed"],
+        prompts,
+        method=method,
+        batch_size=3,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+    )
+    refs = [reference(bundle.target, p, max_new, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, bundle.eos_id)
+    check.stats_consistent(result, method, k)
+
+
+@pytest.mark.parametrize("method", [E, A])
+def test_same_output_without_invariant_checks(method, bs, qwen2, make_prompts, reference, check):
+    bundle = qwen2
+    prompts = make_prompts(bundle, 9, seed=95)
+    result = bs.generate(
+        bundle.target,
+        bundle.drafts["perturbed"],
+        prompts,
+        method=method,
+        batch_size=4,
+        max_new_tokens=23,
+        num_draft_tokens=4,
+    )
+    refs = [reference(bundle.target, p, 23, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, 23, bundle.eos_id)
+    check.stats_consistent(result, method, 4)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    target=st.sampled_from(tiny_models.TARGET_KINDS),
+    draft_kind=st.sampled_from(tiny_models.DRAFT_KINDS),
+    method=st.sampled_from([E, E, E, A]),
+    n=st.integers(1, 9),
+    batch_size=st.integers(1, 6),
+    k=st.integers(1, 10),
+    max_new=st.integers(0, 24),
+    seed=st.integers(0, 10_000),
+    second_eos=st.booleans(),
+)
+def test_random_configurations(
+    target, draft_kind, method, n, batch_size, k, max_new, seed, second_eos, bs, bundles, check
+):
+    bundle = bundles[target]
+    prompts = make_prompts_for(bundle, n, seed=seed, max_len=40)
+    eos = [bundle.eos_id, bundle.pad_id] if second_eos else bundle.eos_id
+    result = _run(
+        bs,
+        bundle,
+        bundle.drafts[draft_kind],
+        prompts,
+        method=method,
+        batch_size=batch_size,
+        max_new_tokens=max_new,
+        num_draft_tokens=k,
+        eos_token_id=eos,
+    )
+    refs = [reference_greedy(bundle.target, p, max_new, eos) for p in prompts]
+    check.result_matches(result, prompts, refs, max_new, eos)
+    check.stats_consistent(result, method, k)
+
+
+# --------------------------------------------------------------------------------------------------
+# the harness itself (runs without the engine)
+
+
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_reference_matches_naive_greedy_loop(target, bundles):
+    bundle = bundles[target]
+    model = bundle.target
+    for p in make_prompts_for(bundle, 3, seed=81):
+        ids = list(p)
+        naive = []
+        with torch.no_grad():
+            for _ in range(15):
+                nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                naive.append(nxt)
+                ids.append(nxt)
+                if nxt == bundle.eos_id:
+                    break
+        assert reference_greedy(model, p, 15, bundle.eos_id) == naive
+
+
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_tiny_models_are_fit_for_purpose(target, bundles):
+    bundle = bundles[target]
+    info = tiny_models.validate_bundle(bundle)
+    assert info["agree_identical"] == 1.0
+    assert info["agree_unrelated"] < 0.1
+    assert 0.3 < info["agree_perturbed"] < 0.9
+    assert 0.1 < info["eos_hit_fraction"] < 0.7  # EOS happens, but not for every prompt
+    assert info["distinct_tokens_mean"] > 15  # not stuck in short loops
+    assert bundle.eos_id != bundle.pad_id
+    assert bundle.target.generation_config.eos_token_id == bundle.eos_id
+    assert bundle.target.dtype == torch.float64
+    assert bundle.drafts["unrelated"].config.vocab_size == bundle.target.config.vocab_size

