@@ -1,8 +1,9 @@
-"""Realignment alone: the index arithmetic of unpad → append → repad and the KV-cache gather.
+"""Realignment alone: the layout arithmetic and the gather of tokens and KV caches.
 
-A fake one-layer cache stores, at every real column, ``1000 * row + position``; padding holds -1. After a
-round each kept row must read as its unpadded sequence would: positions ``0 .. content' - 2`` at its real
-columns, whatever its old padding, its acceptance and the other rows did.
+Fake one-layer caches store, at every real column of a row, ``1000 * sequence index + position``; padding
+columns hold -1. Rows sit in several source slabs at arbitrary start columns, as rounds leave them. After
+``plan_layout`` + ``assemble`` every row must read as its unpadded sequence would: positions ``0, 1, ...`` at
+its real columns up to the cached length, whatever its old slab, start, acceptance and the other rows did.
 """
 
 from __future__ import annotations
@@ -12,134 +13,131 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchspec.engine import _move_tokens
-from batchspec.kv_cache import BatchKVCache
-from batchspec.realign import plan_realign
-from batchspec.state import BatchState, Sequence
+from batchspec.kv_cache import BatchKVCache, Slab
+from batchspec.realign import assemble, plan_layout
+from batchspec.state import BatchState, KVLocation, Sequence
+
+CPU = torch.device("cpu")
 
 
-@st.composite
-def rounds(draw):
-    """A batch after verification: pad/content lengths (I1 holds), k, gained tokens, kept rows."""
-    size = draw(st.integers(1, 6))
-    k = draw(st.integers(0, 6))
-    content = draw(st.lists(st.integers(1, 30), min_size=size, max_size=size))
-    gained = draw(st.lists(st.integers(1, k + 1), min_size=size, max_size=size))
-    keep = draw(st.lists(st.booleans(), min_size=size, max_size=size))
-    return content, k, gained, keep
-
-
-def fake_cache(pad: list[int], columns: int) -> BatchKVCache:
-    """One layer, one head, dim 1: real column ``c`` of row ``i`` holds ``1000 * i + (c - pad[i])``."""
+def fake_cache(starts: list[int], columns: int, indices: list[int]) -> BatchKVCache:
+    """One layer, one head, dim 1: column ``c`` of row ``r`` holds ``1000 * indices[r] + (c - starts[r])``."""
     cols = torch.arange(columns)
-    rows = torch.arange(len(pad))
-    pads = torch.tensor(pad)
-    value = (1000 * rows[:, None] + cols[None, :] - pads[:, None]).double()
-    value = torch.where(cols[None, :] >= pads[:, None], value, torch.full_like(value, -1.0))
+    begin = torch.tensor(starts)[:, None]
+    value = (1000 * torch.tensor(indices)[:, None] + cols[None, :] - begin).double()
+    value = torch.where(cols[None, :] >= begin, value, torch.full_like(value, -1.0))
     cache = BatchKVCache(num_layers=1)
     states = value[:, None, :, None]  # [B, H=1, columns, D=1]
     cache.layers[0].update(states, states.clone())
     return cache
 
 
+def make_slab(rows: list[Sequence], starts: list[int], lags: list[int], draft_lags: list[int]) -> Slab:
+    """A slab holding ``rows`` from ``starts``; row r's target KV covers all but ``lags[r]`` of its columns."""
+    width = max(s + r.content_len for s, r in zip(starts, rows, strict=True)) + 2  # rejected-draft garbage
+    tokens = torch.full((len(rows), width), -5, dtype=torch.long)
+    for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        tokens[r, start : start + row.content_len] = torch.tensor(row.prompt + row.output)
+    indices = [row.index for row in rows]
+    slab = Slab(tokens, fake_cache(starts, width, indices), fake_cache(starts, width, indices))
+    for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        row.kv = KVLocation(slab, r, start, row.content_len - 1 - lags[r], row.content_len - 1 - draft_lags[r])
+    return slab
+
+
+@st.composite
+def scattered_rows(draw):
+    """Rows spread over up to three slabs (or new, without KV), picked in a random order."""
+    n = draw(st.integers(1, 7))
+    lengths = draw(st.lists(st.integers(1, 25), min_size=n, max_size=n))
+    rows = [Sequence(i, [100 * i + j for j in range(c)], max_new_tokens=8) for i, c in enumerate(lengths)]
+    homes = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))  # 3: no KV yet
+    for home in range(3):
+        members = [row for row, h in zip(rows, homes, strict=True) if h == home]
+        if members:
+            starts = [draw(st.integers(0, 6)) for _ in members]
+            lags = [draw(st.integers(0, 2)) if row.content_len > 3 else 0 for row in members]
+            draft_lags = [draw(st.integers(0, 3)) if row.content_len > 4 else 0 for row in members]
+            make_slab(members, starts, lags, draft_lags)
+    return draw(st.permutations(rows))
+
+
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(rounds())
-def test_realigned_cache_holds_each_unpadded_row(case):
-    content, k, gained, keep = case
-    width = max(content)
-    pad = [width - c for c in content]
-    # after verification the target cache holds L - 1 cached columns, the pending token and k drafts
-    cache = fake_cache(pad, width + k)
-    draft_valid = torch.full((len(pad),), width)
-    plan = plan_realign(
-        torch.tensor(pad), torch.tensor(content), torch.tensor(gained), torch.tensor(keep), draft_valid
-    )
-    if not any(keep):
-        assert plan.size == 0
-        return
-    cache.realign(plan, plan.width - 1)
-    assert cache.length == plan.width - 1
-    kept = [i for i, kept_row in enumerate(keep) if kept_row]
-    assert plan.rows.tolist() == kept
-    keys = cache.layers[0].keys[:, 0, :, 0]  # [B', L' - 1]
-    values = cache.layers[0].values[:, 0, :, 0]
-    for b, i in enumerate(kept):
-        new_pad, new_content = int(plan.pad[b]), int(plan.content[b])
-        assert new_content == content[i] + gained[i]
-        assert new_pad + new_content == plan.width  # I1
-        expected = [1000.0 * i + p for p in range(new_content - 1)]
-        assert keys[b, new_pad:].tolist() == expected
-        assert values[b, new_pad:].tolist() == expected
-    assert int(plan.pad.min()) == 0, "the widest kept row sets L' and has no padding"
-
-
-@settings(max_examples=200, deadline=None, derandomize=True, database=None)
-@given(rounds())
-def test_moved_tokens_keep_invariants(case):
-    content, k, gained, keep = case
-    rows = [Sequence(i, [100 * i + j for j in range(c)], max_new_tokens=64) for i, c in enumerate(content)]
-    batch = BatchState.from_sequences(rows, pad_token_id=7, device=torch.device("cpu"))
-    batch.target_len = batch.width - 1
-    batch.check()
-    verdict_tokens = torch.tensor([[10_000 + 10 * i + j for j in range(k + 1)] for i in range(len(rows))])
-    plan = plan_realign(
-        batch.pad, batch.content, torch.tensor(gained), torch.tensor(keep), torch.zeros(len(rows), dtype=torch.long)
-    )
-    if plan.size == 0:
-        return
-    tokens = _move_tokens(batch.tokens, verdict_tokens, plan)
-    kept = plan.rows.tolist()
-    for i in kept:
-        rows[i].output.extend(verdict_tokens[i, : gained[i]].tolist())
-    moved = BatchState(
-        rows=[rows[i] for i in kept],
-        tokens=tokens,
-        pad=plan.pad,
-        content=plan.content,
-        target_len=plan.width - 1,
-        draft_len=plan.draft_len,
-    )
-    moved.check()  # I1, I2 and every row's token stream
-    positions = moved.position_ids(0, moved.width)
-    for b in range(moved.size):
-        real = positions[b, int(moved.pad[b]) :].tolist()
-        assert real == list(range(int(moved.content[b])))  # I2: 0, 1, ... over the real tokens
+@given(scattered_rows())
+def test_gathered_batch_holds_each_unpadded_row(rows):
+    layout = plan_layout(rows, CPU)
+    batch = assemble(layout, rows, filler=0, layers=(1, 1))
+    batch.check()  # I1, I2, every row's token stream, cache lengths within the width
+    assert int(layout.pad.min()) == 0, "the longest row sets the width and has no padding"
+    for i, row in enumerate(rows):
+        pad = int(layout.pad[i])
+        cached = 0 if row.kv is None else row.kv.target_cached
+        assert layout.target_len <= pad + cached
+        assert layout.draft_len <= pad + (0 if row.kv is None else row.kv.draft_cached)
+        for cache, length in ((batch.slab.target, layout.target_len), (batch.slab.draft, layout.draft_len)):
+            assert cache.length == length
+            if length > pad:
+                keys = cache.layers[0].keys[i, 0, pad:length, 0].tolist()
+                values = cache.layers[0].values[i, 0, pad:length, 0].tolist()
+                expected = [1000.0 * row.index + p for p in range(length - pad)]
+                assert keys == expected and values == expected
+        real = batch.position_ids(0, layout.width)[i, pad:].tolist()
+        assert real == list(range(row.content_len))  # I2 over the real tokens
 
 
 def test_worked_example_from_the_docstring():
-    pad, content = torch.tensor([2, 0]), torch.tensor([3, 5])
-    plan = plan_realign(pad, content, torch.tensor([3, 1]), torch.tensor([True, True]), torch.tensor([4, 4]))
-    assert plan.width == 6
-    assert plan.shift.tolist() == [-2, 0]
-    assert plan.pad.tolist() == [0, 0]
-    assert not plan.identity
+    """k = 2, L = 5: row 0 (pad 2) accepted both drafts, row 1 (pad 0) rejected the first."""
+    row0 = Sequence(0, [1, 2, 3], 8, output=[11, 12, 13])
+    row1 = Sequence(1, [4, 5, 6, 7, 8], 8, output=[14])
+    slab = make_slab([row0, row1], starts=[2, 0], lags=[0, 0], draft_lags=[0, 0])
+    layout = plan_layout([row0, row1], CPU)
+    assert layout.width == 6 and layout.pad.tolist() == [0, 0]
+    assert [s.shift.tolist() for s in layout.sources] == [[-2, 0]]
+    assert layout.reuse is None and not layout.padded
+    batch = assemble(layout, [row0, row1], filler=0, layers=(1, 1))
+    assert batch.tokens.tolist() == [[1, 2, 3, 11, 12, 13], [4, 5, 6, 7, 8, 14]]
+    assert batch.slab.target is not slab.target
 
 
-def test_identity_when_every_row_gains_the_same():
-    pad, content = torch.tensor([1, 0, 3]), torch.tensor([4, 5, 2])
-    keep = torch.ones(3, dtype=torch.bool)
-    plan = plan_realign(pad, content, torch.tensor([2, 2, 2]), keep, torch.full((3,), 4))
-    assert plan.identity and plan.width == 7 and plan.pad.tolist() == [1, 0, 3]
+def test_lockstep_rows_reuse_their_slab_without_a_copy():
+    rows = [Sequence(i, [7] * 4, 8, output=[1, 2]) for i in range(3)]
+    slab = make_slab(rows, starts=[0, 0, 0], lags=[0, 0, 0], draft_lags=[1, 1, 1])
+    storage = slab.target.storage
+    layout = plan_layout(rows, CPU)
+    assert layout.reuse is slab
+    batch = assemble(layout, rows, filler=0, layers=(1, 1))
+    assert batch.slab.target.storage is storage, "lockstep must not copy the cache"
+    assert batch.slab.target.length == 5 and batch.slab.draft.length == 4
+    batch.check()
 
 
-def test_draft_len_is_the_least_valid_column_after_the_move():
-    pad, content = torch.tensor([0, 2]), torch.tensor([6, 4])
-    # row 0 gains 1 and stays, row 1 gains 3 and moves left by 2; draft valid up to columns 5 and 6
-    keep = torch.ones(2, dtype=torch.bool)
-    plan = plan_realign(pad, content, torch.tensor([1, 3]), keep, torch.tensor([5, 6]))
-    assert plan.shift.tolist() == [0, -2]
-    assert plan.draft_len == min(5 + 0, 6 - 2)
+@pytest.mark.parametrize("order", [[1, 0, 2], [0, 1]], ids=["reordered", "subset"])
+def test_reordered_or_partial_slab_is_gathered(order):
+    rows = [Sequence(i, [7] * 4, 8) for i in range(3)]
+    make_slab(rows, starts=[0, 0, 0], lags=[0, 0, 0], draft_lags=[0, 0, 0])
+    picked = [rows[i] for i in order]
+    layout = plan_layout(picked, CPU)
+    assert layout.reuse is None and not layout.padded
+
+
+def test_new_rows_without_kv_start_from_zero_cache():
+    old = Sequence(0, [3, 4, 5, 6], 8)
+    make_slab([old], starts=[1], lags=[0], draft_lags=[0])
+    new = Sequence(1, [9, 9], 8)
+    layout = plan_layout([old, new], CPU)
+    assert layout.fresh == (1,) and layout.padded
+    assert layout.target_len == 2  # the new row's padding: the old row re-reads the rest
+    batch = assemble(layout, [old, new], filler=0, layers=(1, None))
+    assert batch.slab.draft is None
+    batch.check()
 
 
 def test_check_catches_broken_invariants():
     rows = [Sequence(0, [5, 6, 7], 4), Sequence(1, [8], 4)]
-    batch = BatchState.from_sequences(rows, pad_token_id=0, device=torch.device("cpu"))
-    batch.target_len = batch.width - 1
+    batch = assemble(plan_layout(rows, CPU), rows, filler=0, layers=(1, 1))
     batch.check()
-    batch.pad = torch.tensor([0, 1])
     with pytest.raises(AssertionError, match="I1 broken"):
-        batch.check()
-    batch.pad = torch.tensor([0, 2])
-    batch.tokens[1, 2] = 9
+        BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab).check()
+    batch.slab.tokens[1, 2] = 9
     with pytest.raises(AssertionError, match="token stream out of sync"):
         batch.check()

@@ -12,7 +12,7 @@ from batchspec.config import SpecConfig
 from batchspec.engine import Engine
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.models.support import check_pair, vocab_size
-from batchspec.schedulers.eqspec import run_static_batches
+from batchspec.schedulers import run_exspec, run_static_batches
 from batchspec.state import FINISH_LENGTH, Sequence
 
 
@@ -45,6 +45,8 @@ def generate(
     num_draft_tokens: int = 5,
     eos_token_id: int | Seq[int] | None = None,
     pad_token_id: int | None = None,
+    window_size: int | None = None,
+    sort_by_length: bool = True,
     tokenizer=None,
     check_invariants: bool = False,
     timing: bool = True,
@@ -60,12 +62,16 @@ def generate(
         draft: a smaller causal LM with the same vocabulary on the same device; ignored (may be None) for
             ``method="autoregressive"``.
         prompts: token-id lists, or strings when ``tokenizer`` is given (encoded without a chat template).
-        method: ``"eqspec"`` (speculative, unpad–append–repad every round) or ``"autoregressive"``.
+        method: ``"eqspec"`` (speculative, fixed batches, unpad–append–repad every round), ``"exspec"``
+            (speculative, batches formed every round from a window of sequences, grouped by length) or
+            ``"autoregressive"`` (the target alone).
         batch_size: rows decoded together.
         max_new_tokens: new tokens per prompt at most.
         num_draft_tokens: draft tokens ``k`` proposed per round.
         eos_token_id: id or ids that end a sequence; default ``target.generation_config.eos_token_id``.
         pad_token_id: filler for padding columns; padding itself is tracked by lengths.
+        window_size: exspec only: sequences active at once, ``>= batch_size``; default ``4 * batch_size``.
+        sort_by_length: exspec only: admit prompts into the window shortest first (more same-length groups).
         tokenizer: encodes string prompts and decodes ``result.texts``.
         check_invariants: check I1, I2 and both caches after every round (slower; for tests and debugging).
         timing: split wall time into draft / verify / realign / other.
@@ -78,6 +84,8 @@ def generate(
         num_draft_tokens=num_draft_tokens,
         eos_token_ids=_eos_ids(target, eos_token_id),
         pad_token_id=_pad_id(target, pad_token_id),
+        window_size=window_size,
+        sort_by_length=sort_by_length,
         check_invariants=check_invariants,
         timing=timing,
     )
@@ -107,7 +115,10 @@ def _decode(target, draft, config: SpecConfig, sequences: list[Sequence], stats:
     engine = Engine(target, draft, config, stats, timer)
     bar = tqdm(total=len(todo), desc=config.method, unit="prompt", disable=not progress)
     with bar, torch.inference_mode(), timer.wall():
-        run_static_batches(engine, todo, bar.update)
+        if config.method == "exspec":
+            run_exspec(engine, todo, bar.update, check=config.check_invariants)
+        else:
+            run_static_batches(engine, todo, bar.update)
 
 
 def _eos_ids(target: torch.nn.Module, eos_token_id: int | Seq[int] | None) -> tuple[int, ...]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("autoregressive", "eqspec")
+METHODS = ("autoregressive", "eqspec", "exspec")
+WINDOW_MULTIPLE = 4
 
 
 @dataclass(frozen=True)
@@ -12,13 +13,16 @@ class SpecConfig:
     """Everything the engine needs to know about a run, validated on construction.
 
     Attributes:
-        method: "autoregressive" (target alone, batched greedy) or "eqspec".
+        method: "autoregressive" (target alone, batched greedy), "eqspec" (fixed batches, realigned every round)
+            or "exspec" (batches formed each round from a window of sequences, grouped by length).
         batch_size: rows decoded together (B).
         max_new_tokens: budget of new tokens per prompt; 0 returns empty sequences.
         num_draft_tokens: draft length k proposed per round (clipped near a row's budget).
         eos_token_ids: tokens that end a sequence (empty: only the budget ends it).
         pad_token_id: filler value written into padding columns; never read back as padding.
-        check_invariants: verify the batch invariants (I1, I2, cache lengths) after every round.
+        window_size: exspec only: sequences active at once (W >= B); None means ``4 * batch_size``.
+        sort_by_length: exspec only: admit prompts into the window in order of length.
+        check_invariants: verify the batch invariants (I1, I2, token streams, cache lengths) every round.
         timing: measure per-stage seconds (draft/verify/realign/other); wall time is always measured.
     """
 
@@ -28,6 +32,8 @@ class SpecConfig:
     num_draft_tokens: int = 5
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    window_size: int | None = None
+    sort_by_length: bool = True
     check_invariants: bool = False
     timing: bool = True
 
@@ -40,10 +46,21 @@ class SpecConfig:
         _require_int("pad_token_id", self.pad_token_id, minimum=0)
         for eos in self.eos_token_ids:
             _require_int("eos_token_id", eos, minimum=0)
+        if self.window_size is not None:
+            _require_int("window_size", self.window_size, minimum=1)
+            if self.window_size < self.batch_size:
+                raise ValueError(
+                    f"window_size must be >= batch_size ({self.batch_size}); got {self.window_size}"
+                )
 
     @property
     def speculative(self) -> bool:
         return self.method != "autoregressive"
+
+    @property
+    def window(self) -> int:
+        """The exspec window W."""
+        return self.window_size if self.window_size is not None else WINDOW_MULTIPLE * self.batch_size
 
 
 def _require_int(name: str, value: object, *, minimum: int) -> None:

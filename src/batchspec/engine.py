@@ -1,20 +1,21 @@
-"""The round loop: propose → verify → accept → realign → retire, until every row of a batch is done."""
+"""The round loop: realign → propose → verify → accept. Schedulers choose the rows of every round."""
 
 from __future__ import annotations
 
 import torch
 
 from batchspec.config import SpecConfig
+from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
-from batchspec.models.runner import ModelRunner
+from batchspec.models.runner import forward_columns
 from batchspec.proposers import DraftModelProposer, NoDraftProposer, Proposal, Proposer
-from batchspec.realign import RealignPlan, plan_realign
-from batchspec.state import BatchState, Sequence
+from batchspec.realign import assemble, plan_layout
+from batchspec.state import BatchState, KVLocation, Sequence
 from batchspec.verifier import Verdict, verify_greedy
 
 
 class Engine:
-    """Decodes batches of :class:`Sequence` with the target and (for speculative methods) the draft."""
+    """Runs rounds of the target and (for speculative methods) the draft over rows a scheduler picks."""
 
     def __init__(
         self,
@@ -24,95 +25,67 @@ class Engine:
         stats: GenerationStats,
         timer: StageTimer,
     ) -> None:
-        self.target_model = target
-        self.draft_model = draft
+        self.target = target
         self.config = config
         self.stats = stats
         self.timer = timer
         self.eos = frozenset(config.eos_token_ids)
         self.device = next(target.parameters()).device
+        self.proposer: Proposer = DraftModelProposer(draft) if config.speculative and draft else NoDraftProposer()
+        draft_layers = _num_layers(draft) if isinstance(self.proposer, DraftModelProposer) else None
+        self.layers = (_num_layers(target), draft_layers)
 
-    def decode(self, rows: list[Sequence]) -> None:
-        """Run ``rows`` (at most ``batch_size`` of them) to completion; finished rows leave at once."""
-        with self.timer.stage("other"):
-            batch = BatchState.from_sequences(rows, pad_token_id=self.config.pad_token_id, device=self.device)
-            target = ModelRunner(self.target_model)
-            proposer = self.new_proposer()
-        while batch.size:
-            batch = self.round(batch, target, proposer)
-
-    def new_proposer(self) -> Proposer:
-        if self.config.speculative:
-            assert self.draft_model is not None
-            return DraftModelProposer(self.draft_model)
-        return NoDraftProposer()
-
-    def round(self, batch: BatchState, target: ModelRunner, proposer: Proposer) -> BatchState:
-        """One speculative round over ``batch``; returns the realigned batch of unfinished rows."""
-        k = self.draft_length(batch)
-        with self.timer.stage("draft"):
-            proposal = proposer.propose(batch, k)
-        with self.timer.stage("verify"):
-            verdict = self.verify(target, batch, proposal)
-        with self.timer.stage("other"):
-            keep = self.accept(batch, verdict, k)
+    def step(self, rows: list[Sequence]) -> None:
+        """One round over ``rows`` (unfinished, at most ``batch_size``); finished rows release their KV."""
         with self.timer.stage("realign"):
-            batch = self.realign(batch, target, proposer, proposal, verdict, keep)
-        if self.config.check_invariants and batch.size:
-            batch.check(target_cache_len=target.cache.length, draft_cache_len=proposer.cache_len)
+            batch = self.realign(rows)
+        k = self.draft_length(rows)
+        with self.timer.stage("draft"):
+            proposal = self.proposer.propose(batch, k)
+        with self.timer.stage("verify"):
+            verdict = self.verify(batch, proposal)
+        with self.timer.stage("other"):
+            self.accept(batch, proposal, verdict)
+        if self.config.check_invariants:
+            for row in rows:
+                if not row.finished:
+                    row.check_location()
+
+    def realign(self, rows: list[Sequence]) -> BatchState:
+        """Lay the rows out for this round, reusing their slab when they are in lockstep (see ``realign.py``)."""
+        layout = plan_layout(rows, self.device)
+        with self.timer.gathering(active=layout.reuse is None):
+            batch = assemble(layout, rows, filler=self.config.pad_token_id, layers=self.layers)
+        self.stats.record_layout(size=len(rows), padded=layout.padded, copied=layout.reuse is None)
+        if self.config.check_invariants:
+            batch.check()
         return batch
 
-    def draft_length(self, batch: BatchState) -> int:
+    def draft_length(self, rows: list[Sequence]) -> int:
         """``k`` for this round, clipped so that no row drafts past its remaining budget."""
         if not self.config.speculative:
             return 0
-        return min(self.config.num_draft_tokens, min(row.remaining for row in batch.rows) - 1)
+        return min(self.config.num_draft_tokens, min(row.remaining for row in rows) - 1)
 
-    @staticmethod
-    def verify(target: ModelRunner, batch: BatchState, proposal: Proposal) -> Verdict:
-        """Target forward over the uncached columns (the pending token, or the whole prompt in the first
+    def verify(self, batch: BatchState, proposal: Proposal) -> Verdict:
+        """Target forward over the uncached columns (the pending token, or the whole prompt in a row's first
         round) followed by the drafts; greedy acceptance."""
-        inputs = torch.cat([batch.tokens[:, batch.target_len :], proposal.tokens], dim=1)  # [B, q + k]
-        target_logits = target.forward(batch, inputs, logits_to_keep=proposal.k + 1)  # [B, k+1, V]
-        return verify_greedy(proposal.tokens, target_logits)
+        cache = batch.slab.target
+        inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens], dim=1)  # [B, q + k]
+        target_logits = forward_columns(self.target, batch, cache, inputs, logits_to_keep=proposal.k + 1)
+        return verify_greedy(proposal.tokens, target_logits)  # target_logits: [B, k+1, V]
 
-    def accept(self, batch: BatchState, verdict: Verdict, k: int) -> torch.Tensor:
-        """Append each row's gained tokens (cut at EOS or budget); returns ``[B]`` True for rows that go on."""
-        gained = verdict.gained.tolist()
-        tokens = verdict.tokens.tolist()
-        for row, n, row_tokens in zip(batch.rows, gained, tokens, strict=True):
-            self.stats.generated_tokens += row.append(row_tokens[:n], self.eos)
-        self.stats.record_round(verdict.accepted.tolist(), k)
-        return torch.tensor([not row.finished for row in batch.rows], device=batch.device)
-
-    def realign(
-        self,
-        batch: BatchState,
-        target: ModelRunner,
-        proposer: Proposer,
-        proposal: Proposal,
-        verdict: Verdict,
-        keep: torch.Tensor,
-    ) -> BatchState:
-        """Unpad → append → repad the kept rows, moving tokens, target KV and draft KV by the same shifts."""
-        plan = plan_realign(batch.pad, batch.content, verdict.gained, keep, proposal.valid_after(verdict.accepted))
-        if plan.size == 0:
-            return BatchState(rows=[], tokens=batch.tokens[:0], pad=plan.pad, content=plan.content)
-        target.cache.realign(plan, plan.width - 1)
-        draft_len = proposer.realign(plan)
-        return BatchState(
-            rows=[batch.rows[i] for i in plan.rows.tolist()],
-            tokens=_move_tokens(batch.tokens, verdict.tokens, plan),
-            pad=plan.pad,
-            content=plan.content,
-            target_len=plan.width - 1,
-            draft_len=draft_len,
-        )
+    def accept(self, batch: BatchState, proposal: Proposal, verdict: Verdict) -> None:
+        """Append each row's gained tokens (cut at EOS or budget) and record where its KV now lives."""
+        slab = Slab(torch.cat([batch.tokens, verdict.tokens], dim=1), batch.slab.target, batch.slab.draft)
+        draft_cached = self.proposer.cached_after(batch, proposal, verdict.accepted).tolist()
+        rows = zip(batch.rows, verdict.gained.tolist(), verdict.tokens.tolist(), batch.pad.tolist(), strict=True)
+        for i, (row, gained, tokens, pad) in enumerate(rows):
+            self.stats.generated_tokens += row.append(tokens[:gained], self.eos)
+            if not row.finished:
+                row.kv = KVLocation(slab, i, start=pad, target_cached=row.content_len - 1, draft_cached=draft_cached[i])
+        self.stats.record_round(verdict.accepted.tolist(), proposal.k)
 
 
-def _move_tokens(tokens: torch.Tensor, gained_tokens: torch.Tensor, plan: RealignPlan) -> torch.Tensor:
-    """``[B', L']`` token matrix after the move: each kept row's old columns then its gained tokens."""
-    extended = torch.cat([tokens, gained_tokens], dim=1)  # [B, L + k + 1]
-    if not plan.identity:
-        extended = extended.index_select(0, plan.rows)
-    return extended.gather(1, plan.source_columns(plan.width))
+def _num_layers(model: torch.nn.Module) -> int:
+    return model.config.get_text_config().num_hidden_layers

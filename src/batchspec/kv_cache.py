@@ -1,9 +1,8 @@
-"""A batched KV cache that the engine can realign in one vectorised gather.
+"""KV storage of one batch: a token matrix and one tensor per model that transformers writes into in place.
 
-Storage is one tensor per model, ``[num_layers, 2, B, H_kv, capacity, D]`` (index 0 keys, 1 values), with
-every row right-aligned like the token matrix: column ``j`` of the cache holds the KV of column ``j`` of
-``BatchState.tokens``. Appending writes in place into the spare capacity; realignment (rows shifting by
-``delta``, finished rows leaving) is a single ``gather`` over all layers at once, never a per-row rebuild.
+Storage of a model is ``[num_layers, 2, B, H_kv, capacity, D]`` (index 0 keys, 1 values) with every row laid
+out like the batch's token matrix: cache column ``j`` holds the KV of token column ``j``. A forward appends
+into the spare capacity; moving rows to another layout is a gather done by :mod:`batchspec.realign`.
 
 ``BatchKVCache`` plugs into transformers 5.x through its ``Cache``/``CacheLayerMixin`` API: each layer's
 ``update`` writes the new keys/values and returns views of the filled prefix.
@@ -11,12 +10,12 @@ every row right-aligned like the token matrix: column ``j`` of the cache holds t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from batchspec.realign import RealignPlan
-
-_GROWTH = 256
+GROWTH = 256
 
 
 class _StoreLayer(CacheLayerMixin):
@@ -28,94 +27,86 @@ class _StoreLayer(CacheLayerMixin):
     def __init__(self, owner: BatchKVCache, layer_idx: int) -> None:
         self.owner = owner
         self.layer_idx = layer_idx
-        self.length = 0
         self.is_initialized = True
 
     @property
     def keys(self) -> torch.Tensor | None:  # [B, H, length, D]
         store = self.owner.storage
-        return None if store is None else store[self.layer_idx, 0, :, :, : self.length]
+        return None if store is None else store[self.layer_idx, 0, :, :, : self.owner.length]
 
     @property
     def values(self) -> torch.Tensor | None:  # [B, H, length, D]
         store = self.owner.storage
-        return None if store is None else store[self.layer_idx, 1, :, :, : self.length]
+        return None if store is None else store[self.layer_idx, 1, :, :, : self.owner.length]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.owner.allocate_like(key_states)
+        self.owner.ensure_capacity(key_states, key_states.shape[-2])
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [B, H, q, D]
-        start, end = self.length, self.length + key_states.shape[-2]
+        # key_states, value_states: [B, H, q, D]; every layer writes columns length .. length+q-1
+        start = self.owner.length
+        end = start + key_states.shape[-2]
         store = self.owner.ensure_capacity(key_states, end)
         store[self.layer_idx, 0, :, :, start:end] = key_states
         store[self.layer_idx, 1, :, :, start:end] = value_states
-        self.length = end
+        if self.layer_idx == len(self.owner.layers) - 1:
+            self.owner.length = end
         return store[self.layer_idx, 0, :, :, :end], store[self.layer_idx, 1, :, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return self.owner.length + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.owner.length
 
     def get_max_length(self) -> int:
         return -1
 
 
 class BatchKVCache(Cache):
-    """KV cache of one model for one batch; every layer holds the same number of columns between forwards."""
+    """KV cache of one model for one batch; every layer holds ``length`` columns between forwards."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.storage: torch.Tensor | None = None  # [num_layers, 2, B, H, capacity, D]
+    def __init__(self, num_layers: int, storage: torch.Tensor | None = None, length: int = 0) -> None:
+        self.storage = storage  # [num_layers, 2, B, H, capacity, D]
+        self.length = length
         super().__init__(layers=[_StoreLayer(self, i) for i in range(num_layers)])
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> BatchKVCache:
         return cls(model.config.get_text_config().num_hidden_layers)
 
-    @property
-    def length(self) -> int:
-        """Columns held by every layer."""
-        return self.layers[0].length
-
-    def allocate_like(self, key_states: torch.Tensor) -> torch.Tensor:
-        batch, heads, _, dim = key_states.shape
-        self.storage = key_states.new_zeros((len(self.layers), 2, batch, heads, _GROWTH, dim))
+    def ensure_capacity(self, key_states: torch.Tensor, needed: int) -> torch.Tensor:
+        """Storage with room for ``needed`` columns; allocated on first use, grown (one copy) when full."""
+        if self.storage is None:
+            batch, heads, _, dim = key_states.shape
+            self.storage = key_states.new_zeros((len(self.layers), 2, batch, heads, needed + GROWTH, dim))
+        elif self.storage.shape[4] < needed:
+            grown = self.storage.new_zeros((*self.storage.shape[:4], needed + GROWTH, self.storage.shape[5]))
+            grown[..., : self.storage.shape[4], :] = self.storage
+            self.storage = grown
         return self.storage
 
-    def ensure_capacity(self, key_states: torch.Tensor, needed: int) -> torch.Tensor:
-        """Storage with room for ``needed`` columns; grows (one copy) when full."""
-        store = self.storage if self.storage is not None else self.allocate_like(key_states)
-        if store.shape[4] < needed:
-            grown = store.new_zeros((*store.shape[:4], needed + _GROWTH, store.shape[5]))
-            grown[:, :, :, :, : store.shape[4]] = store
-            self.storage = store = grown
-        return store
+    def crop(self, length: int) -> None:
+        """Forget every column from ``length`` on (rejected drafts); the storage is kept for reuse."""
+        self.length = min(self.length, length)
 
-    def set_length(self, length: int) -> None:
-        for layer in self.layers:
-            layer.length = length
 
-    def realign(self, plan: RealignPlan, length: int) -> None:
-        """Move every kept row by its shift and keep ``length`` columns; rows not in the plan are dropped.
+@dataclass
+class Slab:
+    """Where the rows of one batch keep their tokens and KV between rounds.
 
-        New column ``j`` of kept row ``b`` reads old column ``plan.source_columns(length)[b, j]`` of old row
-        ``plan.rows[b]``; all layers, keys and values move in the same gather.
-        """
-        old = self.length
-        if plan.identity or self.storage is None:
-            self.set_length(min(length, old))
-            return
-        store = self.storage[:, :, :, :, :old]  # [N, 2, B, H, old, D]
-        if plan.size != store.shape[2]:
-            store = store.index_select(2, plan.rows)  # [N, 2, B', H, old, D]
-        n, two, rows, heads, _, dim = store.shape
-        cols = plan.source_columns(length).clamp(max=max(old - 1, 0))  # [B', length]
-        index = cols[None, None, :, None, :, None].expand(n, two, rows, heads, length, dim)
-        fresh = store.new_empty((n, two, rows, heads, max(self.storage.shape[4], length + _GROWTH), dim))
-        torch.gather(store, 4, index, out=fresh[:, :, :, :, :length])
-        self.storage = fresh
-        self.set_length(length)
+    Attributes:
+        tokens: ``[B, C]`` token ids in the batch's column layout (padding columns hold a filler value).
+        target: the target model's KV cache of these rows.
+        draft: the draft model's KV cache of these rows (None without a draft model).
+    """
+
+    tokens: torch.Tensor  # [B, C]
+    target: BatchKVCache
+    draft: BatchKVCache | None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]

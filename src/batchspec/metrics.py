@@ -17,10 +17,16 @@ STAGES = ("draft", "verify", "realign", "other")
 class GenerationStats:
     """Counters filled by every method.
 
-    Terms: a *round* is one propose → verify → accept → realign step of one batch; a *row-round* is one row's
+    Terms: a *round* is one realign → propose → verify → accept step of one batch; a *row-round* is one row's
     part in a round. ``accepted_length_histogram[a]`` counts row-rounds that accepted ``a`` draft tokens
     (the bonus token is not counted in ``a``). Seconds are split into draft, verify, realign and other
-    (bookkeeping: accepting tokens, retiring rows, building batches); their sum is close to ``wall_s``.
+    (bookkeeping: accepting tokens, retiring rows, choosing batches); their sum is close to ``wall_s``.
+
+    Layout terms: a *realignment* is a round whose rows have different lengths, so the batch is padded and rows
+    shift (unpad–append–repad); a *grouped* round has rows of one length and needs none. A *cache gather* is a
+    round whose tokens and KV were copied into fresh storage (rows joined, left or shifted); a round in
+    lockstep reuses the previous round's storage and copies nothing. ``gather_s`` is the part of ``realign_s``
+    spent copying caches. ``rows_per_round_histogram[b]`` counts rounds of ``b`` rows.
     """
 
     generated_tokens: int = 0
@@ -29,12 +35,16 @@ class GenerationStats:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     ragged_rounds: int = 0
+    realignments: int = 0
+    cache_gathers: int = 0
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)
+    rows_per_round_histogram: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     realign_s: float = 0.0
     other_s: float = 0.0
+    gather_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,8 +62,19 @@ class GenerationStats:
         return self.mean_tokens_per_row_round
 
     @property
+    def grouping_rate(self) -> float:
+        """Share of rounds formed without any realignment (rows of one length, no padding)."""
+        return 1.0 - self.realignments / self.rounds if self.rounds else 0.0
+
+    @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def record_layout(self, *, size: int, padded: bool, copied: bool) -> None:
+        """Account how a round's batch of ``size`` rows was formed."""
+        self.realignments += int(padded)
+        self.cache_gathers += int(copied)
+        self.rows_per_round_histogram[size] = self.rows_per_round_histogram.get(size, 0) + 1
 
     def record_round(self, accepted: list[int], proposed_per_row: int) -> None:
         """Account one round: ``accepted[i]`` draft tokens accepted by row ``i`` out of ``proposed_per_row``."""
@@ -70,7 +91,9 @@ class GenerationStats:
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready view, derived rates included."""
         out: dict[str, object] = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-        out["accepted_length_histogram"] = {str(k): v for k, v in sorted(self.accepted_length_histogram.items())}
+        for name in ("accepted_length_histogram", "rows_per_round_histogram"):
+            out[name] = {str(k): v for k, v in sorted(getattr(self, name).items())}
+        out["grouping_rate"] = self.grouping_rate
         out["acceptance_rate"] = self.acceptance_rate
         out["mean_tokens_per_row_round"] = self.mean_tokens_per_row_round
         out["tokens_per_s"] = self.tokens_per_s
@@ -104,6 +127,22 @@ class StageTimer:
                 torch.cuda.synchronize()
             attr = f"{name}_s"
             setattr(self.stats, attr, getattr(self.stats, attr) + time.perf_counter() - start)
+
+    @contextmanager
+    def gathering(self, *, active: bool) -> Iterator[None]:
+        """Adds to ``gather_s`` (inside the realign stage; not a stage of its own)."""
+        if not (self.enabled and active):
+            yield
+            return
+        if self._sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self.stats.gather_s += time.perf_counter() - start
 
     @contextmanager
     def wall(self) -> Iterator[None]:

@@ -1,21 +1,25 @@
-"""Unpad → append → repad as index arithmetic: where every row's columns move after a round.
+"""Lazy realignment: lay out the rows of the next round and move their tokens and KV caches there.
 
-After verification row ``i`` gains ``n[i]`` tokens (its accepted drafts plus the bonus token), so the batch
-is ragged. The new width is ``L' = max_i(content[i] + n[i])`` over the rows that stay, and each row moves
-right by ``delta[i] = (L' - L) - n[i]`` columns (left when negative), which restores I1 with
-``pad'[i] = pad[i] + delta[i]``. One shift vector serves the token matrix, the target KV cache and the
-draft KV cache, because all three hold row ``i``'s columns at the same offsets.
+After a round every row leaves its tokens and KV where that round put them (its ``KVLocation``). When a
+scheduler picks the rows of the next round, :func:`plan_layout` computes their left-padded layout — width
+``L = max(content)``, ``pad[i] = L - content[i]`` (I1) — and the column shift ``delta[i] = pad[i] - start[i]``
+that carries row ``i``'s old columns to its new ones. One shift serves the token matrix, the target KV and the
+draft KV, because all three hold a row's columns at the same offsets.
 
-Worked example, ``k = 2`` and ``L = 5`` (``_`` is padding; ``x y`` drafts, ``z``/``w`` bonus tokens)::
+For a fixed batch (EqSpec) this is the paper's unpad → append → repad: a row that gained ``n[i]`` tokens while
+the batch grew from width ``L`` to ``L'`` moves by ``delta[i] = (L' - L) - n[i]``. Worked example, ``k = 2``,
+``L = 5`` (``_`` is padding; ``x y`` drafts, ``z``/``w`` bonus tokens), as the round left the slab::
 
-    row 0  pad 2  [_ _ a b c] + [x y z]  accepts both drafts: n = 3
-    row 1  pad 0  [d e f g h] + [w]      rejects the first draft: n = 1
-    L' = max(3 + 3, 5 + 1) = 6
-    delta[0] = (6 - 5) - 3 = -2   →  [a b c x y z]   pad' = 0
-    delta[1] = (6 - 5) - 1 =  0   →  [d e f g h w]   pad' = 0
+    row 0  start 2  [_ _ a b c x y z]   accepted both drafts: content 3 + 3 = 6
+    row 1  start 0  [d e f g h w]       rejected the first draft: content 5 + 1 = 6
+    L' = max(6, 6) = 6,  pad' = [0, 0],  delta = [0 - 2, 0 - 0] = [-2, 0]
+    →  row 0 [a b c x y z],  row 1 [d e f g h w]
 
-New column ``j`` of a kept row reads old column ``j - delta[i]`` (``source_columns``); columns that map
-before the old start are padding and may hold anything, since the attention mask hides them.
+New column ``j`` of row ``i`` reads old column ``j - delta[i]``; columns that map before the row's start are
+padding and only need finite values, since the attention mask hides them. A batch made of all the rows of
+one slab, in order and unshifted, is in *lockstep*: the slab is reused as it is and its caches are only
+cropped (dropping rejected drafts). Anything else — rows leaving, joining from other slabs, or shifting — is
+one gather per source slab into fresh storage.
 """
 
 from __future__ import annotations
@@ -24,63 +28,153 @@ from dataclasses import dataclass
 
 import torch
 
+from batchspec.kv_cache import GROWTH, BatchKVCache, Slab
+from batchspec.state import BatchState, Sequence
+
 
 @dataclass(frozen=True)
-class RealignPlan:
-    """Where the kept rows go. Shapes use ``B'`` for the number of kept rows.
+class SourceRows:
+    """The rows of the new batch that come from one slab. Shapes use ``b`` for their number.
 
     Attributes:
-        rows: ``[B']`` indices of the kept rows in the old batch, in order.
-        shift: ``[B']`` column offset ``delta`` of each kept row (new column = old column + delta).
-        pad: ``[B']`` new padding lengths.
-        content: ``[B']`` new content lengths.
-        width: new padded width ``L'``.
-        draft_len: draft KV columns still valid in every kept row after the move.
-        identity: every row kept and every shift zero: caches only need cropping.
+        slab: where they are now.
+        dest: ``[b]`` their rows in the new batch.
+        src: ``[b]`` their rows in ``slab``.
+        shift: ``[b]`` new column minus old column (``delta``).
     """
 
-    rows: torch.Tensor
-    shift: torch.Tensor
-    pad: torch.Tensor
-    content: torch.Tensor
+    slab: Slab
+    dest: torch.Tensor  # [b]
+    src: torch.Tensor  # [b]
+    shift: torch.Tensor  # [b]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The plan for one round's batch.
+
+    Attributes:
+        pad, content: ``[B]`` new padding and content lengths (I1: ``pad + content == width``).
+        width: the new padded width ``L``.
+        target_len, draft_len: cache columns that stay valid in every row (``<= L - 1``); the models re-read
+            the columns after them.
+        sources: the rows that come from existing slabs, one entry per slab.
+        fresh: rows without any KV yet (new prompts), filled from their token lists.
+        reuse: the slab to run on as it is (lockstep), or None when tokens and caches are gathered.
+    """
+
+    pad: torch.Tensor  # [B]
+    content: torch.Tensor  # [B]
     width: int
+    target_len: int
     draft_len: int
-    identity: bool
+    sources: tuple[SourceRows, ...]
+    fresh: tuple[int, ...]
+    reuse: Slab | None
 
     @property
-    def size(self) -> int:
-        return int(self.rows.numel())
-
-    def source_columns(self, num_columns: int) -> torch.Tensor:
-        """``[B', num_columns]`` old column read by each new column ``0 .. num_columns-1`` of each kept row."""
-        cols = torch.arange(num_columns, device=self.shift.device)
-        return (cols[None, :] - self.shift[:, None]).clamp(min=0)
+    def padded(self) -> bool:
+        """Rows of different lengths share the batch: an unpad–append–repad realignment."""
+        return bool(self.pad.any())
 
 
-def plan_realign(
-    pad: torch.Tensor,  # [B]
-    content: torch.Tensor,  # [B]
-    gained: torch.Tensor,  # [B] tokens appended to each row this round (n_i >= 1 for kept rows)
-    keep: torch.Tensor,  # [B] bool, False for rows that leave the batch
-    draft_valid: torch.Tensor,  # [B] draft KV columns valid for each row, in the old layout
-) -> RealignPlan:
-    """Compute the unpad–append–repad move for the rows in ``keep``."""
-    width = int((pad + content)[0]) if pad.numel() else 0
-    rows = keep.nonzero().flatten()
-    new_content = (content + gained)[rows]
-    if rows.numel() == 0:
-        empty = rows.new_zeros(0)
-        return RealignPlan(rows, empty, empty, empty, width=0, draft_len=0, identity=False)
-    new_width = int(new_content.max())
-    shift = (new_width - width) - gained[rows]
-    draft_len = int((draft_valid[rows] + shift).min().clamp(0, new_width - 1))
-    identity = rows.numel() == pad.numel() and not bool(shift.any())
-    return RealignPlan(
-        rows=rows,
-        shift=shift,
-        pad=new_width - new_content,
-        content=new_content,
-        width=new_width,
-        draft_len=draft_len,
-        identity=identity,
+def plan_layout(rows: list[Sequence], device: torch.device) -> Layout:
+    """Where each of ``rows`` goes in the next batch, and how many cached columns every row keeps."""
+    content = [row.content_len for row in rows]
+    width = max(content)
+    pad = [width - c for c in content]
+    target_len = draft_len = width - 1
+    grouped: dict[int, tuple[Slab, list[int], list[int], list[int]]] = {}
+    fresh = []
+    for i, row in enumerate(rows):
+        if row.kv is None:
+            fresh.append(i)
+            target_len, draft_len = min(target_len, pad[i]), min(draft_len, pad[i])
+            continue
+        slab, dest, src, shift = grouped.setdefault(id(row.kv.slab), (row.kv.slab, [], [], []))
+        dest.append(i)
+        src.append(row.kv.row)
+        shift.append(pad[i] - row.kv.start)
+        target_len = min(target_len, pad[i] + row.kv.target_cached)
+        draft_len = min(draft_len, pad[i] + row.kv.draft_cached)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    sources = tuple(SourceRows(s, tensor(d), tensor(r), tensor(sh)) for s, d, r, sh in grouped.values())
+    lockstep = (
+        len(sources) == 1
+        and not fresh
+        and sources[0].src.tolist() == list(range(sources[0].slab.size))
+        and not bool(sources[0].shift.any())
     )
+    return Layout(
+        pad=tensor(pad),
+        content=tensor(content),
+        width=width,
+        target_len=target_len,
+        draft_len=max(draft_len, 0),
+        sources=sources,
+        fresh=tuple(fresh),
+        reuse=sources[0].slab if lockstep else None,
+    )
+
+
+def assemble(layout: Layout, rows: list[Sequence], *, filler: int, layers: tuple[int, int | None]) -> BatchState:
+    """Build the batch of ``layout``: reuse a lockstep slab, or gather tokens and both caches into a new one.
+
+    ``layers`` is the number of decoder layers of the target and of the draft (None without a draft).
+    """
+    if layout.reuse is not None:
+        slab = layout.reuse
+        slab.target.crop(layout.target_len)
+        if slab.draft is not None:
+            slab.draft.crop(layout.draft_len)
+        slab = Slab(slab.tokens[:, : layout.width], slab.target, slab.draft)
+        return BatchState(rows, layout.pad, layout.content, slab)
+    target_layers, draft_layers = layers
+    draft = None
+    if draft_layers is not None:
+        draft = _gather_cache(layout, lambda s: s.draft, draft_layers, layout.draft_len)
+    target = _gather_cache(layout, lambda s: s.target, target_layers, layout.target_len)
+    slab = Slab(tokens=_gather_tokens(layout, rows, filler), target=target, draft=draft)
+    return BatchState(rows, layout.pad, layout.content, slab)
+
+
+def _gather_tokens(layout: Layout, rows: list[Sequence], filler: int) -> torch.Tensor:
+    """``[B, L]`` token matrix of the new layout."""
+    size, width = len(rows), layout.width
+    device = layout.pad.device
+    tokens = torch.full((size, width), filler, dtype=torch.long, device=device)
+    cols = torch.arange(width, device=device)
+    for source in layout.sources:
+        old = source.slab.tokens.index_select(0, source.src)  # [b, C]
+        index = (cols[None, :] - source.shift[:, None]).clamp(0, old.shape[1] - 1)  # [b, L]
+        tokens[source.dest] = old.gather(1, index)
+    for i in layout.fresh:
+        tokens[i, int(layout.pad[i]) :] = torch.tensor(rows[i].prompt + rows[i].output, device=device)
+    return tokens.masked_fill(cols[None, :] < layout.pad[:, None], filler)
+
+
+def _gather_cache(layout: Layout, pick, num_layers: int, length: int) -> BatchKVCache:
+    """A cache holding ``length`` columns of the new layout, gathered from each source slab's cache."""
+    stores = [(source, pick(source.slab)) for source in layout.sources]
+    stores = [(source, cache) for source, cache in stores if cache is not None and cache.storage is not None]
+    if length == 0 or not stores:
+        return BatchKVCache(num_layers)
+    first = stores[0][1].storage
+    n, two, _, heads, _, dim = first.shape
+    size = layout.pad.numel()
+    storage = first.new_zeros((n, two, size, heads, length + GROWTH, dim))  # [N, 2, B, H, capacity, D]
+    cols = torch.arange(length, device=layout.pad.device)
+    for source, cache in stores:
+        old = cache.storage[:, :, :, :, : cache.length]  # [N, 2, Bs, H, old, D]
+        if source.src.tolist() != list(range(old.shape[2])):
+            old = old.index_select(2, source.src)  # [N, 2, b, H, old, D]
+        index = (cols[None, :] - source.shift[:, None]).clamp(0, old.shape[4] - 1)  # [b, length]
+        index = index[None, None, :, None, :, None].expand(n, two, -1, heads, length, dim)
+        if source.dest.numel() == size:
+            torch.gather(old, 4, index, out=storage[:, :, :, :, :length])
+        else:
+            storage[:, :, source.dest, :, :length] = old.gather(4, index)
+    return BatchKVCache(num_layers, storage, length)

@@ -1,18 +1,18 @@
 """Per-row and per-batch state, with the synchronisation invariants made checkable.
 
-Layout: a batch is a left-padded, right-aligned token matrix ``tokens`` of shape ``[B, L]``. Row ``i`` has
-``pad[i]`` padding columns followed by ``content[i]`` real tokens (its prompt, then what it generated).
+Layout: a batch is a left-padded, right-aligned token matrix of width ``L``. Row ``i`` has ``pad[i]`` padding
+columns followed by ``content[i]`` real tokens (its prompt, then what it generated).
 
 - (I1) rectangular alignment: ``pad[i] + content[i] == L`` for every row.
 - (I2) position ids: ``pos[i, j] = max(0, #real tokens in columns 0..j of row i - 1) = max(0, j - pad[i])``.
 
-Padding is known only from ``pad``; the value written into padding columns (``pad_token_id``) is a filler
-and is never compared against, so prompts may contain the pad or EOS id as real tokens.
+Padding is known only from ``pad``; the value written into padding columns is a filler and is never compared
+against, so prompts may contain the pad or EOS id as real tokens.
 
-The last real token of every row sits in column ``L - 1``. It is *pending*: the target KV cache holds
-columns ``0 .. L-2`` (``target_len == L - 1``) and the pending token is the first input of the next
-verification. The draft cache may lag further (``draft_len <= L - 1``); the draft re-reads the columns it
-lacks from ``tokens`` at the start of its next proposal.
+The last real token of every row sits in column ``L - 1``. It is *pending*: no KV exists for it yet, and it
+is the first input of the next verification. Between rounds a row remembers where its KV is
+(:class:`KVLocation`): the :class:`~batchspec.kv_cache.Slab` of the batch it last ran in, its row there, the
+column its tokens start at, and how many columns from there each model's cache holds.
 """
 
 from __future__ import annotations
@@ -21,19 +21,41 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchspec.kv_cache import Slab
+
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
 
 
 @dataclass
+class KVLocation:
+    """Where a row's tokens and KV live between rounds.
+
+    Attributes:
+        slab: the storage of the batch the row last ran in.
+        row: the row's index in ``slab``.
+        start: the slab column of the row's first real token.
+        target_cached: target KV columns valid from ``start`` (``content - 1`` after a round).
+        draft_cached: draft KV columns valid from ``start`` (the draft may lag; it re-reads what it lacks).
+    """
+
+    slab: Slab
+    row: int
+    start: int
+    target_cached: int
+    draft_cached: int
+
+
+@dataclass
 class Sequence:
-    """One prompt's life: its tokens, its budget, and why it stopped."""
+    """One prompt's life: its tokens, its budget, why it stopped and where its KV is."""
 
     index: int
     prompt: list[int]
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    kv: KVLocation | None = None
 
     @property
     def content_len(self) -> int:
@@ -61,50 +83,64 @@ class Sequence:
         self.output.extend(kept)
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = FINISH_LENGTH
+        if self.finished:
+            self.kv = None
         return len(kept)
+
+    def check_location(self) -> None:
+        """Raise ``AssertionError`` unless the row's KV location matches its tokens and the caches."""
+        kv = self.kv
+        assert kv is not None, f"row {self.index} has no KV location"
+        assert 0 <= kv.row < kv.slab.size, f"row {self.index}: slab row {kv.row} out of range"
+        assert kv.target_cached == self.content_len - 1, f"row {self.index}: target KV misses columns"
+        assert 0 <= kv.draft_cached <= self.content_len - 1, f"row {self.index}: draft KV covers {kv.draft_cached}"
+        stored = kv.slab.tokens[kv.row, kv.start : kv.start + self.content_len].tolist()
+        assert stored == self.prompt + self.output, f"row {self.index}: stored tokens out of sync"
+        assert kv.slab.target.length >= kv.start + kv.target_cached, f"row {self.index}: target KV too short"
+        if kv.slab.draft is not None and kv.draft_cached:
+            assert kv.slab.draft.length >= kv.start + kv.draft_cached, f"row {self.index}: draft KV too short"
 
 
 @dataclass
 class BatchState:
-    """The rows decoded together and their padded token matrix.
+    """The rows decoded together in one round, laid out in ``slab``.
 
     Attributes:
         rows: the sequences, in batch order.
-        tokens: ``[B, L]`` left-padded token ids; row ``i``'s real tokens are ``tokens[i, pad[i]:]``.
         pad: ``[B]`` padding length of each row.
         content: ``[B]`` number of real tokens of each row.
-        target_len: columns held by the target KV cache (``L - 1`` between rounds).
-        draft_len: columns held by the draft KV cache (``<= L - 1``; 0 when there is no draft).
+        slab: tokens ``[B, L]`` and the caches; the target cache holds ``target_len <= L - 1`` columns and the
+            draft cache ``draft_len <= L - 1``: a forward feeds the columns its cache lacks.
     """
 
     rows: list[Sequence]
-    tokens: torch.Tensor  # [B, L]
     pad: torch.Tensor  # [B]
     content: torch.Tensor  # [B]
-    target_len: int = 0
-    draft_len: int = 0
-
-    @classmethod
-    def from_sequences(cls, rows: list[Sequence], *, pad_token_id: int, device: torch.device) -> BatchState:
-        """Left-pad the rows' prompts into a fresh batch with empty caches."""
-        content = torch.tensor([row.content_len for row in rows], dtype=torch.long)
-        width = int(content.max())
-        tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-        for i, row in enumerate(rows):
-            tokens[i, width - row.content_len :] = torch.tensor(row.prompt + row.output, dtype=torch.long)
-        return cls(rows=rows, tokens=tokens.to(device), pad=(width - content).to(device), content=content.to(device))
+    slab: Slab
 
     @property
     def size(self) -> int:
         return len(self.rows)
 
     @property
+    def tokens(self) -> torch.Tensor:  # [B, L]
+        return self.slab.tokens
+
+    @property
     def width(self) -> int:
-        return self.tokens.shape[1]
+        return self.slab.tokens.shape[1]
+
+    @property
+    def target_len(self) -> int:
+        return self.slab.target.length
+
+    @property
+    def draft_len(self) -> int:
+        return 0 if self.slab.draft is None else self.slab.draft.length
 
     @property
     def device(self) -> torch.device:
-        return self.tokens.device
+        return self.pad.device
 
     def attention_mask(self, width: int) -> torch.Tensor:
         """``[B, width]`` mask over columns ``0 .. width-1``: real tokens and any drafted columns are 1."""
@@ -116,24 +152,19 @@ class BatchState:
         cols = torch.arange(start, end, device=self.device)
         return (cols[None, :] - self.pad[:, None]).clamp(min=0)
 
-    def check(self, *, target_cache_len: int | None = None, draft_cache_len: int | None = None) -> None:
-        """Raise ``AssertionError`` unless I1, I2, the token stream and the cache lengths are consistent."""
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless I1, I2, every row's token stream and the cache lengths agree."""
         width = self.width
         assert self.tokens.shape == (self.size, width), "tokens shape does not match the rows"
         assert bool((self.pad >= 0).all()), f"negative padding: {self.pad.tolist()}"
         assert bool((self.pad + self.content == width).all()), (
             f"I1 broken: pad {self.pad.tolist()} + content {self.content.tolist()} != {width}"
         )
-        mask = self.attention_mask(width)
-        from_mask = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        from_mask = (self.attention_mask(width).cumsum(dim=1) - 1).clamp(min=0)
         assert torch.equal(self.position_ids(0, width), from_mask), "I2 broken: position ids != mask cumsum - 1"
         for i, row in enumerate(self.rows):
             assert int(self.content[i]) == row.content_len, f"row {row.index}: content length out of sync"
             real = self.tokens[i, int(self.pad[i]) :].tolist()
             assert real == row.prompt + row.output, f"row {row.index}: token stream out of sync"
-        assert self.target_len == width - 1, f"target cache covers {self.target_len} columns, expected {width - 1}"
-        assert 0 <= self.draft_len <= width - 1, f"draft cache covers {self.draft_len} of {width - 1} columns"
-        if target_cache_len is not None:
-            assert target_cache_len == self.target_len, f"target KV holds {target_cache_len} != {self.target_len}"
-        if draft_cache_len is not None:
-            assert draft_cache_len == self.draft_len, f"draft KV holds {draft_cache_len} != {self.draft_len}"
+        assert 0 <= self.target_len <= width - 1, f"target KV covers {self.target_len} of {width - 1} columns"
+        assert 0 <= self.draft_len <= width - 1, f"draft KV covers {self.draft_len} of {width - 1} columns"

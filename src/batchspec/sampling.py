@@ -1,0 +1,206 @@
+"""Sampling kernels: warping logits into p and q, counter-based per-row randomness, inverse-CDF draws.
+
+The terms (p, q, accepted count ``a``, recovered token, bonus token) are defined in :mod:`batchspec.verifier`,
+which uses these kernels for lossless speculative sampling.
+
+Randomness is *counter-based*: the uniform a row uses for a decision is a hash of (the row's seed, the
+absolute position of the token in the row's output, a :class:`Stream`). It never depends on batch size,
+batch composition, the row's index in the batch or how generation is cut into rounds, so a request with a
+fixed seed gets the same tokens however it is batched. Output positions count from 0: a row that has
+generated ``n`` tokens draws its next token at position ``n``.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+_U64 = (1 << 64) - 1
+_SEED_LIMIT = 1 << 63
+
+
+def _signed(value: int) -> int:
+    """The int64 with the same 64 bits as the unsigned ``value``."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+class Stream(IntEnum):
+    """Independent random streams of one row; each (position, stream) pair is used for one decision."""
+
+    DRAFT = 0  # the draft's token at a position, drawn from q
+    ACCEPT = 1  # the accept test of that draft token
+    RECOVER = 2  # the recovered token, drawn from norm(max(0, p - q))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next-token distribution is shaped before sampling.
+
+    Attributes:
+        temperature: logits are divided by it; 0 means greedy (argmax) decoding.
+        top_k: keep only the ``top_k`` most probable tokens (tokens tied with the ``top_k``-th are kept too).
+        top_p: nucleus sampling: keep the smallest set of most probable tokens whose mass is at least ``top_p``.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ValueError(f"top_k must be an int or None, got {self.top_k!r}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float)):
+            raise ValueError(f"top_p must be a number or None, got {self.top_p!r}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[..., V]`` float64 probabilities from ``[..., V]`` logits: temperature, then top-k, then top-p.
+
+    Greedy params give the one-hot distribution at the argmax (the limit of temperature → 0); the greedy
+    decoding path itself is :func:`batchspec.verifier.verify_greedy`.
+    """
+    scores = logits.to(torch.float64)  # [..., V]
+    if params.greedy:
+        return torch.zeros_like(scores).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
+    probs = torch.softmax(scores / params.temperature, dim=-1)  # [..., V]
+    if params.top_k is not None and params.top_k < scores.shape[-1]:
+        kth = scores.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        probs = _renormalise(probs * (scores >= kth))
+    if params.top_p is not None and params.top_p < 1:
+        probs = _renormalise(probs * _nucleus(probs, params.top_p))
+    return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``[..., V]`` mask of the smallest set of most probable tokens with mass >= ``top_p`` (never empty)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]
+    keep_sorted = mass_before < top_p  # [..., V]; the top token has mass_before 0
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def _renormalise(weights: torch.Tensor) -> torch.Tensor:
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic: it copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 step on int64 tensors (two's-complement wrap-around stands in for uint64)."""
+    x = x + _GAMMA
+    x = (x ^ _shift_right(x, 30)) * _MUL1
+    x = (x ^ _shift_right(x, 27)) * _MUL2
+    return x ^ _shift_right(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: Stream) -> torch.Tensor:
+    """``[B, m]`` float64 uniforms in ``[0, 1)`` for ``seeds`` ``[B]`` at output ``positions`` ``[B, m]``.
+
+    Element ``(i, j)`` depends only on ``(seeds[i], positions[i, j], stream)``.
+    """
+    if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError(f"seeds and positions must be int64, got {seeds.dtype} and {positions.dtype}")
+    if positions.dim() != 2 or seeds.shape != positions.shape[:1]:
+        raise ValueError(f"need seeds [B] and positions [B, m], got {list(seeds.shape)} and {list(positions.shape)}")
+    if bool((positions < 0).any()):
+        raise ValueError("positions must be >= 0")
+    counters = positions * len(Stream) + int(Stream(stream))  # [B, m]
+    bits = mix64(mix64(seeds)[:, None] ^ mix64(counters))  # [B, m]
+    return _shift_right(bits, 11).to(torch.float64) * 2.0**-53
+
+
+@dataclass(frozen=True)
+class RowRandom:
+    """Where a batch's random numbers come from: each row's seed and the output position of its next token.
+
+    Attributes:
+        seeds: ``[B]`` int64 per-row seeds (see :func:`derive_row_seeds`).
+        offsets: ``[B]`` int64 output position of each row's next token, i.e. how many tokens it has generated.
+    """
+
+    seeds: torch.Tensor  # [B]
+    offsets: torch.Tensor  # [B]
+
+    def __post_init__(self) -> None:
+        if self.seeds.dim() != 1 or self.seeds.shape != self.offsets.shape:
+            shapes = f"{list(self.seeds.shape)} and {list(self.offsets.shape)}"
+            raise ValueError(f"seeds and offsets must both be [B], got {shapes}")
+
+    def positions(self, m: int) -> torch.Tensor:
+        """``[B, m]`` output positions of the row's next ``m`` tokens."""
+        return self.offsets[:, None] + torch.arange(m, device=self.offsets.device)
+
+    def uniforms(self, stream: Stream, m: int) -> torch.Tensor:
+        """``[B, m]`` uniforms of ``stream`` for the row's next ``m`` positions."""
+        return uniforms(self.seeds, self.positions(m), stream)
+
+
+def derive_row_seeds(seed: int | Sequence[int] | None, n_prompts: int) -> list[int]:
+    """One seed in ``[0, 2**63)`` per prompt.
+
+    An int gives seeds derived from it and each prompt's index (so a prompt's seed does not depend on the
+    other prompts); a sequence must hold one seed per prompt and is used as is; None draws fresh seeds.
+    """
+    if n_prompts < 0:
+        raise ValueError(f"n_prompts must be >= 0, got {n_prompts}")
+    if seed is None:
+        return [secrets.randbits(63) for _ in range(n_prompts)]
+    if isinstance(seed, int):
+        _check_seed(seed)
+        index = torch.arange(n_prompts, dtype=torch.int64)
+        return (mix64(mix64(torch.tensor(seed)) ^ index) & (_SEED_LIMIT - 1)).tolist()
+    seeds = list(seed)
+    if len(seeds) != n_prompts:
+        raise ValueError(f"seed must hold one seed per prompt: got {len(seeds)} for {n_prompts} prompts")
+    for value in seeds:
+        _check_seed(value)
+    return seeds
+
+
+def _check_seed(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {value!r}")
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[...]`` tokens drawn from ``probs`` ``[..., V]`` (non-negative with positive mass, not necessarily
+    normalised) with uniforms ``u`` ``[...]`` in ``[0, 1)``.
+
+    Token ``x`` is chosen for ``u`` in ``[cdf(x-1), cdf(x)) / total``, so a token of zero mass is never chosen.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [..., V]
+    total = cdf[..., -1:]  # [..., 1]
+    target = torch.minimum(u.to(torch.float64)[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [...]
+
+
+def sample_draft(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[B]`` draft tokens drawn from ``q`` ``[B, V]`` with the rows' ``Stream.DRAFT`` uniforms ``u`` ``[B]``."""
+    if q.dim() != 2 or u.shape != q.shape[:1]:
+        raise ValueError(f"need q [B, V] and u [B], got {list(q.shape)} and {list(u.shape)}")
+    return inverse_cdf(q, u)
