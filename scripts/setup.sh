@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Set up .venv in the repository root (CPU PyTorch, batchspec with its test extras), then run a job.
 #
-#   bash scripts/setup.sh test    # ruff + the pytest suite
+#   bash scripts/setup.sh demo    # obtain the default preset, generate code for 4 HumanEval problems
+#   bash scripts/setup.sh test    # ruff, obtain the smollm2 preset, the pytest suite
 #   bash scripts/setup.sh env     # only set up .venv
+#
+# Extra arguments go to `batchspec generate` (demo) or to pytest (test). Presets are cached in
+# $BATCHSPEC_CACHE (default ~/.cache/batchspec); only the first run downloads and converts them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,12 +24,17 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
 
 case "$job" in
     env) ;;
+    demo)
+        .venv/bin/batchspec fetch
+        .venv/bin/batchspec generate --prompts humaneval --limit 4 --batch-size 4 --max-new-tokens 128 "${@:2}"
+        ;;
     test)
         .venv/bin/ruff check .
+        .venv/bin/batchspec fetch --preset smollm2
         .venv/bin/python -m pytest "${@:2}"
         ;;
     *)
-        echo "unknown job '$job'; expected: test | env" >&2
+        echo "unknown job '$job'; expected: demo | test | env" >&2
         exit 2
         ;;
 esac

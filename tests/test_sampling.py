@@ -11,6 +11,7 @@ from scipy import stats
 
 import batchspec.verifier as verifier
 from batchspec.sampling import (
+    RoundSampling,
     RowRandom,
     SamplingParams,
     Stream,
@@ -21,7 +22,7 @@ from batchspec.sampling import (
     uniforms,
     warp,
 )
-from batchspec.verifier import Verdict, verify_greedy, verify_sampling
+from batchspec.verifier import Verdict, sample_target, verify_greedy, verify_sampling
 
 ROWS = 20_000
 PASS_P = 1e-3
@@ -295,12 +296,22 @@ def test_derive_row_seeds():
         (-1, 2, "seed"),
         (2**63, 2, "seed"),
         ([1, "2"], 2, "seed"),
+        (1.5, 2, "seed"),
+        (True, 2, "seed"),
+        ("12", 2, "seed"),
         (1, -1, "n_prompts"),
     ],
 )
 def test_derive_row_seeds_rejects_bad_input(seed, n, match):
     with pytest.raises(ValueError, match=match):
         derive_row_seeds(seed, n)
+
+
+def test_round_sampling_is_for_temperature_above_zero():
+    rand = batch_random(15, rows=2)
+    with pytest.raises(ValueError, match="temperature"):
+        RoundSampling(params=SamplingParams(), rand=rand)
+    assert RoundSampling(params=SamplingParams(temperature=0.5), rand=rand).rand is rand
 
 
 # ---- inverse-CDF draws ------------------------------------------------------------------------------------
@@ -360,6 +371,18 @@ def test_plain_sampling_is_the_draft_stream_applied_to_p():
     p = warp(random_logits(500, 3, 40), SamplingParams(temperature=0.9, top_p=0.95))  # [B, k+1, V]
     drafts = inverse_cdf(p, rand.uniforms(Stream.DRAFT, 3))  # [B, k+1]
     assert torch.equal(verify_sampling(drafts, p, p, rand).tokens, drafts)
+
+
+def test_sampling_without_a_draft_uses_the_draft_stream_on_p():
+    rand = batch_random(14)
+    p = GENERIC_P.expand(ROWS, 1, -1)  # [B, 1, V]
+    verdict = sample_target(p, rand)
+    assert bool((verdict.accepted == 0).all()) and verdict.tokens.shape == (ROWS, 1)
+    assert torch.equal(verdict.tokens[:, 0], inverse_cdf(p[:, 0], rand.uniforms(Stream.DRAFT, 1)[:, 0]))
+    assert chi2_pvalue(verdict.tokens[:, 0], GENERIC_P) > PASS_P
+    assert torch.equal(verify_sampling(verdict.tokens, p, p, rand).tokens, verdict.tokens), "as a draft q = p would"
+    with pytest.raises(ValueError, match="p"):
+        sample_target(GENERIC_P.expand(2, 2, -1), batch_random(1, rows=2))
 
 
 def test_a_drafted_token_with_tiny_q_is_decided_by_p():

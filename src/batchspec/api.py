@@ -12,6 +12,7 @@ from batchspec.config import SpecConfig
 from batchspec.engine import Engine
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.models.support import check_pair, vocab_size
+from batchspec.sampling import SamplingParams, derive_row_seeds
 from batchspec.schedulers import run_exspec, run_static_batches
 from batchspec.state import FINISH_LENGTH, Sequence
 
@@ -51,11 +52,18 @@ def generate(
     check_invariants: bool = False,
     timing: bool = True,
     progress: bool = False,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | Seq[int] | None = None,
 ) -> GenerationResult:
-    """Greedy generation with ``target``, batched, optionally sped up by speculative decoding with ``draft``.
+    """Generation with ``target``, batched, optionally sped up by speculative decoding with ``draft``.
 
-    Every method returns, for each prompt, exactly the tokens the target's own greedy decoding of that
-    prompt alone would return (up to floating-point ties).
+    Greedy (``temperature=0``): every method returns, for each prompt, exactly the tokens the target's own
+    greedy decoding of that prompt alone would return (up to floating-point ties). Sampling (``temperature > 0``):
+    each token is distributed as the target's own warped next-token distribution (lossless speculative sampling),
+    and a prompt's tokens depend only on the prompt, its seed, the sampling settings and the two models, never on
+    the batch, the method's batching or ``num_draft_tokens``.
 
     Args:
         target: a loaded transformers causal LM (Llama, Mistral, Qwen2 or Qwen3 family).
@@ -76,6 +84,11 @@ def generate(
         check_invariants: check I1, I2 and both caches after every round (slower; for tests and debugging).
         timing: split wall time into draft / verify / realign / other.
         progress: show a progress bar over prompts.
+        temperature: 0 for greedy decoding; > 0 samples from the target's logits divided by it.
+        top_k: sampling only: keep the ``top_k`` most probable tokens.
+        top_p: sampling only: keep the smallest set of most probable tokens with mass at least ``top_p``.
+        seed: sampling only: an int (prompt ``i`` gets a seed derived from it and ``i``), one int in
+            ``[0, 2**63)`` per prompt, or None for fresh random seeds.
     """
     config = SpecConfig(
         method=method,
@@ -88,12 +101,17 @@ def generate(
         sort_by_length=sort_by_length,
         check_invariants=check_invariants,
         timing=timing,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
     )
     check_pair(target, draft if config.speculative else None)
     if config.speculative and draft is None:
         raise ValueError(f"draft is required for method={method!r}; pass a draft model or use 'autoregressive'")
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
-    sequences = [Sequence(i, p, max_new_tokens) for i, p in enumerate(token_prompts)]
+    seeds = derive_row_seeds(seed, len(token_prompts))
+    sequences = [
+        Sequence(i, p, max_new_tokens, sampling=config.sampling, seed=s)
+        for i, (p, s) in enumerate(zip(token_prompts, seeds, strict=True))
+    ]
     stats = GenerationStats()
     _decode(target, draft, config, sequences, stats, progress)
     texts = None if tokenizer is None else [tokenizer.decode(s.output) for s in sequences]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from batchspec.sampling import SamplingParams
 
 METHODS = ("autoregressive", "eqspec", "exspec")
 WINDOW_MULTIPLE = 4
@@ -13,7 +15,7 @@ class SpecConfig:
     """Everything the engine needs to know about a run, validated on construction.
 
     Attributes:
-        method: "autoregressive" (target alone, batched greedy), "eqspec" (fixed batches, realigned every round)
+        method: "autoregressive" (target alone, batched), "eqspec" (fixed batches, realigned every round)
             or "exspec" (batches formed each round from a window of sequences, grouped by length).
         batch_size: rows decoded together (B).
         max_new_tokens: budget of new tokens per prompt; 0 returns empty sequences.
@@ -24,6 +26,8 @@ class SpecConfig:
         sort_by_length: exspec only: admit prompts into the window in order of length.
         check_invariants: verify the batch invariants (I1, I2, token streams, cache lengths) every round.
         timing: measure per-stage seconds (draft/verify/realign/other); wall time is always measured.
+        sampling: temperature, top-k and top-p that ``generate`` gives every row (the default, temperature 0, is
+            greedy decoding); the engine follows each row's own ``Sequence.sampling``.
     """
 
     method: str = "eqspec"
@@ -36,8 +40,11 @@ class SpecConfig:
     sort_by_length: bool = True
     check_invariants: bool = False
     timing: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams; got {type(self.sampling).__name__}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         _require_int("batch_size", self.batch_size, minimum=1)

@@ -1,4 +1,9 @@
-"""The round loop: realign → propose → verify → accept. Schedulers choose the rows of every round."""
+"""The round loop: realign → propose → verify → accept. Schedulers choose the rows of every round.
+
+Rows with temperature 0 take the greedy path (argmax drafts, :func:`~batchspec.verifier.verify_greedy`); rows
+with temperature > 0 sample losslessly (sampled drafts with their ``q``, the target's warped ``p``,
+:func:`~batchspec.verifier.verify_sampling`), with random numbers keyed by each row's seed and output position.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,9 @@ from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.models.runner import forward_columns
 from batchspec.proposers import DraftModelProposer, NoDraftProposer, Proposal, Proposer
 from batchspec.realign import assemble, plan_layout
+from batchspec.sampling import RoundSampling, RowRandom, warp
 from batchspec.state import BatchState, KVLocation, Sequence
-from batchspec.verifier import Verdict, verify_greedy
+from batchspec.verifier import Verdict, sample_target, verify_greedy, verify_sampling
 
 
 class Engine:
@@ -40,10 +46,11 @@ class Engine:
         with self.timer.stage("realign"):
             batch = self.realign(rows)
         k = self.draft_length(rows)
+        sampling = self.round_sampling(rows)
         with self.timer.stage("draft"):
-            proposal = self.proposer.propose(batch, k)
+            proposal = self.proposer.propose(batch, k, sampling)
         with self.timer.stage("verify"):
-            verdict = self.verify(batch, proposal)
+            verdict = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
             self.accept(batch, proposal, verdict)
         if self.config.check_invariants:
@@ -67,13 +74,29 @@ class Engine:
             return 0
         return min(self.config.num_draft_tokens, min(row.remaining for row in rows) - 1)
 
-    def verify(self, batch: BatchState, proposal: Proposal) -> Verdict:
+    def round_sampling(self, rows: list[Sequence]) -> RoundSampling | None:
+        """The rows' shared sampling settings with their seeds and output offsets; None for a greedy round."""
+        params = rows[0].sampling
+        assert all(row.sampling == params for row in rows), "rows of one round share their sampling params"
+        if params.greedy:
+            return None
+        seeds = torch.tensor([row.seed for row in rows], dtype=torch.long, device=self.device)  # [B]
+        offsets = torch.tensor([len(row.output) for row in rows], dtype=torch.long, device=self.device)  # [B]
+        return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets))
+
+    def verify(self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None) -> Verdict:
         """Target forward over the uncached columns (the pending token, or the whole prompt in a row's first
-        round) followed by the drafts; greedy acceptance."""
+        round) followed by the drafts ``d_1 .. d_k``; greedy acceptance, or speculative sampling against the
+        warped target distribution ``p``."""
         cache = batch.slab.target
         inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens], dim=1)  # [B, q + k]
         target_logits = forward_columns(self.target, batch, cache, inputs, logits_to_keep=proposal.k + 1)
-        return verify_greedy(proposal.tokens, target_logits)  # target_logits: [B, k+1, V]
+        if sampling is None:
+            return verify_greedy(proposal.tokens, target_logits)  # target_logits: [B, k+1, V]
+        p = warp(target_logits, sampling.params)  # [B, k+1, V] float64
+        if not proposal.sampled:
+            return sample_target(p, sampling.rand)
+        return verify_sampling(proposal.drafts, proposal.q, p, sampling.rand)
 
     def accept(self, batch: BatchState, proposal: Proposal, verdict: Verdict) -> None:
         """Append each row's gained tokens (cut at EOS or budget) and record where its KV now lives."""

@@ -160,6 +160,23 @@ class RowRandom:
         return uniforms(self.seeds, self.positions(m), stream)
 
 
+@dataclass(frozen=True)
+class RoundSampling:
+    """How the rows of one round sample: their shared settings and where their random numbers come from.
+
+    Attributes:
+        params: the rows' :class:`SamplingParams` (never greedy: greedy rounds take no ``RoundSampling``).
+        rand: the rows' seeds and output offsets.
+    """
+
+    params: SamplingParams
+    rand: RowRandom
+
+    def __post_init__(self) -> None:
+        if self.params.greedy:
+            raise ValueError("RoundSampling needs temperature > 0; greedy rounds verify with verify_greedy")
+
+
 def derive_row_seeds(seed: int | Sequence[int] | None, n_prompts: int) -> list[int]:
     """One seed in ``[0, 2**63)`` per prompt.
 
@@ -170,10 +187,12 @@ def derive_row_seeds(seed: int | Sequence[int] | None, n_prompts: int) -> list[i
         raise ValueError(f"n_prompts must be >= 0, got {n_prompts}")
     if seed is None:
         return [secrets.randbits(63) for _ in range(n_prompts)]
-    if isinstance(seed, int):
+    if isinstance(seed, int) and not isinstance(seed, bool):
         _check_seed(seed)
         index = torch.arange(n_prompts, dtype=torch.int64)
         return (mix64(mix64(torch.tensor(seed)) ^ index) & (_SEED_LIMIT - 1)).tolist()
+    if not isinstance(seed, Sequence) or isinstance(seed, str | bytes):
+        raise ValueError(f"seed must be an int, a list of ints (one per prompt) or None, got {seed!r}")
     seeds = list(seed)
     if len(seeds) != n_prompts:
         raise ValueError(f"seed must hold one seed per prompt: got {len(seeds)} for {n_prompts} prompts")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchspec.kv_cache import Slab
+from batchspec.sampling import SamplingParams
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -48,11 +49,18 @@ class KVLocation:
 
 @dataclass
 class Sequence:
-    """One prompt's life: its tokens, its budget, why it stopped and where its KV is."""
+    """One prompt's life: its tokens, its budget, how it samples, why it stopped and where its KV is.
+
+    ``sampling`` and ``seed`` fix the row's tokens: with temperature > 0 the token at output position ``n``
+    is a function of the prefix, ``seed`` and ``n`` (see :mod:`batchspec.sampling`). Rows decoded in one round
+    share their ``sampling`` params.
+    """
 
     index: int
     prompt: list[int]
     max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     kv: KVLocation | None = None
@@ -86,6 +94,12 @@ class Sequence:
         if self.finished:
             self.kv = None
         return len(kept)
+
+    def retire(self, reason: str) -> None:
+        """Finish now, before EOS or budget (a stop string was met, the client left, the round failed), and
+        release the KV; the storage is freed once no row references it."""
+        self.finish_reason = reason
+        self.kv = None
 
     def check_location(self) -> None:
         """Raise ``AssertionError`` unless the row's KV location matches its tokens and the caches."""

@@ -30,6 +30,9 @@ treated like every other one: drawing the bonus token directly from ``p_{k+1}`` 
 but a different realisation from the accept/recover test the same position gets when a round ends later, so a
 seeded request's text would change with ``k`` and thus with batch composition. The cost is one extra draft
 forward per round when sampling.
+
+Without a draft (the autoregressive method), :func:`sample_target` draws each row's token from ``p_1`` with the
+row's ``Stream.DRAFT`` uniform: the token a draft equal to the target would propose and have accepted.
 """
 
 from __future__ import annotations
@@ -70,23 +73,34 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
 def verify_sampling(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rand: RowRandom) -> Verdict:
     """Speculative-sampling verification of ``draft_tokens`` ``[B, k+1]`` (``d_j`` drawn from ``q_j``).
 
-    ``q`` and ``p`` are ``[B, k+1, V]`` probabilities; ``rand`` keys each row's uniforms by the output position
-    of ``d_1`` (its ``offsets``). Returns ``tokens[i, :accepted[i] + 1]`` as row ``i``'s gain: ``d_1 .. d_a``
+    ``q`` and ``p`` are ``[B, k+1, V]`` probabilities (any float dtype: only the entries used are taken to float64,
+    never the whole tensors); ``rand`` keys each row's uniforms by the output position of ``d_1`` (its
+    ``offsets``). Returns ``tokens[i, :accepted[i] + 1]`` as row ``i``'s gain: ``d_1 .. d_a``
     and then the recovered token or the outcome of the bonus position.
     """
     _check_sampling_inputs(draft_tokens, q, p, rand)
     steps = draft_tokens.shape[1]
-    p, q = p.to(torch.float64), q.to(torch.float64)  # [B, k+1, V]
-    p_draft = p.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k+1]
-    q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k+1]
+    p_draft = p.gather(-1, draft_tokens[..., None]).squeeze(-1).to(torch.float64)  # [B, k+1]
+    q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1).to(torch.float64)  # [B, k+1]
     passed = _accept(rand.uniforms(Stream.ACCEPT, steps), p_draft, q_draft)  # [B, k+1]
     accepted = passed[:, :-1].long().cumprod(dim=1).sum(dim=1)  # [B]
     stop = accepted[:, None]  # [B, 1]: index of the row's final token
     stop_rows = stop[..., None].expand(-1, 1, p.shape[-1])  # [B, 1, V]
-    residual = _residual(p.gather(1, stop_rows).squeeze(1), q.gather(1, stop_rows).squeeze(1))  # [B, V]
+    p_stop = p.gather(1, stop_rows).squeeze(1).to(torch.float64)  # [B, V]
+    q_stop = q.gather(1, stop_rows).squeeze(1).to(torch.float64)  # [B, V]
+    residual = _residual(p_stop, q_stop)  # [B, V]
     recovered = inverse_cdf(residual, rand.uniforms(Stream.RECOVER, steps).gather(1, stop).squeeze(1))  # [B]
     final = torch.where(passed.gather(1, stop), draft_tokens.gather(1, stop), recovered[:, None])  # [B, 1]
     return Verdict(accepted=accepted, tokens=draft_tokens.scatter(1, stop, final))
+
+
+def sample_target(p: torch.Tensor, rand: RowRandom) -> Verdict:
+    """Sampling without drafts: row ``i`` gains one token drawn from ``p[i, 0]`` (``p`` is ``[B, 1, V]``) with its
+    ``Stream.DRAFT`` uniform."""
+    if p.dim() != 3 or p.shape[1] != 1 or rand.seeds.shape != p.shape[:1]:
+        raise ValueError(f"need p [B, 1, V] and one seed per row, got {list(p.shape)} and {list(rand.seeds.shape)}")
+    tokens = inverse_cdf(p[:, 0], rand.uniforms(Stream.DRAFT, 1)[:, 0])  # [B]
+    return Verdict(accepted=torch.zeros_like(tokens), tokens=tokens[:, None])
 
 
 def _accept(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:

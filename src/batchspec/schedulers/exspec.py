@@ -58,6 +58,21 @@ class SequencePool:
             self.window.append(row)
             self.waited[row.index] = 0
 
+    def add(self, row: Sequence) -> None:
+        """Queue a sequence that arrived after the pool was made (online serving); ``refill`` admits it."""
+        self.waiting.append(row)
+
+    def discard(self, rows: list[Sequence]) -> None:
+        """Take ``rows`` out of the pool wherever they are (retired early: cancelled or failed); they count as
+        done. Call between rounds."""
+        gone = {row.index for row in rows}
+        kept_window = [row for row in self.window if row.index not in gone]
+        kept_waiting = deque(row for row in self.waiting if row.index not in gone)
+        self.done += len(self.window) - len(kept_window) + len(self.waiting) - len(kept_waiting)
+        for index in gone:
+            self.waited.pop(index, None)
+        self.window, self.waiting = kept_window, kept_waiting
+
     def select(self, batch_size: int) -> list[Sequence]:
         """The rows of the next round (see the module docstring for the policy)."""
         patience = 2 * math.ceil(self.capacity / batch_size)

@@ -1,0 +1,15 @@
+"""Benchmarks and equivalence audits: every method, including transformers' own, on one workload.
+
+* :mod:`workload`: the models, prompts and budget;
+* :mod:`runners`: how each method (batchspec's and the peers') turns a workload into sequences;
+* :mod:`reference`: the target alone at batch size 1, its logit margins, exact/partial match;
+* :mod:`sweep` (``batchspec bench``) with :mod:`cells`, :mod:`report` and :mod:`plots`;
+* :mod:`audit` (``batchspec audit``).
+"""
+
+from batchspec.bench.audit import AuditReport, run_audit
+from batchspec.bench.runners import METHODS
+from batchspec.bench.sweep import SweepPlan, SweepResult, run_sweep
+from batchspec.bench.workload import ModelPair, Workload
+
+__all__ = ["METHODS", "AuditReport", "ModelPair", "SweepPlan", "SweepResult", "Workload", "run_audit", "run_sweep"]

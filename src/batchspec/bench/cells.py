@@ -1,0 +1,82 @@
+"""One benchmark cell: a method at a batch size on a workload, measured."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from batchspec.bench.reference import MatchSummary
+from batchspec.bench.runners import RunOutput
+from batchspec.bench.workload import Workload, machine_description
+
+STAGES = ("draft", "verify", "realign", "other")
+
+
+@dataclass
+class Cell:
+    """The measurements of one cell; None where a field does not apply to the method (e.g. the peers have no
+    acceptance statistics or stage split, and only exspec groups)."""
+
+    method: str
+    batch_size: int
+    model: str
+    dtype: str
+    prompts: int
+    max_new_tokens: int
+    num_draft_tokens: int
+    torch_threads: int
+    machine: str
+    tokens_per_s: float
+    wall_s: float
+    generated_tokens: int
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    draft_s: float | None
+    verify_s: float | None
+    realign_s: float | None
+    other_s: float | None
+    draft_share: float | None
+    verify_share: float | None
+    realign_share: float | None
+    other_share: float | None
+    grouping_rate: float | None
+    exact_match: float | None
+    partial_match: float | None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def make_cell(method: str, batch_size: int, workload: Workload, out: RunOutput, match: MatchSummary | None) -> Cell:
+    tokens = sum(len(s) for s in out.sequences)
+    stats = out.stats
+    seconds: dict[str, float | None] = {f"{s}_s": None for s in STAGES}
+    shares: dict[str, float | None] = {f"{s}_share": None for s in STAGES}
+    if stats is not None:
+        for stage in STAGES:
+            value = getattr(stats, f"{stage}_s")
+            seconds[f"{stage}_s"] = value
+            shares[f"{stage}_share"] = value / stats.wall_s if stats.wall_s > 0 else 0.0
+    speculative = stats is not None and method != "autoregressive"
+    return Cell(
+        method=method,
+        batch_size=batch_size,
+        model=workload.model,
+        dtype=workload.dtype,
+        prompts=len(workload.prompts),
+        max_new_tokens=workload.max_new_tokens,
+        num_draft_tokens=workload.num_draft_tokens,
+        torch_threads=torch.get_num_threads(),
+        machine=machine_description(),
+        tokens_per_s=tokens / out.wall_s if out.wall_s > 0 else 0.0,
+        wall_s=out.wall_s,
+        generated_tokens=tokens,
+        acceptance_rate=stats.acceptance_rate if speculative else None,
+        mean_accepted_length=stats.mean_accepted_length if speculative else None,
+        **seconds,
+        **shares,
+        grouping_rate=stats.grouping_rate if speculative and method == "exspec" else None,
+        exact_match=None if match is None else match.exact_match,
+        partial_match=None if match is None else match.partial_match,
+    )

@@ -1,0 +1,76 @@
+"""What a benchmark or audit measures: the models, the prompts and the generation budget."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """A loaded target and draft (None: methods that need a draft cannot run) and the name reports use."""
+
+    name: str
+    target: Any
+    draft: Any | None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts (token ids) and the budget every method is run with.
+
+    Attributes:
+        model: the pair's name for reports.
+        dtype: the models' dtype name.
+        prompt_source: where the prompts came from (``humaneval``, a path, ...).
+        prompts: token ids of every prompt.
+        max_new_tokens: new tokens per prompt at most.
+        num_draft_tokens: draft tokens per round for the speculative methods.
+        eos_token_ids: ids that end a sequence.
+        pad_token_id: filler for padded batches.
+    """
+
+    model: str
+    dtype: str
+    prompt_source: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: int
+    num_draft_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("a workload needs at least one prompt")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1; got {self.num_draft_tokens}")
+
+    @property
+    def key(self) -> str:
+        """Identifies the workload's reference outputs (model, dtype, prompts, budget, EOS)."""
+        blob = json.dumps([self.model, self.dtype, self.prompts, self.max_new_tokens, self.eos_token_ids])
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def machine_description() -> str:
+    """``<cpu or gpu name>, <cores> cores, torch <version>`` for result rows."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else _cpu_name()
+    return f"{device}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

@@ -1,0 +1,248 @@
+"""``batchspec bench`` and ``batchspec audit``: throughput and equivalence of every method on one workload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from batchspec.bench import METHODS, ModelPair, SweepPlan, Workload, run_audit, run_sweep
+from batchspec.bench.audit import DEFAULT_TOLERANCE, AuditReport
+from batchspec.bench.report import markdown_table
+from batchspec.bench.runners import needs_draft
+from batchspec.cli.common import (
+    CacheDirOption,
+    CategoryOption,
+    ChatTemplateOption,
+    DraftOption,
+    DType,
+    DTypeOption,
+    LimitOption,
+    LoadedModels,
+    MaxNewTokensOption,
+    Method,
+    ModelChoice,
+    NumDraftTokensOption,
+    PresetOption,
+    PromptChoice,
+    PromptsOption,
+    TargetOption,
+    encode_prompts,
+    load_models,
+    load_prompt_records,
+)
+from batchspec.cli.errors import user_errors
+
+ALL_METHODS = ",".join(METHODS)
+MethodsOption = Annotated[
+    str,
+    typer.Option(
+        "--methods",
+        metavar="M1,M2,...",
+        help=f"Comma-separated methods: {', '.join(METHODS)}. hf-generate is transformers' batched greedy "
+        "generate, hf-assisted its assisted generation with the draft (batch size 1 only).",
+    ),
+]
+BatchSizesOption = Annotated[
+    str, typer.Option("--batch-sizes", metavar="B1,B2,...", help="Comma-separated batch sizes.")
+]
+OutputDirOption = Annotated[
+    Path, typer.Option("--output", "-o", metavar="DIR", file_okay=False, help="Folder for the results.")
+]
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(
+            f"--methods: unknown method {', '.join(unknown) or '(none)'}; choose from {', '.join(METHODS)}"
+        )
+    return methods
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers; got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes must be integers >= 1; got {text!r}")
+    return sizes
+
+
+def build_workload(
+    loaded: LoadedModels, prompts: PromptChoice, max_new_tokens: int, num_draft_tokens: int
+) -> tuple[ModelPair, Workload]:
+    """The loaded pair and the encoded prompts with the target's EOS ids and a pad id."""
+    token_ids = encode_prompts(load_prompt_records(prompts), loaded.tokenizer, prompts)
+    eos = loaded.target.generation_config.eos_token_id
+    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+    pad = loaded.tokenizer.pad_token_id
+    workload = Workload(
+        model=loaded.name,
+        dtype=loaded.dtype.value,
+        prompt_source=prompts.source,
+        prompts=tuple(tuple(p) for p in token_ids),
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=num_draft_tokens,
+        eos_token_ids=eos_ids,
+        pad_token_id=pad if pad is not None else (eos_ids[0] if eos_ids else 0),
+    )
+    return ModelPair(loaded.name, loaded.target, loaded.draft), workload
+
+
+def _load(preset, target, draft, dtype, cache_dir, methods: tuple[str, ...]) -> LoadedModels:
+    method = Method.EQSPEC if any(needs_draft(m) for m in methods) else Method.AUTOREGRESSIVE
+    choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
+    choice.check_for(method)
+    loaded = load_models(choice, method)
+    typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
+    return loaded
+
+
+def bench_command(
+    output: OutputDirOption,
+    preset: PresetOption = None,
+    target: TargetOption = None,
+    draft: DraftOption = None,
+    prompts: PromptsOption = "humaneval",
+    limit: LimitOption = None,
+    category: CategoryOption = None,
+    chat_template: ChatTemplateOption = True,
+    methods: MethodsOption = ALL_METHODS,
+    batch_sizes: BatchSizesOption = "1,4,8",
+    max_new_tokens: MaxNewTokensOption = 128,
+    num_draft_tokens: NumDraftTokensOption = 5,
+    dtype: DTypeOption = DType.BFLOAT16,
+    compare: Annotated[
+        bool, typer.Option("--compare/--no-compare", help="Measure exact/partial match against the reference.")
+    ] = True,
+    online: Annotated[
+        bool,
+        typer.Option(
+            "--online", help="Online serving benchmark instead: Poisson arrivals to an in-process server per "
+            "method (eqspec, exspec, autoregressive) at the first --batch-sizes value; writes online.json."
+        ),
+    ] = False,
+    rate: Annotated[float, typer.Option("--rate", min=0.0, help="--online: mean requests per second.")] = 1.0,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="--online: requests to send.")] = 32,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Measure throughput, time anatomy, grouping and equivalence of methods across batch sizes.
+
+    Models are loaded once and every method is warmed up first. Writes results.json, results.csv, results.md
+    and PNG plots (throughput.png, anatomy.png, grouping.png) into --output, updated after every cell. With
+    --online, measures request latency (P50/P90/P99), time to first token and throughput under load instead.
+    """
+    if online:
+        with user_errors():
+            online_methods = _online_methods(methods)
+            prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
+            loaded = _load(preset, target, draft, dtype, cache_dir, online_methods)
+            pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
+            result = _run_online(loaded, workload, online_methods, parse_batch_sizes(batch_sizes)[0], rate, requests)
+            output.mkdir(parents=True, exist_ok=True)
+            (output / "online.json").write_text(result.to_json() + "\n")
+        typer.echo(result.to_json())
+        return
+    with user_errors():
+        plan = SweepPlan(parse_methods(methods), parse_batch_sizes(batch_sizes), compare=compare)
+        prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
+        load_prompt_records(prompt_choice)
+        loaded = _load(preset, target, draft, dtype, cache_dir, plan.methods)
+        pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
+        result = run_sweep(pair, workload, plan, output)
+    typer.echo(markdown_table(result.cells))
+    for method, size in result.skipped:
+        typer.echo(f"skipped {method} at batch size {size}: it runs at batch size 1 only", err=True)
+    typer.echo(f"Wrote results and plots to {output}", err=True)
+
+
+ONLINE_METHODS = ("eqspec", "exspec", "autoregressive")
+
+
+def _online_methods(text: str) -> tuple[str, ...]:
+    """The served methods among ``--methods`` (the default list keeps eqspec, exspec and autoregressive)."""
+    methods = parse_methods(text)
+    if text == ALL_METHODS:
+        return tuple(m for m in methods if m in ONLINE_METHODS)
+    wrong = [m for m in methods if m not in ONLINE_METHODS]
+    if wrong:
+        raise ValueError(f"--online serves {', '.join(ONLINE_METHODS)} only; not {', '.join(wrong)}")
+    return methods
+
+
+def _run_online(loaded: LoadedModels, workload: Workload, methods, batch_size: int, rate: float, requests: int):
+    from batchspec.server.loadgen import OnlineWorkload, run_online_benchmark
+    from batchspec.server.settings import ServedModels
+
+    served = ServedModels(target=loaded.target, draft=loaded.draft, tokenizer=loaded.tokenizer, name=loaded.name)
+    online = OnlineWorkload(
+        prompts=workload.prompts, rate=rate, requests=requests, max_tokens=workload.max_new_tokens
+    )
+    return run_online_benchmark(
+        online, models=served, methods=methods, batch_size=batch_size, num_draft_tokens=workload.num_draft_tokens
+    )
+
+
+def audit_command(
+    output: OutputDirOption,
+    preset: PresetOption = None,
+    target: TargetOption = None,
+    draft: DraftOption = None,
+    prompts: PromptsOption = "humaneval",
+    limit: LimitOption = None,
+    category: CategoryOption = None,
+    chat_template: ChatTemplateOption = True,
+    methods: MethodsOption = "eqspec,exspec",
+    batch_sizes: BatchSizesOption = "1,4,8",
+    max_new_tokens: MaxNewTokensOption = 128,
+    num_draft_tokens: NumDraftTokensOption = 5,
+    dtype: DTypeOption = DType.FLOAT32,
+    tolerance: Annotated[
+        float,
+        typer.Option(
+            "--tolerance",
+            min=0.0,
+            help="Largest relative top-2 logit margin (margin / |top logit|) of the reference at a divergence "
+            "that still counts as a numerical near-tie; a larger one fails the audit.",
+        ),
+    ] = DEFAULT_TOLERANCE,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Check that methods reproduce the target's own greedy output (batch size 1, transformers' generate).
+
+    Reports exact and partial match per method and batch size and, for every divergence, its position and the
+    reference's top-2 logit margin there. Writes audit.json into --output. Exits with status 2 when a
+    divergence is not a near-tie.
+    """
+    with user_errors():
+        method_list, sizes = parse_methods(methods), parse_batch_sizes(batch_sizes)
+        prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
+        load_prompt_records(prompt_choice)
+        loaded = _load(preset, target, draft, dtype, cache_dir, method_list)
+        pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
+        report = run_audit(pair, workload, method_list, sizes, tolerance=tolerance, out_dir=output)
+    print_audit(report)
+    if not report.passed:
+        raise typer.Exit(2)
+
+
+def print_audit(report: AuditReport) -> None:
+    typer.echo(f"Audit of {report.model} ({report.dtype}), {report.prompts} prompts, tolerance {report.tolerance}")
+    for cell in report.cells:
+        ties = len(cell.divergences) - len(cell.failures)
+        typer.echo(
+            f"  {cell.method:<14} B={cell.batch_size:<3} exact {100 * cell.exact_match:5.1f}%  "
+            f"partial {100 * cell.partial_match:5.1f}%  divergences {len(cell.divergences)} "
+            f"(near-ties {ties}, failures {len(cell.failures)})"
+        )
+        for d in cell.divergences:
+            kind = "near-tie" if d.near_tie else "FAILURE"
+            typer.echo(
+                f"    prompt {d.prompt} at token {d.position}: expected {d.expected}, got {d.got}; "
+                f"reference margin {d.margin:.4g} (relative {d.relative_margin:.2e}) {kind}"
+            )
+    typer.echo("PASSED" if report.passed else "FAILED: a divergence is larger than a near-tie")

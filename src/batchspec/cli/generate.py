@@ -1,0 +1,149 @@
+"""``batchspec generate``: greedy generation for a prompt set with a target/draft pair."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from batchspec.cli.common import (
+    BatchSizeOption,
+    CacheDirOption,
+    CategoryOption,
+    ChatTemplateOption,
+    DraftOption,
+    DType,
+    DTypeOption,
+    LimitOption,
+    MaxNewTokensOption,
+    Method,
+    MethodOption,
+    ModelChoice,
+    NumDraftTokensOption,
+    PresetOption,
+    PromptChoice,
+    PromptsOption,
+    TargetOption,
+    check_output_path,
+    encode_prompts,
+    load_models,
+    load_prompt_records,
+    summary_lines,
+)
+from batchspec.cli.errors import user_errors
+from batchspec.data import PromptRecord
+
+OutputOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--output", "-o", metavar="PATH.jsonl", dir_okay=False,
+        help="Write one JSON object per prompt (index, prompt, text, token_ids, num_tokens, finish_reason) "
+        "instead of printing the generated texts.",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class GeneratedText:
+    """One prompt's result as written to ``--output``: the new tokens, their text and why they ended."""
+
+    index: int
+    prompt: str
+    text: str
+    token_ids: list[int]
+    num_tokens: int
+    finish_reason: str
+
+    def __post_init__(self) -> None:
+        if self.num_tokens != len(self.token_ids):
+            raise ValueError(f"num_tokens {self.num_tokens} differs from {len(self.token_ids)} token ids")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+
+def collect_results(records: list[PromptRecord], result: Any, tokenizer: Any) -> list[GeneratedText]:
+    """Pair each prompt record with its generated tokens, decoded without special tokens."""
+    return [
+        GeneratedText(
+            index=index,
+            prompt=record.text,
+            text=tokenizer.decode(tokens, skip_special_tokens=True),
+            token_ids=list(tokens),
+            num_tokens=len(tokens),
+            finish_reason=reason,
+        )
+        for index, (record, tokens, reason) in enumerate(
+            zip(records, result.sequences, result.finish_reasons, strict=True)
+        )
+    ]
+
+
+def write_jsonl(path: Path, results: list[GeneratedText]) -> None:
+    path.write_text("".join(r.to_json() + "\n" for r in results), encoding="utf-8")
+
+
+def print_texts(records: list[PromptRecord], results: list[GeneratedText]) -> None:
+    for record, result in zip(records, results, strict=True):
+        header = f"=== [{result.index}] {record.id} ({result.finish_reason}, {result.num_tokens} tokens) ==="
+        typer.echo(header)
+        typer.echo(result.text)
+        typer.echo()
+
+
+def generate_command(
+    preset: PresetOption = None,
+    target: TargetOption = None,
+    draft: DraftOption = None,
+    prompts: PromptsOption = "humaneval",
+    limit: LimitOption = None,
+    category: CategoryOption = None,
+    chat_template: ChatTemplateOption = True,
+    method: MethodOption = Method.EQSPEC,
+    batch_size: BatchSizeOption = 8,
+    max_new_tokens: MaxNewTokensOption = 128,
+    num_draft_tokens: NumDraftTokensOption = 5,
+    dtype: DTypeOption = DType.BFLOAT16,
+    output: OutputOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Generate greedily for a prompt set: every output is exactly the target's own greedy output.
+
+    Without --preset, --target or --draft the default preset is used; the first use of a preset
+    downloads and converts it (see `batchspec fetch`). Shows a progress bar while generating, then the
+    generated texts (or writes --output) and a summary: sequences, tokens/s, acceptance rate, mean
+    accepted length and the time split between draft, verify, realign and other work.
+    """
+    import batchspec
+
+    with user_errors():
+        models = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
+        models.check_for(method)
+        prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
+        records = load_prompt_records(prompt_choice)
+        check_output_path(output)
+        loaded = load_models(models, method)
+        typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
+        token_ids = encode_prompts(records, loaded.tokenizer, prompt_choice)
+        result = batchspec.generate(
+            loaded.target,
+            loaded.draft,
+            token_ids,
+            method=method.value,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=num_draft_tokens,
+            progress=True,
+        )
+        results = collect_results(records, result, loaded.tokenizer)
+        if output is None:
+            print_texts(records, results)
+        else:
+            write_jsonl(output, results)
+            typer.echo(f"Wrote {len(results)} results to {output}", err=True)
+    typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}, k={num_draft_tokens}")
+    for line in summary_lines(result.stats, result.finish_reasons, method):
+        typer.echo(f"  {line}")

@@ -1,0 +1,106 @@
+"""``batchspec serve``: an OpenAI-compatible HTTP server with continuous admission."""
+
+from __future__ import annotations
+
+import logging
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from batchspec.cli.common import (
+    CacheDirOption,
+    DraftOption,
+    DType,
+    DTypeOption,
+    Method,
+    ModelChoice,
+    NumDraftTokensOption,
+    PresetOption,
+    TargetOption,
+    load_models,
+)
+from batchspec.cli.errors import user_errors
+from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+HostOption = Annotated[
+    str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on; the default accepts local clients only.")
+]
+PortOption = Annotated[int, typer.Option("--port", metavar="PORT", min=1, max=65535, help="TCP port to listen on.")]
+ServeMethodOption = Annotated[
+    Method,
+    typer.Option(
+        "--method", "-m",
+        help="eqspec: one running batch realigned every round, predictable latency (recommended online); "
+        "exspec: a window of requests regrouped by length, more throughput but longer tail latency; "
+        "autoregressive: the target alone.",
+    ),
+]
+MaxBatchSizeOption = Annotated[
+    int, typer.Option("--max-batch-size", "-b", metavar="B", min=1, help="Requests decoded together per round.")
+]
+MaxQueueOption = Annotated[
+    int,
+    typer.Option(
+        "--max-queue", metavar="N", min=0,
+        help="Requests that may wait for a free row; beyond that the server answers 429 with Retry-After.",
+    ),
+]
+WindowSizeOption = Annotated[
+    int | None,
+    typer.Option("--window-size", metavar="W", min=1, help="exspec: requests admitted at once (default 4 x B)."),
+]
+ServedNameOption = Annotated[
+    str | None,
+    typer.Option("--served-model-name", metavar="NAME", help="The model name clients send (default: the preset)."),
+]
+LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", help="Server log verbosity.")]
+
+
+def serve_command(
+    preset: PresetOption = None,
+    target: TargetOption = None,
+    draft: DraftOption = None,
+    host: HostOption = DEFAULT_HOST,
+    port: PortOption = DEFAULT_PORT,
+    method: ServeMethodOption = Method.EQSPEC,
+    max_batch_size: MaxBatchSizeOption = 8,
+    max_queue: MaxQueueOption = 64,
+    num_draft_tokens: NumDraftTokensOption = 5,
+    window_size: WindowSizeOption = None,
+    dtype: DTypeOption = DType.BFLOAT16,
+    served_model_name: ServedNameOption = None,
+    cache_dir: CacheDirOption = None,
+    log_level: LogLevelOption = LogLevel.INFO,
+) -> None:
+    """Serve the models over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions (also streaming),
+    /v1/models, /health and /metrics (Prometheus).
+
+    Requests that arrive while others decode join the running batch between rounds; with temperature 0 every
+    answer is exactly the target's own greedy output for that prompt. SIGTERM or Ctrl-C finishes the requests
+    in flight, then exits.
+    """
+    from batchspec.server import ServedModels, ServerConfig, create_app, serve_forever
+
+    logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with user_errors():
+        config = ServerConfig(
+            method=method.value, max_batch_size=max_batch_size, max_queue=max_queue,
+            num_draft_tokens=num_draft_tokens, window_size=window_size, served_model_name=served_model_name,
+        )
+        choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
+        choice.check_for(method)
+        loaded = load_models(choice, method)
+        typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
+        models = ServedModels(loaded.target, loaded.draft, loaded.tokenizer, loaded.name)
+        app = create_app(models, config)
+        typer.echo(f"Serving {config.served_model_name or loaded.name} on http://{host}:{port}/v1", err=True)
+        serve_forever(app, host, port, log_level=log_level.value)

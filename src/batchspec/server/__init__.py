@@ -1,0 +1,12 @@
+"""An OpenAI-compatible HTTP server with continuous admission, and an online load generator.
+
+One engine loop (:mod:`~batchspec.server.loop`) owns the models in a thread of its own; requests arriving while
+others decode join the running rows between rounds, and every request's output is what ``batchspec.generate``
+gives for it alone.
+"""
+
+from batchspec.server.app import create_app
+from batchspec.server.runner import RunningServer, serve_forever, serve_in_thread
+from batchspec.server.settings import ServedModels, ServerConfig
+
+__all__ = ["RunningServer", "ServedModels", "ServerConfig", "create_app", "serve_forever", "serve_in_thread"]

@@ -1,0 +1,194 @@
+"""The FastAPI application: OpenAI-compatible routes around one engine loop.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as server-sent events with ``stream: true``),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics``. The engine loop starts with the application and, on
+shutdown, finishes every request it holds before its thread ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from batchspec.config import SpecConfig
+from batchspec.engine import Engine
+from batchspec.metrics import GenerationStats, StageTimer
+from batchspec.models.support import check_pair, vocab_size
+from batchspec.server.errors import APIError
+from batchspec.server.formats import ChatFormat, CompletionFormat, ReplyContext, ReplyFormat, new_request_id
+from batchspec.server.handlers import Reply, Tracker, answer, submit
+from batchspec.server.loop import EngineLoop
+from batchspec.server.metrics import CONTENT_TYPE, ServerMetrics
+from batchspec.server.prompts import ModelLimits, chat_params, completion_params
+from batchspec.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from batchspec.server.scheduling import make_scheduler
+from batchspec.server.settings import ServedModels, ServerConfig
+from batchspec.server.validation import validation_error
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingState:
+    """Everything the routes use, kept in ``app.state.serving``."""
+
+    loop: EngineLoop
+    metrics: ServerMetrics
+    tokenizer: Any
+    limits: ModelLimits
+    model_name: str
+    config: ServerConfig
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            raise APIError(404, f"model {requested!r} is not served here; use {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def build_state(models: ServedModels, config: ServerConfig) -> ServingState:
+    """The engine, its loop and the metrics for ``models`` (checked like ``batchspec.generate`` checks them)."""
+    speculative = config.method != "autoregressive"
+    draft = models.draft if speculative else None
+    check_pair(models.target, draft)
+    if speculative and draft is None:
+        raise ValueError(f"method {config.method!r} needs a draft model")
+    spec = SpecConfig(
+        method=config.method, batch_size=config.max_batch_size, num_draft_tokens=config.num_draft_tokens,
+        eos_token_ids=eos_ids(models.target), pad_token_id=pad_id(models.target),
+        window_size=config.window_size, check_invariants=config.check_invariants,
+    )
+    stats = GenerationStats()
+    device = next(models.target.parameters()).device
+    engine = Engine(models.target, draft, spec, stats, StageTimer(stats, enabled=True, device=device))
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, make_scheduler(spec), models.tokenizer, max_queue=config.max_queue, metrics=metrics)
+    metrics.watch(stats, lambda: loop.status().queued, lambda: loop.status().running)
+    limits = ModelLimits(context_length=context_length(models.target, draft), vocab_size=vocab_size(models.target))
+    name = config.served_model_name or models.name
+    return ServingState(loop, metrics, models.tokenizer, limits, name, config)
+
+
+def eos_ids(target: Any) -> tuple[int, ...]:
+    """The target's EOS ids from its generation config, as ``batchspec.generate`` uses by default."""
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+
+
+def pad_id(target: Any) -> int:
+    for source in (getattr(target, "generation_config", None), target.config):
+        candidate = getattr(source, "pad_token_id", None)
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+def context_length(target: Any, draft: Any | None) -> int:
+    """Positions both models can attend over: the smaller ``max_position_embeddings``."""
+    models = [m for m in (target, draft) if m is not None]
+    return min(int(m.config.get_text_config().max_position_embeddings) for m in models)
+
+
+def create_app(models: ServedModels, config: ServerConfig) -> FastAPI:
+    """The application serving ``models``; its engine loop runs while the application runs (lifespan)."""
+    state = build_state(models, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        logger.info("serving %s with %s, batch size %d", state.model_name, config.method, config.max_batch_size)
+        yield
+        logger.info("draining the engine loop")
+        await asyncio.to_thread(state.loop.stop, config.drain_timeout_s)
+
+    app = FastAPI(title="batchspec", lifespan=lifespan)
+    app.state.serving = state
+    _install_error_handlers(app, state)
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat_completions)
+    app.get("/v1/models")(list_models)
+    app.get("/health")(health)
+    app.get("/metrics")(metrics)
+    return app
+
+
+def _state(http: Request) -> ServingState:
+    return http.app.state.serving
+
+
+async def completions(body: CompletionRequest, http: Request) -> Response:
+    state = _state(http)
+    state.check_model(body.model)
+    params = completion_params(body, state.tokenizer, state.limits)
+    return await _serve(http, state, params, CompletionFormat(), body)
+
+
+async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+    state = _state(http)
+    state.check_model(body.model)
+    params = chat_params(body, state.tokenizer, state.limits)
+    return await _serve(http, state, params, ChatFormat(), body)
+
+
+async def _serve(http: Request, state: ServingState, params, fmt: ReplyFormat, body: SamplingFields) -> Response:
+    endpoint = http.url.path
+    ctx = ReplyContext(new_request_id(fmt.id_prefix), state.model_name, params.prompt, body.return_token_ids)
+    handle = submit(state.loop, state.metrics, ctx.request_id, params)
+    tracker = Tracker(handle, state.metrics, endpoint)
+    return await answer(http, handle, tracker, Reply(fmt, ctx, body.stream, body.include_usage))
+
+
+async def list_models(http: Request) -> ModelList:
+    state = _state(http)
+    card = ModelCard(id=state.model_name, created=0, max_model_len=state.limits.context_length)
+    return ModelList(data=[card])
+
+
+async def health(http: Request) -> JSONResponse:
+    status = _state(http).loop.status()
+    body = {"status": "ok" if status.alive else "engine stopped", "queued": status.queued, "running": status.running}
+    return JSONResponse(body, status_code=200 if status.alive else 503)
+
+
+async def metrics(http: Request) -> Response:
+    return Response(_state(http).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _install_error_handlers(app: FastAPI, state: ServingState) -> None:
+    def reply(http: Request, error: APIError) -> JSONResponse:
+        state.metrics.requests.labels(endpoint=http.url.path, status=str(error.status)).inc()
+        return error.response()
+
+    async def on_api_error(http: Request, error: APIError) -> JSONResponse:
+        return reply(http, error)
+
+    async def on_invalid(http: Request, error: RequestValidationError) -> JSONResponse:
+        return reply(http, validation_error(error))
+
+    async def on_http(http: Request, error: StarletteHTTPException) -> JSONResponse:
+        return reply(http, APIError(error.status_code, str(error.detail), headers=dict(error.headers or {})))
+
+    async def on_unexpected(http: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", http.url.path)
+        return reply(http, APIError(500, f"internal server error: {type(error).__name__}"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_invalid)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

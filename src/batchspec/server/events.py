@@ -1,0 +1,113 @@
+"""What the engine thread tells a request's handler, and the handle through which it does.
+
+The engine loop runs in its own thread; each request's HTTP handler runs on the server's asyncio event loop.
+A :class:`RequestHandle` carries events across: the engine thread pushes them with ``call_soon_threadsafe``
+into the handler's ``asyncio.Queue``, and the handler cancels through a thread-safe flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from batchspec.sampling import SamplingParams, derive_row_seeds
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One validated request as the engine loop sees it.
+
+    Attributes:
+        prompt: token ids, non-empty, already checked against the context length.
+        max_tokens: new tokens at most (>= 1).
+        stop: strings that end the output (the text is cut before the first one found).
+        sampling: temperature, top-k and top-p; the default (temperature 0) is greedy decoding.
+        seed: the request's seed; the row's seed is derived from it as ``batchspec.generate(..., seed=seed)``
+            derives it for a single prompt, so both give the same tokens. None draws a fresh seed.
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("prompt must hold at least one token")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
+
+    def row_seed(self) -> int:
+        return derive_row_seeds(self.seed, 1)[0]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New output: ``text`` (final, may be empty while text is held back) and the ``token_ids`` behind it."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request is done: ``finish_reason`` is "stop" (EOS or a stop string) or "length"."""
+
+    finish_reason: str
+    prompt_tokens: int
+    token_ids: list[int]
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The round that served this request raised; the request gets a 500."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """The client closed the connection (pushed by the handler's disconnect watcher, not by the engine)."""
+
+
+Event = Tokens | Finished | Failed | Disconnected
+
+
+@dataclass
+class RequestHandle:
+    """One request's channel between its handler (asyncio) and the engine thread."""
+
+    request_id: str
+    params: GenerationParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.perf_counter)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def push(self, event: Tokens | Finished | Failed) -> None:
+        """Deliver ``event`` to the handler; called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            logger.debug("request %s: event loop closed, dropped %s", self.request_id, type(event).__name__)
+
+    async def next_event(self) -> Event:
+        return await self.events.get()
+
+    def cancel(self) -> None:
+        """The client left: the engine loop retires the row before its next round. Idempotent."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()

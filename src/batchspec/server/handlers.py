@@ -1,0 +1,186 @@
+"""Serving one request: submit it to the engine loop, then answer with one body or a server-sent event stream.
+
+A stream's response headers are sent only once the request's first round is done, so that a failure in that
+round is still a plain 500. While the request runs, a watcher notices the client leaving and cancels the request,
+which frees its row before the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from batchspec.server.errors import APIError
+from batchspec.server.events import Disconnected, Event, Failed, Finished, GenerationParams, RequestHandle, Tokens
+from batchspec.server.formats import ReplyContext, ReplyFormat
+from batchspec.server.loop import EngineLoop, QueueFull, ServerClosing
+from batchspec.server.metrics import ServerMetrics
+from batchspec.server.protocol import wire
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class Tracker:
+    """Records one request's timing and outcome into the metrics (errors answered before any body is sent are
+    counted by the application's error handlers)."""
+
+    handle: RequestHandle
+    metrics: ServerMetrics
+    endpoint: str
+    first_token_at: float | None = None
+
+    def saw(self, event: Event) -> None:
+        if isinstance(event, Tokens) and event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            self.metrics.ttft.observe(self.first_token_at - self.handle.created)
+        elif isinstance(event, Finished):
+            latency = time.perf_counter() - self.handle.created
+            self.metrics.observe_finished(
+                prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens, latency_s=latency
+            )
+            self.count(200)
+        elif isinstance(event, Disconnected):
+            self.count(CLIENT_CLOSED)
+
+    def count(self, status: int) -> None:
+        self.metrics.requests.labels(endpoint=self.endpoint, status=str(status)).inc()
+
+
+@dataclass
+class DisconnectWatch:
+    """Waits for ``http.disconnect`` and then cancels the request and wakes its handler."""
+
+    handle: RequestHandle
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+    @classmethod
+    def start(cls, receive: Callable, handle: RequestHandle) -> DisconnectWatch:
+        watch = cls(handle)
+        watch.task = asyncio.create_task(watch._watch(receive))
+        return watch
+
+    async def _watch(self, receive: Callable) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.handle.cancel()
+        self.handle.events.put_nowait(Disconnected())
+
+    def close(self) -> None:
+        """Stop watching and cancel the request if it is still running (a no-op once it finished)."""
+        if self.task is not None:
+            self.task.cancel()
+        self.handle.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that cancels its request however the stream ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """How to answer one submitted request."""
+
+    fmt: ReplyFormat
+    ctx: ReplyContext
+    stream: bool
+    include_usage: bool
+
+
+def submit(loop: EngineLoop, metrics: ServerMetrics, request_id: str, params: GenerationParams) -> RequestHandle:
+    """A handle for ``params`` queued in the engine loop; 429 when the queue is full, 503 when closing."""
+    handle = RequestHandle(request_id, params, asyncio.get_running_loop())
+    try:
+        loop.submit(handle)
+    except QueueFull as error:
+        metrics.rejected.inc()
+        raise APIError(
+            429, str(error), code="queue_full", headers={"Retry-After": str(error.retry_after)}
+        ) from error
+    except ServerClosing as error:
+        raise APIError(503, str(error), code="shutting_down") from error
+    return handle
+
+
+async def answer(http: Request, handle: RequestHandle, tracker: Tracker, reply: Reply) -> Response:
+    """Wait for the request's events and answer with one body or, for ``reply.stream``, an event stream."""
+    watch = DisconnectWatch.start(http.receive, handle)
+    handed_over = False
+    try:
+        if not reply.stream:
+            return await _whole(handle, tracker, reply)
+        first = await _next(handle, tracker)
+        response = EventStream(_sse(first, handle, tracker, reply), on_close=watch.close)
+        handed_over = True
+        return response
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        if not handed_over:
+            watch.close()
+
+
+async def _next(handle: RequestHandle, tracker: Tracker) -> Tokens | Finished:
+    """The next engine event; a failure raises a 500, a client that left ends the request."""
+    event = await handle.next_event()
+    tracker.saw(event)
+    if isinstance(event, Failed):
+        raise APIError(500, event.message, code="generation_failed")
+    if isinstance(event, Disconnected):
+        raise ClientGone
+    return event
+
+
+class ClientGone(Exception):
+    """The client closed the connection; nobody reads the answer."""
+
+
+async def _whole(handle: RequestHandle, tracker: Tracker, reply: Reply) -> JSONResponse:
+    parts: list[str] = []
+    while not isinstance(event := await _next(handle, tracker), Finished):
+        parts.append(event.text)
+    return JSONResponse(wire(reply.fmt.full(reply.ctx, "".join(parts), event)))
+
+
+async def _sse(first: Tokens | Finished, handle: RequestHandle, tracker: Tracker, reply: Reply) -> AsyncIterator[str]:
+    fmt, ctx = reply.fmt, reply.ctx
+    for chunk in fmt.opening(ctx):
+        yield _data(wire(chunk))
+    event: Tokens | Finished = first
+    try:
+        while isinstance(event, Tokens):
+            yield _data(wire(fmt.delta(ctx, event)))
+            event = await _next(handle, tracker)
+    except APIError as error:
+        tracker.count(error.status)
+        yield _data(error.body.model_dump())
+        return
+    except ClientGone:
+        return
+    yield _data(wire(fmt.closing(ctx, event)))
+    if reply.include_usage:
+        yield _data(wire(fmt.usage(ctx, event)))
+    yield "data: [DONE]\n\n"
+
+
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,196 @@
+"""The engine loop: one thread owns the models and runs round after round over the admitted requests.
+
+Between two rounds the loop admits queued requests while the scheduler has room (their prompt is read in their
+first round), retires rows whose client left, and asks the scheduler for the next round's rows. After a round
+every row's new text is decoded and pushed to its handler; rows that met EOS, their budget or a stop string
+leave at once, and their KV is released. An exception in a round fails the requests of that round only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from batchspec.engine import Engine
+from batchspec.server.events import Failed, Finished, RequestHandle, Tokens
+from batchspec.server.metrics import ServerMetrics
+from batchspec.server.scheduling import ServingScheduler
+from batchspec.server.text import TextTracker
+from batchspec.state import FINISH_LENGTH, Sequence
+
+logger = logging.getLogger(__name__)
+
+FINISH_STOP = "stop"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+RETRY_AFTER_S = 1
+
+
+class QueueFull(Exception):
+    """The admission queue holds ``max_queue`` requests already; retry after ``retry_after`` seconds."""
+
+    def __init__(self, max_queue: int) -> None:
+        super().__init__(f"the server is busy: {max_queue} requests are already waiting; retry later")
+        self.retry_after = RETRY_AFTER_S
+
+
+class ServerClosing(Exception):
+    """The loop is draining for shutdown and admits no new requests."""
+
+
+@dataclass
+class Job:
+    """A request inside the loop: its handle, its row and its text so far."""
+
+    handle: RequestHandle
+    row: Sequence
+    text: TextTracker
+    sent_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class LoopStatus:
+    """A snapshot: requests waiting for admission, rows admitted, and whether the thread runs."""
+
+    queued: int
+    running: int
+    alive: bool
+
+
+class EngineLoop:
+    """Continuous admission around one :class:`~batchspec.engine.Engine`, run by a dedicated thread."""
+
+    def __init__(
+        self, engine: Engine, scheduler: ServingScheduler, tokenizer, *, max_queue: int, metrics: ServerMetrics
+    ) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0; got {max_queue}")
+        self.engine = engine
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._inbox: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}
+        self._running = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="batchspec-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Admit nothing new, finish every admitted and queued request, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def status(self) -> LoopStatus:
+        return LoopStatus(queued=len(self._inbox), running=self._running, alive=self._thread.is_alive())
+
+    def submit(self, handle: RequestHandle) -> None:
+        """Queue ``handle``'s request; raises :class:`QueueFull` or :class:`ServerClosing`."""
+        params = handle.params
+        row = Sequence(
+            next(self._ids), list(params.prompt), params.max_tokens, sampling=params.sampling, seed=params.row_seed()
+        )
+        job = Job(handle, row, TextTracker(self.tokenizer, params.stop))
+        with self._cond:
+            if self._stopping or not self._thread.is_alive():
+                raise ServerClosing("the server is shutting down")
+            free = self.scheduler.capacity - self._running
+            if len(self._inbox) - free >= self.max_queue:
+                raise QueueFull(self.max_queue)
+            self._inbox.append(job)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while self._admit():
+                try:
+                    self._drop_cancelled()
+                    rows = self.scheduler.select()
+                    if rows:
+                        self._round(rows)
+                except Exception:
+                    logger.exception("engine loop: unexpected error; failing every running request")
+                    self._fail(self.scheduler.active, "internal error in the engine loop")
+                self._running = len(self.scheduler.active)
+        logger.info("engine loop stopped")
+
+    def _admit(self) -> bool:
+        """Wait for work and admit queued requests while there is room; False once drained for shutdown."""
+        with self._cond:
+            while not self._inbox and not self._jobs and not self._stopping:
+                self._cond.wait()
+            if self._stopping and not self._inbox and not self._jobs:
+                return False
+            room = self.scheduler.capacity - len(self.scheduler.active)
+            newcomers = [self._inbox.popleft() for _ in range(min(room, len(self._inbox)))]
+        for job in newcomers:
+            if job.handle.cancelled:
+                self.metrics.cancelled.inc()
+                continue
+            self._jobs[job.row.index] = job
+            self.scheduler.add(job.row)
+        self._running = len(self.scheduler.active)
+        return True
+
+    def _drop_cancelled(self) -> None:
+        gone = [job for job in self._jobs.values() if job.handle.cancelled]
+        for job in gone:
+            job.row.retire(FINISH_ABORT)
+            del self._jobs[job.row.index]
+            logger.info("request %s cancelled by its client; row released", job.handle.request_id)
+        if gone:
+            self.scheduler.remove([job.row for job in gone])
+            self.metrics.cancelled.inc(len(gone))
+
+    def _round(self, rows: list[Sequence]) -> None:
+        started = time.perf_counter()
+        try:
+            with self.engine.timer.wall():
+                self.engine.step(rows)
+            for row in rows:
+                self._advance(self._jobs[row.index])
+        except Exception as error:
+            logger.exception("round over %d rows failed; failing those requests", len(rows))
+            self._fail(rows, f"generation failed: {type(error).__name__}: {error}")
+            return
+        self.scheduler.ran(rows)
+        self.metrics.observe_round(len(rows), self.engine.config.batch_size, time.perf_counter() - started)
+
+    def _advance(self, job: Job) -> None:
+        """Push the row's new text; finish the request when the row finished or met a stop string."""
+        row = job.row
+        update = job.text.update(row.output, final=row.finished)
+        if update.stopped:
+            row.retire(FINISH_STOP)
+        end = update.stop_tokens if update.stopped else len(row.output)
+        new_tokens = row.output[job.sent_tokens : end]
+        job.sent_tokens = end
+        if update.delta or new_tokens:
+            job.handle.push(Tokens(update.delta, new_tokens))
+        if row.finished:
+            reason = FINISH_LENGTH if row.finish_reason == FINISH_LENGTH else FINISH_STOP
+            job.handle.push(Finished(reason, len(row.prompt), row.output[:end]))
+            del self._jobs[row.index]
+
+    def _fail(self, rows: list[Sequence], message: str) -> None:
+        for row in rows:
+            job = self._jobs.pop(row.index, None)
+            if job is not None:
+                job.handle.push(Failed(message))
+                self.metrics.failed.inc()
+            row.retire(FINISH_ERROR)
+        self.scheduler.remove(rows)

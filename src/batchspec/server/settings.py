@@ -1,0 +1,59 @@
+"""What a server is started with: its options and its loaded models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchspec.config import METHODS
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of one server, validated on construction.
+
+    Attributes:
+        method: "eqspec" (one running batch, realigned every round; predictable latency), "exspec" (a window of
+            requests regrouped by length every round; more throughput, longer tails) or "autoregressive".
+        max_batch_size: rows decoded together per round (B).
+        max_queue: requests that may wait for admission beyond the running ones; one more gets a 429.
+        num_draft_tokens: draft tokens k per round.
+        window_size: exspec only: requests admitted at once (W >= B); default ``4 * max_batch_size``.
+        served_model_name: the ``model`` name clients use; default the loaded models' name.
+        check_invariants: check the batch invariants every round (slow; for tests).
+        drain_timeout_s: on shutdown, seconds to wait for the engine loop to finish its requests (None: no limit).
+    """
+
+    method: str = "eqspec"
+    max_batch_size: int = 8
+    max_queue: int = 64
+    num_draft_tokens: int = 5
+    window_size: int | None = None
+    served_model_name: str | None = None
+    check_invariants: bool = False
+    drain_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        for name, minimum in (("max_batch_size", 1), ("max_queue", 0), ("num_draft_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        if self.window_size is not None and self.window_size < self.max_batch_size:
+            raise ValueError(f"window_size must be >= max_batch_size ({self.max_batch_size}); got {self.window_size}")
+        if self.drain_timeout_s is not None and self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """Loaded models: ``draft`` may be None only for the autoregressive method; ``name`` is what clients see."""
+
+    target: Any
+    draft: Any | None
+    tokenizer: Any
+    name: str

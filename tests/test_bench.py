@@ -1,0 +1,194 @@
+"""``batchspec bench`` and ``batchspec audit`` on tiny float64 models: fields, consistency, broken methods."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from conftest import make_prompts_for
+from test_presets import save_tiny_model
+from typer.testing import CliRunner
+
+from batchspec.bench import ModelPair, SweepPlan, Workload, run_audit, run_sweep
+from batchspec.bench import runners as bench_runners
+from batchspec.bench.cells import Cell
+from batchspec.bench.reference import first_divergence, match_summary
+from batchspec.bench.runners import RunOutput, cut_after_eos
+from batchspec.cli import app
+
+FIELDS = {
+    "method", "batch_size", "model", "dtype", "prompts", "max_new_tokens", "num_draft_tokens", "torch_threads",
+    "machine", "tokens_per_s", "wall_s", "generated_tokens", "acceptance_rate", "mean_accepted_length", "draft_s",
+    "verify_s", "realign_s", "other_s", "draft_share", "verify_share", "realign_share", "other_share",
+    "grouping_rate", "exact_match", "partial_match",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(bundles):
+    bundle = bundles["llama"]
+    pair = ModelPair("tiny-llama", bundle.target, bundle.drafts["perturbed"])
+    prompts = make_prompts_for(bundle, 5, seed=300, max_len=30)
+    workload = Workload(
+        model="tiny-llama", dtype="float64", prompt_source="random", prompts=tuple(tuple(p) for p in prompts),
+        max_new_tokens=12, num_draft_tokens=3, eos_token_ids=(bundle.eos_id,), pad_token_id=bundle.pad_id,
+    )
+    return pair, workload
+
+
+def test_sweep_writes_consistent_cells(tiny, tmp_path, reference):
+    pair, workload = tiny
+    plan = SweepPlan(("autoregressive", "eqspec", "exspec", "hf-generate", "hf-assisted"), (1, 3))
+    result = run_sweep(pair, workload, plan, tmp_path, progress=False)
+    assert result.skipped == [("hf-assisted", 3)]
+    cells = json.loads((tmp_path / "results.json").read_text())
+    assert len(cells) == 9 and all(set(c) == FIELDS for c in cells)
+    refs = [reference(pair.target, list(p), 12, workload.eos_token_ids[0]) for p in workload.prompts]
+    for cell in cells:
+        assert cell["exact_match"] == 1.0 and cell["partial_match"] == 1.0, cell
+        assert cell["generated_tokens"] == sum(len(r) for r in refs)
+        assert cell["tokens_per_s"] == pytest.approx(cell["generated_tokens"] / cell["wall_s"])
+        if cell["method"].startswith("hf-"):
+            assert cell["draft_s"] is None and cell["acceptance_rate"] is None and cell["grouping_rate"] is None
+            continue
+        shares = [cell[f"{s}_share"] for s in ("draft", "verify", "realign", "other")]
+        assert sum(shares) == pytest.approx(1.0, abs=0.1)
+        assert (cell["grouping_rate"] is None) == (cell["method"] != "exspec")
+        assert (cell["acceptance_rate"] is None) == (cell["method"] == "autoregressive")
+    with (tmp_path / "results.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 9
+    assert "| eqspec | 3 |" in (tmp_path / "results.md").read_text()
+    for name in ("throughput.png", "anatomy.png", "grouping.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_interrupted_sweep_keeps_finished_cells(tiny, tmp_path, monkeypatch):
+    pair, workload = tiny
+    calls = {"n": 0}
+    real = bench_runners.RUNNERS["eqspec"]
+
+    def flaky(pair_, workload_, batch_size):
+        calls["n"] += 1
+        if calls["n"] > 2 and len(workload_.prompts) > 1:  # after the warm-up and one measured cell
+            raise KeyboardInterrupt
+        return real(pair_, workload_, batch_size)
+
+    monkeypatch.setitem(bench_runners.RUNNERS, "eqspec", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(pair, workload, SweepPlan(("eqspec",), (1, 2, 4), compare=False), tmp_path, progress=False)
+    cells = json.loads((tmp_path / "results.json").read_text())
+    assert [(c["method"], c["batch_size"]) for c in cells] == [("eqspec", 1)]
+
+
+def _right_padded_without_mask(pair: ModelPair, workload: Workload, batch_size: int) -> RunOutput:
+    """A broken batch method: right padding and no attention mask, the classic ragged-batch bug."""
+    sequences = []
+    for start in range(0, len(workload.prompts), batch_size):
+        chunk = workload.prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), workload.pad_token_id)
+        for i, prompt in enumerate(chunk):
+            ids[i, : len(prompt)] = torch.tensor(prompt)
+        rows = [list(p) for p in chunk]
+        for _ in range(workload.max_new_tokens):
+            logits = pair.target(ids).logits  # [B, L, V], every row reads its last column, padded or not
+            nxt = logits[:, -1].argmax(-1)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            for row, token in zip(rows, nxt.tolist(), strict=True):
+                row.append(token)
+        sequences += [cut_after_eos(r[len(p) :], workload.eos_token_ids) for r, p in zip(rows, chunk, strict=True)]
+    return RunOutput(sequences, None, 1.0)
+
+
+def test_audit_passes_batchspec_and_catches_a_broken_method(tiny, tmp_path, monkeypatch):
+    pair, workload = tiny
+    monkeypatch.setitem(bench_runners.RUNNERS, "broken", _right_padded_without_mask)
+    report = run_audit(pair, workload, ("eqspec", "exspec", "broken"), (1, 3), out_dir=tmp_path, progress=False)
+    cells = {(c.method, c.batch_size): c for c in report.cells}
+    for method in ("eqspec", "exspec"):
+        for size in (1, 3):
+            assert cells[(method, size)].exact_match == 1.0 and not cells[(method, size)].divergences
+    broken = cells[("broken", 3)]
+    assert broken.exact_match < 1.0 and broken.failures
+    assert all(d.relative_margin > 1e-3 and not d.near_tie for d in broken.failures)
+    assert cells[("broken", 1)].exact_match == 1.0  # a single row has no padding to get wrong
+    assert not report.passed
+    stored = json.loads((tmp_path / "audit.json").read_text())
+    assert stored["passed"] is False and len(stored["cells"]) == 6
+
+
+def test_match_metrics():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    summary = match_summary([[1, 2, 3, 4], [1, 9, 9, 9], [7]], [[1, 2, 3, 4], [1, 2, 3, 4], [7]])
+    assert summary.exact_match == pytest.approx(2 / 3)
+    assert summary.partial_match == pytest.approx((1 + 0.25 + 1) / 3)
+
+
+def test_sweep_plan_validation():
+    with pytest.raises(ValueError, match="unknown method 'fast'"):
+        SweepPlan(("fast",), (1,))
+    with pytest.raises(ValueError, match="batch sizes must be integers >= 1"):
+        SweepPlan(("eqspec",), (0,))
+    assert Cell.__dataclass_fields__.keys() == FIELDS
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-models")
+    save_tiny_model(root / "target")
+    save_tiny_model(root / "draft", layers=2)
+    (root / "prompts.txt").write_text("hello world\ndef x\nreturn hello\n")
+    return root
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_bench_and_audit_commands(tiny_dirs, tmp_path):
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"), "--dtype", "float32"]
+    common = [*models, "--prompts", str(tiny_dirs / "prompts.txt"), "--max-new-tokens", "6", "-k", "2"]
+    result = _cli("bench", *common, "--methods", "eqspec,hf-generate", "--batch-sizes", "1,2", "-o", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 4
+    result = _cli("audit", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3", "-o", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "PASSED" in result.output and json.loads((tmp_path / "audit.json").read_text())["passed"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--methods", "eqspec,warp"], "--methods: unknown method warp"),
+        (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated integers"),
+        (["--batch-sizes", "0"], "--batch-sizes must be integers >= 1"),
+        (["--prompts", "/no/such/file.txt"], "neither 'humaneval' nor an existing file"),
+    ],
+)
+@pytest.mark.parametrize("command", ["bench", "audit"])
+def test_command_errors_are_one_line(command, args, message, tiny_dirs, tmp_path):
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]
+    result = _cli(command, *models, "--prompts", str(tiny_dirs / "prompts.txt"), *args, "-o", str(tmp_path))
+    assert result.exit_code == 1
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_bench_online_writes_latency_percentiles(tiny_dirs, tmp_path):
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"), "--dtype", "float32"]
+    result = _cli(
+        "bench", *models, "--prompts", str(tiny_dirs / "prompts.txt"), "--max-new-tokens", "4", "--online",
+        "--rate", "50", "--requests", "4", "--methods", "eqspec,exspec", "--batch-sizes", "2", "-o", str(tmp_path),
+    )
+    assert result.exit_code == 0, result.output
+    online = json.loads((tmp_path / "online.json").read_text())
+    assert [r["method"] for r in online["results"]] == ["eqspec", "exspec"]
+    for run in online["results"]:
+        assert run["requests"] == 4 and run["failed"] == 0
+        assert run["latency_s"]["p50"] <= run["latency_s"]["p99"]
+    bad = _cli("bench", *models, "--prompts", str(tiny_dirs / "prompts.txt"), "--online", "--methods", "hf-generate",
+               "-o", str(tmp_path))
+    assert bad.exit_code == 1 and "--online serves eqspec, exspec, autoregressive only" in bad.output

@@ -1,0 +1,185 @@
+"""The ``batchspec`` command line on tiny models saved into temporary directories (no network, no presets)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_presets import save_tiny_model
+from typer.testing import CliRunner
+
+from batchspec.cli import app
+
+torch = pytest.importorskip("torch")
+
+PROMPTS = ["hello world def", "x", "return x hello world world def x", "def hello", "world x return"]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    save_tiny_model(root / "target", layers=4)
+    save_tiny_model(root / "draft", layers=1)
+    save_tiny_model(root / "wide", vocab=12)
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return {"target": root / "target", "draft": root / "draft", "wide": root / "wide", "prompts": prompts}
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def tiny_args(tiny_pair, *extra: str) -> list[str]:
+    return [
+        "generate", "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"]),
+        "--prompts", str(tiny_pair["prompts"]), *extra,
+    ]
+
+
+def assert_one_line_error(result, exit_code: int, *fragments: str) -> None:
+    assert result.exit_code == exit_code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_help_explains_commands_and_options():
+    top = run("--help")
+    assert top.exit_code == 0
+    assert "generate" in top.output and "fetch" in top.output
+    bare = run()
+    assert bare.exit_code == 0 and "generate" in bare.output
+    generate = run("generate", "--help")
+    assert generate.exit_code == 0
+    for option in ("--preset", "--target", "--draft", "--prompts", "--limit", "--category", "--no-chat-template",
+                   "--method", "--batch-size", "--max-new-tokens", "--num-draft-tokens", "--dtype", "--output",
+                   "--cache-dir", "eqspec|exspec|autoregressive", "bfloat16|float32", "qwen2.5-coder, smollm2",
+                   "BATCHSPEC_CACHE"):
+        assert option in generate.output, option
+    fetch = run("fetch", "--help")
+    assert fetch.exit_code == 0 and "--preset" in fetch.output and "sha256" in fetch.output
+
+
+@pytest.mark.parametrize("command", ["generate", "fetch"])
+def test_unknown_preset(command):
+    result = run(command, "--preset", "nope")
+    assert_one_line_error(result, 1, "Unknown preset 'nope'", "qwen2.5-coder, smollm2")
+
+
+def test_missing_prompt_file(tiny_pair, tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    result = run(*tiny_args(tiny_pair)[:-2], "--prompts", str(missing))
+    assert_one_line_error(result, 1, str(missing), "neither 'humaneval' nor an existing file")
+
+
+def test_missing_model_directory(tiny_pair, tmp_path):
+    result = run("generate", "--target", str(tmp_path / "nowhere"), "--draft", str(tiny_pair["draft"]),
+                 "--prompts", str(tiny_pair["prompts"]))
+    assert_one_line_error(result, 1, "does not exist")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "fragments"),
+    [
+        ("--batch-size", "0", ("Invalid value for '--batch-size'", "greater than or equal to 1")),
+        ("--batch-size", "four", ("Invalid value for '--batch-size'", "integer")),
+        ("--dtype", "float16", ("Invalid value for '--dtype'", "'float16' is not one of 'bfloat16', 'float32'")),
+        ("--method", "beam", ("Invalid value for '--method'", "'beam' is not one of")),
+        ("--num-draft-tokens", "0", ("Invalid value for '--num-draft-tokens'",)),
+        ("--max-new-tokens", "-1", ("Invalid value for '--max-new-tokens'",)),
+        ("--limit", "0", ("Invalid value for '--limit'",)),
+    ],
+)
+def test_bad_values_are_one_line(tiny_pair, option, value, fragments):
+    result = run(*tiny_args(tiny_pair, option, value))
+    assert_one_line_error(result, 2, *fragments, "(see 'batchspec generate --help')")
+
+
+def test_unknown_option_is_one_line():
+    assert_one_line_error(run("generate", "--beams", "4"), 2, "No such option: --beams")
+
+
+def test_target_without_draft_needs_a_draft_for_speculation(tiny_pair):
+    result = run("generate", "--target", str(tiny_pair["target"]), "--prompts", str(tiny_pair["prompts"]))
+    assert_one_line_error(result, 1, "--target needs --draft as well for --method eqspec")
+
+
+def test_vocabulary_mismatch_is_refused_before_generation(tiny_pair):
+    result = run("generate", "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["wide"]),
+                 "--prompts", str(tiny_pair["prompts"]))
+    assert_one_line_error(result, 1, "different vocabulary sizes")
+
+
+def test_output_directory_must_exist_before_loading(tiny_pair, tmp_path):
+    result = run(*tiny_args(tiny_pair, "--output", str(tmp_path / "no" / "out.jsonl")))
+    assert_one_line_error(result, 1, "does not exist")
+
+
+def test_output_jsonl_fields_contents_and_summary(tiny_pair, tmp_path, reference):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "out.jsonl"
+    result = run(*tiny_args(tiny_pair, "--batch-size", "2", "--max-new-tokens", "12", "--num-draft-tokens", "3",
+                            "--dtype", "float32", "--limit", "4", "--output", str(out)))
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["index"] for row in rows] == [0, 1, 2, 3]
+    assert [row["prompt"] for row in rows] == PROMPTS[:4]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair["target"])
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float32).eval()
+    eos = target.generation_config.eos_token_id
+    for row, prompt in zip(rows, PROMPTS, strict=False):
+        assert set(row) == {"index", "prompt", "text", "token_ids", "num_tokens", "finish_reason"}
+        assert row["token_ids"] == reference(target, tokenizer.encode(prompt), 12, eos)
+        assert row["num_tokens"] == len(row["token_ids"])
+        assert row["text"] == tokenizer.decode(row["token_ids"], skip_special_tokens=True)
+        expected_reason = "eos" if row["token_ids"] and row["token_ids"][-1] == eos else "length"
+        assert row["finish_reason"] == expected_reason
+    assert sum(row["num_tokens"] for row in rows) > 0
+    for fragment in ("Summary: ", "eqspec, batch size 2, k=3", "sequences        4", "tokens/s",
+                     "acceptance rate", "mean accepted", "draft ", "verify ", "realign ", "other "):
+        assert fragment in result.stdout, fragment
+    assert f"Wrote 4 results to {out}" in result.stderr
+
+
+def test_texts_are_printed_without_output(tiny_pair):
+    result = run(*tiny_args(tiny_pair, "--max-new-tokens", "4", "--limit", "2", "--no-chat-template"))
+    assert result.exit_code == 0, result.output
+    assert "=== [0] 1 (" in result.stdout and "=== [1] 2 (" in result.stdout
+    assert "=== [2]" not in result.stdout
+    assert "acceptance rate" in result.stdout
+
+
+def test_autoregressive_needs_only_a_target(tiny_pair, tmp_path):
+    out = tmp_path / "ar.jsonl"
+    result = run("generate", "--target", str(tiny_pair["target"]), "--prompts", str(tiny_pair["prompts"]),
+                 "--method", "autoregressive", "--max-new-tokens", "5", "--output", str(out))
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == len(PROMPTS)
+    assert "acceptance rate" not in result.stdout
+    assert "sequences        5" in result.stdout
+
+
+def test_exspec_is_passed_through(tiny_pair, tmp_path):
+    result = run(*tiny_args(tiny_pair, "--method", "exspec", "--max-new-tokens", "4"))
+    assert "Invalid value for '--method'" not in result.output
+    assert "Traceback" not in result.output
+    if result.exit_code != 0:
+        assert_one_line_error(result, 1, "exspec")
+
+
+def test_module_entry_point_exits_non_zero_with_one_line():
+    completed = subprocess.run(
+        [sys.executable, "-m", "batchspec", "generate", "--batch-size", "0"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )
+    assert completed.returncode == 2
+    lines = completed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: Invalid value for '--batch-size'")

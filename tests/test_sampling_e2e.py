@@ -1,0 +1,310 @@
+"""Lossless sampling end to end: ``batchspec.generate`` with temperature > 0.
+
+* Distribution: the first two tokens of one prompt, generated thousands of times with different seeds, follow
+  the target's own joint distribution ``P(t1) P(t2 | t1)`` (chi-square), for every method and for warped
+  (temperature, top-k, top-p) distributions; deliberately wrong verifiers fail the same test.
+* Determinism: a row's tokens depend only on its prompt, its seed, the sampling settings and the models, not on
+  batch size, method, window, ``num_draft_tokens`` or the order of the prompts.
+* Collapse: top-k 1 and a tiny top-p give the target's greedy output token for token.
+
+The models are tiny random float64 LMs with small vocabularies, so that a few thousand samples cover every
+pair of tokens. Every run checks the batch invariants after every round.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+import pytest
+import tiny_models
+import torch
+from conftest import reference_greedy
+from scipy import stats
+
+import batchspec
+import batchspec.engine as engine
+import batchspec.verifier as verifier
+from batchspec.sampling import SamplingParams, derive_row_seeds, warp
+
+PASS_P = 1e-3
+FAIL_P = 1e-6
+MIN_EXPECTED = 5  # chi-square cells expecting fewer samples are pooled into one
+
+STAT_VOCAB = 10
+STAT_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+STAT_ROWS = 4000
+STAT_BATCH = 256
+
+SEQ_VOCAB = 32
+SEQ_EOS = [0, 1]
+SEQ_MAX_NEW = 16
+SEQ_SAMPLING = {"temperature": 0.8, "top_k": 16, "top_p": 0.95}
+
+
+@dataclass(frozen=True)
+class Models:
+    target: torch.nn.Module
+    perturbed: torch.nn.Module  # partial acceptance
+    identical: torch.nn.Module  # q = p: every draft is accepted
+
+
+def build_models(builder, vocab: int, seed: int) -> Models:
+    target = builder(seed=seed, vocab_size=vocab, initializer_range=0.2, hidden_size=32, intermediate_size=64)
+    return Models(
+        target=target,
+        perturbed=tiny_models.perturbed_copy(target, 0.2, seed=seed + 1),
+        identical=copy.deepcopy(target),
+    )
+
+
+@pytest.fixture(scope="module")
+def stat_models() -> Models:
+    """Llama with a 10-token vocabulary: 100 pairs of tokens; the perturbed draft accepts about 55%."""
+    return build_models(tiny_models.build_llama, STAT_VOCAB, seed=11)
+
+
+@pytest.fixture(scope="module")
+def seq_models() -> Models:
+    """Qwen2 with a 32-token vocabulary, for longer sequences that end at EOS or at the budget."""
+    return build_models(tiny_models.build_qwen2, SEQ_VOCAB, seed=21)
+
+
+# ---- the joint distribution of the first two tokens --------------------------------------------------------
+
+
+@torch.no_grad()
+def exact_joint(target: torch.nn.Module, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """``[V, V]`` probability of the first two new tokens ``(t1, t2)``: warped target ``P(t1) P(t2 | t1)``."""
+    vocab = target.config.vocab_size
+    first = warp(target(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+    extended = torch.tensor([prompt + [t] for t in range(vocab)])  # [V, len + 1]
+    second = warp(target(extended).logits[:, -1], params)  # [V, V]
+    return first[:, None] * second
+
+
+def joint_pvalue(sequences: list[list[int]], joint: torch.Tensor) -> float:
+    """Chi-square p-value of the observed pairs against ``joint`` ``[V, V]``; 0 when a pair of probability 0
+    occurs. Cells expecting fewer than ``MIN_EXPECTED`` samples are pooled into one."""
+    vocab = joint.shape[0]
+    pairs = torch.tensor(sequences)  # [n, 2]
+    counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab).double()  # [V * V]
+    probs = joint.flatten()  # [V * V]
+    if float(counts[probs == 0].sum()) > 0:
+        return 0.0
+    expected = probs * pairs.shape[0]  # [V * V]
+    large, small = expected >= MIN_EXPECTED, (expected < MIN_EXPECTED) & (probs > 0)
+    observed = torch.cat([counts[large], counts[small].sum()[None]])
+    expected = torch.cat([expected[large], expected[small].sum()[None]])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    expected = expected * observed.sum() / expected.sum()  # exactly the observed total, as chisquare requires
+    return float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue)
+
+
+@dataclass(frozen=True)
+class StatCase:
+    """One chi-square run. With ``max_new_tokens=2`` the draft length is clipped to 1, so the second token is
+    decided at the bonus position (with ``d_{k+1}``); with 3 it is a drafted position of a ``k = 2`` round."""
+
+    method: str
+    sampling: dict
+    seed: int
+    max_new_tokens: int = 2
+
+
+STAT_CASES = {
+    "eqspec": StatCase("eqspec", {"temperature": 1.0}, seed=1001),
+    "exspec": StatCase("exspec", {"temperature": 1.0}, seed=1002),
+    "eqspec-k2": StatCase("eqspec", {"temperature": 1.0}, seed=1007, max_new_tokens=3),
+    "autoregressive": StatCase("autoregressive", {"temperature": 1.0}, seed=1003),
+    "eqspec-cold-top_k": StatCase("eqspec", {"temperature": 0.7, "top_k": 5}, seed=1004),
+    "exspec-hot-top_p": StatCase("exspec", {"temperature": 1.5, "top_p": 0.8}, seed=1005, max_new_tokens=3),
+    "eqspec-top_k-top_p": StatCase("eqspec", {"temperature": 1.0, "top_k": 6, "top_p": 0.9}, seed=1006),
+}
+
+
+def sample_pairs(models: Models, case: StatCase) -> batchspec.GenerationResult:
+    """``STAT_PROMPT`` generated for ``STAT_ROWS`` seeds derived from ``case.seed``."""
+    result = batchspec.generate(
+        models.target,
+        models.perturbed,
+        [STAT_PROMPT] * STAT_ROWS,
+        method=case.method,
+        batch_size=STAT_BATCH,
+        max_new_tokens=case.max_new_tokens,
+        num_draft_tokens=3,
+        eos_token_id=[],
+        seed=case.seed,
+        check_invariants=True,
+        **case.sampling,
+    )
+    assert all(len(s) == case.max_new_tokens for s in result.sequences)
+    return result
+
+
+def stat_run(models: Models, case: StatCase) -> tuple[float, float]:
+    """(chi-square p-value of the first two tokens, acceptance rate) of one case."""
+    joint = exact_joint(models.target, STAT_PROMPT, SamplingParams(**case.sampling))
+    result = sample_pairs(models, case)
+    return joint_pvalue([s[:2] for s in result.sequences], joint), result.stats.acceptance_rate
+
+
+@pytest.mark.parametrize("case", list(STAT_CASES))
+def test_first_two_tokens_follow_the_target(case, stat_models):
+    pvalue, acceptance = stat_run(stat_models, STAT_CASES[case])
+    assert pvalue > PASS_P, (case, pvalue)
+    if STAT_CASES[case].method != "autoregressive":
+        assert 0.3 < acceptance < 0.9, f"the draft should be accepted partially: {acceptance}"
+
+
+def test_float32_models_keep_q_in_float32_and_stay_lossless(stat_models, monkeypatch):
+    target = copy.deepcopy(stat_models.target).float()
+    models = Models(target=target, perturbed=copy.deepcopy(stat_models.perturbed).float(), identical=target)
+    q_dtypes = set()
+
+    def recording(draft_tokens, q, p, rand):
+        q_dtypes.add(q.dtype)
+        return verifier.verify_sampling(draft_tokens, q, p, rand)
+
+    monkeypatch.setattr(engine, "verify_sampling", recording)
+    pvalue, _ = stat_run(models, STAT_CASES["eqspec"])
+    assert q_dtypes == {torch.float32}
+    assert pvalue > PASS_P, pvalue
+
+
+WRONG = {
+    "recovered_from_p": ("_residual", lambda p, q: p),
+    "drafts_always_accepted": ("_accept", lambda u, p, q: torch.ones_like(u, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("variant", list(WRONG))
+def test_a_wrong_verifier_fails_end_to_end(variant, stat_models, monkeypatch):
+    helper, wrong = WRONG[variant]
+    monkeypatch.setattr(verifier, helper, wrong)
+    pvalue, _ = stat_run(stat_models, STAT_CASES["eqspec"])
+    assert pvalue < FAIL_P, (variant, pvalue)
+
+
+# ---- a row's tokens do not depend on how it is batched ---------------------------------------------------
+
+
+def seq_prompts(n: int = 8, seed: int = 5) -> list[list[int]]:
+    """Prompts of lengths 1 .. 30 over the whole vocabulary (EOS ids included)."""
+    rng = random.Random(seed)
+    lengths = [1, 30] + [rng.randint(1, 30) for _ in range(n - 2)]
+    return [[rng.randrange(SEQ_VOCAB) for _ in range(length)] for length in lengths]
+
+
+def run_seq(models: Models, prompts, *, draft: str = "perturbed", **kw) -> batchspec.GenerationResult:
+    kw = {"max_new_tokens": SEQ_MAX_NEW, "eos_token_id": SEQ_EOS, "check_invariants": True, **kw}
+    return batchspec.generate(models.target, getattr(models, draft), prompts, **kw)
+
+
+@pytest.fixture(scope="module")
+def seq_reference(seq_models) -> batchspec.GenerationResult:
+    """Every prompt decoded alone (batch size 1), EqSpec with 3 drafts per round."""
+    result = run_seq(
+        seq_models, seq_prompts(), method="eqspec", batch_size=1, num_draft_tokens=3, seed=7, **SEQ_SAMPLING
+    )
+    reasons = set(result.finish_reasons)
+    assert reasons == {"eos", "length"}, f"want rows that end at EOS and rows that run out: {reasons}"
+    return result
+
+
+BATCHINGS = {
+    "eqspec-b3": {"method": "eqspec", "batch_size": 3},
+    "eqspec-b8": {"method": "eqspec", "batch_size": 8},
+    "eqspec-b3-k1": {"method": "eqspec", "batch_size": 3, "num_draft_tokens": 1},
+    "eqspec-b8-k6": {"method": "eqspec", "batch_size": 8, "num_draft_tokens": 6},
+    "exspec-b1-w3": {"method": "exspec", "batch_size": 1, "window_size": 3},
+    "exspec-b3-w3": {"method": "exspec", "batch_size": 3, "window_size": 3},
+    "exspec-b3-w7-k2": {"method": "exspec", "batch_size": 3, "window_size": 7, "num_draft_tokens": 2},
+    "exspec-b8-k5": {"method": "exspec", "batch_size": 8},
+    "exspec-b2-unsorted": {"method": "exspec", "batch_size": 2, "window_size": 5, "sort_by_length": False},
+}
+
+
+@pytest.mark.parametrize("batching", list(BATCHINGS))
+def test_tokens_do_not_depend_on_batching(batching, seq_models, seq_reference):
+    kw = {"num_draft_tokens": 3, **BATCHINGS[batching]}
+    result = run_seq(seq_models, seq_prompts(), seed=7, **SEQ_SAMPLING, **kw)
+    assert result.sequences == seq_reference.sequences
+    assert result.finish_reasons == seq_reference.finish_reasons
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_shuffled_prompts_with_their_seeds_keep_their_tokens(method, seq_models, seq_reference):
+    prompts = seq_prompts()
+    seeds = derive_row_seeds(7, len(prompts))
+    order = list(range(len(prompts)))
+    random.Random(3).shuffle(order)
+    shuffled = run_seq(
+        seq_models,
+        [prompts[i] for i in order],
+        method=method,
+        batch_size=3,
+        seed=[seeds[i] for i in order],
+        **SEQ_SAMPLING,
+    )
+    assert shuffled.sequences == [seq_reference.sequences[i] for i in order]
+
+
+def test_other_seeds_give_other_tokens(seq_models, seq_reference):
+    other = run_seq(seq_models, seq_prompts(), method="eqspec", batch_size=8, seed=8, **SEQ_SAMPLING)
+    differ = sum(a != b for a, b in zip(other.sequences, seq_reference.sequences, strict=True))
+    assert differ >= len(seq_reference.sequences) - 1
+    listed = run_seq(
+        seq_models, seq_prompts(), method="eqspec", batch_size=8, seed=derive_row_seeds(7, 8), **SEQ_SAMPLING
+    )
+    assert listed.sequences == seq_reference.sequences, "an int seed stands for the seeds derived from it"
+
+
+def test_a_draft_equal_to_the_target_gives_plain_sampling(seq_models):
+    """With q = p every draft is accepted, so speculative sampling realises the same tokens as the target alone;
+    another draft gives other (equally distributed) tokens for the same seeds."""
+    prompts = seq_prompts()
+    plain = run_seq(seq_models, prompts, method="autoregressive", batch_size=3, seed=9, **SEQ_SAMPLING)
+    same = run_seq(seq_models, prompts, draft="identical", method="eqspec", batch_size=3, seed=9, **SEQ_SAMPLING)
+    assert same.sequences == plain.sequences
+    assert same.stats.acceptance_rate == 1.0
+    other = run_seq(seq_models, prompts, method="eqspec", batch_size=3, seed=9, **SEQ_SAMPLING)
+    assert other.sequences != plain.sequences
+
+
+# ---- collapse to greedy decoding ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec", "autoregressive"])
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.7, "top_k": 1}, {"temperature": 1.3, "top_p": 1e-9}, {"temperature": 0.0}],
+    ids=["top_k_1", "tiny_top_p", "temperature_0"],
+)
+def test_degenerate_sampling_is_greedy(method, sampling, seq_models):
+    prompts = seq_prompts()
+    result = run_seq(seq_models, prompts, method=method, batch_size=3, seed=11, **sampling)
+    expected = [reference_greedy(seq_models.target, p, SEQ_MAX_NEW, SEQ_EOS) for p in prompts]
+    assert result.sequences == expected
+
+
+# ---- arguments ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k"),
+        ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+        ({"temperature": 1.0, "seed": -1}, "seed"),
+        ({"temperature": 1.0, "seed": 2**63}, "seed"),
+        ({"temperature": 1.0, "seed": [1, 2]}, "seed"),
+        ({"temperature": 1.0, "seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_sampling_arguments_are_rejected(kwargs, name, seq_models):
+    with pytest.raises(ValueError, match=name):
+        run_seq(seq_models, seq_prompts(3), method="eqspec", **kwargs)
