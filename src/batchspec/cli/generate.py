@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from batchspec.api import generate
 from batchspec.cli.common import (
     BatchSizeOption,
     CacheDirOption,
@@ -117,8 +118,6 @@ def generate_command(
     generated texts (or writes --output) and a summary: sequences, tokens/s, acceptance rate, mean
     accepted length and the time split between draft, verify, realign and other work.
     """
-    import batchspec
-
     with user_errors():
         models = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
         models.check_for(method)
@@ -128,7 +127,7 @@ def generate_command(
         loaded = load_models(models, method)
         typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompt_choice)
-        result = batchspec.generate(
+        result = generate(
             loaded.target,
             loaded.draft,
             token_ids,
@@ -144,6 +143,7 @@ def generate_command(
         else:
             write_jsonl(output, results)
             typer.echo(f"Wrote {len(results)} results to {output}", err=True)
-    typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}, k={num_draft_tokens}")
+    drafting = "" if method is Method.AUTOREGRESSIVE else f", k={num_draft_tokens}"
+    typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}{drafting}")
     for line in summary_lines(result.stats, result.finish_reasons, method):
         typer.echo(f"  {line}")
