@@ -59,6 +59,11 @@ def test_sweep_writes_consistent_cells(tiny, tmp_path, reference):
         assert (cell["acceptance_rate"] is None) == (cell["method"] == "autoregressive")
     with (tmp_path / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 9
+    audit = json.loads((tmp_path / "audit.json").read_text())
+    assert audit["passed"] and [(c["method"], c["batch_size"]) for c in audit["cells"]] == [
+        (c["method"], c["batch_size"]) for c in cells
+    ]
+    assert all(c["exact_match"] == 1.0 and c["divergences"] == [] for c in audit["cells"])
     assert "| eqspec | 3 |" in (tmp_path / "results.md").read_text()
     for name in ("throughput.png", "anatomy.png", "grouping.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
@@ -80,6 +85,7 @@ def test_interrupted_sweep_keeps_finished_cells(tiny, tmp_path, monkeypatch):
         run_sweep(pair, workload, SweepPlan(("eqspec",), (1, 2, 4), compare=False), tmp_path, progress=False)
     cells = json.loads((tmp_path / "results.json").read_text())
     assert [(c["method"], c["batch_size"]) for c in cells] == [("eqspec", 1)]
+    assert not (tmp_path / "audit.json").exists()  # nothing compared
 
 
 def _right_padded_without_mask(pair: ModelPair, workload: Workload, batch_size: int) -> RunOutput:

@@ -74,6 +74,10 @@ class AuditReport:
         out["passed"] = self.passed
         return out
 
+    def write(self, out_dir: Path) -> None:
+        """Write ``audit.json`` into ``out_dir``."""
+        (out_dir / "audit.json").write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+
 
 def find_divergences(sequences: list[list[int]], reference: Reference, tolerance: float) -> list[Divergence]:
     found = []
@@ -128,5 +132,5 @@ def run_audit(
         workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, tolerance, cells
     )
     if out_dir is not None:
-        (out_dir / "audit.json").write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n")
+        report.write(out_dir)
     return report

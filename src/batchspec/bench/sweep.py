@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from batchspec.bench.audit import DEFAULT_TOLERANCE, AuditCell, AuditReport, find_divergences
 from batchspec.bench.cells import Cell, make_cell
 from batchspec.bench.plots import write_plots
 from batchspec.bench.reference import Reference, load_or_compute_reference, match_summary
@@ -61,7 +62,10 @@ def warm_up(pair: ModelPair, workload: Workload, methods: tuple[str, ...]) -> No
 def run_sweep(
     pair: ModelPair, workload: Workload, plan: SweepPlan, out_dir: Path, progress: bool = True
 ) -> SweepResult:
-    """Measure every cell, writing the results after each one (an interrupted sweep keeps what it finished)."""
+    """Measure every cell, writing the results after each one (an interrupted sweep keeps what it finished).
+
+    With ``plan.compare`` every cell's divergences from the reference are written to ``audit.json`` as well, in
+    the format of ``batchspec audit`` (position and the reference's logit margin of each)."""
     if pair.draft is None and any(needs_draft(m) for m in plan.methods):
         raise ValueError("these methods need a draft model: " + ", ".join(m for m in plan.methods if needs_draft(m)))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,9 +76,16 @@ def run_sweep(
     todo = plan.cells()
     skipped = [(m, b) for m in plan.methods for b in plan.batch_sizes if (m, b) not in todo]
     cells: list[Cell] = []
+    audit = AuditReport(
+        workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, DEFAULT_TOLERANCE, []
+    )
     for method, batch_size in tqdm(todo, desc="bench", unit="cell", disable=not progress):
         out = runner_for(method)(pair, workload, batch_size)
         match = None if reference is None else match_summary(out.sequences, reference.sequences)
         cells.append(make_cell(method, batch_size, workload, out, match))
         write_results(out_dir, cells)
+        if reference is not None and match is not None:  # compared: record where it diverged, and how close
+            divergences = find_divergences(out.sequences, reference, DEFAULT_TOLERANCE)
+            audit.cells.append(AuditCell(method, batch_size, match.exact_match, match.partial_match, divergences))
+            audit.write(out_dir)
     return SweepResult(cells, skipped, write_plots(out_dir, cells))

@@ -93,7 +93,7 @@ def build_workload(
     return ModelPair(loaded.name, loaded.target, loaded.draft), workload
 
 
-def _load(preset, target, draft, dtype, cache_dir, methods: tuple[str, ...]) -> LoadedModels:
+def load_for_methods(preset, target, draft, dtype, cache_dir, methods: tuple[str, ...]) -> LoadedModels:
     method = Method.EQSPEC if any(needs_draft(m) for m in methods) else Method.AUTOREGRESSIVE
     choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
     choice.check_for(method)
@@ -140,7 +140,7 @@ def bench_command(
         with user_errors():
             online_methods = _online_methods(methods)
             prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
-            loaded = _load(preset, target, draft, dtype, cache_dir, online_methods)
+            loaded = load_for_methods(preset, target, draft, dtype, cache_dir, online_methods)
             pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
             result = _run_online(loaded, workload, online_methods, parse_batch_sizes(batch_sizes)[0], rate, requests)
             output.mkdir(parents=True, exist_ok=True)
@@ -151,7 +151,7 @@ def bench_command(
         plan = SweepPlan(parse_methods(methods), parse_batch_sizes(batch_sizes), compare=compare)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         load_prompt_records(prompt_choice)
-        loaded = _load(preset, target, draft, dtype, cache_dir, plan.methods)
+        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, plan.methods)
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
         result = run_sweep(pair, workload, plan, output)
     typer.echo(markdown_table(result.cells))
@@ -222,7 +222,7 @@ def audit_command(
         method_list, sizes = parse_methods(methods), parse_batch_sizes(batch_sizes)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         load_prompt_records(prompt_choice)
-        loaded = _load(preset, target, draft, dtype, cache_dir, method_list)
+        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, method_list)
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
         report = run_audit(pair, workload, method_list, sizes, tolerance=tolerance, out_dir=output)
     print_audit(report)

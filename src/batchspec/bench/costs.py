@@ -1,0 +1,143 @@
+"""Forward costs: what one target and one draft forward cost on this hardware, and what that allows.
+
+A greedy speculative round over ``B`` rows costs ``k`` draft forwards of one new token per row and one target
+forward of ``k + 1`` new tokens per row, and gives each row ``E`` tokens on average (the mean accepted length:
+accepted drafts plus the bonus token). Plain decoding pays one target forward of one token per row for each
+token. Writing ``c_t(B, n)`` and ``c_d(B, n)`` for the seconds of one target / draft forward of ``n`` new tokens
+per row over ``B`` rows (on top of a cache of ``context`` columns)::
+
+    round      = k * c_d(B, 1) + c_t(B, k + 1)
+    speedup    = E * c_t(B, 1) / round                   (over plain batched decoding at the same B)
+    E needed   = round / c_t(B, 1)                       (mean accepted length where speculation breaks even)
+    c_d needed = (E * c_t(B, 1) - c_t(B, k + 1)) / k     (draft cost where it breaks even, for a measured E)
+
+Example: ``c_t(8, 1) = 0.40 s``, ``c_t(8, 6) = 0.70 s``, ``c_d(8, 1) = 0.20 s``, ``k = 5``: a round costs
+1.70 s, so speculation pays only when rows gain more than 1.70 / 0.40 = 4.25 tokens per round; with ``E = 5.5``
+the speedup is 5.5 * 0.40 / 1.70 = 1.29.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from batchspec.kv_cache import BatchKVCache
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Median seconds of one forward of ``new_tokens`` tokens per row over ``batch_size`` rows."""
+
+    model: str
+    batch_size: int
+    new_tokens: int
+    context: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SpeculationCost:
+    """What the forward costs imply for speculative decoding at one batch size (terms in the module docstring).
+
+    Attributes:
+        target_step_s: ``c_t(B, 1)``; verify_s: ``c_t(B, k+1)``; draft_step_s: ``c_d(B, 1)``.
+        round_s: ``k * c_d(B, 1) + c_t(B, k+1)``.
+        break_even_accepted_length: the ``E`` at which a round costs as much as ``E`` plain steps.
+        mean_accepted_length: the measured ``E`` given, if any.
+        predicted_speedup: ``E * c_t(B, 1) / round_s`` for the given ``E``.
+        break_even_draft_step_s: the ``c_d(B, 1)`` at which speculation breaks even for the given ``E``.
+    """
+
+    batch_size: int
+    num_draft_tokens: int
+    target_step_s: float
+    verify_s: float
+    draft_step_s: float
+    round_s: float
+    break_even_accepted_length: float
+    mean_accepted_length: float | None
+    predicted_speedup: float | None
+    break_even_draft_step_s: float | None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def time_forward(model: torch.nn.Module, batch_size: int, new_tokens: int, context: int, repeats: int) -> float:
+    """Median seconds of a forward of ``[batch_size, new_tokens]`` random tokens after ``context`` cached ones."""
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (batch_size, context + new_tokens), generator=generator).to(device)  # [B, C+n]
+    cache = BatchKVCache.for_model(model)
+    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    positions = torch.arange(context, context + new_tokens, device=device).expand(batch_size, -1)  # [B, n]
+    mask = torch.ones_like(ids)  # [B, C+n]
+    seconds = []
+    for _ in range(repeats + 1):
+        cache.crop(context)
+        started = time.perf_counter()
+        model(
+            input_ids=ids[:, context:],
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=new_tokens,
+        )
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
+
+
+def measure_forward_costs(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    batch_sizes: tuple[int, ...],
+    draft_lengths: tuple[int, ...],
+    *,
+    context: int = 128,
+    repeats: int = 3,
+) -> list[ForwardCost]:
+    """``c_t(B, 1)``, ``c_t(B, k+1)`` for every ``k`` in ``draft_lengths`` and ``c_d(B, 1)``, for every ``B``
+    (each median of ``repeats`` forwards after a discarded warm-up)."""
+    sizes = (*batch_sizes, *draft_lengths)
+    if not batch_sizes or not draft_lengths or min(sizes) < 1 or context < 1 or repeats < 1:
+        raise ValueError("need batch sizes and draft lengths, and every one of them, context and repeats >= 1")
+    widths = sorted({1, *(k + 1 for k in draft_lengths)})
+    plan = [("target", target, n) for n in widths] + [("draft", draft, 1)]
+    return [
+        ForwardCost(name, b, n, context, time_forward(model, b, n, context, repeats))
+        for b in batch_sizes
+        for name, model, n in plan
+    ]
+
+
+def speculation_costs(costs: list[ForwardCost], mean_accepted_length: float | None = None) -> list[SpeculationCost]:
+    """The break-even figures for every batch size and draft length ``k`` that ``costs`` (as measured by
+    :func:`measure_forward_costs`) cover."""
+    table = {(c.model, c.batch_size, c.new_tokens): c.seconds for c in costs}
+    pairs = sorted((b, n - 1) for model, b, n in table if model == "target" and n > 1)
+    out = []
+    for b, k in pairs:
+        step, verify, draft = table[("target", b, 1)], table[("target", b, k + 1)], table[("draft", b, 1)]
+        round_s = k * draft + verify
+        e = mean_accepted_length
+        out.append(
+            SpeculationCost(
+                batch_size=b,
+                num_draft_tokens=k,
+                target_step_s=step,
+                verify_s=verify,
+                draft_step_s=draft,
+                round_s=round_s,
+                break_even_accepted_length=round_s / step,
+                mean_accepted_length=e,
+                predicted_speedup=None if e is None else e * step / round_s,
+                break_even_draft_step_s=None if e is None else (e * step - verify) / k,
+            )
+        )
+    return out

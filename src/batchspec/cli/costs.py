@@ -1,0 +1,84 @@
+"""``batchspec costs``: forward costs of the target and the draft, and the acceptance speculation needs to pay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from batchspec.bench.costs import measure_forward_costs, speculation_costs
+from batchspec.cli.bench import BatchSizesOption, OutputDirOption, load_for_methods, parse_batch_sizes
+from batchspec.cli.common import CacheDirOption, DraftOption, DType, DTypeOption, PresetOption, TargetOption
+from batchspec.cli.errors import user_errors
+
+DraftLengthsOption = Annotated[
+    str, typer.Option("--draft-lengths", metavar="K1,K2,...", help="Comma-separated draft lengths k to cost.")
+]
+
+
+def costs_command(
+    output: OutputDirOption,
+    preset: PresetOption = None,
+    target: TargetOption = None,
+    draft: DraftOption = None,
+    batch_sizes: BatchSizesOption = "1,4,8",
+    draft_lengths: DraftLengthsOption = "3,5",
+    dtype: DTypeOption = DType.BFLOAT16,
+    context: Annotated[int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")] = 128,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = 3,
+    mean_accepted_length: Annotated[
+        float | None,
+        typer.Option(
+            "--mean-accepted-length", min=1.0,
+            help="A measured mean accepted length E (from bench): adds the predicted speedup and the draft cost "
+            "at which speculation breaks even.",
+        ),
+    ] = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Time one target and one draft forward per batch size, and derive what speculation needs to pay off.
+
+    For every batch size B and draft length k: c_t(B, 1) (a plain decoding step), c_t(B, k+1) (a verification)
+    and c_d(B, 1) (one draft step); a round costs k * c_d(B, 1) + c_t(B, k+1), so speculation beats plain
+    batched decoding only when rows gain more than round / c_t(B, 1) tokens per round. Writes costs.json.
+    """
+    with user_errors():
+        sizes = parse_batch_sizes(batch_sizes)
+        lengths = parse_draft_lengths(draft_lengths)
+        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, ("eqspec",))
+        costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats)
+        summary = speculation_costs(costs, mean_accepted_length)
+    output.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": loaded.name,
+        "dtype": loaded.dtype.value,
+        "torch_threads": torch.get_num_threads(),
+        "context": context,
+        "forward_costs": [c.__dict__ for c in costs],
+        "speculation": [s.to_dict() for s in summary],
+    }
+    (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
+    typer.echo(f"{loaded.name} ({loaded.dtype.value}, {torch.get_num_threads()} threads), {context} cached columns")
+    typer.echo("| B | k | c_t(B,1) s | c_t(B,k+1) s | c_d(B,1) s | round s | break-even E | speedup | c_d needed s |")
+    typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for s in summary:
+        speedup = "–" if s.predicted_speedup is None else f"{s.predicted_speedup:.2f}"
+        needed = "–" if s.break_even_draft_step_s is None else f"{s.break_even_draft_step_s:.3f}"
+        typer.echo(
+            f"| {s.batch_size} | {s.num_draft_tokens} | {s.target_step_s:.3f} | {s.verify_s:.3f} | "
+            f"{s.draft_step_s:.3f} | {s.round_s:.3f} | {s.break_even_accepted_length:.2f} | {speedup} | {needed} |"
+        )
+    typer.echo(f"Wrote {Path(output) / 'costs.json'}", err=True)
+
+
+def parse_draft_lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(k) for k in text.split(",") if k.strip())
+    except ValueError:
+        raise ValueError(f"--draft-lengths must be comma-separated integers; got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"--draft-lengths must be integers >= 1; got {text!r}")
+    return lengths

@@ -1,0 +1,62 @@
+"""``batchspec costs``: forward timings on tiny models and the break-even arithmetic on hand-made costs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bench import _cli, tiny_dirs  # noqa: F401  (module-scoped fixture)
+
+from batchspec.bench.costs import ForwardCost, measure_forward_costs, speculation_costs
+
+torch = pytest.importorskip("torch")
+
+
+def _hand_costs() -> list[ForwardCost]:
+    seconds = {("target", 8, 1): 0.40, ("target", 8, 6): 0.70, ("target", 8, 4): 0.55, ("draft", 8, 1): 0.20}
+    return [ForwardCost(m, b, n, 128, s) for (m, b, n), s in seconds.items()]
+
+
+def test_break_even_arithmetic_matches_the_docstring_example():
+    by_k = {s.num_draft_tokens: s for s in speculation_costs(_hand_costs(), mean_accepted_length=5.5)}
+    assert sorted(by_k) == [3, 5]
+    five = by_k[5]
+    assert five.round_s == pytest.approx(1.70)
+    assert five.break_even_accepted_length == pytest.approx(4.25)
+    assert five.predicted_speedup == pytest.approx(5.5 * 0.40 / 1.70)
+    assert five.break_even_draft_step_s == pytest.approx((5.5 * 0.40 - 0.70) / 5)
+    three = by_k[3]
+    assert three.round_s == pytest.approx(3 * 0.20 + 0.55)
+    assert three.break_even_accepted_length == pytest.approx(1.15 / 0.40)
+
+
+def test_without_a_measured_acceptance_only_the_break_even_length_is_given():
+    (five, three) = sorted(speculation_costs(_hand_costs()), key=lambda s: -s.num_draft_tokens)
+    assert five.predicted_speedup is None and five.break_even_draft_step_s is None
+    assert five.break_even_accepted_length > three.break_even_accepted_length > 1.0
+
+
+def test_measured_costs_cover_every_batch_size_and_width(bundles):
+    bundle = bundles["llama"]
+    costs = measure_forward_costs(bundle.target, bundle.drafts["perturbed"], (1, 3), (2, 4), context=8, repeats=1)
+    keys = {(c.model, c.batch_size, c.new_tokens) for c in costs}
+    assert keys == {(m, b, n) for b in (1, 3) for m, n in (("target", 1), ("target", 3), ("target", 5), ("draft", 1))}
+    assert all(c.seconds > 0 and c.context == 8 for c in costs)
+    assert [(s.batch_size, s.num_draft_tokens) for s in speculation_costs(costs)] == [(1, 2), (1, 4), (3, 2), (3, 4)]
+    with pytest.raises(ValueError, match=">= 1"):
+        measure_forward_costs(bundle.target, bundle.target, (1,), (0,))
+
+
+def test_costs_command_writes_json_and_table(tiny_dirs, tmp_path):  # noqa: F811
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"), "--dtype", "float32"]
+    result = _cli(
+        "costs", *models, "--batch-sizes", "1,2", "--draft-lengths", "3", "--context", "8", "--repeats", "1",
+        "--mean-accepted-length", "2.5", "-o", str(tmp_path),
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "costs.json").read_text())
+    assert len(report["forward_costs"]) == 2 * 3 and len(report["speculation"]) == 2
+    assert all(s["predicted_speedup"] > 0 for s in report["speculation"])
+    assert "| 2 | 3 |" in result.stdout
+    bad = _cli("costs", *models, "--draft-lengths", "3,x", "-o", str(tmp_path))
+    assert bad.exit_code == 1 and "--draft-lengths must be comma-separated integers" in bad.output
