@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.kv_cache import BatchKVCache, Slab
-from batchspec.realign import assemble, plan_layout
+from batchspec.realign import assemble, compact, plan_layout
 from batchspec.state import BatchState, KVLocation, Sequence
 
 CPU = torch.device("cpu")
@@ -141,3 +141,27 @@ def test_check_catches_broken_invariants():
     batch.slab.tokens[1, 2] = 9
     with pytest.raises(AssertionError, match="token stream out of sync"):
         batch.check()
+
+
+def test_compact_moves_sparse_slab_rows_into_a_small_slab():
+    rows = [Sequence(i, [10 * i + j for j in range(3 + i)], 8) for i in range(5)]
+    dense = [Sequence(10 + i, [7] * 4, 8) for i in range(2)]
+    sparse_slab = make_slab(rows, starts=[4, 3, 2, 1, 0], lags=[0, 0, 0, 0, 0], draft_lags=[0, 2, 0, 0, 0])
+    dense_slab = make_slab(dense, starts=[0, 0], lags=[0, 0], draft_lags=[0, 0])
+    live = [rows[3], rows[1], dense[0], dense[1]]  # 2 of 5 rows of one slab, both rows of the other
+    before = {row.index: (row.kv.start, row.kv.target_cached, row.kv.draft_cached) for row in live}
+    assert compact(live) == 1
+    assert dense[0].kv.slab is dense_slab and dense[1].kv.slab is dense_slab
+    small = rows[1].kv.slab
+    assert small is rows[3].kv.slab and small is not sparse_slab and small.size == 2
+    assert (rows[1].kv.row, rows[3].kv.row) == (0, 1)
+    assert small.target.storage.shape[2] == 2 and small.target.length == sparse_slab.target.length
+    for row in live:
+        assert (row.kv.start, row.kv.target_cached, row.kv.draft_cached) == before[row.index]
+        row.check_location()
+    for row in (rows[1], rows[3]):  # the values moved with the rows: 1000 * index + column - start
+        start, n = row.kv.start, row.kv.target_cached
+        keys = small.target.storage[0, 0, row.kv.row, 0, start : start + n, 0]
+        assert keys.tolist() == [1000.0 * row.index + c for c in range(n)]
+        assert torch.equal(small.draft.storage[:, :, row.kv.row], sparse_slab.draft.storage[:, :, row.index])
+    assert compact(live) == 0  # nothing sparse any more

@@ -24,7 +24,7 @@ one gather per source slab into fresh storage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -178,3 +178,38 @@ def _gather_cache(layout: Layout, pick, num_layers: int, length: int) -> BatchKV
         else:
             storage[:, :, source.dest, :, :length] = old.gather(4, index)
     return BatchKVCache(num_layers, storage, length)
+
+
+def compact(rows: list[Sequence]) -> int:
+    """Move ``rows`` out of storage that mostly holds rows no longer in use; returns the slabs compacted.
+
+    A slab is allocated for a whole batch, and rows that do not run stay in the slab of the batch they last ran
+    in. Under ExSpec a window of ``W`` rows may thus pin up to ``W`` slabs of ``B`` rows each, far more KV than the
+    rows need. Every slab in which at most half of the rows are among ``rows`` is replaced by a slab of just
+    those rows (same columns and starts; only their slab row changes), so memory stays within twice the live
+    rows. Example: rows 1 and 6 of an 8-row slab are live → a 2-row slab holding them as rows 0 and 1.
+    """
+    live: dict[int, tuple[Slab, list[Sequence]]] = {}
+    for row in rows:
+        if row.kv is not None:
+            live.setdefault(id(row.kv.slab), (row.kv.slab, []))[1].append(row)
+    compacted = 0
+    for slab, members in live.values():
+        if 2 * len(members) > slab.size:
+            continue
+        members.sort(key=lambda r: r.kv.row)
+        src = torch.tensor([r.kv.row for r in members], dtype=torch.long, device=slab.tokens.device)  # [b]
+        draft = None if slab.draft is None else _select_rows(slab.draft, src)
+        small = Slab(slab.tokens.index_select(0, src), _select_rows(slab.target, src), draft)
+        for i, row in enumerate(members):
+            row.kv = replace(row.kv, slab=small, row=i)
+        compacted += 1
+    return compacted
+
+
+def _select_rows(cache: BatchKVCache, src: torch.Tensor) -> BatchKVCache:
+    """A copy of rows ``src`` of ``cache``, with its columns and a fresh growth margin."""
+    if cache.storage is None:
+        return BatchKVCache(len(cache.layers))
+    kept = cache.storage[:, :, :, :, : cache.length + GROWTH]  # [N, 2, B, H, length + GROWTH, D]
+    return BatchKVCache(len(cache.layers), kept.index_select(2, src), cache.length)

@@ -14,7 +14,8 @@ length with ``sort_by_length``) as sequences finish; finished sequences leave at
    grouped or not.
 
 Rows that run together are gathered once into one storage and stay there while they keep running together;
-see :mod:`batchspec.realign`.
+see :mod:`batchspec.realign`. Storage that the window's rows fill to at most half is compacted after each round,
+so the KV kept alive stays within about twice what the window's rows need.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchspec.engine import Engine
+from batchspec.realign import compact
 from batchspec.state import Sequence
 
 
@@ -84,7 +86,8 @@ class SequencePool:
         return _in_slab_order(self._nearest(starving, batch_size))
 
     def ran(self, rows: list[Sequence]) -> int:
-        """Account a round over ``rows``; retire finished rows. Returns how many finished."""
+        """Account a round over ``rows``; retire finished rows and compact the storage the window no longer
+        fills (see :func:`batchspec.realign.compact`). Returns how many finished."""
         ran = {row.index for row in rows}
         for row in self.window:
             self.waited[row.index] = 0 if row.index in ran else self.waited[row.index] + 1
@@ -93,6 +96,7 @@ class SequencePool:
             del self.waited[row.index]
         self.window = [row for row in self.window if not row.finished]
         self.done += len(finished)
+        compact(self.window)
         return len(finished)
 
     def _largest_bucket(self) -> list[Sequence]:
