@@ -165,3 +165,18 @@ def test_compact_moves_sparse_slab_rows_into_a_small_slab():
         assert keys.tolist() == [1000.0 * row.index + c for c in range(n)]
         assert torch.equal(small.draft.storage[:, :, row.kv.row], sparse_slab.draft.storage[:, :, row.index])
     assert compact(live) == 0  # nothing sparse any more
+
+
+def test_dropped_cache_frees_its_storage_without_the_cyclic_gc():
+    """Slabs are replaced every realigned round; their storage must go as soon as the last reference does."""
+    import gc
+    import weakref
+
+    cache = fake_cache([0, 1], 4, [0, 1])
+    storage = weakref.ref(cache.storage)
+    gc.disable()
+    try:
+        del cache
+        assert storage() is None
+    finally:
+        gc.enable()

@@ -10,6 +10,7 @@ into the spare capacity; moving rows to another layout is a gather done by :mod:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -25,9 +26,15 @@ class _StoreLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, owner: BatchKVCache, layer_idx: int) -> None:
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # weak: a cycle would keep the storage alive until Python's cyclic GC
         self.layer_idx = layer_idx
         self.is_initialized = True
+
+    @property
+    def owner(self) -> BatchKVCache:
+        owner = self._owner()
+        assert owner is not None, "a cache layer outlived its cache"
+        return owner
 
     @property
     def keys(self) -> torch.Tensor | None:  # [B, H, length, D]
