@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -198,3 +199,23 @@ def test_bench_online_writes_latency_percentiles(tiny_dirs, tmp_path):
     bad = _cli("bench", *models, "--prompts", str(tiny_dirs / "prompts.txt"), "--online", "--methods", "hf-generate",
                "-o", str(tmp_path))
     assert bad.exit_code == 1 and "--online serves eqspec, exspec, autoregressive only" in bad.output
+
+
+def test_hf_assisted_drafts_exactly_k_tokens_per_round(tiny):
+    """transformers reads the draft length from the assistant's generation config, not from generate()'s
+    arguments; left at its defaults it drafts up to 20 tokens per round and adapts, which is another method."""
+    pair, workload = tiny
+    workload = dataclasses.replace(workload, prompts=tuple(p for p in workload.prompts if len(p) >= 14))
+    assert workload.prompts
+    before = pair.draft.generation_config.to_dict()
+    widths = []
+    handle = pair.target.register_forward_hook(
+        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        bench_runners.run_hf_assisted(pair, workload, 1)
+    finally:
+        handle.remove()
+    verify = [w for w in widths if w < 14]  # prefills read a whole prompt (>= 14 tokens); the rest verify
+    assert verify and max(verify) == workload.num_draft_tokens + 1
+    assert pair.draft.generation_config.to_dict() == before  # the draft's own settings are restored

@@ -8,7 +8,8 @@ attention mask), ``hf-assisted`` its assisted generation with the draft, which w
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -99,21 +100,34 @@ def run_hf_assisted(pair: ModelPair, workload: Workload, batch_size: int) -> Run
     if pair.draft is None:
         raise ValueError("hf-assisted needs a draft model")
     device = next(pair.target.parameters()).device
-    assisted = dict(
-        assistant_model=pair.draft,
-        num_assistant_tokens=workload.num_draft_tokens,
-        num_assistant_tokens_schedule="constant",
-        assistant_confidence_threshold=0.0,
-    )
     started = time.perf_counter()
     sequences = []
-    for prompt in workload.prompts:
-        ids = torch.tensor([prompt], device=device)
-        out = pair.target.generate(
-            ids, attention_mask=torch.ones_like(ids), **greedy_generate_kwargs(workload), **assisted
-        )
-        sequences.append(cut_after_eos(out[0, len(prompt) :].tolist(), workload.eos_token_ids))
+    with _constant_draft_length(pair.draft, workload.num_draft_tokens):
+        for prompt in workload.prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = pair.target.generate(
+                ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft, **greedy_generate_kwargs(workload)
+            )
+            sequences.append(cut_after_eos(out[0, len(prompt) :].tolist(), workload.eos_token_ids))
     return RunOutput(sequences, None, time.perf_counter() - started)
+
+
+@contextmanager
+def _constant_draft_length(draft: torch.nn.Module, k: int) -> Iterator[None]:
+    """Make transformers' assistant draft exactly ``k`` tokens per round. Its candidate generator reads these
+    settings from the assistant's own generation config (the target's ``generate`` arguments do not reach it);
+    the defaults adapt the draft length and stop drafting below a confidence threshold."""
+    config = draft.generation_config
+    settings = {"num_assistant_tokens": k, "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0}
+    saved = {name: getattr(config, name, None) for name in settings}
+    for name, value in settings.items():
+        setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
 
 
 RUNNERS: dict[str, Runner] = {
