@@ -62,14 +62,19 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return methods
 
 
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
+def parse_positive_ints(text: str, option: str) -> tuple[int, ...]:
+    """``"1,4,8"`` → ``(1, 4, 8)``; a ValueError naming ``option`` for anything else or a value below 1."""
     try:
-        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+        values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"--batch-sizes must be comma-separated integers; got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--batch-sizes must be integers >= 1; got {text!r}")
-    return sizes
+        raise ValueError(f"{option} must be comma-separated integers; got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{option} must be integers >= 1; got {text!r}")
+    return values
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    return parse_positive_ints(text, "--batch-sizes")
 
 
 def build_workload(

@@ -10,7 +10,13 @@ import torch
 import typer
 
 from batchspec.bench.costs import measure_forward_costs, speculation_costs
-from batchspec.cli.bench import BatchSizesOption, OutputDirOption, load_for_methods, parse_batch_sizes
+from batchspec.cli.bench import (
+    BatchSizesOption,
+    OutputDirOption,
+    load_for_methods,
+    parse_batch_sizes,
+    parse_positive_ints,
+)
 from batchspec.cli.common import CacheDirOption, DraftOption, DType, DTypeOption, PresetOption, TargetOption
 from batchspec.cli.errors import user_errors
 
@@ -47,7 +53,7 @@ def costs_command(
     """
     with user_errors():
         sizes = parse_batch_sizes(batch_sizes)
-        lengths = parse_draft_lengths(draft_lengths)
+        lengths = parse_positive_ints(draft_lengths, "--draft-lengths")
         loaded = load_for_methods(preset, target, draft, dtype, cache_dir, ("eqspec",))
         costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats)
         summary = speculation_costs(costs, mean_accepted_length)
@@ -73,12 +79,3 @@ def costs_command(
         )
     typer.echo(f"Wrote {Path(output) / 'costs.json'}", err=True)
 
-
-def parse_draft_lengths(text: str) -> tuple[int, ...]:
-    try:
-        lengths = tuple(int(k) for k in text.split(",") if k.strip())
-    except ValueError:
-        raise ValueError(f"--draft-lengths must be comma-separated integers; got {text!r}") from None
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"--draft-lengths must be integers >= 1; got {text!r}")
-    return lengths
