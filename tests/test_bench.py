@@ -65,7 +65,7 @@ def test_sweep_writes_consistent_cells(tiny, tmp_path, reference):
         (c["method"], c["batch_size"]) for c in cells
     ]
     assert all(c["exact_match"] == 1.0 and c["divergences"] == [] for c in audit["cells"])
-    assert "| eqspec | 3 |" in (tmp_path / "results.md").read_text()
+    assert "| eqspec | 3 | 3 |" in (tmp_path / "results.md").read_text()
     for name in ("throughput.png", "anatomy.png", "grouping.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -75,11 +75,11 @@ def test_interrupted_sweep_keeps_finished_cells(tiny, tmp_path, monkeypatch):
     calls = {"n": 0}
     real = bench_runners.RUNNERS["eqspec"]
 
-    def flaky(pair_, workload_, batch_size):
+    def flaky(pair_, workload_, batch_size, progress=False):
         calls["n"] += 1
         if calls["n"] > 2 and len(workload_.prompts) > 1:  # after the warm-up and one measured cell
             raise KeyboardInterrupt
-        return real(pair_, workload_, batch_size)
+        return real(pair_, workload_, batch_size, progress)
 
     monkeypatch.setitem(bench_runners.RUNNERS, "eqspec", flaky)
     with pytest.raises(KeyboardInterrupt):
@@ -89,7 +89,7 @@ def test_interrupted_sweep_keeps_finished_cells(tiny, tmp_path, monkeypatch):
     assert not (tmp_path / "audit.json").exists()  # nothing compared
 
 
-def _right_padded_without_mask(pair: ModelPair, workload: Workload, batch_size: int) -> RunOutput:
+def _right_padded_without_mask(pair: ModelPair, workload: Workload, batch_size: int, progress=False) -> RunOutput:
     """A broken batch method: right padding and no attention mask, the classic ragged-batch bug."""
     sequences = []
     for start in range(0, len(workload.prompts), batch_size):
@@ -219,3 +219,15 @@ def test_hf_assisted_drafts_exactly_k_tokens_per_round(tiny):
     verify = [w for w in widths if w < 14]  # prefills read a whole prompt (>= 14 tokens); the rest verify
     assert verify and max(verify) == workload.num_draft_tokens + 1
     assert pair.draft.generation_config.to_dict() == before  # the draft's own settings are restored
+
+
+@pytest.mark.parametrize("method", bench_runners.METHODS)
+def test_runners_show_a_bar_over_prompts(tiny, method, capsys):
+    pair, workload = tiny
+    batch_size = 1 if method == "hf-assisted" else 2
+    out = bench_runners.runner_for(method)(pair, workload, batch_size, progress=True)
+    assert len(out.sequences) == len(workload.prompts)
+    bar = capsys.readouterr().err
+    assert method in bar and f"{len(workload.prompts)}/{len(workload.prompts)}" in bar
+    bench_runners.runner_for(method)(pair, workload, batch_size)
+    assert capsys.readouterr().err == ""

@@ -98,6 +98,10 @@ def test_missing_model_directory(tiny_pair, tmp_path):
         ("--num-draft-tokens", "0", ("Invalid value for '--num-draft-tokens'",)),
         ("--max-new-tokens", "-1", ("Invalid value for '--max-new-tokens'",)),
         ("--limit", "0", ("Invalid value for '--limit'",)),
+        ("--temperature", "-0.5", ("Invalid value for '--temperature'",)),
+        ("--top-k", "0", ("Invalid value for '--top-k'",)),
+        ("--top-p", "1.5", ("Invalid value for '--top-p'",)),
+        ("--seed", "x", ("Invalid value for '--seed'",)),
     ],
 )
 def test_bad_values_are_one_line(tiny_pair, option, value, fragments):
@@ -170,12 +174,63 @@ def test_autoregressive_needs_only_a_target(tiny_pair, tmp_path):
     assert "sequences        5" in result.stdout
 
 
-def test_exspec_is_passed_through(tiny_pair, tmp_path):
-    result = run(*tiny_args(tiny_pair, "--method", "exspec", "--max-new-tokens", "4"))
-    assert "Invalid value for '--method'" not in result.output
-    assert "Traceback" not in result.output
-    if result.exit_code != 0:
-        assert_one_line_error(result, 1, "exspec")
+def test_exspec_matches_the_targets_greedy_output(tiny_pair, tmp_path, reference):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exspec.jsonl"
+    result = run(*tiny_args(tiny_pair, "--method", "exspec", "--batch-size", "2", "--max-new-tokens", "6",
+                            "--dtype", "float32", "--output", str(out)))
+    assert result.exit_code == 0, result.output
+    assert "exspec, batch size 2, k=5, greedy" in result.stdout
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair["target"])
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float32).eval()
+    eos = target.generation_config.eos_token_id
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["token_ids"] for row in rows] == [reference(target, tokenizer.encode(p), 6, eos) for p in PROMPTS]
+
+
+def sampled_tokens(tiny_pair, tmp_path, name: str, *extra: str) -> list[list[int]]:
+    out = tmp_path / f"{name}.jsonl"
+    result = run(*tiny_args(tiny_pair, "--max-new-tokens", "8", "--dtype", "float32", "--output", str(out), *extra))
+    assert result.exit_code == 0, result.output
+    return [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+
+
+def test_seeded_sampling_is_the_same_for_every_speculative_method_batch_size_and_k(tiny_pair, tmp_path):
+    sampling = ("--temperature", "1.5", "--top-k", "12", "--seed", "7")
+    eqspec = sampled_tokens(tiny_pair, tmp_path, "eqspec", *sampling, "--batch-size", "2")
+    assert eqspec == sampled_tokens(tiny_pair, tmp_path, "exspec", *sampling, "--method", "exspec", "-b", "3")
+    assert eqspec == sampled_tokens(tiny_pair, tmp_path, "k2", *sampling, "--num-draft-tokens", "2", "-b", "5")
+    assert eqspec != sampled_tokens(tiny_pair, tmp_path, "other-seed", *sampling[:-1], "8", "--batch-size", "2")
+    assert eqspec != sampled_tokens(tiny_pair, tmp_path, "greedy", "--batch-size", "2")
+
+
+def test_sampling_settings_are_summarised(tiny_pair):
+    result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--limit", "1", "--temperature", "0.7",
+                            "--top-p", "0.9", "--seed", "3"))
+    assert result.exit_code == 0, result.output
+    assert "eqspec, batch size 8, k=5, temperature 0.7, top-p 0.9, seed 3" in result.stdout
+
+
+@pytest.mark.parametrize("extra", [("--top-k", "5"), ("--seed", "1"), ("--top-p", "0.5", "--seed", "1")])
+def test_sampling_settings_without_temperature_are_refused(tiny_pair, extra):
+    result = run(*tiny_args(tiny_pair, *extra))
+    assert_one_line_error(result, 1, extra[0], "only apply when sampling", "--temperature above 0")
+
+
+def test_seed_out_of_range_is_refused(tiny_pair):
+    result = run(*tiny_args(tiny_pair, "--temperature", "1", "--seed", "-1"))
+    assert_one_line_error(result, 1, "--seed must be in [0, 2**63)")
+
+
+def test_infinite_temperature_is_refused(tiny_pair):
+    result = run(*tiny_args(tiny_pair, "--temperature", "inf"))
+    assert_one_line_error(result, 1, "--temperature must be a finite number")
+
+
+def test_top_p_zero_is_refused(tiny_pair):
+    result = run(*tiny_args(tiny_pair, "--temperature", "1", "--top-p", "0"))
+    assert_one_line_error(result, 1, "--top-p must be above 0")
 
 
 def test_module_entry_point_exits_non_zero_with_one_line():

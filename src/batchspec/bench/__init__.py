@@ -4,6 +4,7 @@
 * :mod:`runners`: how each method (batchspec's and the peers') turns a workload into sequences;
 * :mod:`reference`: the target alone at batch size 1, its logit margins, exact/partial match;
 * :mod:`sweep` (``batchspec bench``) with :mod:`cells`, :mod:`report` and :mod:`plots`;
+* :mod:`merge` (``batchspec bench-merge``): runs of one workload made in pieces, as one sweep;
 * :mod:`audit` (``batchspec audit``).
 """
 

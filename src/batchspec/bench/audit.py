@@ -45,11 +45,14 @@ class Divergence:
 
 @dataclass
 class AuditCell:
+    """One method at one batch size (and draft length ``num_draft_tokens``) against the reference."""
+
     method: str
     batch_size: int
     exact_match: float
     partial_match: float
     divergences: list[Divergence] = field(default_factory=list)
+    num_draft_tokens: int | None = None
 
     @property
     def failures(self) -> list[Divergence]:
@@ -124,10 +127,11 @@ def run_audit(
     cells = []
     todo = [(m, b) for m in methods for b in batch_sizes if m != "hf-assisted" or b == 1]
     for method, batch_size in tqdm(todo, desc="audit", unit="cell", disable=not progress):
-        sequences = runner_for(method)(pair, workload, batch_size).sequences
+        sequences = runner_for(method)(pair, workload, batch_size, progress=progress).sequences
         match = match_summary(sequences, reference.sequences)
         divergences = find_divergences(sequences, reference, tolerance)
-        cells.append(AuditCell(method, batch_size, match.exact_match, match.partial_match, divergences))
+        k = workload.num_draft_tokens
+        cells.append(AuditCell(method, batch_size, match.exact_match, match.partial_match, divergences, k))
     report = AuditReport(
         workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, tolerance, cells
     )

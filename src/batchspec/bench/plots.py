@@ -16,11 +16,18 @@ def _pyplot():
     return plt
 
 
+def _label(cell: Cell, cells: list[Cell]) -> str:
+    """The method's name, with ``k=`` when the cells hold that method at several draft lengths."""
+    lengths = {c.num_draft_tokens for c in cells if c.method == cell.method}
+    return cell.method if len(lengths) == 1 else f"{cell.method} k={cell.num_draft_tokens}"
+
+
 def _by_method(cells: list[Cell]) -> dict[str, list[Cell]]:
-    methods: dict[str, list[Cell]] = {}
+    """Cells per plotted series (a method, or a method at one draft length), by increasing batch size."""
+    series: dict[str, list[Cell]] = {}
     for cell in sorted(cells, key=lambda c: c.batch_size):
-        methods.setdefault(cell.method, []).append(cell)
-    return methods
+        series.setdefault(_label(cell, cells), []).append(cell)
+    return series
 
 
 def plot_throughput(cells: list[Cell], path: Path) -> None:
@@ -37,7 +44,8 @@ def plot_throughput(cells: list[Cell], path: Path) -> None:
     right.set(xlabel="batch size", ylabel="throughput / throughput at B=1", title="Batch-scaling efficiency")
     for axis in (left, right):
         axis.grid(alpha=0.3)
-        axis.legend()
+        if axis.get_legend_handles_labels()[0]:  # no efficiency line without a B = 1 cell
+            axis.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -48,7 +56,7 @@ def plot_anatomy(cells: list[Cell], path: Path) -> None:
     plt = _pyplot()
     staged = [c for c in cells if c.draft_share is not None]
     fig, axis = plt.subplots(figsize=(max(6, 0.7 * len(staged) + 2), 4))
-    labels = [f"{c.method}\nB={c.batch_size}" for c in staged]
+    labels = [f"{_label(c, cells)}\nB={c.batch_size}" for c in staged]
     bottom = [0.0] * len(staged)
     for stage in STAGES:
         shares = [100 * getattr(c, f"{stage}_share") for c in staged]

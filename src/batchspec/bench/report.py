@@ -8,11 +8,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from batchspec.bench.cells import Cell
+from batchspec.bench.runners import draft_length
 
 COLUMNS = [f.name for f in fields(Cell)]
 TABLE = (
     ("method", "method"),
     ("B", "batch_size"),
+    ("k", "num_draft_tokens"),
     ("tokens/s", "tokens_per_s"),
     ("wall s", "wall_s"),
     ("tokens", "generated_tokens"),
@@ -48,10 +50,16 @@ def _format(name: str, value: object) -> str:
     return str(value)
 
 
+def _cell_value(cell: Cell, name: str) -> object:
+    if name == "num_draft_tokens":
+        return draft_length(cell.method, cell.num_draft_tokens)
+    return getattr(cell, name)
+
+
 def markdown_table(cells: list[Cell]) -> str:
     header = "| " + " | ".join(title for title, _ in TABLE) + " |"
     rule = "|" + "|".join(" --- " for _ in TABLE) + "|"
-    rows = ["| " + " | ".join(_format(name, getattr(c, name)) for _, name in TABLE) + " |" for c in cells]
+    rows = ["| " + " | ".join(_format(name, _cell_value(c, name)) for _, name in TABLE) + " |" for c in cells]
     return "\n".join([header, rule, *rows]) + "\n"
 
 
@@ -68,7 +76,7 @@ def write_results(out_dir: Path, cells: list[Cell]) -> None:
         first = cells[0]
         title = (
             f"{first.model}, {first.dtype}, {first.prompts} prompts, {first.max_new_tokens} new tokens, "
-            f"k = {first.num_draft_tokens}, {first.torch_threads} threads, {first.machine}"
+            f"{first.torch_threads} threads, {first.machine}"
         )
         _atomic_write(out_dir / "results.md", f"{title}\n\n{markdown_table(cells)}")
 

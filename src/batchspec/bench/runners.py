@@ -8,11 +8,13 @@ attention mask), ``hf-assisted`` its assisted generation with the draft, which w
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+from tqdm.auto import tqdm
 
 from batchspec.api import generate
 from batchspec.bench.workload import ModelPair, Workload
@@ -32,11 +34,14 @@ class RunOutput:
     wall_s: float
 
 
-Runner = Callable[[ModelPair, Workload, int], RunOutput]
+class Runner(Protocol):
+    """Runs a method over the workload's prompts at a batch size; ``progress`` shows a bar over prompts."""
+
+    def __call__(self, pair: ModelPair, workload: Workload, batch_size: int, progress: bool = False) -> RunOutput: ...
 
 
 def _batchspec_runner(method: str) -> Runner:
-    def run(pair: ModelPair, workload: Workload, batch_size: int) -> RunOutput:
+    def run(pair: ModelPair, workload: Workload, batch_size: int, progress: bool = False) -> RunOutput:
         result = generate(
             pair.target,
             pair.draft,
@@ -47,6 +52,7 @@ def _batchspec_runner(method: str) -> Runner:
             num_draft_tokens=workload.num_draft_tokens,
             eos_token_id=list(workload.eos_token_ids),
             pad_token_id=workload.pad_token_id,
+            progress=progress,
         )
         return RunOutput(result.sequences, result.stats, result.stats.wall_s)
 
@@ -74,9 +80,10 @@ def greedy_generate_kwargs(workload: Workload) -> dict:
 
 
 @torch.inference_mode()
-def run_hf_generate(pair: ModelPair, workload: Workload, batch_size: int) -> RunOutput:
+def run_hf_generate(pair: ModelPair, workload: Workload, batch_size: int, progress: bool = False) -> RunOutput:
     """transformers' batched greedy ``generate`` over consecutive batches of left-padded prompts."""
     device = next(pair.target.parameters()).device
+    bar = _prompt_bar("hf-generate", workload, progress)
     started = time.perf_counter()
     sequences = []
     for start in range(0, len(workload.prompts), batch_size):
@@ -89,17 +96,21 @@ def run_hf_generate(pair: ModelPair, workload: Workload, batch_size: int) -> Run
             mask[i, width - len(prompt) :] = 1
         out = pair.target.generate(ids.to(device), attention_mask=mask.to(device), **greedy_generate_kwargs(workload))
         sequences += [cut_after_eos(row[width:].tolist(), workload.eos_token_ids) for row in out]
-    return RunOutput(sequences, None, time.perf_counter() - started)
+        bar.update(len(chunk))
+    wall_s = time.perf_counter() - started
+    bar.close()
+    return RunOutput(sequences, None, wall_s)
 
 
 @torch.inference_mode()
-def run_hf_assisted(pair: ModelPair, workload: Workload, batch_size: int) -> RunOutput:
+def run_hf_assisted(pair: ModelPair, workload: Workload, batch_size: int, progress: bool = False) -> RunOutput:
     """transformers' assisted generation: the draft proposes ``num_draft_tokens`` per round (constant)."""
     if batch_size != 1:
         raise ValueError("hf-assisted runs at batch size 1 only: transformers' assisted generation does not batch")
     if pair.draft is None:
         raise ValueError("hf-assisted needs a draft model")
     device = next(pair.target.parameters()).device
+    bar = _prompt_bar("hf-assisted", workload, progress)
     started = time.perf_counter()
     sequences = []
     with _constant_draft_length(pair.draft, workload.num_draft_tokens):
@@ -109,7 +120,14 @@ def run_hf_assisted(pair: ModelPair, workload: Workload, batch_size: int) -> Run
                 ids, attention_mask=torch.ones_like(ids), assistant_model=pair.draft, **greedy_generate_kwargs(workload)
             )
             sequences.append(cut_after_eos(out[0, len(prompt) :].tolist(), workload.eos_token_ids))
-    return RunOutput(sequences, None, time.perf_counter() - started)
+            bar.update(1)
+    wall_s = time.perf_counter() - started
+    bar.close()
+    return RunOutput(sequences, None, wall_s)
+
+
+def _prompt_bar(method: str, workload: Workload, progress: bool) -> tqdm:
+    return tqdm(total=len(workload.prompts), desc=method, unit="prompt", disable=not progress)
 
 
 @contextmanager
@@ -146,3 +164,8 @@ def runner_for(method: str) -> Runner:
 
 def needs_draft(method: str) -> bool:
     return method not in ("autoregressive", "hf-generate")
+
+
+def draft_length(method: str, num_draft_tokens: int) -> int | None:
+    """The draft length a method ran with: None for the methods that do not draft."""
+    return num_draft_tokens if needs_draft(method) else None

@@ -80,12 +80,16 @@ def run_sweep(
         workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, DEFAULT_TOLERANCE, []
     )
     for method, batch_size in tqdm(todo, desc="bench", unit="cell", disable=not progress):
-        out = runner_for(method)(pair, workload, batch_size)
+        out = runner_for(method)(pair, workload, batch_size, progress=progress)
         match = None if reference is None else match_summary(out.sequences, reference.sequences)
         cells.append(make_cell(method, batch_size, workload, out, match))
         write_results(out_dir, cells)
         if reference is not None and match is not None:  # compared: record where it diverged, and how close
             divergences = find_divergences(out.sequences, reference, DEFAULT_TOLERANCE)
-            audit.cells.append(AuditCell(method, batch_size, match.exact_match, match.partial_match, divergences))
+            audit.cells.append(
+                AuditCell(
+                    method, batch_size, match.exact_match, match.partial_match, divergences, workload.num_draft_tokens
+                )
+            )
             audit.write(out_dir)
     return SweepResult(cells, skipped, write_plots(out_dir, cells))

@@ -1,10 +1,11 @@
-"""The ``batchspec`` command line: ``generate``, ``fetch``, ``bench``, ``audit``, ``costs`` and ``serve``."""
+"""The ``batchspec`` command line: ``generate``, ``fetch``, ``bench``, ``bench-merge``, ``audit``, ``costs`` and
+``serve``."""
 
 from __future__ import annotations
 
 import typer
 
-from batchspec.cli.bench import audit_command, bench_command
+from batchspec.cli.bench import audit_command, bench_command, bench_merge_command
 from batchspec.cli.costs import costs_command
 from batchspec.cli.errors import OneLineErrorGroup
 from batchspec.cli.fetch import fetch_command
@@ -25,6 +26,7 @@ app = typer.Typer(
 app.command("generate")(generate_command)
 app.command("fetch")(fetch_command)
 app.command("bench")(bench_command)
+app.command("bench-merge")(bench_merge_command)
 app.command("audit")(audit_command)
 app.command("costs")(costs_command)
 app.command("serve")(serve_command)

@@ -9,8 +9,9 @@ import typer
 
 from batchspec.bench import METHODS, ModelPair, SweepPlan, Workload, run_audit, run_sweep
 from batchspec.bench.audit import DEFAULT_TOLERANCE, AuditReport
+from batchspec.bench.merge import merge_runs
 from batchspec.bench.report import markdown_table
-from batchspec.bench.runners import needs_draft
+from batchspec.bench.runners import draft_length, needs_draft
 from batchspec.cli.common import (
     CacheDirOption,
     CategoryOption,
@@ -239,8 +240,9 @@ def print_audit(report: AuditReport) -> None:
     typer.echo(f"Audit of {report.model} ({report.dtype}), {report.prompts} prompts, tolerance {report.tolerance}")
     for cell in report.cells:
         ties = len(cell.divergences) - len(cell.failures)
+        k = draft_length(cell.method, cell.num_draft_tokens or 0) or "–"
         typer.echo(
-            f"  {cell.method:<14} B={cell.batch_size:<3} exact {100 * cell.exact_match:5.1f}%  "
+            f"  {cell.method:<14} B={cell.batch_size:<3} k={k!s:<3} exact {100 * cell.exact_match:5.1f}%  "
             f"partial {100 * cell.partial_match:5.1f}%  divergences {len(cell.divergences)} "
             f"(near-ties {ties}, failures {len(cell.failures)})"
         )
@@ -251,3 +253,25 @@ def print_audit(report: AuditReport) -> None:
                 f"reference margin {d.margin:.4g} (relative {d.relative_margin:.2e}) {kind}"
             )
     typer.echo("PASSED" if report.passed else "FAILED: a divergence is larger than a near-tie")
+
+
+def bench_merge_command(
+    runs: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="RUN_DIR...", exists=True, file_okay=False,
+            help="Output folders of 'batchspec bench' runs of the same workload.",
+        ),
+    ],
+    output: OutputDirOption,
+) -> None:
+    """Merge several bench runs of one workload into one table, CSV, plots and audit.json.
+
+    For a sweep run in pieces (a batch size or a draft length at a time, each piece into its own folder,
+    the reference copied between them). Refuses runs of different models, dtypes, prompts, budgets,
+    machines or thread counts, and a cell (method, batch size, k) measured twice.
+    """
+    with user_errors():
+        merged = merge_runs(runs, output)
+    typer.echo(markdown_table(merged.cells))
+    typer.echo(f"Merged {len(merged.cells)} cells from {len(runs)} runs into {output}", err=True)

@@ -117,6 +117,33 @@ NumDraftTokensOption = Annotated[
         help="Draft tokens proposed per round (clipped near a row's budget).",
     ),
 ]
+TemperatureOption = Annotated[
+    float,
+    typer.Option(
+        "--temperature", "-t", metavar="T", min=0.0,
+        help="0 decodes greedily; above 0 samples, and speculative outputs follow the target's own "
+        "distribution at this temperature.",
+    ),
+]
+TopKOption = Annotated[
+    int | None,
+    typer.Option("--top-k", metavar="K", min=1, help="Sample only from the K most probable tokens (T > 0)."),
+]
+TopPOption = Annotated[
+    float | None,
+    typer.Option(
+        "--top-p", metavar="P", min=0.0, max=1.0,
+        help="Sample only from the smallest set of tokens whose probability reaches P, 0 < P <= 1 (T > 0).",
+    ),
+]
+SeedOption = Annotated[
+    int | None,
+    typer.Option(
+        "--seed", metavar="S",
+        help="Seed for sampling (T > 0): with a draft, the same seed gives the same outputs whatever the "
+        "batch size, draft length or method (eqspec, exspec).",
+    ),
+]
 
 
 @dataclass(frozen=True)

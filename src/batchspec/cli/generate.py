@@ -1,8 +1,9 @@
-"""``batchspec generate``: greedy generation for a prompt set with a target/draft pair."""
+"""``batchspec generate``: generation for a prompt set with a target/draft pair, greedy or sampled."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -27,7 +28,11 @@ from batchspec.cli.common import (
     PresetOption,
     PromptChoice,
     PromptsOption,
+    SeedOption,
     TargetOption,
+    TemperatureOption,
+    TopKOption,
+    TopPOption,
     check_output_path,
     encode_prompts,
     load_models,
@@ -95,6 +100,29 @@ def print_texts(records: list[PromptRecord], results: list[GeneratedText]) -> No
         typer.echo()
 
 
+def check_sampling_options(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> None:
+    """Refuse sampling settings that greedy decoding (temperature 0) would silently ignore."""
+    if not math.isfinite(temperature):
+        raise ValueError(f"--temperature must be a finite number; got {temperature}")
+    given = [name for name, value in (("--top-k", top_k), ("--top-p", top_p), ("--seed", seed)) if value is not None]
+    if temperature == 0 and given:
+        raise ValueError(f"{', '.join(given)} only apply when sampling: add --temperature above 0")
+    if top_p is not None and top_p == 0:
+        raise ValueError("--top-p must be above 0 (1 keeps every token)")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63); got {seed}")
+
+
+def sampling_summary(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> str:
+    """``greedy`` or e.g. ``temperature 0.7, top-k 5, seed 3``."""
+    if temperature == 0:
+        return "greedy"
+    parts = [f"temperature {temperature:g}"]
+    parts += [f"{name} {value:g}" for name, value in (("top-k", top_k), ("top-p", top_p), ("seed", seed))
+              if value is not None]
+    return ", ".join(parts)
+
+
 def generate_command(
     preset: PresetOption = None,
     target: TargetOption = None,
@@ -108,10 +136,15 @@ def generate_command(
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = 5,
     dtype: DTypeOption = DType.BFLOAT16,
+    temperature: TemperatureOption = 0.0,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
     output: OutputOption = None,
     cache_dir: CacheDirOption = None,
 ) -> None:
-    """Generate greedily for a prompt set: every output is exactly the target's own greedy output.
+    """Generate for a prompt set: greedy by default, and then every output is exactly the target's own
+    greedy output; with --temperature > 0 outputs are samples from the target's own distribution.
 
     Without --preset, --target or --draft the default preset is used; the first use of a preset
     downloads and converts it (see `batchspec fetch`). Shows a progress bar while generating, then the
@@ -121,6 +154,7 @@ def generate_command(
     with user_errors():
         models = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
         models.check_for(method)
+        check_sampling_options(temperature, top_k, top_p, seed)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         records = load_prompt_records(prompt_choice)
         check_output_path(output)
@@ -136,6 +170,10 @@ def generate_command(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
             progress=True,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
         )
         results = collect_results(records, result, loaded.tokenizer)
         if output is None:
@@ -144,6 +182,7 @@ def generate_command(
             write_jsonl(output, results)
             typer.echo(f"Wrote {len(results)} results to {output}", err=True)
     drafting = "" if method is Method.AUTOREGRESSIVE else f", k={num_draft_tokens}"
-    typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}{drafting}")
+    sampling = sampling_summary(temperature, top_k, top_p, seed)
+    typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}{drafting}, {sampling}")
     for line in summary_lines(result.stats, result.finish_reasons, method):
         typer.echo(f"  {line}")
