@@ -165,6 +165,7 @@ def test_bench_and_audit_commands(tiny_dirs, tmp_path):
     result = _cli("audit", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "PASSED" in result.output and json.loads((tmp_path / "audit.json").read_text())["passed"]
+    assert "eqspec         B=1   k=2   exact 100.0%" in result.output
 
 
 @pytest.mark.parametrize(

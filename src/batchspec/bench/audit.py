@@ -82,6 +82,17 @@ class AuditReport:
         (out_dir / "audit.json").write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
 
 
+def audit_cell(
+    method: str, batch_size: int, workload: Workload, sequences: list[list[int]], reference: Reference, tolerance: float
+) -> AuditCell:
+    """``sequences`` (a method's output at ``batch_size`` on ``workload``) against the reference."""
+    match = match_summary(sequences, reference.sequences)
+    divergences = find_divergences(sequences, reference, tolerance)
+    return AuditCell(
+        method, batch_size, match.exact_match, match.partial_match, divergences, workload.num_draft_tokens
+    )
+
+
 def find_divergences(sequences: list[list[int]], reference: Reference, tolerance: float) -> list[Divergence]:
     found = []
     for prompt, (got, expected) in enumerate(zip(sequences, reference.sequences, strict=True)):
@@ -128,10 +139,7 @@ def run_audit(
     todo = [(m, b) for m in methods for b in batch_sizes if m != "hf-assisted" or b == 1]
     for method, batch_size in tqdm(todo, desc="audit", unit="cell", disable=not progress):
         sequences = runner_for(method)(pair, workload, batch_size, progress=progress).sequences
-        match = match_summary(sequences, reference.sequences)
-        divergences = find_divergences(sequences, reference, tolerance)
-        k = workload.num_draft_tokens
-        cells.append(AuditCell(method, batch_size, match.exact_match, match.partial_match, divergences, k))
+        cells.append(audit_cell(method, batch_size, workload, sequences, reference, tolerance))
     report = AuditReport(
         workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, tolerance, cells
     )

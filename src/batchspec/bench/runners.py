@@ -166,6 +166,6 @@ def needs_draft(method: str) -> bool:
     return method not in ("autoregressive", "hf-generate")
 
 
-def draft_length(method: str, num_draft_tokens: int) -> int | None:
-    """The draft length a method ran with: None for the methods that do not draft."""
+def draft_length(method: str, num_draft_tokens: int | None) -> int | None:
+    """The draft length a method ran with: None for the methods that do not draft (or when not recorded)."""
     return num_draft_tokens if needs_draft(method) else None

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from batchspec.bench.audit import DEFAULT_TOLERANCE, AuditCell, AuditReport, find_divergences
+from batchspec.bench.audit import DEFAULT_TOLERANCE, AuditReport, audit_cell
 from batchspec.bench.cells import Cell, make_cell
 from batchspec.bench.plots import write_plots
-from batchspec.bench.reference import Reference, load_or_compute_reference, match_summary
+from batchspec.bench.reference import MatchSummary, Reference, load_or_compute_reference
 from batchspec.bench.report import write_results
 from batchspec.bench.runners import needs_draft, runner_for
 from batchspec.bench.workload import ModelPair, Workload
@@ -81,15 +81,13 @@ def run_sweep(
     )
     for method, batch_size in tqdm(todo, desc="bench", unit="cell", disable=not progress):
         out = runner_for(method)(pair, workload, batch_size, progress=progress)
-        match = None if reference is None else match_summary(out.sequences, reference.sequences)
+        compared = None
+        if reference is not None:  # record where it diverged, and how close
+            compared = audit_cell(method, batch_size, workload, out.sequences, reference, DEFAULT_TOLERANCE)
+            audit.cells.append(compared)
+        match = None if compared is None else MatchSummary(compared.exact_match, compared.partial_match)
         cells.append(make_cell(method, batch_size, workload, out, match))
         write_results(out_dir, cells)
-        if reference is not None and match is not None:  # compared: record where it diverged, and how close
-            divergences = find_divergences(out.sequences, reference, DEFAULT_TOLERANCE)
-            audit.cells.append(
-                AuditCell(
-                    method, batch_size, match.exact_match, match.partial_match, divergences, workload.num_draft_tokens
-                )
-            )
+        if compared is not None:
             audit.write(out_dir)
     return SweepResult(cells, skipped, write_plots(out_dir, cells))

@@ -240,9 +240,10 @@ def print_audit(report: AuditReport) -> None:
     typer.echo(f"Audit of {report.model} ({report.dtype}), {report.prompts} prompts, tolerance {report.tolerance}")
     for cell in report.cells:
         ties = len(cell.divergences) - len(cell.failures)
-        k = draft_length(cell.method, cell.num_draft_tokens or 0) or "–"
+        k = draft_length(cell.method, cell.num_draft_tokens)
+        k_text = "–" if k is None else str(k)
         typer.echo(
-            f"  {cell.method:<14} B={cell.batch_size:<3} k={k!s:<3} exact {100 * cell.exact_match:5.1f}%  "
+            f"  {cell.method:<14} B={cell.batch_size:<3} k={k_text:<3} exact {100 * cell.exact_match:5.1f}%  "
             f"partial {100 * cell.partial_match:5.1f}%  divergences {len(cell.divergences)} "
             f"(near-ties {ties}, failures {len(cell.failures)})"
         )
