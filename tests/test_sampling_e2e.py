@@ -26,7 +26,12 @@ from scipy import stats
 import batchspec
 import batchspec.engine as engine
 import batchspec.verifier as verifier
+from batchspec.config import SpecConfig
+from batchspec.engine import build_engine
 from batchspec.sampling import SamplingParams, derive_row_seeds, warp
+from batchspec.schedulers import make_scheduler
+from batchspec.schedulers.drive import Offline, drive
+from batchspec.state import Sequence
 
 PASS_P = 1e-3
 FAIL_P = 1e-6
@@ -34,6 +39,7 @@ MIN_EXPECTED = 5  # chi-square cells expecting fewer samples are pooled into one
 
 STAT_VOCAB = 10
 STAT_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+LOOKUP_PROMPT = (3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1)  # ends in 1, seen before: the lookup drafts 5, 9, 2, ...
 STAT_ROWS = 4000
 STAT_BATCH = 256
 
@@ -113,6 +119,7 @@ class StatCase:
     max_new_tokens: int = 2
     proposer: str = "draft"
     num_draft_tokens: int | str = 3
+    prompt: tuple[int, ...] = tuple(STAT_PROMPT)
 
 
 STAT_CASES = {
@@ -124,12 +131,13 @@ STAT_CASES = {
     "exspec-hot-top_p": StatCase("exspec", {"temperature": 1.5, "top_p": 0.8}, seed=1005, max_new_tokens=3),
     "eqspec-top_k-top_p": StatCase("eqspec", {"temperature": 1.0, "top_k": 6, "top_p": 0.9}, seed=1006),
     "eqspec-auto": StatCase("eqspec", {"temperature": 1.0}, seed=1008, max_new_tokens=3, num_draft_tokens="auto"),
-    "ngram": StatCase("eqspec", {"temperature": 1.0}, seed=1009, proposer="ngram"),
+    "ngram": StatCase("eqspec", {"temperature": 1.0}, seed=1009, proposer="ngram", prompt=LOOKUP_PROMPT),
     "ngram-k2-top_p": StatCase("exspec", {"temperature": 1.2, "top_p": 0.9}, seed=1010, max_new_tokens=3,
-                               proposer="ngram"),
-    "hybrid": StatCase("eqspec", {"temperature": 1.0}, seed=1011, max_new_tokens=3, proposer="hybrid"),
+                               proposer="ngram", prompt=LOOKUP_PROMPT),
+    "hybrid": StatCase("eqspec", {"temperature": 1.0}, seed=1011, max_new_tokens=3, proposer="hybrid",
+                       prompt=LOOKUP_PROMPT),
     "hybrid-auto-top_k": StatCase("exspec", {"temperature": 0.8, "top_k": 7}, seed=1012, proposer="hybrid",
-                                  num_draft_tokens="auto"),
+                                  num_draft_tokens="auto", prompt=LOOKUP_PROMPT),
 }
 
 
@@ -138,7 +146,7 @@ def sample_pairs(models: Models, case: StatCase) -> batchspec.GenerationResult:
     result = batchspec.generate(
         models.target,
         None if case.proposer == "ngram" else models.perturbed,
-        [STAT_PROMPT] * STAT_ROWS,
+        [list(case.prompt)] * STAT_ROWS,
         method=case.method,
         proposer=None if case.method == "autoregressive" else case.proposer,
         batch_size=STAT_BATCH,
@@ -155,7 +163,7 @@ def sample_pairs(models: Models, case: StatCase) -> batchspec.GenerationResult:
 
 def stat_run(models: Models, case: StatCase) -> tuple[float, float]:
     """(chi-square p-value of the first two tokens, acceptance rate) of one case."""
-    joint = exact_joint(models.target, STAT_PROMPT, SamplingParams(**case.sampling))
+    joint = exact_joint(models.target, list(case.prompt), SamplingParams(**case.sampling))
     result = sample_pairs(models, case)
     return joint_pvalue([s[:2] for s in result.sequences], joint), result.stats.acceptance_rate
 
@@ -341,3 +349,35 @@ def test_degenerate_sampling_is_greedy(method, sampling, seq_models):
 def test_bad_sampling_arguments_are_rejected(kwargs, name, seq_models):
     with pytest.raises(ValueError, match=name):
         run_seq(seq_models, seq_prompts(3), method="eqspec", **kwargs)
+
+
+def test_rows_with_different_settings_share_rounds(seq_models):
+    """Greedy rows and rows with different temperatures, top-k and top-p decode in the same rounds, and each gets
+    the tokens it gets alone."""
+    prompts = seq_prompts()
+    settings = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=16, top_p=0.95),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=0.5, top_p=0.7),
+    ] * 2
+    seeds = derive_row_seeds(7, len(prompts))
+    config = SpecConfig(batch_size=8, num_draft_tokens=3, eos_token_ids=tuple(SEQ_EOS), check_invariants=True)
+    decoder = build_engine(seq_models.target, seq_models.perturbed, config)
+    rows = [
+        Sequence(i, p, SEQ_MAX_NEW, sampling=s, seed=seed)
+        for i, (p, s, seed) in enumerate(zip(prompts, settings, seeds, strict=True))
+    ]
+    scheduler = make_scheduler(decoder.config)
+    for row in rows:
+        scheduler.add(row)
+    with torch.inference_mode():
+        drive(decoder, scheduler, Offline(lambda done: None))
+    assert decoder.stats.rows_per_round_histogram.get(8, 0) > 0, "the rows never shared a round"
+    for row in rows:
+        params = row.sampling
+        alone = run_seq(
+            seq_models, [row.prompt], method="eqspec", batch_size=1, num_draft_tokens=3, seed=[row.seed],
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        )
+        assert row.output == alone.sequences[0], params

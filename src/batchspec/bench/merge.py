@@ -16,8 +16,8 @@ from pathlib import Path
 from batchspec.bench.audit import AuditCell, AuditReport, Divergence
 from batchspec.bench.cells import Cell
 from batchspec.bench.plots import write_plots
-from batchspec.bench.runners import draft_length
 from batchspec.bench.report import write_results
+from batchspec.bench.runners import draft_length
 
 SAME_IN_EVERY_RUN = ("model", "dtype", "prompts", "max_new_tokens", "torch_threads", "machine")
 

@@ -18,6 +18,7 @@ import typer
 
 from batchspec.config import AUTO, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts, load_prompts
+from batchspec.metrics import STAGES
 from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir, get_preset
 
 __all__ = ["Method", "ProposerKind"]
@@ -344,8 +345,7 @@ def summary_lines(stats: Any, finish_reasons: list[str], method: Method) -> list
             f"mean accepted    {stats.mean_accepted_length:.2f} tokens per row per round "
             f"(accepted drafts + bonus token; {stats.rounds} rounds, {stats.ragged_rounds} ragged)",
         ]
-    stages = (("draft", stats.draft_s), ("verify", stats.verify_s), ("realign", stats.realign_s),
-              ("other", stats.other_s))
+    stages = [(stage, getattr(stats, f"{stage}_s")) for stage in STAGES]
     split = ", ".join(f"{name} {seconds:.1f} s ({_percent(seconds, stats.wall_s)})" for name, seconds in stages)
     lines.append(f"time             {split}")
     return lines
