@@ -203,10 +203,10 @@ def _collect(predicted: Any, total: int, method: str) -> list[dict[str, Any]]:
     """The output rows in prompt order, counted on a progress bar as batches finish."""
     rows: dict[int, dict[str, Any]] = {}
     with tqdm(total=total, desc=f"{method} on ray", unit="prompt") as bar:
-        for batch in predicted.iter_batches(batch_size=None, batch_format="pandas"):
-            for row in batch.to_dict("records"):
-                rows[int(row["index"])] = row
-            bar.update(len(batch))
+        for batch in predicted.iter_batches(batch_size=None, batch_format="numpy"):
+            for i, index in enumerate(batch["index"]):
+                rows[int(index)] = {name: column[i] for name, column in batch.items()}
+            bar.update(len(batch["index"]))
     if sorted(rows) != list(range(total)):
         raise RuntimeError(f"Ray returned {len(rows)} of {total} prompts")
     return [rows[i] for i in range(total)]
@@ -221,8 +221,8 @@ def run_generate_on_ray(
 
     run = _reporting_actor_failures(generate_on_ray, records, models, settings, seed, choice)
     results = [
-        GeneratedText(index=i, prompt=record.text, text=row["text"], token_ids=[int(t) for t in row["token_ids"]],
-                      num_tokens=int(row["num_tokens"]), finish_reason=row["finish_reason"])
+        GeneratedText(index=i, prompt=record.text, text=str(row["text"]), token_ids=[int(t) for t in row["token_ids"]],
+                      num_tokens=int(row["num_tokens"]), finish_reason=str(row["finish_reason"]))
         for i, (record, row) in enumerate(zip(records, run.rows, strict=True))
     ]
     if output is None:
