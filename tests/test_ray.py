@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,11 @@ def test_ray_options_need_ray(prompts_file, args, message):
     result = run_cli(*COMMON, "--prompts", prompts_file, *args)
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [message]
+
+
+def test_ray_missing_is_one_error_line(prompts_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    result = run_cli(*COMMON, "--prompts", prompts_file, "--ray")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith("Error: --ray needs Ray Data (")
+    assert result.output.strip().endswith("pip install 'batchspec[ray]'")

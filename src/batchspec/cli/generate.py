@@ -174,10 +174,13 @@ def generate_command(
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         records = load_prompt_records(prompt_choice)
         check_output_path(output)
-        ray_choice = RayChoice(ray, ray_address, actors, threads_per_actor)
+        ray_choice = RayChoice(enabled=ray, address=ray_address, actors=actors, threads_per_actor=threads_per_actor)
         if ray_choice.enabled:
-            settings = GenerationSettings(method.value, batch_size, max_new_tokens, num_draft_tokens, temperature,
-                                          top_k, top_p, chat_template)
+            settings = GenerationSettings(
+                method=method.value, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                num_draft_tokens=num_draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                chat_template=chat_template,
+            )
             run_generate_on_ray(records, models, settings, seed, ray_choice, output)
             return
         loaded = load_models(models, method)

@@ -241,8 +241,7 @@ def run_generate_on_ray(
 
 def _reporting_actor_failures(run: Any, *args: Any) -> RayRun:
     """``run(*args)``, a failure inside Ray (an actor that could not load its models, ...) as one ``Error:`` line."""
-    import ray.exceptions
-
+    ray = _import_ray()
     try:
         return run(*args)
     except ray.exceptions.RayError as error:
