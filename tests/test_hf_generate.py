@@ -52,8 +52,10 @@ def length_kwargs(kind: str, width: int) -> dict[str, int]:
 
 
 def eos_ids(kind: str, bundle) -> int | list[int]:
-    """The model's own EOS, or a list of two EOS ids (the second one a token the target often emits)."""
-    return bundle.eos_id if kind == "model" else [bundle.eos_id, bundle.probe[0][1][3]]
+    """The model's own EOS, or a list of two EOS ids (the second one a token the target emits, not EOS or pad)."""
+    if kind == "model":
+        return bundle.eos_id
+    return [bundle.eos_id, next(t for t in bundle.probe[0][1][3:] if t not in (bundle.eos_id, bundle.pad_id))]
 
 
 def eos_kwargs(kind: str, bundle) -> dict:
