@@ -230,7 +230,7 @@ class Checks:
             assert st.mean_tokens_per_row_round >= 1.0 - 1e-9
             if method == "autoregressive":
                 assert st.mean_tokens_per_row_round == pytest.approx(1.0)
-        parts = [st.draft_s, st.verify_s, st.realign_s, st.other_s]
+        parts = [st.prefill_s, st.draft_s, st.verify_s, st.realign_s, st.other_s]
         assert all(p >= 0.0 for p in parts), parts
         assert st.wall_s >= 0.0
         assert abs(sum(parts) - st.wall_s) <= max(0.10 * st.wall_s, 0.005), (parts, st.wall_s)

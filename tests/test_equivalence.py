@@ -411,7 +411,7 @@ def test_stats_consistency(target, bs, bundles, make_prompts):
         assert isinstance(st_, bs.GenerationStats)
         assert st_.generated_tokens == sum(len(s) for s in res.sequences)
         assert st_.draft_tokens_accepted <= st_.draft_tokens_proposed
-        parts = st_.draft_s + st_.verify_s + st_.realign_s + st_.other_s
+        parts = st_.prefill_s + st_.draft_s + st_.verify_s + st_.realign_s + st_.other_s
         assert abs(parts - st_.wall_s) <= max(0.10 * st_.wall_s, 0.005)
         if method == A:
             assert st_.draft_tokens_proposed == 0

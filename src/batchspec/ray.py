@@ -62,11 +62,13 @@ class GenerationSettings:
     top_k: int | None = None
     top_p: float | None = None
     chat_template: bool = True
+    proposer: str | None = None
 
     def generate_kwargs(self) -> dict[str, Any]:
         return dict(
             method=self.method, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
             num_draft_tokens=self.num_draft_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            proposer=self.proposer,
         )
 
 
@@ -97,17 +99,18 @@ class BatchspecPredictor:
         **settings: Any,
     ) -> None:
         # imported here: the cli package imports this module for ``generate --ray``
-        from batchspec.cli.common import Method, ModelChoice, load_models
+        from batchspec.cli.common import Method, ModelChoice, ProposerKind, load_models
 
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.settings = GenerationSettings(**settings)
         self.prompt_column = prompt_column
         method = Method(self.settings.method)
+        proposer = None if self.settings.proposer is None else ProposerKind(self.settings.proposer)
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype,
                              cache_dir=Path(cache_dir) if cache_dir is not None else None)
-        choice.check_for(method)
-        self.models = load_models(choice, method, progress=False)
+        choice.check_for(method, proposer)
+        self.models = load_models(choice, method, proposer, progress=False)
         self._batch_ids = (f"{socket.gethostname()}:{os.getpid()}:{n}" for n in count())
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from batchspec.cli.common import (
     PresetOption,
     PromptChoice,
     PromptsOption,
+    ProposerOption,
     SeedOption,
     TargetOption,
     TemperatureOption,
@@ -141,9 +142,10 @@ def generate_command(
     category: CategoryOption = None,
     chat_template: ChatTemplateOption = True,
     method: MethodOption = Method.EQSPEC,
+    proposer: ProposerOption = None,
     batch_size: BatchSizeOption = 8,
     max_new_tokens: MaxNewTokensOption = 128,
-    num_draft_tokens: NumDraftTokensOption = 5,
+    num_draft_tokens: NumDraftTokensOption = "auto",
     dtype: DTypeOption = DType.BFLOAT16,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = None,
@@ -169,7 +171,7 @@ def generate_command(
     """
     with user_errors():
         models = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
-        models.check_for(method)
+        models.check_for(method, proposer)
         check_sampling_options(temperature, top_k, top_p, seed)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         records = load_prompt_records(prompt_choice)
@@ -179,11 +181,12 @@ def generate_command(
             settings = GenerationSettings(
                 method=method.value, batch_size=batch_size, max_new_tokens=max_new_tokens,
                 num_draft_tokens=num_draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                chat_template=chat_template,
+                chat_template=chat_template, proposer=getattr(models.proposer_for(method, proposer), "value", None),
             )
             run_generate_on_ray(records, models, settings, seed, ray_choice, output)
             return
-        loaded = load_models(models, method)
+        loaded = load_models(models, method, proposer)
+        proposer = models.proposer_for(method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompt_choice)
         result = generate(
@@ -191,6 +194,7 @@ def generate_command(
             loaded.draft,
             token_ids,
             method=method.value,
+            proposer=None if proposer is None else proposer.value,
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
@@ -206,7 +210,7 @@ def generate_command(
         else:
             write_jsonl(output, results)
             typer.echo(f"Wrote {len(results)} results to {output}", err=True)
-    drafting = "" if method is Method.AUTOREGRESSIVE else f", k={num_draft_tokens}"
+    drafting = "" if proposer is None else f", {proposer.value} proposer, k={num_draft_tokens}"
     sampling = sampling_summary(temperature, top_k, top_p, seed)
     typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}{drafting}, {sampling}")
     for line in summary_lines(result.stats, result.finish_reasons, method):

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 from tqdm.auto import tqdm
 
-from batchspec.cli.common import Method, ModelChoice, presets_used, summary_lines
+from batchspec.cli.common import Method, ModelChoice, ProposerKind, presets_used, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
 from batchspec.data import PromptRecord
 from batchspec.metrics import GenerationStats
@@ -97,7 +97,7 @@ def generate_on_ray(
     """Generate for ``records`` with :class:`BatchspecPredictor` actors; rows come back in prompt order."""
     ray = _import_ray()
     if _starts_local_cluster(ray, choice):
-        _obtain_presets(models, Method(settings.method))
+        _obtain_presets(models, settings)
     started_here = _connect(ray, choice)
     try:
         _warn_if_short_of_cpus(ray, choice)
@@ -129,9 +129,10 @@ def _starts_local_cluster(ray: Any, choice: RayChoice) -> bool:
     return not ray.is_initialized() and not (choice.address or os.environ.get("RAY_ADDRESS"))
 
 
-def _obtain_presets(models: ModelChoice, method: Method) -> None:
+def _obtain_presets(models: ModelChoice, settings: GenerationSettings) -> None:
     """Download and convert missing presets once here, rather than in every local actor at the same time."""
-    for name in presets_used(models, method):
+    proposer = None if settings.proposer is None else ProposerKind(settings.proposer)
+    for name in presets_used(models, Method(settings.method), proposer):
         obtain_preset(name, models.cache_dir)
 
 
@@ -231,7 +232,8 @@ def run_generate_on_ray(
         write_jsonl(output, results)
         typer.echo(f"Wrote {len(results)} results to {output}", err=True)
     method = Method(settings.method)
-    drafting = "" if method is Method.AUTOREGRESSIVE else f", k={settings.num_draft_tokens}"
+    proposer = settings.proposer
+    drafting = "" if proposer is None else f", {proposer} proposer, k={settings.num_draft_tokens}"
     sampling = sampling_summary(settings.temperature, settings.top_k, settings.top_p, seed)
     typer.echo(f"Summary: {model_label(models, method)}, {method.value}, batch size {settings.batch_size}{drafting}, "
                f"{sampling}")
