@@ -8,8 +8,6 @@ so every comparison is exact. Prompts contain the pad and EOS ids as real tokens
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -137,15 +135,11 @@ def test_sampling_repeats_under_a_torch_seed_and_top_k_1_is_greedy(llama, prompt
     assert torch.equal(top1, greedy)
 
 
-def test_prompt_lookup_drafts_with_ngrams_or_says_it_cannot(llama, prompts):
+def test_prompt_lookup_drafts_with_ngrams(llama, prompts):
     ids, mask = padded(prompts, "left", llama.pad_id)
     kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
-    if "proposer" in inspect.signature(batchspec.generate).parameters:
-        out = hf_generate(llama.target, ids, mask, prompt_lookup_num_tokens=3, **kwargs)
-        assert torch.equal(out, llama.target.generate(ids, attention_mask=mask, **kwargs))
-    else:
-        with pytest.raises(ValueError, match=r"prompt_lookup_num_tokens needs n-gram drafting"):
-            hf_generate(llama.target, ids, mask, prompt_lookup_num_tokens=3, **kwargs)
+    out = hf_generate(llama.target, ids, mask, prompt_lookup_num_tokens=3, **kwargs)
+    assert torch.equal(out, llama.target.generate(ids, attention_mask=mask, **kwargs))
 
 
 @pytest.mark.parametrize(

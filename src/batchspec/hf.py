@@ -17,7 +17,6 @@ naming them instead of being ignored.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -231,9 +230,6 @@ def _drafting(config: GenerationConfig, assistant_model: torch.nn.Module | None)
     if lookup is not None and assistant_model is not None:
         raise ValueError("pass either assistant_model or prompt_lookup_num_tokens, not both")
     if lookup is not None:
-        if "proposer" not in inspect.signature(generate).parameters:
-            raise ValueError("prompt_lookup_num_tokens needs n-gram drafting (batchspec.generate(proposer='ngram')), "
-                             "which this batchspec version does not have; pass assistant_model=... instead")
         return "eqspec", "ngram", int(lookup)
     if assistant_model is None:
         return "autoregressive", None, 1
