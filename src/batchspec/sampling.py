@@ -79,12 +79,15 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[..., V]`` float64 probabilities from ``[..., V]`` logits: temperature, then top-k, then top-p.
 
     Greedy params give the one-hot distribution at the argmax (the limit of temperature → 0); the greedy
-    decoding path itself is :func:`batchspec.verifier.verify_greedy`.
+    decoding path itself is :func:`batchspec.verifier.verify_greedy`. The logits are shifted so that their
+    maximum is 0 before the division: a tiny temperature (even a subnormal one) then sends the others to -inf,
+    never the maximum to +inf, and the result stays a distribution (uniform over the tied maxima at worst).
     """
     scores = logits.to(torch.float64)  # [..., V]
     if params.greedy:
         return torch.zeros_like(scores).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
-    probs = torch.softmax(scores / params.temperature, dim=-1)  # [..., V]
+    shifted = scores - scores.amax(dim=-1, keepdim=True)  # [..., V], <= 0
+    probs = torch.softmax(shifted / params.temperature, dim=-1)  # [..., V]
     if params.top_k is not None and params.top_k < scores.shape[-1]:
         kth = scores.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         probs = _renormalise(probs * (scores >= kth))
