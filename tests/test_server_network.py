@@ -196,6 +196,35 @@ def test_loopback_server_refuses_foreign_host_names(tiny):
     assert host_name("[::1]:8000") == "::1" and host_name("a:b") is None
 
 
+def test_serve_command_options_and_their_errors(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from batchspec.cli.serve import serve_command
+
+    app = typer.Typer()
+    app.command("serve")(serve_command)
+    app.command("unused")(lambda: None)
+    runner = CliRunner()
+    usage = runner.invoke(app, ["serve", "--help"], terminal_width=200)
+    for option in ("--api-key", "BATCHSPEC_API_KEY", "--allowed-origins", "--allowed-hosts", "--ssl-keyfile",
+                   "--ssl-certfile", "--max-body-bytes", "--read-timeout", "--keep-alive-timeout",
+                   "--max-connections", "--request-timeout", "--default-max-tokens", "--shutdown-timeout"):
+        assert option in usage.output, option
+    pem = tmp_path / "cert.pem"
+    pem.write_text("not used")
+    for arguments, message in (
+        (["--ssl-certfile", str(pem)], "HTTPS needs both"),
+        (["--ssl-keyfile", str(tmp_path / "none.pem"), "--ssl-certfile", str(pem)], "does not exist"),
+        (["--allowed-origins", "ftp://files.example"], "allowed origins"),
+        (["--api-key", " spaced "], "API key"),
+    ):
+        failed = runner.invoke(app, ["serve", *arguments])
+        assert failed.exit_code == 1 and failed.output.startswith("Error: ") and message in failed.output, failed.output
+        assert failed.output.count("\n") == 1
+    assert runner.invoke(app, ["serve", "--max-body-bytes", "0"]).exit_code == 2
+
+
 # --------------------------------------------------------------------------------------------------
 # body and prompt limits
 
@@ -467,3 +496,28 @@ def test_sampling_values_at_the_edge_never_fail_a_round(tiny):
                            (b'{"prompt": "w1", "temperature": 1, "top_p": 4.9e-325}', "top_p")):
             assert_error(post_raw(server, raw), 400, param=param)
         assert loop_of(server).metrics.registry.get_sample_value("batchspec_failed_requests_total") == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# the locust load test
+
+
+def test_locustfile_checks_every_answer_against_its_reference(tiny):
+    pytest.importorskip("locust")
+    with serving(tiny, security=SecurityConfig(api_key=KEY)) as server:
+        command = [
+            sys.executable, "-m", "locust", "-f", str(REPO / "scripts" / "locustfile.py"), "--host", server.url,
+            "--headless", "--users", "4", "--spawn-rate", "4", "--run-time", "60s", "--only-summary",
+            "--requests", "16", "--max-tokens", "12", "--prompts", "2", "--model", "tiny",
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "BATCHSPEC_API_KEY": KEY})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    output = done.stdout + done.stderr
+    assert "references: 8 requests answered one at a time" in output
+    assert "batchspec load test: 16 answers, 0 failures (0 differ from their reference)" in output
+    assert "server RSS start" in output
+    served = sum(float(line.split()[1]) for line in metrics.splitlines()
+                 if line.startswith("batchspec_requests_total") and 'status="200"' in line and "/v1/" in line)
+    assert served >= 8 + 16

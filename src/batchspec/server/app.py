@@ -1,8 +1,10 @@
 """The FastAPI application: OpenAI-compatible routes around one engine loop.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as server-sent events with ``stream: true``),
-``GET /v1/models``, ``GET /health`` and ``GET /metrics``. The engine loop starts with the application and, on
-shutdown, finishes every request it holds before its thread ends.
+``GET /v1/models``, ``GET /health`` and ``GET /metrics``, behind the middleware of
+:mod:`~batchspec.server.middleware`. Prompts are tokenized in a small thread pool, off the event loop. The engine
+loop starts with the application and, on shutdown, finishes the requests it holds (those still running when the
+shutdown timeout ends have been cancelled by then) before its thread ends.
 """
 
 from __future__ import annotations
