@@ -4,9 +4,9 @@ greedy and seeded-sampling requests, each answer checked token for token.
 Before the load starts, every request of the catalogue (``--prompts`` prompts x {completions, chat} x {greedy,
 seeded}) is sent once, alone and without streaming: those answers are the references. Under load each answer,
 streamed or not, must equal its reference; a difference counts as a failure (and locust exits with status 1).
-The run stops after ``--requests`` answers, ``--run-time`` or on Ctrl-C, whichever comes first. The summary adds
-time-to-first-token percentiles of the streams and the server's resident memory (from its ``/metrics``) at the
-start, at the peak and at the end.
+The run stops after ``--requests`` answers (exit status 0 without failures), or earlier at ``--run-time`` (which
+counts the references too) or on Ctrl-C, with exit status 1. The summary adds time-to-first-token percentiles
+of the streams and the server's resident memory (from its ``/metrics``) at the start, at the peak and at the end.
 
     batchspec serve --preset smollm2 --dtype float32 --max-batch-size 8 &
     locust -f scripts/locustfile.py --host http://127.0.0.1:8000 --headless --users 8 --spawn-rate 8 \\
@@ -95,12 +95,12 @@ class Run:
 RUN = Run()
 
 
-def _answer(response: requests.Response, stream: bool) -> tuple[list[int], float | None]:
-    """The answer's token ids and, for a stream, the seconds until its first tokens arrived."""
+def _answer(response: requests.Response, stream: bool, started: float) -> tuple[list[int], float | None]:
+    """The answer's token ids and, for a stream, the seconds from ``started`` until its first tokens arrived."""
     response.raise_for_status()
     if not stream:
         return response.json()["choices"][0]["token_ids"], None
-    started, first, ids = time.perf_counter(), None, []
+    first, ids = None, []
     for line in response.iter_lines():
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
@@ -116,9 +116,10 @@ def _answer(response: requests.Response, stream: bool) -> tuple[list[int], float
 
 def _ask(session: requests.Session, case: Case, stream: bool) -> tuple[list[int], float | None]:
     body = case.body(RUN.model, RUN.max_tokens, stream)
+    started = time.perf_counter()
     with session.post(RUN.url + ENDPOINTS[case.endpoint], json=body, headers=RUN.headers, stream=stream,
                       timeout=REQUEST_TIMEOUT_S) as response:
-        return _answer(response, stream)
+        return _answer(response, stream, started)
 
 
 def _resident_bytes() -> int:
@@ -217,6 +218,9 @@ def _summary(environment: Environment, **_) -> None:
     latency = " ".join(f"p{int(q * 100)} {total.get_response_time_percentile(q) / 1000:.2f} s" for q in (.5, .9, .99))
     ttft = " ".join(f"p{int(q * 100)} {_percentile(RUN.ttft_s, q):.2f} s" for q in (.5, .9, .99))
     mib = [value / 2**20 for value in (RUN.rss[0], max(RUN.rss), RUN.rss[-1])]
+    if RUN.answered < RUN.budget:
+        print(f"batchspec load test: stopped after {RUN.answered} of {RUN.budget} answers", flush=True)
+        environment.process_exit_code = 1
     print(f"batchspec load test: {RUN.answered} answers, {total.num_failures} failures "
           f"({RUN.mismatches} differ from their reference)\n"
           f"  latency {latency}; time to first token (streams) {ttft}\n"

@@ -27,6 +27,7 @@ import tiny_models
 from test_server import (
     TIMEOUT_S,
     Tiny,
+    _healthy,
     assert_error,
     client,
     free_port,
@@ -443,13 +444,6 @@ def test_sigterm_with_shutdown_timeout_cuts_off_a_half_sent_body(model_dirs):
             process.kill()
         _, stderr = process.communicate(timeout=TIMEOUT_S)
     assert "Traceback" not in stderr
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # --------------------------------------------------------------------------------------------------
