@@ -171,21 +171,23 @@ def _front(http: Request) -> Front:
 
 
 async def completions(body: CompletionRequest, http: Request) -> Response:
-    state, front = _state(http), _front(http)
-    state.check_model(body.model)
-    front.prompt_size.check(body)
-    default_budget = state.config.limits.default_max_tokens
-    params = await front.prepare(completion_params, body, state.tokenizer, state.limits, default_budget)
-    return await _serve(http, state, params, CompletionFormat(), body)
+    params = await _prepare(http, body, completion_params)
+    return await _serve(http, _state(http), params, CompletionFormat(), body)
 
 
 async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+    params = await _prepare(http, body, chat_params)
+    return await _serve(http, _state(http), params, ChatFormat(), body)
+
+
+async def _prepare(
+    http: Request, body: CompletionRequest | ChatCompletionRequest, work: Callable[..., GenerationParams]
+) -> GenerationParams:
+    """Check the model and the prompt's size, then tokenize (``work``) in the pool, off the event loop."""
     state, front = _state(http), _front(http)
     state.check_model(body.model)
     front.prompt_size.check(body)
-    default_budget = state.config.limits.default_max_tokens
-    params = await front.prepare(chat_params, body, state.tokenizer, state.limits, default_budget)
-    return await _serve(http, state, params, ChatFormat(), body)
+    return await front.prepare(work, body, state.tokenizer, state.limits, state.config.limits.default_max_tokens)
 
 
 async def _serve(http: Request, state: ServingState, params, fmt: ReplyFormat, body: SamplingFields) -> Response:

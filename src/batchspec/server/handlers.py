@@ -59,7 +59,8 @@ class Tracker:
 
 @dataclass
 class DisconnectWatch:
-    """Waits for ``http.disconnect`` and then cancels the request and wakes its handler."""
+    """Waits for ``http.disconnect`` and then cancels the request and wakes its handler; closing it also ends
+    the request's place among those ``inflight``."""
 
     handle: RequestHandle
     inflight: InFlight

@@ -40,8 +40,8 @@ class PromptSize:
 
     @classmethod
     def of(cls, tokenizer: Any, context_length: int) -> PromptSize:
-        longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
-        return cls(context_length * max(longest, 1), context_length)
+        longest = max([1, *(len(token) for token in tokenizer.get_vocab())])
+        return cls(context_length * longest, context_length)
 
     def check(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         """A 400 (``context_length_exceeded``) for text that cannot fit; token-id prompts are checked later."""
