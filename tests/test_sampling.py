@@ -162,8 +162,9 @@ def one_hot_at_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=0.7, top_p=1e-9), SamplingParams()],
-    ids=["top_k_1", "tiny_top_p", "greedy"],
+    [SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=0.7, top_p=1e-9), SamplingParams(),
+     SamplingParams(temperature=5e-324), SamplingParams(temperature=1e-300, top_p=5e-324)],
+    ids=["top_k_1", "tiny_top_p", "greedy", "subnormal_temperature", "tiny_temperature_and_top_p"],
 )
 def test_warp_collapses_to_the_argmax(params):
     logits = random_logits(5, 50)

@@ -320,8 +320,9 @@ def test_a_draft_equal_to_the_target_gives_plain_sampling(seq_models):
 @pytest.mark.parametrize("method", ["eqspec", "exspec", "autoregressive"])
 @pytest.mark.parametrize(
     "sampling",
-    [{"temperature": 0.7, "top_k": 1}, {"temperature": 1.3, "top_p": 1e-9}, {"temperature": 0.0}],
-    ids=["top_k_1", "tiny_top_p", "temperature_0"],
+    [{"temperature": 0.7, "top_k": 1}, {"temperature": 1.3, "top_p": 1e-9}, {"temperature": 0.0},
+     {"temperature": 5e-324}],
+    ids=["top_k_1", "tiny_top_p", "temperature_0", "subnormal_temperature"],
 )
 def test_degenerate_sampling_is_greedy(method, sampling, seq_models):
     prompts = seq_prompts()

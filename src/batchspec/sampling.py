@@ -79,7 +79,9 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[..., V]`` float64 probabilities from ``[..., V]`` logits: temperature, then top-k, then top-p.
 
     Greedy params give the one-hot distribution at the argmax (the limit of temperature → 0); the greedy
-    decoding path itself is :func:`batchspec.verifier.verify_greedy`.
+    decoding path itself is :func:`batchspec.verifier.verify_greedy`. The logits are shifted so that their
+    maximum is 0 before the division: a tiny temperature (even a subnormal one) then sends the others to -inf,
+    never the maximum to +inf, and the result stays a distribution (uniform over the tied maxima at worst).
     """
     rows = logits.reshape(-1, logits.shape[-1])  # [R, V]
     settings = RowParams.of([params] * rows.shape[0], device=logits.device)
@@ -127,7 +129,8 @@ def warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     shape = (-1,) + (1,) * (scores.dim() - 1)  # broadcasts a [B] setting over [B, ..., V]
     greedy = params.greedy.reshape(shape)
     temperature = torch.where(params.greedy, 1.0, params.temperature).reshape(shape)
-    probs = torch.softmax(scores / temperature, dim=-1)  # [B, ..., V]
+    shifted = scores - scores.amax(dim=-1, keepdim=True)  # [B, ..., V], <= 0: a tiny temperature never makes +inf
+    probs = torch.softmax(shifted / temperature, dim=-1)  # [B, ..., V]
     top_k = params.top_k.reshape(shape)
     if bool(((top_k > 0) & (top_k < scores.shape[-1])).any()):
         probs = _renormalise(probs * _top_k_mask(scores, top_k))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,7 +24,10 @@ from batchspec.cli.common import (
     load_models,
 )
 from batchspec.cli.errors import user_errors
-from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PREFILL_CHUNK
+from batchspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_READ_TIMEOUT_S, RequestLimits
+from batchspec.server.runner import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_CONNECTIONS, HttpOptions
+from batchspec.server.security import API_KEY_ENV, SecurityConfig
+from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PREFILL_CHUNK, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 class LogLevel(StrEnum):
@@ -77,6 +82,104 @@ TimingOption = Annotated[
     typer.Option("--timing/--no-timing", help="Split round time into stages for /metrics (cheap on the CPU)."),
 ]
 
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key", metavar="KEY", envvar=API_KEY_ENV, show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every route but /health (prefer the environment variable: "
+        "a command line is visible to other users).",
+    ),
+]
+AllowedOriginsOption = Annotated[
+    str | None,
+    typer.Option("--allowed-origins", metavar="ORIGINS",
+                 help="Comma-separated origins (https://app.example.com, or *) whose web pages may call the API "
+                 "(CORS); default none."),
+]
+AllowedHostsOption = Annotated[
+    str | None,
+    typer.Option("--allowed-hosts", metavar="NAMES",
+                 help="Comma-separated Host names answered besides the loopback names (a server on loopback "
+                 "answers only those by default; * answers any)."),
+]
+SslKeyfileOption = Annotated[
+    Path | None, typer.Option("--ssl-keyfile", metavar="PATH", help="Serve HTTPS with this PEM private key.")
+]
+SslCertfileOption = Annotated[
+    Path | None, typer.Option("--ssl-certfile", metavar="PATH", help="Serve HTTPS with this PEM certificate.")
+]
+MaxBodyBytesOption = Annotated[
+    int, typer.Option("--max-body-bytes", metavar="N", min=1, help="Largest request body; a larger one gets 413.")
+]
+ReadTimeoutOption = Annotated[
+    float,
+    typer.Option("--read-timeout", metavar="S", min=0.001,
+                 help="Seconds a client has to send a request's headers, and then its body (408)."),
+]
+KeepAliveOption = Annotated[
+    int, typer.Option("--keep-alive-timeout", metavar="S", min=1, help="Seconds an idle connection stays open.")
+]
+MaxConnectionsOption = Annotated[
+    int,
+    typer.Option("--max-connections", metavar="N", min=1,
+                 help="Concurrent connections; a request beyond them gets 503."),
+]
+RequestTimeoutOption = Annotated[
+    float | None,
+    typer.Option("--request-timeout", metavar="S", min=0.001,
+                 help="Seconds from arrival to the last token; a slower request is ended with 504 (default: none)."),
+]
+DefaultMaxTokensOption = Annotated[
+    int,
+    typer.Option("--default-max-tokens", metavar="N", min=1,
+                 help="Output budget of a request without max_tokens (capped by the context)."),
+]
+ShutdownTimeoutOption = Annotated[
+    float,
+    typer.Option("--shutdown-timeout", metavar="S", min=0.0,
+                 help="On SIGTERM, seconds requests in flight get to finish; the rest then get 503."),
+]
+
+
+@dataclass(frozen=True)
+class NetworkOptions:
+    """The options of ``batchspec serve`` that shape its HTTP side, as parsed."""
+
+    host: str
+    api_key: str | None
+    allowed_origins: str | None
+    allowed_hosts: str | None
+    ssl_keyfile: Path | None
+    ssl_certfile: Path | None
+    max_body_bytes: int
+    read_timeout: float
+    keep_alive_timeout: int
+    max_connections: int
+    request_timeout: float | None
+    default_max_tokens: int
+
+    def security(self) -> SecurityConfig:
+        return SecurityConfig.for_bind(
+            self.host, api_key=self.api_key, allowed_origins=names(self.allowed_origins),
+            allowed_hosts=names(self.allowed_hosts),
+        )
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_body_bytes=self.max_body_bytes, read_timeout_s=self.read_timeout,
+            request_timeout_s=self.request_timeout, default_max_tokens=self.default_max_tokens,
+        )
+
+    def http(self) -> HttpOptions:
+        keyfile, certfile = (str(p) if p is not None else None for p in (self.ssl_keyfile, self.ssl_certfile))
+        return HttpOptions(ssl_keyfile=keyfile, ssl_certfile=certfile, keep_alive_timeout_s=self.keep_alive_timeout,
+                           max_connections=self.max_connections)
+
+
+def names(value: str | None) -> tuple[str, ...]:
+    """A comma-separated option as a tuple of its non-empty, stripped items."""
+    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
+
 
 def serve_command(
     preset: PresetOption = None,
@@ -96,18 +199,35 @@ def serve_command(
     served_model_name: ServedNameOption = None,
     cache_dir: CacheDirOption = None,
     log_level: LogLevelOption = LogLevel.INFO,
+    api_key: ApiKeyOption = None,
+    allowed_origins: AllowedOriginsOption = None,
+    allowed_hosts: AllowedHostsOption = None,
+    ssl_keyfile: SslKeyfileOption = None,
+    ssl_certfile: SslCertfileOption = None,
+    max_body_bytes: MaxBodyBytesOption = DEFAULT_MAX_BODY_BYTES,
+    read_timeout: ReadTimeoutOption = DEFAULT_READ_TIMEOUT_S,
+    keep_alive_timeout: KeepAliveOption = DEFAULT_KEEP_ALIVE_S,
+    max_connections: MaxConnectionsOption = DEFAULT_MAX_CONNECTIONS,
+    request_timeout: RequestTimeoutOption = None,
+    default_max_tokens: DefaultMaxTokensOption = DEFAULT_MAX_TOKENS,
+    shutdown_timeout: ShutdownTimeoutOption = DEFAULT_SHUTDOWN_TIMEOUT_S,
 ) -> None:
     """Serve the models over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions (also streaming),
     /v1/models, /health and /metrics (Prometheus).
 
     Requests that arrive while others decode join the running batch between rounds; with temperature 0 every
-    answer is exactly the target's own greedy output for that prompt. SIGTERM or Ctrl-C finishes the requests
-    in flight, then exits.
+    answer is exactly the target's own greedy output for that prompt. SIGTERM or Ctrl-C gives the requests in
+    flight --shutdown-timeout seconds to finish, then exits.
     """
     from batchspec.server import ServedModels, ServerConfig, create_app, serve_forever
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    network = NetworkOptions(
+        host, api_key, allowed_origins, allowed_hosts, ssl_keyfile, ssl_certfile, max_body_bytes, read_timeout,
+        keep_alive_timeout, max_connections, request_timeout, default_max_tokens,
+    )
     with user_errors():
+        http = network.http()
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
         choice.check_for(method, proposer)
         resolved = choice.proposer_for(method, proposer)
@@ -115,10 +235,11 @@ def serve_command(
             method=method.value, proposer=None if resolved is None else resolved.value,
             max_batch_size=max_batch_size, max_queue=max_queue, num_draft_tokens=num_draft_tokens,
             window_size=window_size, served_model_name=served_model_name, prefill_chunk=prefill_chunk, timing=timing,
+            shutdown_timeout_s=shutdown_timeout, limits=network.limits(), security=network.security(),
         )
         loaded = load_models(choice, method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
         models = ServedModels(loaded.target, loaded.draft, loaded.tokenizer, loaded.name)
         app = create_app(models, config)
-        typer.echo(f"Serving {config.served_model_name or loaded.name} on http://{host}:{port}/v1", err=True)
-        serve_forever(app, host, port, log_level=log_level.value)
+        typer.echo(f"Serving {config.served_model_name or loaded.name} on {http.scheme}://{host}:{port}/v1", err=True)
+        serve_forever(app, host, port, log_level=log_level.value, http=http)

@@ -1,17 +1,21 @@
 """The FastAPI application: OpenAI-compatible routes around one engine loop.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as server-sent events with ``stream: true``),
-``GET /v1/models``, ``GET /health`` and ``GET /metrics``. The engine loop starts with the application and, on
-shutdown, finishes every request it holds before its thread ends.
+``GET /v1/models``, ``GET /health`` and ``GET /metrics``, behind the middleware of
+:mod:`~batchspec.server.middleware`. Prompts are tokenized in a small thread pool, off the event loop. The engine
+loop starts with the application and, on shutdown, finishes the requests it holds (those still running when the
+shutdown timeout ends have been cancelled by then) before its thread ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,11 +28,14 @@ from batchspec.engine import build_engine
 from batchspec.models.support import vocab_size
 from batchspec.schedulers import make_scheduler
 from batchspec.server.errors import APIError
+from batchspec.server.events import GenerationParams
 from batchspec.server.formats import ChatFormat, CompletionFormat, ReplyContext, ReplyFormat, new_request_id
 from batchspec.server.handlers import Reply, Tracker, answer, submit
+from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop
-from batchspec.server.metrics import CONTENT_TYPE, ServerMetrics
-from batchspec.server.prompts import ModelLimits, chat_params, completion_params
+from batchspec.server.metrics import CONTENT_TYPE, ServerMetrics, endpoint_label
+from batchspec.server.middleware import install_middleware
+from batchspec.server.prompts import ModelLimits, PromptSize, chat_params, completion_params
 from batchspec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +47,8 @@ from batchspec.server.settings import ServedModels, ServerConfig
 from batchspec.server.validation import validation_error
 
 logger = logging.getLogger(__name__)
+
+PREPARE_WORKERS = 2
 
 
 @dataclass
@@ -84,9 +93,31 @@ def context_length(target: Any, draft: Any | None) -> int:
     return min(int(m.config.get_text_config().max_position_embeddings) for m in models)
 
 
+@dataclass
+class Front:
+    """What the routes use besides the engine: the requests in flight, the prompt-size bound, and the small pool
+    that tokenizes and renders chat templates off the event loop (so a large prompt delays no other client)."""
+
+    inflight: InFlight
+    prompt_size: PromptSize
+    pool: ThreadPoolExecutor
+    shutdown_timeout_s: float
+
+    async def prepare(self, work: Callable[..., GenerationParams], *args: Any) -> GenerationParams:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, partial(work, *args))
+
+    def begin_shutdown(self) -> None:
+        """Called when the HTTP server starts shutting down: requests in flight get ``shutdown_timeout_s``."""
+        self.inflight.begin_shutdown(self.shutdown_timeout_s)
+
+
 def create_app(models: ServedModels, config: ServerConfig) -> FastAPI:
     """The application serving ``models``; its engine loop runs while the application runs (lifespan)."""
     state = build_state(models, config)
+    front = Front(
+        InFlight(config.limits.request_timeout_s), PromptSize.of(models.tokenizer, state.limits.context_length),
+        ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="batchspec-prepare"), config.shutdown_timeout_s,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,11 +125,14 @@ def create_app(models: ServedModels, config: ServerConfig) -> FastAPI:
         logger.info("serving %s with %s, batch size %d", state.model_name, config.method, config.max_batch_size)
         yield
         logger.info("draining the engine loop")
-        await asyncio.to_thread(state.loop.stop, config.drain_timeout_s)
+        front.pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(state.loop.stop, config.shutdown_timeout_s)
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
     app.state.serving = state
+    app.state.front = front
     _install_error_handlers(app, state)
+    install_middleware(app, config, state.metrics, front.inflight.expired)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
     app.get("/v1/models")(list_models)
@@ -111,26 +145,36 @@ def _state(http: Request) -> ServingState:
     return http.app.state.serving
 
 
+def _front(http: Request) -> Front:
+    return http.app.state.front
+
+
 async def completions(body: CompletionRequest, http: Request) -> Response:
-    state = _state(http)
-    state.check_model(body.model)
-    params = completion_params(body, state.tokenizer, state.limits)
-    return await _serve(http, state, params, CompletionFormat(), body)
+    params = await _prepare(http, body, completion_params)
+    return await _serve(http, _state(http), params, CompletionFormat(), body)
 
 
 async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-    state = _state(http)
+    params = await _prepare(http, body, chat_params)
+    return await _serve(http, _state(http), params, ChatFormat(), body)
+
+
+async def _prepare(
+    http: Request, body: CompletionRequest | ChatCompletionRequest, work: Callable[..., GenerationParams]
+) -> GenerationParams:
+    """Check the model and the prompt's size, then tokenize (``work``) in the pool, off the event loop."""
+    state, front = _state(http), _front(http)
     state.check_model(body.model)
-    params = chat_params(body, state.tokenizer, state.limits)
-    return await _serve(http, state, params, ChatFormat(), body)
+    front.prompt_size.check(body)
+    return await front.prepare(work, body, state.tokenizer, state.limits, state.config.limits.default_max_tokens)
 
 
 async def _serve(http: Request, state: ServingState, params, fmt: ReplyFormat, body: SamplingFields) -> Response:
-    endpoint = http.url.path
+    inflight = _front(http).inflight
     ctx = ReplyContext(new_request_id(fmt.id_prefix), state.model_name, params.prompt, body.return_token_ids)
-    handle = submit(state.loop, state.metrics, ctx.request_id, params)
-    tracker = Tracker(handle, state.metrics, endpoint)
-    return await answer(http, handle, tracker, Reply(fmt, ctx, body.stream, body.include_usage))
+    handle = submit(state.loop, state.metrics, inflight, ctx.request_id, params)
+    tracker = Tracker(handle, state.metrics, endpoint_label(http.scope))
+    return await answer(http, handle, tracker, Reply(fmt, ctx, body.stream, body.include_usage), inflight)
 
 
 async def list_models(http: Request) -> ModelList:
@@ -151,7 +195,7 @@ async def metrics(http: Request) -> Response:
 
 def _install_error_handlers(app: FastAPI, state: ServingState) -> None:
     def reply(http: Request, error: APIError) -> JSONResponse:
-        state.metrics.requests.labels(endpoint=http.url.path, status=str(error.status)).inc()
+        state.metrics.requests.labels(endpoint=endpoint_label(http.scope), status=str(error.status)).inc()
         return error.response()
 
     async def on_api_error(http: Request, error: APIError) -> JSONResponse:

@@ -70,9 +70,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The round that served this request raised; the request gets a 500."""
+    """The request ends with an error: a round that served it raised (500), or the server ended it early: its
+    deadline passed (504) or shutdown's drain time ran out (503)."""
 
     message: str
+    status: int = 500
+    code: str = "generation_failed"
 
 
 @dataclass(frozen=True)

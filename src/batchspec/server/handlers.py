@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from batchspec.server.errors import APIError
 from batchspec.server.events import Disconnected, Event, Failed, Finished, GenerationParams, RequestHandle, Tokens
 from batchspec.server.formats import ReplyContext, ReplyFormat
+from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop, QueueFull, ServerClosing
 from batchspec.server.metrics import ServerMetrics
 from batchspec.server.protocol import wire
@@ -58,14 +59,16 @@ class Tracker:
 
 @dataclass
 class DisconnectWatch:
-    """Waits for ``http.disconnect`` and then cancels the request and wakes its handler."""
+    """Waits for ``http.disconnect`` and then cancels the request and wakes its handler; closing it also ends
+    the request's place among those ``inflight``."""
 
     handle: RequestHandle
+    inflight: InFlight
     task: asyncio.Task | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, receive: Callable, handle: RequestHandle) -> DisconnectWatch:
-        watch = cls(handle)
+    def start(cls, receive: Callable, handle: RequestHandle, inflight: InFlight) -> DisconnectWatch:
+        watch = cls(handle, inflight)
         watch.task = asyncio.create_task(watch._watch(receive))
         return watch
 
@@ -80,6 +83,7 @@ class DisconnectWatch:
         if self.task is not None:
             self.task.cancel()
         self.handle.cancel()
+        self.inflight.close(self.handle)
 
 
 class EventStream(StreamingResponse):
@@ -106,8 +110,11 @@ class Reply:
     include_usage: bool
 
 
-def submit(loop: EngineLoop, metrics: ServerMetrics, request_id: str, params: GenerationParams) -> RequestHandle:
-    """A handle for ``params`` queued in the engine loop; 429 when the queue is full, 503 when closing."""
+def submit(
+    loop: EngineLoop, metrics: ServerMetrics, inflight: InFlight, request_id: str, params: GenerationParams
+) -> RequestHandle:
+    """A handle for ``params`` queued in the engine loop and tracked in ``inflight`` (until the reply's watch
+    closes); 429 when the queue is full, 503 when closing."""
     handle = RequestHandle(request_id, params, asyncio.get_running_loop())
     try:
         loop.submit(handle)
@@ -118,12 +125,13 @@ def submit(loop: EngineLoop, metrics: ServerMetrics, request_id: str, params: Ge
         ) from error
     except ServerClosing as error:
         raise APIError(503, str(error), code="shutting_down") from error
+    inflight.open(handle)
     return handle
 
 
-async def answer(http: Request, handle: RequestHandle, tracker: Tracker, reply: Reply) -> Response:
+async def answer(http: Request, handle: RequestHandle, tracker: Tracker, reply: Reply, inflight: InFlight) -> Response:
     """Wait for the request's events and answer with one body or, for ``reply.stream``, an event stream."""
-    watch = DisconnectWatch.start(http.receive, handle)
+    watch = DisconnectWatch.start(http.receive, handle, inflight)
     handed_over = False
     try:
         if not reply.stream:
@@ -144,7 +152,7 @@ async def _next(handle: RequestHandle, tracker: Tracker) -> Tokens | Finished:
     event = await handle.next_event()
     tracker.saw(event)
     if isinstance(event, Failed):
-        raise APIError(500, event.message, code="generation_failed")
+        raise APIError(event.status, event.message, code=event.code)
     if isinstance(event, Disconnected):
         raise ClientGone
     return event

@@ -1,22 +1,27 @@
 """Prometheus metrics of one server, in a registry of its own (``GET /metrics``, text exposition format).
 
-Request counts, latencies and token counts are recorded by the HTTP handlers; rounds, batch occupancy,
-cancellations and failures by the engine loop; acceptance rate, throughput and queue depth are read from the
-engine's :class:`~batchspec.metrics.GenerationStats` and the loop's status when scraped.
+Request counts (by route template and status), latencies and token counts are recorded by the HTTP handlers and
+the middleware that refuses requests; rounds, batch occupancy, cancellations and failures by the engine loop;
+the process's memory, CPU time and open files by prometheus_client's process collector; acceptance rate,
+throughput and queue depth are read from the engine's :class:`~batchspec.metrics.GenerationStats` and the
+loop's status when scraped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.routing import Match
+from starlette.types import Scope
 
 from batchspec.metrics import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 OCCUPANCY_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+UNMATCHED = "unmatched"
 
 
 class ServerMetrics:
@@ -26,7 +31,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "batchspec_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+            "batchspec_requests", "HTTP requests by route template (or 'unmatched') and status code",
+            ["endpoint", "status"], registry=r,
         )
         self.prompt_tokens = Counter("batchspec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter(
@@ -50,6 +56,7 @@ class ServerMetrics:
         self.cancelled = Counter("batchspec_cancelled_requests", "Requests whose client left early", registry=r)
         self.failed = Counter("batchspec_failed_requests", "Requests failed by an error in their round", registry=r)
         self.rejected = Counter("batchspec_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
+        ProcessCollector(registry=r)
 
     def observe_round(self, rows: int, batch_size: int, seconds: float) -> None:
         self.round_seconds.observe(seconds)
@@ -79,3 +86,12 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def endpoint_label(scope: Scope) -> str:
+    """The template of the route serving ``scope`` (``/v1/completions``), or ``unmatched``: labels come from the
+    application's routes, never from the path a client sends, so the metric set stays bounded."""
+    route = scope.get("route")
+    if route is None:
+        route = next((r for r in scope["app"].router.routes if r.matches(scope)[0] is not Match.NONE), None)
+    return getattr(route, "path", None) or UNMATCHED

@@ -28,15 +28,47 @@ class ModelLimits:
             raise ValueError(f"vocab_size must be >= 1; got {self.vocab_size}")
 
 
-def completion_params(request: CompletionRequest, tokenizer: Any, limits: ModelLimits) -> GenerationParams:
+@dataclass(frozen=True)
+class PromptSize:
+    """A bound on a prompt's characters checked before tokenizing: no text longer than ``max_chars`` can fit
+    the context, because no token covers more characters than the vocabulary's longest entry (this assumes a
+    tokenizer that keeps every character, as the byte-level BPE and SentencePiece tokenizers of causal LMs do).
+    """
+
+    max_chars: int
+    context_length: int
+
+    @classmethod
+    def of(cls, tokenizer: Any, context_length: int) -> PromptSize:
+        longest = max([1, *(len(token) for token in tokenizer.get_vocab())])
+        return cls(context_length * longest, context_length)
+
+    def check(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+        """A 400 (``context_length_exceeded``) for text that cannot fit; token-id prompts are checked later."""
+        if isinstance(request, ChatCompletionRequest):
+            chars, param = sum(len(m.text()) for m in request.messages), "messages"
+        else:
+            chars, param = (len(request.prompt) if isinstance(request.prompt, str) else 0), "prompt"
+        if chars > self.max_chars:
+            raise bad_request(
+                f"the prompt has {chars} characters, more than the {self.max_chars} that could fit the model's "
+                f"context of {self.context_length} tokens", param=param, code=CONTEXT_CODE,
+            )
+
+
+def completion_params(
+    request: CompletionRequest, tokenizer: Any, limits: ModelLimits, default_max_tokens: int
+) -> GenerationParams:
     if isinstance(request.prompt, str):
         ids = [int(t) for t in tokenizer(request.prompt, add_special_tokens=True)["input_ids"]]
     else:
         ids = list(request.prompt)
-    return _params(ids, request.max_tokens, request, limits, "prompt")
+    return _params(ids, Budget(request.max_tokens, default_max_tokens), request, limits, "prompt")
 
 
-def chat_params(request: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -> GenerationParams:
+def chat_params(
+    request: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits, default_max_tokens: int
+) -> GenerationParams:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     messages = [{"role": _role(m.role), "content": m.text()} for m in request.messages]
@@ -44,7 +76,7 @@ def chat_params(request: ChatCompletionRequest, tokenizer: Any, limits: ModelLim
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as error:
         raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from error
-    return _params(_as_ids(encoded), request.token_budget, request, limits, "messages")
+    return _params(_as_ids(encoded), Budget(request.token_budget, default_max_tokens), request, limits, "messages")
 
 
 def _role(role: str) -> str:
@@ -57,20 +89,28 @@ def _as_ids(encoded: Any) -> list[int]:
     return [int(token) for token in encoded]
 
 
+@dataclass(frozen=True)
+class Budget:
+    """A request's ``max_tokens`` (None if it sent none) and the server's default for that case."""
+
+    requested: int | None
+    default: int
+
+
 def _params(
-    ids: list[int], budget: int | None, request: SamplingFields, limits: ModelLimits, prompt_param: str
+    ids: list[int], budget: Budget, request: SamplingFields, limits: ModelLimits, prompt_param: str
 ) -> GenerationParams:
     _check_prompt(ids, limits, prompt_param)
     room = limits.context_length - len(ids)
-    if budget is not None and budget > room:
+    if budget.requested is not None and budget.requested > room:
         raise bad_request(
-            f"max_tokens {budget} and the {len(ids)}-token prompt exceed the model's context of "
+            f"max_tokens {budget.requested} and the {len(ids)}-token prompt exceed the model's context of "
             f"{limits.context_length} tokens; at most {room} new tokens fit",
             param="max_tokens", code=CONTEXT_CODE,
         )
     return GenerationParams(
         prompt=ids,
-        max_tokens=room if budget is None else budget,
+        max_tokens=min(room, budget.default) if budget.requested is None else budget.requested,
         stop=request.stop_strings,
         sampling=sampling_params(request),
         seed=request.seed,

@@ -1,13 +1,15 @@
 """Running the application with uvicorn: in the foreground (``batchspec serve``) or in a background thread
 (tests and the online benchmark).
 
-In the foreground, SIGTERM and SIGINT start a graceful shutdown: the listening socket closes, every request in
-flight is answered, the engine loop drains, and the process exits with status 0.
+In the foreground, SIGTERM and SIGINT start a graceful shutdown: the listening socket closes, the requests in
+flight get the application's shutdown timeout to finish and are then ended with a 503, the engine loop drains,
+and the process exits with status 0. uvicorn's own graceful-shutdown timeout, a few seconds later, backs this up.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import threading
@@ -15,19 +17,82 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+
+from batchspec.server.app import Front
+from batchspec.server.transport import timed_protocol
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 120.0
+SHUTDOWN_BACKSTOP_S = 5.0
+DEFAULT_KEEP_ALIVE_S = 5
+DEFAULT_MAX_CONNECTIONS = 128
 
 
-def serve_forever(app: FastAPI, host: str, port: int, *, log_level: str = "info") -> None:
+@dataclass(frozen=True)
+class HttpOptions:
+    """How uvicorn serves the application.
+
+    Attributes:
+        ssl_keyfile, ssl_certfile: serve HTTPS with this PEM key and certificate (both or neither).
+        keep_alive_timeout_s: seconds an idle keep-alive connection stays open between requests.
+        max_connections: concurrent connections; a request beyond them gets uvicorn's 503 (``limit_concurrency``).
+    """
+
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both a key file and a certificate file")
+        for path in (self.ssl_keyfile, self.ssl_certfile):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{path} does not exist or is not a file")
+        if self.keep_alive_timeout_s < 1 or self.max_connections < 1:
+            raise ValueError("the keep-alive timeout and the connection limit must be >= 1")
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.ssl_certfile is None else "https"
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that starts the application's shutdown clock as soon as it begins shutting down."""
+
+    def __init__(self, config: uvicorn.Config, front: Front) -> None:
+        super().__init__(config)
+        self.front = front
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.front.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+def make_server(app: FastAPI, http: HttpOptions, log_level: str, **where: Any) -> DrainingServer:
+    """A server for ``app`` (built by :func:`~batchspec.server.app.create_app`) at ``where`` (host and port)."""
+    front: Front = app.state.front
+    config = uvicorn.Config(
+        app, log_level=log_level, lifespan="on", http=timed_protocol(app.state.serving.config.limits.read_timeout_s),
+        ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile, timeout_keep_alive=http.keep_alive_timeout_s,
+        limit_concurrency=http.max_connections,
+        timeout_graceful_shutdown=math.ceil(front.shutdown_timeout_s + SHUTDOWN_BACKSTOP_S), **where,
+    )
+    return DrainingServer(config, front)
+
+
+def serve_forever(
+    app: FastAPI, host: str, port: int, *, log_level: str = "info", http: HttpOptions = HttpOptions()
+) -> None:
     """Serve ``app`` on ``host:port`` until SIGTERM or SIGINT, then drain and return."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+    server = make_server(app, http, log_level, host=host, port=port)
     with _signals_end_quietly():
         server.run()
     if not server.started:
@@ -68,16 +133,18 @@ class RunningServer:
 
 
 @contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", *, log_level: str = "warning") -> Iterator[RunningServer]:
+def serve_in_thread(
+    app: FastAPI, host: str = "127.0.0.1", *, log_level: str = "warning", http: HttpOptions = HttpOptions()
+) -> Iterator[RunningServer]:
     """Serve ``app`` on a free port of ``host`` in a daemon thread for the duration of the ``with`` block."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+    server = make_server(app, http, log_level)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="batchspec-http", daemon=True)
     thread.start()
-    running = RunningServer(f"http://{host}:{port}", app, server, thread)
+    running = RunningServer(f"{http.scheme}://{host}:{port}", app, server, thread)
     try:
         _wait_started(running)
         yield running

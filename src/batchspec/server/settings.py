@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchspec.config import AUTO, METHODS, PROPOSERS
+from batchspec.server.limits import RequestLimits
+from batchspec.server.security import SecurityConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,10 @@ class ServerConfig:
         window_size: exspec only: requests admitted at once (W >= B); default ``4 * max_batch_size``.
         served_model_name: the ``model`` name clients use; default the loaded models' name.
         check_invariants: check the batch invariants every round (slow; for tests).
-        drain_timeout_s: on shutdown, seconds to wait for the engine loop to finish its requests (None: no limit).
+        shutdown_timeout_s: on shutdown, seconds the requests in flight get to finish before they are ended with
+            a 503; the engine loop's round in progress then gets as long again before the process exits.
+        limits: body size, timeouts and the default output budget of every request.
+        security: API key, CORS origins and the Host names answered.
         timing: split round time into stages for ``/metrics`` (cheap: on a GPU one device synchronisation a round).
         prefill_chunk: columns of new prompts read per round while other requests decode (chunked prefill: a long
             prompt delays the running streams a bounded amount per round); None reads each prompt in one piece.
@@ -41,7 +47,9 @@ class ServerConfig:
     window_size: int | None = None
     served_model_name: str | None = None
     check_invariants: bool = False
-    drain_timeout_s: float | None = None
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     timing: bool = True
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
 
@@ -61,8 +69,8 @@ class ServerConfig:
             raise ValueError(f"window_size must be >= max_batch_size ({self.max_batch_size}); got {self.window_size}")
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be an integer >= 1 or None; got {self.prefill_chunk!r}")
-        if self.drain_timeout_s is not None and self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
 
 
 @dataclass(frozen=True)

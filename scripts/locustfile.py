@@ -1,0 +1,227 @@
+"""Load test of a running ``batchspec serve`` (locust): mixed streaming and non-streaming, completion and chat,
+greedy and seeded-sampling requests, each answer checked token for token.
+
+Before the load starts, every request of the catalogue (``--prompts`` prompts x {completions, chat} x {greedy,
+seeded}) is sent once, alone and without streaming: those answers are the references. Under load each answer,
+streamed or not, must equal its reference; a difference counts as a failure (and locust exits with status 1).
+The run stops after ``--requests`` answers (exit status 0 without failures), or earlier at ``--run-time`` (which
+counts the references too) or on Ctrl-C, with exit status 1. The summary adds time-to-first-token percentiles
+of the streams and the server's resident memory (from its ``/metrics``) at the start, at the peak and at the end.
+
+    batchspec serve --preset smollm2 --dtype float32 --max-batch-size 8 &
+    locust -f scripts/locustfile.py --host http://127.0.0.1:8000 --headless --users 8 --spawn-rate 8 \\
+        --run-time 10m --requests 200
+
+``--api-key`` (or ``BATCHSPEC_API_KEY``) is sent as a bearer token; ``--model`` names the served model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import gevent
+import requests
+from locust import User, between, events, task
+from locust.env import Environment
+from locust.exception import StopUser
+
+PROMPTS = (
+    "def fibonacci(n):",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash map is in two sentences.",
+    "def quicksort(items):",
+    "List three prime numbers greater than 50.",
+    "class Stack:\n    def __init__(self):",
+    "What does the HTTP status code 404 mean?",
+    "def merge_sorted(a, b):",
+)
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+SAMPLING = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.8, "top_p": 0.95}}
+MEMORY_POLL_S = 2.0
+REQUEST_TIMEOUT_S = 600.0
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser) -> None:
+    parser.add_argument("--requests", type=int, default=200, help="Stop after this many answers.")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request.")
+    parser.add_argument("--prompts", type=int, default=4, help=f"Prompts used, at most {len(PROMPTS)}.")
+    parser.add_argument("--model", default=None, help="The served model's name (default: the first /v1/models).")
+    parser.add_argument("--api-key", default="", env_var="BATCHSPEC_API_KEY", help="Bearer token, if required.")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request of the catalogue."""
+
+    prompt: int
+    endpoint: str
+    sampling: str
+
+    def body(self, model: str, max_tokens: int, stream: bool) -> dict:
+        text = PROMPTS[self.prompt]
+        source = {"prompt": text} if self.endpoint == "completions" else {
+            "messages": [{"role": "user", "content": text}]}
+        seed = {"seed": 1000 + self.prompt} if self.sampling == "seeded" else {}
+        return {**source, **SAMPLING[self.sampling], **seed, "model": model, "max_tokens": max_tokens,
+                "stream": stream, "return_token_ids": True}
+
+    def name(self, stream: bool) -> str:
+        return f"{self.endpoint} {'stream' if stream else 'whole'} {self.sampling}"
+
+
+@dataclass
+class Run:
+    """The state of one load test: its references, the request budget and what was measured."""
+
+    url: str = ""
+    headers: dict = field(default_factory=dict)
+    model: str = ""
+    max_tokens: int = 64
+    budget: int = 0
+    issued: int = 0
+    answered: int = 0
+    mismatches: int = 0
+    references: dict[Case, list[int]] = field(default_factory=dict)
+    ttft_s: list[float] = field(default_factory=list)
+    rss: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+RUN = Run()
+
+
+def _answer(response: requests.Response, stream: bool, started: float) -> tuple[list[int], float | None]:
+    """The answer's token ids and, for a stream, the seconds from ``started`` until its first tokens arrived."""
+    response.raise_for_status()
+    if not stream:
+        return response.json()["choices"][0]["token_ids"], None
+    first, ids = None, []
+    for line in response.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"error event: {chunk['error']['message']}")
+        new = [t for choice in chunk.get("choices", []) for t in choice.get("token_ids") or []]
+        if new and first is None:
+            first = time.perf_counter() - started
+        ids += new
+    return ids, first
+
+
+def _ask(session: requests.Session, case: Case, stream: bool) -> tuple[list[int], float | None]:
+    body = case.body(RUN.model, RUN.max_tokens, stream)
+    started = time.perf_counter()
+    with session.post(RUN.url + ENDPOINTS[case.endpoint], json=body, headers=RUN.headers, stream=stream,
+                      timeout=REQUEST_TIMEOUT_S) as response:
+        return _answer(response, stream, started)
+
+
+def _resident_bytes() -> int:
+    text = requests.get(f"{RUN.url}/metrics", headers=RUN.headers, timeout=30).text
+    line = next(line for line in text.splitlines() if line.startswith("process_resident_memory_bytes "))
+    return int(float(line.split()[1]))
+
+
+def _watch_memory() -> None:
+    while True:
+        gevent.sleep(MEMORY_POLL_S)
+        RUN.rss.append(_resident_bytes())
+
+
+@events.test_start.add_listener
+def _references(environment: Environment, **_) -> None:
+    options = environment.parsed_options
+    RUN.url = environment.host.rstrip("/")
+    RUN.headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    RUN.max_tokens, RUN.budget = options.max_tokens, options.requests
+    RUN.model = options.model or requests.get(f"{RUN.url}/v1/models", headers=RUN.headers, timeout=30).json()[
+        "data"][0]["id"]
+    RUN.rss.append(_resident_bytes())
+    cases = [Case(p, e, s) for p in range(min(options.prompts, len(PROMPTS))) for e in ENDPOINTS for s in SAMPLING]
+    with requests.Session() as session:
+        for case in cases:
+            RUN.references[case] = _ask(session, case, stream=False)[0]
+    print(f"references: {len(cases)} requests answered one at a time", flush=True)
+    gevent.spawn(_watch_memory)
+
+
+class ServeUser(User):
+    """A client sending random requests of the catalogue, half of them streamed."""
+
+    wait_time = between(0.0, 0.5)
+
+    def on_start(self) -> None:
+        self.session = requests.Session()
+        self.random = random.Random()
+
+    @task
+    def ask(self) -> None:
+        with RUN.lock:
+            if RUN.issued >= RUN.budget:
+                raise StopUser
+            RUN.issued += 1
+        case = self.random.choice(list(RUN.references))
+        stream = self.random.random() < 0.5
+        started = time.perf_counter()
+        error, ids = None, []
+        try:
+            ids, first = _ask(self.session, case, stream)
+            error = _difference(ids, RUN.references[case])
+            if first is not None:
+                RUN.ttft_s.append(first)
+        except (requests.RequestException, RuntimeError, KeyError, ValueError) as failure:
+            error = failure
+        self.environment.events.request.fire(
+            request_type="POST", name=case.name(stream), response_time=(time.perf_counter() - started) * 1000,
+            response_length=len(ids), exception=error, context={},
+        )
+        self._count(error)
+
+    def _count(self, error: Exception | None) -> None:
+        with RUN.lock:
+            RUN.answered += 1
+            RUN.mismatches += isinstance(error, AnswerDiffers)
+            done = RUN.answered >= RUN.budget
+        if done:
+            self.environment.runner.quit()
+
+
+class AnswerDiffers(Exception):
+    """An answer that is not token for token its reference."""
+
+
+def _difference(ids: list[int], reference: list[int]) -> AnswerDiffers | None:
+    if ids == reference:
+        return None
+    shared = min(len(ids), len(reference))
+    at = next((i for i in range(shared) if ids[i] != reference[i]), shared)
+    return AnswerDiffers(f"differs from its reference at token {at} ({len(ids)} vs {len(reference)} tokens)")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+@events.quitting.add_listener
+def _summary(environment: Environment, **_) -> None:
+    if not RUN.rss:
+        return
+    RUN.rss.append(_resident_bytes())
+    total = environment.stats.total
+    latency = " ".join(f"p{int(q * 100)} {total.get_response_time_percentile(q) / 1000:.2f} s" for q in (.5, .9, .99))
+    ttft = " ".join(f"p{int(q * 100)} {_percentile(RUN.ttft_s, q):.2f} s" for q in (.5, .9, .99))
+    mib = [value / 2**20 for value in (RUN.rss[0], max(RUN.rss), RUN.rss[-1])]
+    if RUN.answered < RUN.budget:
+        print(f"batchspec load test: stopped after {RUN.answered} of {RUN.budget} answers", flush=True)
+        environment.process_exit_code = 1
+    print(f"batchspec load test: {RUN.answered} answers, {total.num_failures} failures "
+          f"({RUN.mismatches} differ from their reference)\n"
+          f"  latency {latency}; time to first token (streams) {ttft}\n"
+          f"  server RSS start {mib[0]:.0f} MiB, peak {mib[1]:.0f} MiB, end {mib[2]:.0f} MiB", flush=True)
