@@ -221,22 +221,31 @@ def test_sixteen_concurrent_clients_get_their_own_outputs(server, tiny):
 
 
 def test_long_prompts_are_read_in_chunks_while_others_decode(tiny):
-    """With 5 prompt columns per round, newcomers are read over several rounds between the running requests'
-    rounds; every answer stays exact and no running row re-reads its KV."""
-    prompts = [p + p for p in plain_prompts(8, seed=41)]  # up to 80 tokens: many chunks each
+    """With 5 prompt columns per round, prompts that arrive while a request decodes are read over several rounds
+    between its rounds; every answer stays exact and the running row never re-reads its KV."""
+    prompts = [p + p for p in plain_prompts(6, seed=41) if len(p) > 10]  # 22 to 80 tokens: several chunks each
+    first, budget = plain_prompts(1, seed=42)[0], 300
     expected = [tiny.reference(p, 12)[0] for p in prompts]
-    with running(tiny, method="eqspec", prefill_chunk=5) as server, ThreadPoolExecutor(8) as pool:
-        def ask(i: int) -> list[int]:
-            time.sleep(0.05 * i)  # arrivals spread over the first rounds
+    with running(tiny, method="eqspec", prefill_chunk=5) as server, ThreadPoolExecutor(len(prompts)) as pool:
+        stream = client(server).completions.create(
+            model="tiny", prompt=first, max_tokens=budget, stream=True, extra_body={"return_token_ids": True}
+        )
+        chunks = iter(stream)
+        head = next(chunks)  # the first request is decoding now
+        chunks_before = loop_of(server).engine.stats.prefill_chunks
+
+        def ask(prompt: list[int]) -> list[int]:
             reply = client(server).completions.create(
-                model="tiny", prompt=prompts[i], max_tokens=12, extra_body={"return_token_ids": True}
+                model="tiny", prompt=prompt, max_tokens=12, extra_body={"return_token_ids": True}
             )
             return reply.choices[0].token_ids
 
-        got = list(pool.map(ask, range(8)))
+        got = list(pool.map(ask, prompts))
+        streamed = [t for c in [head, *chunks] if c.choices for t in chunk_ids(c)]
         stats = loop_of(server).engine.stats
     assert got == expected
-    assert stats.prefill_chunks > len(prompts), "long prompts should have been read in several chunks"
+    assert streamed == tiny.reference(first, budget)[0]
+    assert stats.prefill_chunks - chunks_before > len(prompts), "prompts should have been read in several chunks"
     assert stats.recomputed_columns == 0
 
 

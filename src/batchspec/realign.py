@@ -104,7 +104,7 @@ def plan_layout(rows: list[Sequence], device: torch.device, *, draft_slack: int 
     target = [row.kv.target_cached if row.kv else 0 for row in rows]
     draft = [row.kv.draft_cached if row.kv else 0 for row in rows]
     target_len = min(p + t for p, t in zip(pad, target, strict=True))
-    recomputed = sum(p + t - target_len for p, t, row in zip(pad, target, rows, strict=True) if row.kv)
+    recomputed = _reread(pad, target, target_len)
     draft_len = _draft_length(pad, draft, draft_slack)
     kept = [max(0, min(d, draft_len - p)) for p, d in zip(pad, draft, strict=True)]
     sources, fresh = _sources(rows, pad, device)
@@ -143,10 +143,14 @@ def _draft_length(pad: list[int], draft: list[int], slack: int | None) -> int:
     if slack is None:
         return min(ends[0], held)
 
-    def reread(length: int) -> int:
-        return sum(max(0, min(d, p + d - length)) for p, d in zip(pad, draft, strict=True))
+    budget = slack * len(pad)
+    return min(next(length for length in ends if _reread(pad, draft, length) <= budget), held)
 
-    return min(next(length for length in ends if reread(length) <= slack * len(pad)), held)
+
+def _reread(pad: list[int], held: list[int], length: int) -> int:
+    """Columns rows hold (``held[i]`` from their first real one) that a cache kept to ``length`` makes them read
+    again; padding columns hold nothing, so a row without KV re-reads nothing."""
+    return sum(max(0, min(h, p + h - length)) for p, h in zip(pad, held, strict=True))
 
 
 def _sources(
