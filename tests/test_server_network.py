@@ -208,7 +208,7 @@ def test_serve_command_options_and_their_errors(tmp_path):
     app.command("serve")(serve_command)
     app.command("unused")(lambda: None)
     runner = CliRunner()
-    usage = runner.invoke(app, ["serve", "--help"], terminal_width=200)
+    usage = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     for option in ("--api-key", "BATCHSPEC_API_KEY", "--allowed-origins", "--allowed-hosts", "--ssl-keyfile",
                    "--ssl-certfile", "--max-body-bytes", "--read-timeout", "--keep-alive-timeout",
                    "--max-connections", "--request-timeout", "--default-max-tokens", "--shutdown-timeout"):

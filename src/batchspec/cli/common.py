@@ -210,7 +210,7 @@ class ModelChoice:
         """Raise ValueError unless ``method`` can run with these models (checked before loading any)."""
         if self.draft and self.target is None and self.preset is None:
             raise ValueError("--draft needs --target as well (or --preset NAME, whose target fills it in)")
-        if self.target_only(method, proposer) or self.preset is not None or self.draft:
+        if self.target_only(method, proposer) or self.resolved_preset is not None or self.draft:
             return
         raise ValueError(
             f"--target needs --draft as well for --proposer {self.proposer_for(method, proposer).value} "

@@ -227,7 +227,7 @@ def serve_command(
         keep_alive_timeout, max_connections, request_timeout, default_max_tokens,
     )
     with user_errors():
-        http = network.http()
+        http, limits, security = network.http(), network.limits(), network.security()
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
         choice.check_for(method, proposer)
         resolved = choice.proposer_for(method, proposer)
@@ -235,7 +235,7 @@ def serve_command(
             method=method.value, proposer=None if resolved is None else resolved.value,
             max_batch_size=max_batch_size, max_queue=max_queue, num_draft_tokens=num_draft_tokens,
             window_size=window_size, served_model_name=served_model_name, prefill_chunk=prefill_chunk, timing=timing,
-            shutdown_timeout_s=shutdown_timeout, limits=network.limits(), security=network.security(),
+            shutdown_timeout_s=shutdown_timeout, limits=limits, security=security,
         )
         loaded = load_models(choice, method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
