@@ -121,7 +121,7 @@ def bench_command(
     batch_sizes: BatchSizesOption = "1,4,8",
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = 5,
-    dtype: DTypeOption = DType.BFLOAT16,
+    dtype: DTypeOption = DType.AUTO,
     compare: Annotated[
         bool, typer.Option("--compare/--no-compare", help="Measure exact/partial match against the reference.")
     ] = True,
@@ -160,6 +160,10 @@ def bench_command(
         loaded = load_for_methods(preset, target, draft, dtype, cache_dir, plan.methods)
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
         result = run_sweep(pair, workload, plan, output)
+    typer.echo(
+        f"Bench of {workload.model} ({workload.dtype}), {len(workload.prompts)} prompts, "
+        f"{workload.max_new_tokens} new tokens"
+    )
     typer.echo(markdown_table(result.cells))
     for method, size in result.skipped:
         typer.echo(f"skipped {method} at batch size {size}: it runs at batch size 1 only", err=True)
@@ -206,7 +210,7 @@ def audit_command(
     batch_sizes: BatchSizesOption = "1,4,8",
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = 5,
-    dtype: DTypeOption = DType.FLOAT32,
+    dtype: DTypeOption = DType.AUTO,
     tolerance: Annotated[
         float,
         typer.Option(

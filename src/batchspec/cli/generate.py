@@ -135,7 +135,7 @@ def generate_command(
     batch_size: BatchSizeOption = 8,
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = 5,
-    dtype: DTypeOption = DType.BFLOAT16,
+    dtype: DTypeOption = DType.AUTO,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
@@ -183,6 +183,8 @@ def generate_command(
             typer.echo(f"Wrote {len(results)} results to {output}", err=True)
     drafting = "" if method is Method.AUTOREGRESSIVE else f", k={num_draft_tokens}"
     sampling = sampling_summary(temperature, top_k, top_p, seed)
-    typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}{drafting}, {sampling}")
+    typer.echo(
+        f"Summary: {loaded.name} ({loaded.dtype.value}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
+    )
     for line in summary_lines(result.stats, result.finish_reasons, method):
         typer.echo(f"  {line}")

@@ -76,7 +76,7 @@ def serve_command(
     max_queue: MaxQueueOption = 64,
     num_draft_tokens: NumDraftTokensOption = 5,
     window_size: WindowSizeOption = None,
-    dtype: DTypeOption = DType.BFLOAT16,
+    dtype: DTypeOption = DType.AUTO,
     served_model_name: ServedNameOption = None,
     cache_dir: CacheDirOption = None,
     log_level: LogLevelOption = LogLevel.INFO,
@@ -102,5 +102,6 @@ def serve_command(
         typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
         models = ServedModels(loaded.target, loaded.draft, loaded.tokenizer, loaded.name)
         app = create_app(models, config)
-        typer.echo(f"Serving {config.served_model_name or loaded.name} on http://{host}:{port}/v1", err=True)
+        served = config.served_model_name or loaded.name
+        typer.echo(f"Serving {served} ({loaded.dtype.value}) on http://{host}:{port}/v1", err=True)
         serve_forever(app, host, port, log_level=log_level.value)
