@@ -85,8 +85,9 @@ def serve_command(
     /v1/models, /health and /metrics (Prometheus).
 
     Requests that arrive while others decode join the running batch between rounds; with temperature 0 every
-    answer is exactly the target's own greedy output for that prompt. SIGTERM or Ctrl-C finishes the requests
-    in flight, then exits.
+    answer is the target's own greedy output for that prompt alone: exactly in float32 (--dtype auto, the default
+    on the CPU), up to near-ties (the two best tokens within a few rounding steps) in bfloat16 or float16.
+    SIGTERM or Ctrl-C finishes the requests in flight, then exits.
     """
     from batchspec.server import ServedModels, ServerConfig, create_app, serve_forever
 
