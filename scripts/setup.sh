@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv in the repository root (CPU PyTorch, batchspec with its test extras), then run a job.
+# Set up .venv in the repository root (CPU PyTorch, batchspec with its test and ray extras), then run a job.
 #
 #   bash scripts/setup.sh demo    # obtain the default preset, generate code for 4 HumanEval problems
 #   bash scripts/setup.sh test    # ruff, obtain the smollm2 preset, the pytest suite
@@ -20,7 +20,7 @@ fi
 pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
 # torch first, pinned, so nothing later resolves a CUDA build
 "${pip[@]}" install -c constraints/cpu.txt torch
-"${pip[@]}" install -c constraints/cpu.txt -e ".[test]"
+"${pip[@]}" install -c constraints/cpu.txt -e ".[test,ray]"
 
 case "$job" in
     env) ;;

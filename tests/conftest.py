@@ -215,6 +215,8 @@ class Checks:
 
         ``test_stats_agree_with_a_replay_and_the_clock`` checks them against an independent replay and clock.
         """
+        from batchspec.metrics import STAGES
+
         st = result.stats
         total = sum(len(s) for s in result.sequences)
         assert st.generated_tokens == total
@@ -229,7 +231,8 @@ class Checks:
             assert sum(n * c for n, c in hist.items()) == st.draft_tokens_accepted <= st.draft_tokens_proposed, hist
             assert st.draft_tokens_proposed <= num_draft_tokens * st.row_rounds
             assert total <= st.draft_tokens_accepted + st.row_rounds  # a row gains its accepted drafts + 1 at most
-        parts = [st.draft_s, st.verify_s, st.realign_s, st.other_s]
+        assert (st.rounds >= 1) == (total > 0) and st.rounds <= st.row_rounds
+        parts = [getattr(st, f"{stage}_s") for stage in STAGES]
         assert all(p >= 0.0 for p in parts), parts
         assert sum(parts) <= st.wall_s * (1 + 1e-9), f"the stages overlap: {parts} add up to more than {st.wall_s}"
 
@@ -237,9 +240,11 @@ class Checks:
     def clock_consistent(result, elapsed: float, forwards: dict[str, list[ForwardCall]]) -> None:
         """The stage times against clocks outside them: the whole call took ``elapsed`` seconds, and every forward
         in ``forwards[stage]`` (timed by hooks on the model) ran inside that stage."""
+        from batchspec.metrics import STAGES
+
         st = result.stats
         assert 0.0 < st.wall_s <= elapsed
-        assert sum([st.draft_s, st.verify_s, st.realign_s, st.other_s]) <= st.wall_s * (1 + 1e-9)
+        assert sum(getattr(st, f"{stage}_s") for stage in STAGES) <= st.wall_s * (1 + 1e-9)
         for stage, calls in forwards.items():
             inside = sum(call.seconds for call in calls)
             assert 0.0 < inside <= getattr(st, f"{stage}_s") + 1e-9, (stage, inside, st.to_dict())
@@ -316,24 +321,24 @@ def _replay_row(target, draft, prefix: list[int], k: int) -> tuple[int, list[int
 
 def replay_eqspec(target, draft, prompts, *, batch_size: int, k: int, max_new: int, eos: int) -> Replay:
     """Greedy EqSpec recounted one row at a time with plain model calls, sharing no code with batchspec:
-    fixed batches in prompt order; each round every unfinished row drafts ``min(k, smallest budget left - 1)``
+    fixed batches in prompt order; each round every unfinished row drafts ``min(k, its own budget left - 1)``
     tokens and keeps those equal to the target's own greedy tokens, plus one of the target's."""
     replay = Replay(outputs=[[] for _ in prompts])
     for start in range(0, len(prompts), batch_size):
         active = list(range(start, min(start + batch_size, len(prompts))))
         while active:
-            k_round = min(k, min(max_new - len(replay.outputs[i]) for i in active) - 1)
-            accepted = []
+            drafting = []  # accepted drafts of the rows that proposed any
             for i in active:
-                a, gained = _replay_row(target, draft, list(prompts[i]) + replay.outputs[i], k_round)
-                accepted.append(a)
+                k_row = min(k, max_new - len(replay.outputs[i]) - 1)
+                a, gained = _replay_row(target, draft, list(prompts[i]) + replay.outputs[i], k_row)
+                drafting += [a] if k_row else []
+                replay.proposed += k_row
+                replay.accepted += a
                 kept = gained[: max_new - len(replay.outputs[i])]
                 replay.outputs[i] += kept[: kept.index(eos) + 1] if eos in kept else kept
             replay.rounds += 1
             replay.row_rounds += len(active)
-            replay.proposed += k_round * len(active)
-            replay.accepted += sum(accepted)
-            replay.ragged_rounds += int(k_round > 0 and len(set(accepted)) > 1)
-            replay.histogram.update(accepted if k_round else [])
+            replay.ragged_rounds += int(len(set(drafting)) > 1)
+            replay.histogram.update(drafting)
             active = [i for i in active if len(replay.outputs[i]) < max_new and eos not in replay.outputs[i]]
     return replay

@@ -69,9 +69,32 @@ def test_unknown_method_rejected(method, bs, llama):
         _gen(bs, llama, method=method)
 
 
-def test_eqspec_without_draft_rejected(bs, llama):
-    with pytest.raises(ValueError, match="draft"):
-        bs.generate(llama.target, None, PROMPTS, method="eqspec", max_new_tokens=4, check_invariants=True)
+@pytest.mark.parametrize("proposer", ["draft", "hybrid"])
+def test_draft_model_proposers_without_a_draft_rejected(proposer, bs, llama):
+    with pytest.raises(ValueError, match=f"proposer '{proposer}' needs a draft model"):
+        bs.generate(llama.target, None, PROMPTS, proposer=proposer, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_without_a_draft_speculation_looks_up_drafts(method, bs, llama, reference):
+    res = bs.generate(llama.target, None, PROMPTS, method=method, max_new_tokens=5, check_invariants=True)
+    assert res.sequences == [reference(llama.target, p, 5, llama.eos_id) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"proposer": "medusa"}, "proposer"),
+        ({"num_draft_tokens": "many"}, "num_draft_tokens"),
+        ({"num_draft_tokens": 0}, "num_draft_tokens"),
+        ({"max_draft_tokens": 0}, "max_draft_tokens"),
+        ({"ngram_min": 0}, "ngram_min"),
+        ({"ngram_min": 3, "ngram_max": 2}, "ngram_max"),
+    ],
+)
+def test_proposer_arguments_validated(kwargs, name, bs, llama):
+    with pytest.raises(ValueError, match=name):
+        bs.generate(llama.target, llama.drafts["perturbed"], PROMPTS, max_new_tokens=4, **kwargs)
 
 
 def test_autoregressive_without_draft_ok(bs, llama, reference):

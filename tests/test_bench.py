@@ -21,10 +21,11 @@ from batchspec.bench.runners import RunOutput, cut_after_eos
 from batchspec.cli import app
 
 FIELDS = {
-    "method", "batch_size", "model", "dtype", "prompts", "max_new_tokens", "num_draft_tokens", "torch_threads",
-    "machine", "tokens_per_s", "wall_s", "generated_tokens", "acceptance_rate", "mean_accepted_length", "draft_s",
-    "verify_s", "realign_s", "other_s", "draft_share", "verify_share", "realign_share", "other_share",
-    "grouping_rate", "exact_match", "partial_match",
+    "method", "proposer", "batch_size", "model", "dtype", "prompts", "max_new_tokens", "num_draft_tokens",
+    "torch_threads", "machine", "tokens_per_s", "wall_s", "generated_tokens", "acceptance_rate",
+    "mean_accepted_length", "recomputed_columns", "prefill_s", "draft_s", "verify_s", "realign_s", "other_s",
+    "prefill_share", "draft_share", "verify_share", "realign_share", "other_share", "grouping_rate", "exact_match",
+    "partial_match",
 }
 
 
@@ -42,11 +43,15 @@ def tiny(bundles):
 
 def test_sweep_writes_consistent_cells(tiny, tmp_path, reference):
     pair, workload = tiny
-    plan = SweepPlan(("autoregressive", "eqspec", "exspec", "hf-generate", "hf-assisted"), (1, 3))
+    methods = ("autoregressive", "eqspec", "exspec", "hf-generate", "hf-assisted", "hf-prompt-lookup")
+    plan = SweepPlan(methods, (1, 3), proposers=("draft", "ngram"))
     result = run_sweep(pair, workload, plan, tmp_path, progress=False)
-    assert result.skipped == [("hf-assisted", 3)]
+    assert result.skipped == [("hf-assisted", None, 3), ("hf-prompt-lookup", None, 3)]
     cells = json.loads((tmp_path / "results.json").read_text())
-    assert len(cells) == 9 and all(set(c) == FIELDS for c in cells)
+    assert len(cells) == 2 + 4 + 4 + 2 + 1 + 1 and all(set(c) == FIELDS for c in cells)
+    assert {(c["method"], c["proposer"]) for c in cells if c["method"] in ("eqspec", "exspec")} == {
+        (m, p) for m in ("eqspec", "exspec") for p in ("draft", "ngram")
+    }
     refs = [reference(pair.target, list(p), 12, workload.eos_token_ids[0]) for p in workload.prompts]
     for cell in cells:
         assert cell["exact_match"] == 1.0 and cell["partial_match"] == 1.0, cell
@@ -55,18 +60,19 @@ def test_sweep_writes_consistent_cells(tiny, tmp_path, reference):
         if cell["method"].startswith("hf-"):
             assert cell["draft_s"] is None and cell["acceptance_rate"] is None and cell["grouping_rate"] is None
             continue
-        shares = [cell[f"{s}_share"] for s in ("draft", "verify", "realign", "other")]
+        shares = [cell[f"{s}_share"] for s in ("prefill", "draft", "verify", "realign", "other")]
         assert sum(shares) == pytest.approx(1.0, abs=0.1)
+        assert cell["recomputed_columns"] == 0
         assert (cell["grouping_rate"] is None) == (cell["method"] != "exspec")
         assert (cell["acceptance_rate"] is None) == (cell["method"] == "autoregressive")
     with (tmp_path / "results.csv").open() as handle:
-        assert len(list(csv.DictReader(handle))) == 9
+        assert len(list(csv.DictReader(handle))) == len(cells)
     audit = json.loads((tmp_path / "audit.json").read_text())
-    assert audit["passed"] and [(c["method"], c["batch_size"]) for c in audit["cells"]] == [
-        (c["method"], c["batch_size"]) for c in cells
+    assert audit["passed"] and [(c["method"], c["proposer"], c["batch_size"]) for c in audit["cells"]] == [
+        (c["method"], c["proposer"], c["batch_size"]) for c in cells
     ]
     assert all(c["exact_match"] == 1.0 and c["divergences"] == [] for c in audit["cells"])
-    assert "| eqspec | 3 | 3 |" in (tmp_path / "results.md").read_text()
+    assert "| eqspec | ngram | 3 | 3 |" in (tmp_path / "results.md").read_text()
     for name in ("throughput.png", "anatomy.png", "grouping.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -76,11 +82,11 @@ def test_interrupted_sweep_keeps_finished_cells(tiny, tmp_path, monkeypatch):
     calls = {"n": 0}
     real = bench_runners.RUNNERS["eqspec"]
 
-    def flaky(pair_, workload_, batch_size, progress=False):
+    def flaky(pair_, workload_, batch_size, progress=False, proposer=None):
         calls["n"] += 1
         if calls["n"] > 2 and len(workload_.prompts) > 1:  # after the warm-up and one measured cell
             raise KeyboardInterrupt
-        return real(pair_, workload_, batch_size, progress)
+        return real(pair_, workload_, batch_size, progress, proposer)
 
     monkeypatch.setitem(bench_runners.RUNNERS, "eqspec", flaky)
     with pytest.raises(KeyboardInterrupt):
@@ -90,7 +96,9 @@ def test_interrupted_sweep_keeps_finished_cells(tiny, tmp_path, monkeypatch):
     assert not (tmp_path / "audit.json").exists()  # nothing compared
 
 
-def _right_padded_without_mask(pair: ModelPair, workload: Workload, batch_size: int, progress=False) -> RunOutput:
+def _right_padded_without_mask(
+    pair: ModelPair, workload: Workload, batch_size: int, progress=False, proposer=None
+) -> RunOutput:
     """A broken batch method: right padding and no attention mask, the classic ragged-batch bug."""
     sequences = []
     for start in range(0, len(workload.prompts), batch_size):
@@ -180,7 +188,7 @@ def test_bench_and_audit_commands_record_the_resolved_dtype(tiny_dirs, tmp_path)
     assert audit["passed"] and audit["dtype"] == "float32" and audit["near_tie_ulps"] == NEAR_TIE_ULPS
     assert "PASSED" in result.output
     assert "(float32), 3 prompts; near-tie: reference margin at most 4 ulps of float32" in result.output
-    assert "eqspec         B=1   k=2   exact 100.0%" in result.output
+    assert "eqspec/draft       B=1   k=2    exact 100.0%" in result.output
 
 
 def test_audit_near_tie_multiple_is_checked(tiny_dirs, tmp_path):
@@ -252,7 +260,7 @@ def test_hf_assisted_drafts_exactly_k_tokens_per_round(tiny):
 @pytest.mark.parametrize("method", bench_runners.METHODS)
 def test_runners_show_a_bar_over_prompts(tiny, method, capsys):
     pair, workload = tiny
-    batch_size = 1 if method == "hf-assisted" else 2
+    batch_size = 1 if method in bench_runners.SINGLE_ROW else 2
     out = bench_runners.runner_for(method)(pair, workload, batch_size, progress=True)
     assert len(out.sequences) == len(workload.prompts)
     bar = capsys.readouterr().err

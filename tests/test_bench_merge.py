@@ -33,13 +33,13 @@ def test_merge_keeps_every_cell_and_the_audit(pieces, tmp_path):
     merged = merge_runs([pieces / "b1", pieces / "b2", pieces / "k2"], tmp_path)
     cells = [(c.method, c.batch_size, c.num_draft_tokens) for c in merged.cells]
     assert cells == [("eqspec", 1, 3), ("hf-assisted", 1, 3), ("eqspec", 2, 3), ("exspec", 2, 3),
-                     ("hf-generate", 2, 3), ("eqspec", 1, 2), ("eqspec", 2, 2)]
+                     ("hf-generate", 2, None), ("eqspec", 1, 2), ("eqspec", 2, 2)]
     assert [c["method"] for c in json.loads((tmp_path / "results.json").read_text())] == [c[0] for c in cells]
     audit = json.loads((tmp_path / "audit.json").read_text())
     assert audit["passed"] and [(c["method"], c["batch_size"], c["num_draft_tokens"]) for c in audit["cells"]] == cells
     table = (tmp_path / "results.md").read_text()
-    assert "| method | B | k |" in table
-    assert "| eqspec | 1 | 2 |" in table and "| hf-generate | 2 | – |" in table
+    assert "| method | proposer | B | k |" in table
+    assert "| eqspec | draft | 1 | 2 |" in table and "| hf-generate | – | 2 | – |" in table
     assert all(path.read_bytes()[:4] == b"\x89PNG" for path in merged.plots)
     series = _by_method(merged.cells)
     assert set(series) == {"eqspec k=3", "eqspec k=2", "hf-assisted", "exspec", "hf-generate"}
@@ -47,7 +47,7 @@ def test_merge_keeps_every_cell_and_the_audit(pieces, tmp_path):
 
 
 def test_merge_refuses_a_cell_measured_twice(pieces, tmp_path):
-    with pytest.raises(ValueError, match=r"eqspec at batch size 1, k = 3 is in both .*b1 and .*b1"):
+    with pytest.raises(ValueError, match=r"eqspec \(draft\) at batch size 1, k = 3 is in both .*b1 and .*b1"):
         merge_runs([pieces / "b1", pieces / "b1"], tmp_path)
 
 
@@ -89,7 +89,7 @@ def test_merge_refuses_audits_judged_differently(pieces, tmp_path):
 def test_bench_merge_command(pieces, tmp_path):
     result = _cli("bench-merge", str(pieces / "b1"), str(pieces / "k2"), "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
-    assert "Merged 4 cells from 2 runs" in result.output and "| eqspec | 2 | 2 |" in result.output
+    assert "Merged 4 cells from 2 runs" in result.output and "| eqspec | draft | 2 | 2 |" in result.output
     empty = tmp_path / "empty"
     empty.mkdir()
     bad = _cli("bench-merge", str(pieces / "b1"), str(empty), "-o", str(tmp_path / "out"))

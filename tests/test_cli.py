@@ -12,7 +12,7 @@ from test_presets import FakeDequantizer, FakeFetcher, save_tiny_model, split_so
 from typer.testing import CliRunner
 
 from batchspec.cli import app, fetch
-from batchspec.cli.common import Method, ModelChoice, presets_used
+from batchspec.cli.common import Method, ModelChoice, ProposerKind, presets_used
 from batchspec.models import loading, presets
 from batchspec.models.presets import ModelSource, Preset
 
@@ -63,8 +63,9 @@ def test_help_explains_commands_and_options():
     assert generate.exit_code == 0
     for option in ("--preset", "--target", "--draft", "--prompts", "--limit", "--category", "--no-chat-template",
                    "--method", "--batch-size", "--max-new-tokens", "--num-draft-tokens", "--dtype", "--output",
-                   "--cache-dir", "eqspec|exspec|autoregressive", "auto|bfloat16|float16|float32",
-                   "qwen2.5-coder, smollm2", "BATCHSPEC_CACHE"):
+                   "--cache-dir", "autoregressive|eqspec|exspec",
+                   "draft|ngram|hybrid", "K|auto", "auto|bfloat16|float16|float32", "qwen2.5-coder, smollm2",
+                   "BATCHSPEC_CACHE"):
         assert option in generate.output, option
     fetch = run("fetch", "--help")
     assert fetch.exit_code == 0 and "--preset" in fetch.output and "sha256" in fetch.output
@@ -113,10 +114,17 @@ def test_unknown_option_is_one_line():
     assert_one_line_error(run("generate", "--beams", "4"), 2, "No such option: --beams")
 
 
-def test_target_without_draft_needs_a_draft_for_speculation(tiny_pair):
-    result = run("generate", "--target", str(tiny_pair["target"]), "--prompts", str(tiny_pair["prompts"]))
-    assert_one_line_error(result, 1, "--target needs --draft as well for --method eqspec")
+def test_target_without_draft_needs_a_draft_for_the_draft_proposer(tiny_pair):
+    result = run("generate", "--target", str(tiny_pair["target"]), "--prompts", str(tiny_pair["prompts"]),
+                 "--proposer", "draft")
+    assert_one_line_error(result, 1, "--target needs --draft as well for --proposer draft")
 
+
+def test_target_alone_speculates_with_prompt_lookup(tiny_pair):
+    result = run("generate", "--target", str(tiny_pair["target"]), "--prompts", str(tiny_pair["prompts"]),
+                 "--max-new-tokens", "12", "--dtype", "float32", "--limit", "2")
+    assert result.exit_code == 0, result.output
+    assert "eqspec, batch size 8, ngram proposer, k=auto, greedy" in result.stdout
 
 def test_vocabulary_mismatch_is_refused_before_generation(tiny_pair):
     result = run("generate", "--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["wide"]),
@@ -150,7 +158,8 @@ def test_output_jsonl_fields_contents_and_summary(tiny_pair, tmp_path, reference
         expected_reason = "eos" if row["token_ids"] and row["token_ids"][-1] == eos else "length"
         assert row["finish_reason"] == expected_reason
     assert sum(row["num_tokens"] for row in rows) > 0
-    for fragment in ("Summary: ", "(float32), eqspec, batch size 2, k=3", "sequences        4", "tokens/s",
+    for fragment in ("Summary: ", "(float32), eqspec, batch size 2, draft proposer, k=3", "sequences        4",
+                     "tokens/s",
                      "acceptance rate", "mean accepted", "draft ", "verify ", "realign ", "other "):
         assert fragment in result.stdout, fragment
     assert f"Wrote 4 results to {out}" in result.stderr
@@ -181,7 +190,7 @@ def test_exspec_matches_the_targets_greedy_output(tiny_pair, tmp_path, reference
     result = run(*tiny_args(tiny_pair, "--method", "exspec", "--batch-size", "2", "--max-new-tokens", "6",
                             "--dtype", "float32", "--output", str(out)))
     assert result.exit_code == 0, result.output
-    assert "exspec, batch size 2, k=5, greedy" in result.stdout
+    assert "exspec, batch size 2, draft proposer, k=auto, greedy" in result.stdout
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["target"])
     target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float32).eval()
     eos = target.generation_config.eos_token_id
@@ -209,7 +218,7 @@ def test_sampling_settings_are_summarised(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--limit", "1", "--temperature", "0.7",
                             "--top-p", "0.9", "--seed", "3"))
     assert result.exit_code == 0, result.output
-    assert "eqspec, batch size 8, k=5, temperature 0.7, top-p 0.9, seed 3" in result.stdout
+    assert "eqspec, batch size 8, draft proposer, k=auto, temperature 0.7, top-p 0.9, seed 3" in result.stdout
 
 
 @pytest.mark.parametrize("extra", [("--top-k", "5"), ("--seed", "1"), ("--top-p", "0.5", "--seed", "1")])
@@ -251,12 +260,16 @@ def test_model_choice_names_the_presets_to_obtain():
     assert presets_used(ModelChoice(target="/t", draft="smollm2:draft"), Method.EQSPEC) == ["smollm2"]
     assert presets_used(ModelChoice(target="/t"), Method.AUTOREGRESSIVE) == []
     assert ModelChoice(target="/t").target_only(Method.AUTOREGRESSIVE)
+    assert ModelChoice(target="/t").target_only(Method.EQSPEC), "a target alone drafts by prompt lookup"
     assert not ModelChoice(target="/t", draft="/d").target_only(Method.AUTOREGRESSIVE)
+    assert ModelChoice(preset="smollm2").target_only(Method.EQSPEC, ProposerKind.NGRAM)
+    assert presets_used(ModelChoice(preset="smollm2"), Method.EQSPEC, ProposerKind.NGRAM) == ["smollm2"]
+    assert ModelChoice(preset="smollm2").proposer_for(Method.EXSPEC, None) is ProposerKind.DRAFT
     assert ModelChoice(dtype="float32").dtype.value == "float32"
     assert ModelChoice().dtype.value == "auto"
     with pytest.raises(ValueError, match="Unsupported dtype 'int8'"):
         ModelChoice(dtype="int8")
-    with pytest.raises(ValueError, match="--draft needs --target as well for --method eqspec"):
+    with pytest.raises(ValueError, match="--draft needs --target as well"):
         ModelChoice(draft="/d").check_for(Method.EQSPEC)
 
 

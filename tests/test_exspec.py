@@ -13,7 +13,7 @@ import tiny_models
 from conftest import forward_log, make_prompts_for
 
 from batchspec.config import SpecConfig
-from batchspec.schedulers.exspec import SequencePool
+from batchspec.schedulers.pool import PooledWindow
 from batchspec.state import Sequence
 
 X = "exspec"
@@ -155,9 +155,10 @@ def test_lockstep_group_copies_nothing(target, bs, bundles, reference, check):
     check.result_matches(result, prompts, refs, 21, [])
     st = result.stats
     assert st.realignments == 0 and st.grouping_rate == 1.0
-    # one gather per group when it first forms; every later round of the group reuses its storage
-    assert st.cache_gathers == 2, st.to_dict()
-    assert st.rounds > 2 * st.cache_gathers
+    # each group is laid out once, when its prompts are read (two reads: one per group), and every round of the
+    # group then decodes in that storage: no KV is ever copied
+    assert st.prefill_chunks == 2 and st.cache_gathers == 0, st.to_dict()
+    assert st.recomputed_columns == 0 and st.rounds >= 2 * 5
 
 
 @pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
@@ -201,8 +202,11 @@ def test_default_window_is_a_multiple_of_the_batch():
 
 def test_pool_refills_in_length_order_and_check_catches_a_lost_row():
     rows = [Sequence(i, [1] * n, 4) for i, n in enumerate([5, 2, 9, 2, 7])]
-    pool = SequencePool.create(rows, capacity=3, sort_by_length=True)
-    pool.refill()
+    scheduler = PooledWindow(batch_size=3, window=3, sort_by_length=True)
+    for row in rows:
+        scheduler.add(row)
+    assert sorted(r.index for r in scheduler.select()) == [0, 1, 3]
+    pool = scheduler.pool
     assert [r.index for r in pool.window] == [1, 3, 0]
     pool.check(total=5)
     pool.window.pop()
@@ -213,9 +217,11 @@ def test_pool_refills_in_length_order_and_check_catches_a_lost_row():
 def test_starving_row_is_served():
     """A row alone at its length still runs within the patience bound, even while groups keep forming."""
     rows = [Sequence(i, [1] * (3 if i else 9), 4) for i in range(9)]
-    pool = SequencePool.create(rows, capacity=9, sort_by_length=True)
-    pool.refill()
-    picked = [r.index for r in pool.select(batch_size=4)]
+    scheduler = PooledWindow(batch_size=4, window=9, sort_by_length=True)
+    for row in rows:
+        scheduler.add(row)
+    picked = [r.index for r in scheduler.select()]
+    pool = scheduler.pool
     assert 0 not in picked and len(picked) == 4
     pool.waited[0] = 2 * 3  # patience for W=9, B=4
     assert 0 in [r.index for r in pool.select(batch_size=4)]

@@ -72,10 +72,12 @@ def test_gathered_batch_holds_each_unpadded_row(rows):
     for i, row in enumerate(rows):
         pad = int(layout.pad[i])
         cached = 0 if row.kv is None else row.kv.target_cached
+        draft_held = 0 if row.kv is None else row.kv.draft_cached
         assert layout.target_len <= pad + cached
-        assert layout.draft_len <= pad + (0 if row.kv is None else row.kv.draft_cached)
-        for cache, length in ((batch.slab.target, layout.target_len), (batch.slab.draft, layout.draft_len)):
-            assert cache.length == length
+        assert int(batch.draft_cached[i]) <= draft_held
+        assert batch.slab.target.length == layout.target_len and batch.slab.draft.length == layout.draft_len
+        valid = ((batch.slab.target, layout.target_len), (batch.slab.draft, pad + int(batch.draft_cached[i])))
+        for cache, length in valid:
             if length > pad:
                 keys = cache.layers[0].keys[i, 0, pad:length, 0].tolist()
                 values = cache.layers[0].values[i, 0, pad:length, 0].tolist()
@@ -127,6 +129,7 @@ def test_new_rows_without_kv_start_from_zero_cache():
     layout = plan_layout([old, new], CPU)
     assert layout.fresh == (1,) and layout.padded
     assert layout.target_len == 2  # the new row's padding: the old row re-reads the rest
+    assert layout.recomputed == 1  # the old row held 3 target columns and keeps 2
     batch = assemble(layout, [old, new], filler=0, layers=(1, None))
     assert batch.slab.draft is None
     batch.check()
@@ -137,7 +140,7 @@ def test_check_catches_broken_invariants():
     batch = assemble(plan_layout(rows, CPU), rows, filler=0, layers=(1, 1))
     batch.check()
     with pytest.raises(AssertionError, match="I1 broken"):
-        BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab).check()
+        BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab, batch.draft_cached).check()
     batch.slab.tokens[1, 2] = 9
     with pytest.raises(AssertionError, match="token stream out of sync"):
         batch.check()

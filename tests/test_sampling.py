@@ -12,6 +12,7 @@ from scipy import stats
 import batchspec.verifier as verifier
 from batchspec.sampling import (
     RoundSampling,
+    RowParams,
     RowRandom,
     SamplingParams,
     Stream,
@@ -21,8 +22,9 @@ from batchspec.sampling import (
     sample_draft,
     uniforms,
     warp,
+    warp_rows,
 )
-from batchspec.verifier import Verdict, sample_target, verify_greedy, verify_sampling
+from batchspec.verifier import Verdict, verify_greedy, verify_sampling
 
 ROWS = 20_000
 PASS_P = 1e-3
@@ -307,11 +309,26 @@ def test_derive_row_seeds_rejects_bad_input(seed, n, match):
         derive_row_seeds(seed, n)
 
 
-def test_round_sampling_is_for_temperature_above_zero():
-    rand = batch_random(15, rows=2)
-    with pytest.raises(ValueError, match="temperature"):
-        RoundSampling(params=SamplingParams(), rand=rand)
-    assert RoundSampling(params=SamplingParams(temperature=0.5), rand=rand).rand is rand
+def test_round_sampling_marks_the_rows_that_sample():
+    settings = [SamplingParams(), SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_k=3)]
+    sampling = RoundSampling(params=RowParams.of(settings), rand=batch_random(15, rows=3))
+    assert sampling.sampled.tolist() == [False, True, True] and sampling.any_sampled
+    with pytest.raises(ValueError, match="one setting and one seed per row"):
+        RoundSampling(params=RowParams.of(settings), rand=batch_random(15, rows=2))
+
+
+def test_rows_of_one_batch_are_warped_by_their_own_settings():
+    settings = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.9, top_p=0.6),
+        SamplingParams(temperature=1.0, top_k=7, top_p=0.8),
+    ]
+    logits = random_logits(len(settings), 3, 40)  # [B, k+1, V]
+    together = warp_rows(logits, RowParams.of(settings))  # [B, k+1, V]
+    for i, params in enumerate(settings):
+        assert torch.allclose(together[i], warp(logits[i], params), atol=1e-12), params
 
 
 # ---- inverse-CDF draws ------------------------------------------------------------------------------------
@@ -373,16 +390,28 @@ def test_plain_sampling_is_the_draft_stream_applied_to_p():
     assert torch.equal(verify_sampling(drafts, p, p, rand).tokens, drafts)
 
 
-def test_sampling_without_a_draft_uses_the_draft_stream_on_p():
+def test_a_row_without_a_draft_draws_from_p_with_the_draft_stream():
     rand = batch_random(14)
     p = GENERIC_P.expand(ROWS, 1, -1)  # [B, 1, V]
-    verdict = sample_target(p, rand)
+    nothing = torch.zeros(ROWS, dtype=torch.long)  # [B]: no drafts, no draft for the bonus position either
+    filler = torch.full((ROWS, 1), 3)  # [B, 1]
+    verdict = verify_sampling(filler, p, p, rand, lengths=nothing, bonus_drafted=nothing.bool())
     assert bool((verdict.accepted == 0).all()) and verdict.tokens.shape == (ROWS, 1)
     assert torch.equal(verdict.tokens[:, 0], inverse_cdf(p[:, 0], rand.uniforms(Stream.DRAFT, 1)[:, 0]))
     assert chi2_pvalue(verdict.tokens[:, 0], GENERIC_P) > PASS_P
     assert torch.equal(verify_sampling(verdict.tokens, p, p, rand).tokens, verdict.tokens), "as a draft q = p would"
-    with pytest.raises(ValueError, match="p"):
-        sample_target(GENERIC_P.expand(2, 2, -1), batch_random(1, rows=2))
+
+
+def test_rows_stop_at_their_own_length():
+    """Drafts past a row's length are never accepted, and its final token is decided at that length."""
+    rand = batch_random(21, rows=ROWS)
+    p = GENERIC_P.expand(ROWS, 3, -1)  # [B, k+1, V]
+    drafts = inverse_cdf(p, rand.uniforms(Stream.DRAFT, 3))  # [B, k+1]: q = p accepts every draft
+    lengths = torch.tensor([0, 1, 2] * (ROWS // 3) + [2] * (ROWS % 3))  # [B]
+    verdict = verify_sampling(drafts, p, p, rand, lengths=lengths)
+    assert torch.equal(verdict.accepted, lengths)
+    final = verdict.tokens.gather(1, lengths[:, None]).squeeze(1)  # [B]
+    assert torch.equal(final, drafts.gather(1, lengths[:, None]).squeeze(1)), "the bonus draft at the length"
 
 
 def test_a_drafted_token_with_tiny_q_is_decided_by_p():

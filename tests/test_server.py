@@ -217,6 +217,27 @@ def test_sixteen_concurrent_clients_get_their_own_outputs(server, tiny):
     batched = sum(after.get(b, 0) - rounds_before.get(b, 0) for b in after if b > 1)
     assert batched > 0, "no round served more than one request"
     assert loop_of(server).status().running == 0
+    assert loop_of(server).engine.stats.recomputed_columns == 0, "admission made running rows re-read their KV"
+
+
+def test_long_prompts_are_read_in_chunks_while_others_decode(tiny):
+    """With 5 prompt columns per round, newcomers are read over several rounds between the running requests'
+    rounds; every answer stays exact and no running row re-reads its KV."""
+    prompts = [p + p for p in plain_prompts(8, seed=41)]  # up to 80 tokens: many chunks each
+    expected = [tiny.reference(p, 12)[0] for p in prompts]
+    with running(tiny, method="eqspec", prefill_chunk=5) as server, ThreadPoolExecutor(8) as pool:
+        def ask(i: int) -> list[int]:
+            time.sleep(0.05 * i)  # arrivals spread over the first rounds
+            reply = client(server).completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=12, extra_body={"return_token_ids": True}
+            )
+            return reply.choices[0].token_ids
+
+        got = list(pool.map(ask, range(8)))
+        stats = loop_of(server).engine.stats
+    assert got == expected
+    assert stats.prefill_chunks > len(prompts), "long prompts should have been read in several chunks"
+    assert stats.recomputed_columns == 0
 
 
 def test_stop_string_cuts_text_and_tokens(server, tiny):

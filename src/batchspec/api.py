@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from batchspec.config import SpecConfig
-from batchspec.engine import Engine
-from batchspec.metrics import GenerationStats, StageTimer
-from batchspec.models.support import check_pair, vocab_size
+from batchspec.config import MAX_AUTO_DRAFT_TOKENS, SpecConfig
+from batchspec.engine import Engine, build_engine
+from batchspec.metrics import GenerationStats
+from batchspec.models.support import vocab_size
 from batchspec.sampling import SamplingParams, derive_row_seeds
-from batchspec.schedulers import run_exspec, run_static_batches
+from batchspec.schedulers import make_scheduler
+from batchspec.schedulers.drive import Offline, drive
 from batchspec.state import FINISH_LENGTH, Sequence
 
 
@@ -43,7 +44,11 @@ def generate(
     method: str = "eqspec",
     batch_size: int = 8,
     max_new_tokens: int = 128,
-    num_draft_tokens: int = 5,
+    num_draft_tokens: int | str = "auto",
+    proposer: str | None = None,
+    max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS,
+    ngram_min: int = 1,
+    ngram_max: int = 3,
     eos_token_id: int | Seq[int] | None = None,
     pad_token_id: int | None = None,
     window_size: int | None = None,
@@ -71,15 +76,22 @@ def generate(
 
     Args:
         target: a loaded transformers causal LM (Llama, Mistral, Qwen2 or Qwen3 family).
-        draft: a smaller causal LM with the same vocabulary on the same device; ignored (may be None) for
-            ``method="autoregressive"``.
+        draft: a smaller causal LM with the same vocabulary on the same device; None drafts by prompt lookup
+            (``proposer="ngram"``); ignored for ``method="autoregressive"`` and ``proposer="ngram"``.
         prompts: token-id lists, or strings when ``tokenizer`` is given (encoded without a chat template).
         method: ``"eqspec"`` (speculative, fixed batches, unpad–append–repad every round), ``"exspec"``
             (speculative, batches formed every round from a window of sequences, grouped by length) or
             ``"autoregressive"`` (the target alone).
         batch_size: rows decoded together.
         max_new_tokens: new tokens per prompt at most.
-        num_draft_tokens: draft tokens ``k`` proposed per round.
+        num_draft_tokens: drafts ``k`` per row and round (each row's capped by its own remaining budget), or
+            ``"auto"``: chosen every round, per row, for the highest expected tokens per second from the rows' recent
+            acceptance and the measured costs, down to plain steps where speculation does not pay.
+        proposer: ``"draft"`` (the draft model), ``"ngram"`` (prompt lookup in each row's own prompt and output:
+            no draft model), or ``"hybrid"`` (lookup where it finds a match, the draft model elsewhere); default
+            ``"draft"`` when a draft is given, else ``"ngram"``.
+        max_draft_tokens: the longest proposal ``"auto"`` may choose.
+        ngram_min, ngram_max: the shortest and longest suffix prompt lookup matches.
         eos_token_id: id or ids that end a sequence; default ``target.generation_config.eos_token_id``.
         pad_token_id: filler for padding columns; padding itself is tracked by lengths.
         window_size: exspec only: sequences active at once, ``>= batch_size``; default ``4 * batch_size``.
@@ -99,69 +111,50 @@ def generate(
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         num_draft_tokens=num_draft_tokens,
-        eos_token_ids=_eos_ids(target, eos_token_id),
-        pad_token_id=_pad_id(target, pad_token_id),
+        max_draft_tokens=max_draft_tokens,
+        proposer=proposer,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
+        eos_token_ids=None if eos_token_id is None else _as_tuple(eos_token_id),
+        pad_token_id=pad_token_id,
         window_size=window_size,
         sort_by_length=sort_by_length,
         check_invariants=check_invariants,
         timing=timing,
-        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
     )
-    check_pair(target, draft if config.speculative else None)
-    if config.speculative and draft is None:
-        raise ValueError(f"draft is required for method={method!r}; pass a draft model or use 'autoregressive'")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    engine = build_engine(target, draft, config)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
     seeds = derive_row_seeds(seed, len(token_prompts))
     sequences = [
-        Sequence(i, p, max_new_tokens, sampling=config.sampling, seed=s)
+        Sequence(i, p, max_new_tokens, sampling=sampling, seed=s)
         for i, (p, s) in enumerate(zip(token_prompts, seeds, strict=True))
     ]
-    stats = GenerationStats()
-    _decode(target, draft, config, sequences, stats, progress)
+    _decode(engine, sequences, progress)
     texts = None if tokenizer is None else [tokenizer.decode(s.output) for s in sequences]
     return GenerationResult(
         sequences=[s.output for s in sequences],
         finish_reasons=[s.finish_reason or FINISH_LENGTH for s in sequences],
-        stats=stats,
+        stats=engine.stats,
         texts=texts,
     )
 
 
-def _decode(target, draft, config: SpecConfig, sequences: list[Sequence], stats: GenerationStats, progress) -> None:
-    device = next(target.parameters()).device
-    timer = StageTimer(stats, enabled=config.timing, device=device)
-    todo = [s for s in sequences if s.max_new_tokens > 0]
-    for s in sequences:
-        if s.max_new_tokens == 0:
-            s.finish_reason = FINISH_LENGTH
-    engine = Engine(target, draft, config, stats, timer)
-    bar = tqdm(total=len(todo), desc=config.method, unit="prompt", disable=not progress)
-    with bar, torch.inference_mode(), timer.wall():
-        if config.method == "exspec":
-            run_exspec(engine, todo, bar.update, check=config.check_invariants)
+def _decode(engine: Engine, sequences: list[Sequence], progress: bool) -> None:
+    """Queue every sequence with a budget and drive the method's scheduler until all are done."""
+    scheduler = make_scheduler(engine.config)
+    for row in sequences:
+        if row.max_new_tokens == 0:
+            row.finish_reason = FINISH_LENGTH
         else:
-            run_static_batches(engine, todo, bar.update)
+            scheduler.add(row)
+    bar = tqdm(total=scheduler.waiting, desc=engine.config.method.value, unit="prompt", disable=not progress)
+    with bar, torch.inference_mode():
+        drive(engine, scheduler, Offline(bar.update))
 
 
-def _eos_ids(target: torch.nn.Module, eos_token_id: int | Seq[int] | None) -> tuple[int, ...]:
-    if eos_token_id is None:
-        generation_config = getattr(target, "generation_config", None)
-        eos_token_id = getattr(generation_config, "eos_token_id", None)
-    if eos_token_id is None:
-        return ()
-    if isinstance(eos_token_id, int):
-        return (eos_token_id,)
-    return tuple(eos_token_id)
-
-
-def _pad_id(target: torch.nn.Module, pad_token_id: int | None) -> int:
-    if pad_token_id is not None:
-        return pad_token_id
-    generation_config = getattr(target, "generation_config", None)
-    for candidate in (getattr(generation_config, "pad_token_id", None), getattr(target.config, "pad_token_id", None)):
-        if isinstance(candidate, int):
-            return candidate
-    return 0
+def _as_tuple(eos_token_id: int | Seq[int]) -> tuple[int, ...]:
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
 
 
 def _encode_prompts(prompts, tokenizer, vocab: int) -> list[list[int]]:

@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
 
-from batchspec.sampling import SamplingParams
-
-METHODS = ("autoregressive", "eqspec", "exspec")
 WINDOW_MULTIPLE = 4
+
+
+class Method(StrEnum):
+    """How batches are formed (and whether a draft proposes at all)."""
+
+    AUTOREGRESSIVE = "autoregressive"
+    EQSPEC = "eqspec"
+    EXSPEC = "exspec"
+
+
+METHODS = tuple(m.value for m in Method)
+
+
+class ProposerKind(StrEnum):
+    """Who drafts: a draft model, prompt lookup in the row's own text, or lookup first and the model elsewhere."""
+
+    DRAFT = "draft"
+    NGRAM = "ngram"
+    HYBRID = "hybrid"
+
+
+PROPOSERS = tuple(p.value for p in ProposerKind)
+AUTO = "auto"
+MAX_AUTO_DRAFT_TOKENS = 10
 
 
 @dataclass(frozen=True)
@@ -19,40 +41,67 @@ class SpecConfig:
             or "exspec" (batches formed each round from a window of sequences, grouped by length).
         batch_size: rows decoded together (B).
         max_new_tokens: budget of new tokens per prompt; 0 returns empty sequences.
-        num_draft_tokens: draft length k proposed per round (clipped near a row's budget).
-        eos_token_ids: tokens that end a sequence (empty: only the budget ends it).
-        pad_token_id: filler value written into padding columns; never read back as padding.
+        num_draft_tokens: drafts per row and round, each row's capped by its own budget; ``"auto"`` chooses them
+            every round for the best expected tokens per second, up to ``max_draft_tokens``
+            (:mod:`batchspec.controller`).
+        max_draft_tokens: the longest proposal ``"auto"`` may choose.
+        proposer: ``"draft"`` (the draft model), ``"ngram"`` (prompt lookup, no draft model) or ``"hybrid"``
+            (lookup where it finds a match, the draft model elsewhere); None: ``"draft"`` when a draft model is
+            given, else ``"ngram"`` (filled in by :func:`batchspec.engine.build_engine`).
+        ngram_min, ngram_max: the shortest and longest suffix prompt lookup matches.
+        eos_token_ids: tokens that end a sequence (empty: only the budget ends it; None: the target's default,
+            filled in by :func:`batchspec.engine.build_engine`).
+        pad_token_id: filler value written into padding columns; never read back as padding (None: the target's
+            default, filled in like ``eos_token_ids``).
         window_size: exspec only: sequences active at once (W >= B); None means ``4 * batch_size``.
         sort_by_length: exspec only: admit prompts into the window in order of length.
         check_invariants: verify the batch invariants (I1, I2, token streams, cache lengths) every round.
-        timing: measure per-stage seconds (draft/verify/realign/other); wall time is always measured.
-        sampling: temperature, top-k and top-p that ``generate`` gives every row (the default, temperature 0, is
-            greedy decoding); the engine follows each row's own ``Sequence.sampling``.
+        timing: measure per-stage seconds (prefill/draft/verify/realign/other); wall time is always measured.
+        prefill_chunk: while other rows decode, read at most this many columns of new prompts per round (chunked
+            prefill, for serving); None reads every prompt in one piece.
     """
 
-    method: str = "eqspec"
+    method: Method = Method.EQSPEC
     batch_size: int = 8
     max_new_tokens: int = 128
-    num_draft_tokens: int = 5
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
+    num_draft_tokens: int | str = AUTO
+    max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS
+    proposer: ProposerKind | None = None
+    ngram_min: int = 1
+    ngram_max: int = 3
+    eos_token_ids: tuple[int, ...] | None = None
+    pad_token_id: int | None = None
     window_size: int | None = None
     sort_by_length: bool = True
     check_invariants: bool = False
     timing: bool = True
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams; got {type(self.sampling).__name__}")
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        try:
+            object.__setattr__(self, "method", Method(self.method))
+        except ValueError:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}") from None
         _require_int("batch_size", self.batch_size, minimum=1)
         _require_int("max_new_tokens", self.max_new_tokens, minimum=0)
-        _require_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
-        _require_int("pad_token_id", self.pad_token_id, minimum=0)
-        for eos in self.eos_token_ids:
+        if self.num_draft_tokens != AUTO:
+            if isinstance(self.num_draft_tokens, str):
+                raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto'; got {self.num_draft_tokens!r}")
+            _require_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
+        _require_int("max_draft_tokens", self.max_draft_tokens, minimum=1)
+        if self.proposer is not None:
+            try:
+                object.__setattr__(self, "proposer", ProposerKind(self.proposer))
+            except ValueError:
+                raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}; got {self.proposer!r}") from None
+        _require_int("ngram_min", self.ngram_min, minimum=1)
+        _require_int("ngram_max", self.ngram_max, minimum=self.ngram_min)
+        if self.pad_token_id is not None:
+            _require_int("pad_token_id", self.pad_token_id, minimum=0)
+        for eos in self.eos_token_ids or ():
             _require_int("eos_token_id", eos, minimum=0)
+        if self.prefill_chunk is not None:
+            _require_int("prefill_chunk", self.prefill_chunk, minimum=1)
         if self.window_size is not None:
             _require_int("window_size", self.window_size, minimum=1)
             if self.window_size < self.batch_size:
@@ -62,7 +111,16 @@ class SpecConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.method != "autoregressive"
+        return self.method is not Method.AUTOREGRESSIVE
+
+    @property
+    def adaptive(self) -> bool:
+        """The draft length is chosen every round (``num_draft_tokens="auto"``)."""
+        return self.num_draft_tokens == AUTO
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.speculative and self.proposer in (ProposerKind.DRAFT, ProposerKind.HYBRID)
 
     @property
     def window(self) -> int:

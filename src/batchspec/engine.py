@@ -1,102 +1,151 @@
-"""The round loop: realign → propose → verify → accept. Schedulers choose the rows of every round.
+"""The round loop: prefill → realign → propose → verify → accept. Schedulers choose the rows of every round.
 
-Rows with temperature 0 take the greedy path (argmax drafts, :func:`~batchspec.verifier.verify_greedy`); rows
-with temperature > 0 sample losslessly (sampled drafts with their ``q``, the target's warped ``p``,
+Greedy rows take the greedy path (argmax drafts, :func:`~batchspec.verifier.verify_greedy`); rows with temperature
+> 0 sample losslessly (sampled drafts with their ``q``, the target's warped ``p``,
 :func:`~batchspec.verifier.verify_sampling`), with random numbers keyed by each row's seed and output position.
+Rows of one round may each have their own sampling settings.
+
+:func:`build_engine` is the one place that checks a model pair, resolves the EOS and pad defaults and sets up
+the stats and the stage timer, for ``batchspec.generate`` and the server alike.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import replace
+
 import torch
 
-from batchspec.config import SpecConfig
+from batchspec.config import ProposerKind, SpecConfig
+from batchspec.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
+from batchspec.forward import forward_columns
 from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
-from batchspec.models.runner import forward_columns
-from batchspec.proposers import DraftModelProposer, NoDraftProposer, Proposal, Proposer
+from batchspec.models.support import check_pair
+from batchspec.prefill import Reader, catch_up
+from batchspec.proposers import NoDraftProposer, Proposal, Proposer, point_masses
+from batchspec.proposers.draft import DraftModelProposer
+from batchspec.proposers.ngram import NgramProposer
 from batchspec.realign import assemble, plan_layout
-from batchspec.sampling import RoundSampling, RowRandom, warp
+from batchspec.sampling import RoundSampling, RowParams, RowRandom, warp_rows
 from batchspec.state import BatchState, KVLocation, Sequence
-from batchspec.verifier import Verdict, sample_target, verify_greedy, verify_sampling
+from batchspec.verifier import Verdict, verify_greedy, verify_sampling
 
 
 class Engine:
     """Runs rounds of the target and (for speculative methods) the draft over rows a scheduler picks."""
 
-    def __init__(
-        self,
-        target: torch.nn.Module,
-        draft: torch.nn.Module | None,
-        config: SpecConfig,
-        stats: GenerationStats,
-        timer: StageTimer,
-    ) -> None:
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig) -> None:
         self.target = target
+        self.draft = draft
         self.config = config
-        self.stats = stats
-        self.timer = timer
-        self.eos = frozenset(config.eos_token_ids)
+        self.stats = GenerationStats()
         self.device = next(target.parameters()).device
-        self.proposer: Proposer = DraftModelProposer(draft) if config.speculative and draft else NoDraftProposer()
-        draft_layers = _num_layers(draft) if isinstance(self.proposer, DraftModelProposer) else None
-        self.layers = (_num_layers(target), draft_layers)
+        self.timer = StageTimer(self.stats, enabled=config.timing, device=self.device)
+        self.eos = frozenset(config.eos_token_ids)
+        self.proposer = _proposer(draft, config)
+        self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
+        self.planner = _planner(target, draft if self.proposer.uses_draft_model else None, config)
 
     def step(self, rows: list[Sequence]) -> None:
-        """One round over ``rows`` (unfinished, at most ``batch_size``); finished rows release their KV."""
+        """One round over ``rows`` (unfinished, at most ``batch_size``): read what prompts it may, then decode
+        the rows that are ready. Finished rows release their KV."""
+        ready = self.prefill(rows)
+        if ready:
+            self.decode(ready)
+
+    def decode(self, rows: list[Sequence]) -> None:
+        sampling = self.round_sampling(rows)
+        reach = self.proposer.reach(rows, self.planner.limit)
+        lengths = torch.tensor(self.planner.lengths(rows, reach, sampling is not None), dtype=torch.long)
+        lengths = lengths.to(self.device)  # [B]
+        if self.proposer.uses_draft_model and (bool(lengths.any()) or sampling is not None):
+            self.sync_draft(rows)
+        started = time.perf_counter()
         with self.timer.stage("realign"):
             batch = self.realign(rows)
-        k = self.draft_length(rows)
-        sampling = self.round_sampling(rows)
         with self.timer.stage("draft"):
-            proposal = self.proposer.propose(batch, k, sampling)
+            proposal = self.proposer.propose(batch, lengths, sampling)
         with self.timer.stage("verify"):
             verdict = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
             self.accept(batch, proposal, verdict)
+            self.planner.observe(rows, _record(proposal, verdict, reach, sampling, time.perf_counter() - started))
         if self.config.check_invariants:
             for row in rows:
                 if not row.finished:
                     row.check_location()
+
+    def prefill(self, rows: list[Sequence]) -> list[Sequence]:
+        """Read the prompts of rows that are not ready (a prompt read in chunks first, at most
+        ``config.prefill_chunk`` columns while other rows decode); returns the rows ready to decode, in order."""
+        unread = [row for row in rows if not row.ready]
+        if unread:
+            group = [row for row in unread if row.kv is not None] or unread
+            limit = self.config.prefill_chunk if len(unread) < len(rows) else None
+            readers = [Reader(self.target)]
+            if self.proposer.uses_draft_model and self.planner.drafting:
+                readers.append(Reader(self.draft, draft=True))
+            self._catch_up(group, readers, limit)
+        return [row for row in rows if row.ready]
+
+    def sync_draft(self, rows: list[Sequence]) -> None:
+        """Before the draft runs: rows whose draft lags so far that the others would re-read much (they joined
+        while the draft was idle) read what they lack, apart."""
+        lagging = plan_layout(rows, self.device).lagging
+        if lagging:
+            self._catch_up([rows[i] for i in lagging], [Reader(self.draft, draft=True)], None)
+
+    def _catch_up(self, rows: list[Sequence], readers: list[Reader], limit: int | None) -> None:
+        with self.timer.stage("prefill"):
+            recomputed = catch_up(rows, readers, limit=limit, filler=self.config.pad_token_id, layers=self.layers)
+        self.stats.prefill_chunks += 1
+        self.stats.recomputed_columns += recomputed
 
     def realign(self, rows: list[Sequence]) -> BatchState:
         """Lay the rows out for this round, reusing their slab when they are in lockstep (see ``realign.py``)."""
         layout = plan_layout(rows, self.device)
         with self.timer.gathering(active=layout.reuse is None):
             batch = assemble(layout, rows, filler=self.config.pad_token_id, layers=self.layers)
-        self.stats.record_layout(size=len(rows), padded=layout.padded, copied=layout.reuse is None)
+        self.stats.record_layout(
+            size=len(rows), padded=layout.padded, copied=layout.reuse is None, recomputed=layout.recomputed
+        )
         if self.config.check_invariants:
             batch.check()
         return batch
 
-    def draft_length(self, rows: list[Sequence]) -> int:
-        """``k`` for this round, clipped so that no row drafts past its remaining budget."""
-        if not self.config.speculative:
-            return 0
-        return min(self.config.num_draft_tokens, min(row.remaining for row in rows) - 1)
-
     def round_sampling(self, rows: list[Sequence]) -> RoundSampling | None:
-        """The rows' shared sampling settings with their seeds and output offsets; None for a greedy round."""
-        params = rows[0].sampling
-        assert all(row.sampling == params for row in rows), "rows of one round share their sampling params"
-        if params.greedy:
+        """Each row's sampling settings, seed and output offset; None when every row is greedy."""
+        if all(row.sampling.greedy for row in rows):
             return None
         seeds = torch.tensor([row.seed for row in rows], dtype=torch.long, device=self.device)  # [B]
         offsets = torch.tensor([len(row.output) for row in rows], dtype=torch.long, device=self.device)  # [B]
+        params = RowParams.of([row.sampling for row in rows], device=self.device)
         return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets))
 
     def verify(self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None) -> Verdict:
-        """Target forward over the uncached columns (the pending token, or the whole prompt in a row's first
-        round) followed by the drafts ``d_1 .. d_k``; greedy acceptance, or speculative sampling against the
-        warped target distribution ``p``."""
+        """Target forward over the pending token followed by the drafts ``d_1 .. d_k``; greedy acceptance, and for
+        sampling rows speculative sampling against the warped target distribution ``p``."""
         cache = batch.slab.target
-        inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens], dim=1)  # [B, q + k]
-        target_logits = forward_columns(self.target, batch, cache, inputs, logits_to_keep=proposal.k + 1)
+        k = proposal.k
+        inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens[:, :k]], dim=1)  # [B, 1 + k]
+        target_logits = forward_columns(self.target, batch, cache, inputs, logits_to_keep=k + 1)  # [B, k+1, V]
+        verdict = verify_greedy(proposal.tokens[:, :k], target_logits, proposal.lengths)
         if sampling is None:
-            return verify_greedy(proposal.tokens, target_logits)  # target_logits: [B, k+1, V]
-        p = warp(target_logits, sampling.params)  # [B, k+1, V] float64
-        if not proposal.sampled:
-            return sample_target(p, sampling.rand)
-        return verify_sampling(proposal.drafts, proposal.q, p, sampling.rand)
+            return verdict
+        rows = sampling.sampled.nonzero().squeeze(1)  # [s]
+        p = warp_rows(target_logits[rows], sampling.params.select(rows))  # [s, k+1, V] float64
+        q = point_masses(proposal.tokens[rows], p.shape[-1]) if proposal.q is None else proposal.q[rows]
+        bonus = None if proposal.bonus_drafted is None else proposal.bonus_drafted[rows]
+        if bonus is None:
+            bonus = torch.zeros_like(rows, dtype=torch.bool)
+        rand = RowRandom(sampling.rand.seeds[rows], sampling.rand.offsets[rows])
+        sampled = verify_sampling(proposal.tokens[rows], q, p, rand, proposal.lengths[rows], bonus)
+        return Verdict(
+            accepted=verdict.accepted.index_copy(0, rows, sampled.accepted),
+            tokens=verdict.tokens.index_copy(0, rows, sampled.tokens),
+        )
 
     def accept(self, batch: BatchState, proposal: Proposal, verdict: Verdict) -> None:
         """Append each row's gained tokens (cut at EOS or budget) and record where its KV now lives."""
@@ -107,7 +156,78 @@ class Engine:
             self.stats.generated_tokens += row.append(tokens[:gained], self.eos)
             if not row.finished:
                 row.kv = KVLocation(slab, i, start=pad, target_cached=row.content_len - 1, draft_cached=draft_cached[i])
-        self.stats.record_round(verdict.accepted.tolist(), proposal.k)
+        self.stats.record_round(verdict.accepted.tolist(), proposal.lengths.tolist())
+
+
+def build_engine(target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig) -> Engine:
+    """The engine for ``config`` on this pair: checks the models, fills in the EOS and pad defaults from the
+    target's generation config (the one place they are resolved) and makes the stats and the timer."""
+    proposer = config.proposer or (ProposerKind.DRAFT if draft is not None else ProposerKind.NGRAM)
+    config = replace(config, proposer=proposer)
+    check_pair(target, draft if config.uses_draft_model else None)
+    if config.uses_draft_model and draft is None:
+        raise ValueError(
+            f"proposer {proposer.value!r} needs a draft model; pass one, or use proposer='ngram' or "
+            "method='autoregressive'"
+        )
+    eos, pad = resolve_special_ids(target, config.eos_token_ids, config.pad_token_id)
+    model = draft if config.uses_draft_model else None
+    return Engine(target, model, replace(config, eos_token_ids=eos, pad_token_id=pad))
+
+
+def resolve_special_ids(
+    target: torch.nn.Module, eos_token_id: int | Seq[int] | None, pad_token_id: int | None
+) -> tuple[tuple[int, ...], int]:
+    """``(eos ids, pad id)``: the given values, else the target's generation config (what its own ``generate``
+    stops at); the pad id then falls back to the model config, the first EOS id and 0 (it is only a filler:
+    padding is tracked by lengths)."""
+    generation_config = getattr(target, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(generation_config, "eos_token_id", None)
+    eos = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    if pad_token_id is None:
+        sources = (generation_config, getattr(target, "config", None))
+        candidates = [getattr(s, "pad_token_id", None) for s in sources] + list(eos[:1])
+        pad_token_id = next((p for p in candidates if isinstance(p, int)), 0)
+    return tuple(int(e) for e in eos), int(pad_token_id)
+
+
+def _proposer(draft: torch.nn.Module | None, config: SpecConfig) -> Proposer:
+    """The proposer of ``config`` (``config.proposer`` is resolved by :func:`build_engine`)."""
+    if not config.speculative:
+        return NoDraftProposer()
+    lookup = NgramProposer(config.ngram_min, config.ngram_max)
+    if config.proposer is ProposerKind.NGRAM:
+        return lookup
+    return DraftModelProposer(draft, lookup=lookup if config.proposer is ProposerKind.HYBRID else None)
+
+
+def _planner(target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig):
+    """Fixed ``k``, or the adaptive planner with the draft's share of the pair's parameters as its cost prior."""
+    if not config.speculative:
+        return FixedLength(0)
+    if not config.adaptive:
+        return FixedLength(config.num_draft_tokens)
+    ratio = 0.0 if draft is None else _parameters(draft) / _parameters(target)
+    return AdaptiveLength(config.max_draft_tokens, ratio)
+
+
+def _record(proposal: Proposal, verdict: Verdict, reach: Reach, sampling, seconds: float) -> RoundRecord:
+    """What the planner learns from a round (lookup drafts checked for free in rows that proposed nothing)."""
+    lengths, accepted = proposal.lengths.tolist(), verdict.accepted.tolist()
+    looked = [[False] * (proposal.k + 1)] * len(lengths) if proposal.looked is None else proposal.looked.tolist()
+    first = reach.first or [None] * len(lengths)
+    gained = verdict.tokens[:, 0].tolist()
+    greedy = [True] * len(lengths) if sampling is None else (~sampling.sampled).tolist()
+    shadow = [
+        None if n or token is None or not plain else token == got
+        for n, token, got, plain in zip(lengths, first, gained, greedy, strict=True)
+    ]
+    return RoundRecord(lengths, accepted, looked, shadow, proposal.k, proposal.draft_forwards, seconds)
+
+
+def _parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def _num_layers(model: torch.nn.Module) -> int:

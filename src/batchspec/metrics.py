@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-STAGES = ("draft", "verify", "realign", "other")
+STAGES = ("prefill", "draft", "verify", "realign", "other")
 
 
 @dataclass
@@ -19,14 +19,19 @@ class GenerationStats:
 
     Terms: a *round* is one realign → propose → verify → accept step of one batch; a *row-round* is one row's
     part in a round. ``accepted_length_histogram[a]`` counts row-rounds that accepted ``a`` draft tokens
-    (the bonus token is not counted in ``a``). Seconds are split into draft, verify, realign and other
-    (bookkeeping: accepting tokens, retiring rows, choosing batches); their sum is close to ``wall_s``.
+    (the bonus token is not counted in ``a``). Seconds are split into prefill (reading new prompts, and a lagging
+    draft's catch-up), draft, verify, realign and other (bookkeeping: accepting tokens, retiring rows, choosing
+    batches); their sum is close to ``wall_s``.
 
     Layout terms: a *realignment* is a round whose rows have different lengths, so the batch is padded and rows
     shift (unpad–append–repad); a *grouped* round has rows of one length and needs none. A *cache gather* is a
     round whose tokens and KV were copied into fresh storage (rows joined, left or shifted); a round in
     lockstep reuses the previous round's storage and copies nothing. ``gather_s`` is the part of ``realign_s``
     spent copying caches. ``rows_per_round_histogram[b]`` counts rounds of ``b`` rows.
+
+    ``recomputed_columns`` counts target KV columns that rows already held and were fed again (a batch forward
+    starts at the column its least-read row needs); the engine reads prompts apart so that it stays 0.
+    ``prefill_chunks`` counts forwards that read prompts (several per prompt when it is read in chunks).
     """
 
     generated_tokens: int = 0
@@ -37,9 +42,12 @@ class GenerationStats:
     ragged_rounds: int = 0
     realignments: int = 0
     cache_gathers: int = 0
+    recomputed_columns: int = 0
+    prefill_chunks: int = 0
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)
     rows_per_round_histogram: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     realign_s: float = 0.0
@@ -70,22 +78,23 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    def record_layout(self, *, size: int, padded: bool, copied: bool) -> None:
+    def record_layout(self, *, size: int, padded: bool, copied: bool, recomputed: int) -> None:
         """Account how a round's batch of ``size`` rows was formed."""
         self.realignments += int(padded)
         self.cache_gathers += int(copied)
+        self.recomputed_columns += recomputed
         self.rows_per_round_histogram[size] = self.rows_per_round_histogram.get(size, 0) + 1
 
-    def record_round(self, accepted: list[int], proposed_per_row: int) -> None:
-        """Account one round: ``accepted[i]`` draft tokens accepted by row ``i`` out of ``proposed_per_row``."""
+    def record_round(self, accepted: list[int], proposed: list[int]) -> None:
+        """Account one round: row ``i`` accepted ``accepted[i]`` of the ``proposed[i]`` drafts it proposed."""
         self.rounds += 1
         self.row_rounds += len(accepted)
-        self.draft_tokens_proposed += proposed_per_row * len(accepted)
+        self.draft_tokens_proposed += sum(proposed)
         self.draft_tokens_accepted += sum(accepted)
-        if proposed_per_row and len(set(accepted)) > 1:
+        drafting = [a for a, n in zip(accepted, proposed, strict=True) if n]
+        if len(set(drafting)) > 1:
             self.ragged_rounds += 1
-        counts = Counter(accepted) if proposed_per_row else Counter()
-        for length, count in counts.items():
+        for length, count in Counter(drafting).items():
             self.accepted_length_histogram[length] = self.accepted_length_histogram.get(length, 0) + count
 
     def to_dict(self) -> dict[str, object]:
@@ -104,29 +113,27 @@ class StageTimer:
     """Adds elapsed seconds to a stage of a :class:`GenerationStats`.
 
     With ``enabled=False`` stages cost nothing and stay at zero, except ``other`` which is then the whole wall
-    time. On CUDA the device is synchronised at stage edges so that seconds land in the right stage.
+    time. On the CPU a stage is timed with the wall clock. On CUDA the host runs ahead of the device, so a stage
+    edge records a CUDA event instead of waiting for the device; the events are read at the end of the wall span
+    (:meth:`wall`), where the device is synchronised once, so timing costs one synchronisation per round.
     """
 
     def __init__(self, stats: GenerationStats, *, enabled: bool, device: torch.device) -> None:
         self.stats = stats
         self.enabled = enabled
-        self._sync = enabled and device.type == "cuda"
+        self._events = enabled and device.type == "cuda"
+        self._pending: list[tuple[str, object, object]] = []
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         if not self.enabled:
             yield
             return
-        if self._sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = self._mark()
         try:
             yield
         finally:
-            if self._sync:
-                torch.cuda.synchronize()
-            attr = f"{name}_s"
-            setattr(self.stats, attr, getattr(self.stats, attr) + time.perf_counter() - start)
+            self._add(f"{name}_s", start, self._mark())
 
     @contextmanager
     def gathering(self, *, active: bool) -> Iterator[None]:
@@ -134,23 +141,42 @@ class StageTimer:
         if not (self.enabled and active):
             yield
             return
-        if self._sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = self._mark()
         try:
             yield
         finally:
-            if self._sync:
-                torch.cuda.synchronize()
-            self.stats.gather_s += time.perf_counter() - start
+            self._add("gather_s", start, self._mark())
 
     @contextmanager
     def wall(self) -> Iterator[None]:
-        """Times the whole run; whatever no stage claimed is booked as ``other``."""
+        """Times a span of rounds; whatever no stage claimed is booked as ``other``."""
         start = time.perf_counter()
         try:
             yield
         finally:
+            self._resolve()
             self.stats.wall_s += time.perf_counter() - start
-            staged = self.stats.draft_s + self.stats.verify_s + self.stats.realign_s + self.stats.other_s
+            staged = sum(getattr(self.stats, f"{stage}_s") for stage in STAGES)
             self.stats.other_s += max(0.0, self.stats.wall_s - staged)
+
+    def _mark(self) -> object:
+        if not self._events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _add(self, attr: str, start: object, end: object) -> None:
+        if self._events:
+            self._pending.append((attr, start, end))
+        else:
+            setattr(self.stats, attr, getattr(self.stats, attr) + end - start)
+
+    def _resolve(self) -> None:
+        """Book the recorded CUDA event pairs (one device synchronisation)."""
+        if not self._pending:
+            return
+        self._pending[-1][2].synchronize()
+        for attr, start, end in self._pending:
+            setattr(self.stats, attr, getattr(self.stats, attr) + start.elapsed_time(end) / 1000)
+        self._pending.clear()

@@ -20,6 +20,14 @@ padding and only need finite values, since the attention mask hides them. A batc
 one slab, in order and unshifted, is in *lockstep*: the slab is reused as it is and its caches are only
 cropped (dropping rejected drafts). Anything else — rows leaving, joining from other slabs, or shifting — is
 one gather per source slab into fresh storage.
+
+Each model's cache keeps one number of columns for the whole batch (``target_len``, ``draft_len``): a forward feeds
+the columns after it for every row. A row whose cache holds more loses the surplus and re-reads it; for the
+target that is waste (``recomputed``), which the engine avoids by reading prompts apart (see
+:mod:`batchspec.prefill`), so that rows decoding together all hold every column but the pending one. The draft
+may lag on purpose (it is not run in rounds that do not draft, nor on new prompts until it next drafts), so the
+batch keeps the draft columns at which rows re-read at most ``draft_slack`` columns each; rows that hold fewer
+keep what they have (``draft_cached``), lag, and are caught up before the draft next runs.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import torch
 
 from batchspec.kv_cache import GROWTH, BatchKVCache, Slab
 from batchspec.state import BatchState, Sequence
+
+DRAFT_SLACK = 4
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,10 @@ class Layout:
     Attributes:
         pad, content: ``[B]`` new padding and content lengths (I1: ``pad + content == width``).
         width: the new padded width ``L``.
-        target_len, draft_len: cache columns that stay valid in every row (``<= L - 1``); the models re-read
-            the columns after them.
+        target_len, draft_len: cache columns the batch keeps (``<= L - 1``); the models re-read the columns after.
+        draft_cached: ``[B]`` draft columns valid from each row's first real token in the new layout.
+        lagging: rows whose draft holds fewer columns than the batch keeps (see :func:`_draft_length`).
+        recomputed: target columns that rows already held and will read again (``target_len`` cuts them off).
         sources: the rows that come from existing slabs, one entry per slab.
         fresh: rows without any KV yet (new prompts), filled from their token lists.
         reuse: the slab to run on as it is (lockstep), or None when tokens and caches are gathered.
@@ -68,6 +80,9 @@ class Layout:
     width: int
     target_len: int
     draft_len: int
+    draft_cached: torch.Tensor  # [B]
+    lagging: tuple[int, ...]
+    recomputed: int
     sources: tuple[SourceRows, ...]
     fresh: tuple[int, ...]
     reuse: Slab | None
@@ -78,30 +93,21 @@ class Layout:
         return bool(self.pad.any())
 
 
-def plan_layout(rows: list[Sequence], device: torch.device) -> Layout:
-    """Where each of ``rows`` goes in the next batch, and how many cached columns every row keeps."""
+def plan_layout(rows: list[Sequence], device: torch.device, *, draft_slack: int | None = DRAFT_SLACK) -> Layout:
+    """Where each of ``rows`` goes in the next batch, and how many cached columns each model keeps.
+
+    ``draft_slack`` None keeps only the draft columns every row holds (for a batch that is to catch up).
+    """
     content = [row.content_len for row in rows]
     width = max(content)
     pad = [width - c for c in content]
-    target_len = draft_len = width - 1
-    grouped: dict[int, tuple[Slab, list[int], list[int], list[int]]] = {}
-    fresh = []
-    for i, row in enumerate(rows):
-        if row.kv is None:
-            fresh.append(i)
-            target_len, draft_len = min(target_len, pad[i]), min(draft_len, pad[i])
-            continue
-        slab, dest, src, shift = grouped.setdefault(id(row.kv.slab), (row.kv.slab, [], [], []))
-        dest.append(i)
-        src.append(row.kv.row)
-        shift.append(pad[i] - row.kv.start)
-        target_len = min(target_len, pad[i] + row.kv.target_cached)
-        draft_len = min(draft_len, pad[i] + row.kv.draft_cached)
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    sources = tuple(SourceRows(s, tensor(d), tensor(r), tensor(sh)) for s, d, r, sh in grouped.values())
+    target = [row.kv.target_cached if row.kv else 0 for row in rows]
+    draft = [row.kv.draft_cached if row.kv else 0 for row in rows]
+    target_len = min(p + t for p, t in zip(pad, target, strict=True))
+    recomputed = sum(p + t - target_len for p, t, row in zip(pad, target, rows, strict=True) if row.kv)
+    draft_len = _draft_length(pad, draft, draft_slack)
+    kept = [max(0, min(d, draft_len - p)) for p, d in zip(pad, draft, strict=True)]
+    sources, fresh = _sources(rows, pad, device)
     lockstep = (
         len(sources) == 1
         and not fresh
@@ -109,15 +115,62 @@ def plan_layout(rows: list[Sequence], device: torch.device) -> Layout:
         and not bool(sources[0].shift.any())
     )
     return Layout(
-        pad=tensor(pad),
-        content=tensor(content),
+        pad=_tensor(pad, device),
+        content=_tensor(content, device),
         width=width,
         target_len=target_len,
-        draft_len=max(draft_len, 0),
+        draft_len=draft_len,
+        draft_cached=_tensor(kept, device),
+        lagging=tuple(i for i, (p, k) in enumerate(zip(pad, kept, strict=True)) if p + k < draft_len),
+        recomputed=recomputed,
         sources=sources,
-        fresh=tuple(fresh),
+        fresh=fresh,
         reuse=sources[0].slab if lockstep else None,
     )
+
+
+def _draft_length(pad: list[int], draft: list[int], slack: int | None) -> int:
+    """Draft columns the batch keeps: the fewest any row holds (``slack`` None), or else the smallest length at
+    which rows re-read at most ``slack`` columns each on average; rows that hold fewer lag and are caught up apart
+    before the draft runs. Never more than some row holds.
+
+    Example: rows of 10 tokens (no padding) holding ``[9, 9, 2]`` draft columns, slack 4: keeping 2 columns would
+    make the first two rows re-read 14 columns (more than 3 * 4), keeping 9 makes nobody re-read anything; so the
+    batch keeps 9 and the third row, holding 2 of them, lags. Rows holding none never re-read: a new batch keeps 0.
+    """
+    ends = sorted({p + d for p, d in zip(pad, draft, strict=True)})
+    held = max((p + d for p, d in zip(pad, draft, strict=True) if d), default=0)
+    if slack is None:
+        return min(ends[0], held)
+
+    def reread(length: int) -> int:
+        return sum(max(0, min(d, p + d - length)) for p, d in zip(pad, draft, strict=True))
+
+    return min(next(length for length in ends if reread(length) <= slack * len(pad)), held)
+
+
+def _sources(
+    rows: list[Sequence], pad: list[int], device: torch.device
+) -> tuple[tuple[SourceRows, ...], tuple[int, ...]]:
+    """The rows grouped by the slab they are in, with their shifts; and the rows without KV."""
+    grouped: dict[int, tuple[Slab, list[int], list[int], list[int]]] = {}
+    fresh = []
+    for i, row in enumerate(rows):
+        if row.kv is None:
+            fresh.append(i)
+            continue
+        slab, dest, src, shift = grouped.setdefault(id(row.kv.slab), (row.kv.slab, [], [], []))
+        dest.append(i)
+        src.append(row.kv.row)
+        shift.append(pad[i] - row.kv.start)
+    sources = tuple(
+        SourceRows(s, _tensor(d, device), _tensor(r, device), _tensor(sh, device)) for s, d, r, sh in grouped.values()
+    )
+    return sources, tuple(fresh)
+
+
+def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def assemble(layout: Layout, rows: list[Sequence], *, filler: int, layers: tuple[int, int | None]) -> BatchState:
@@ -131,14 +184,19 @@ def assemble(layout: Layout, rows: list[Sequence], *, filler: int, layers: tuple
         if slab.draft is not None:
             slab.draft.crop(layout.draft_len)
         slab = Slab(slab.tokens[:, : layout.width], slab.target, slab.draft)
-        return BatchState(rows, layout.pad, layout.content, slab)
+        return BatchState(rows, layout.pad, layout.content, slab, _draft_cached(layout, slab))
     target_layers, draft_layers = layers
     draft = None
     if draft_layers is not None:
         draft = _gather_cache(layout, lambda s: s.draft, draft_layers, layout.draft_len)
     target = _gather_cache(layout, lambda s: s.target, target_layers, layout.target_len)
     slab = Slab(tokens=_gather_tokens(layout, rows, filler), target=target, draft=draft)
-    return BatchState(rows, layout.pad, layout.content, slab)
+    return BatchState(rows, layout.pad, layout.content, slab, _draft_cached(layout, slab))
+
+
+def _draft_cached(layout: Layout, slab: Slab) -> torch.Tensor:
+    """``[B]`` draft columns each row holds in ``slab`` (none without a draft model)."""
+    return layout.draft_cached if slab.draft is not None else torch.zeros_like(layout.draft_cached)
 
 
 def _gather_tokens(layout: Layout, rows: list[Sequence], filler: int) -> torch.Tensor:

@@ -81,19 +81,73 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Greedy params give the one-hot distribution at the argmax (the limit of temperature → 0); the greedy
     decoding path itself is :func:`batchspec.verifier.verify_greedy`.
     """
-    scores = logits.to(torch.float64)  # [..., V]
-    if params.greedy:
-        return torch.zeros_like(scores).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
-    probs = torch.softmax(scores / params.temperature, dim=-1)  # [..., V]
-    if params.top_k is not None and params.top_k < scores.shape[-1]:
-        kth = scores.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        probs = _renormalise(probs * (scores >= kth))
-    if params.top_p is not None and params.top_p < 1:
-        probs = _renormalise(probs * _nucleus(probs, params.top_p))
-    return probs
+    rows = logits.reshape(-1, logits.shape[-1])  # [R, V]
+    settings = RowParams.of([params] * rows.shape[0], device=logits.device)
+    return warp_rows(rows, settings).reshape(logits.shape)
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling settings of a batch, as tensors (rows of one round may all differ).
+
+    Attributes:
+        temperature: ``[B]`` float64; 0 is greedy.
+        top_k: ``[B]`` int64; 0 keeps every token.
+        top_p: ``[B]`` float64; 1 keeps every token.
+    """
+
+    temperature: torch.Tensor  # [B]
+    top_k: torch.Tensor  # [B]
+    top_p: torch.Tensor  # [B]
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> RowParams:
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=column([p.temperature for p in params], torch.float64),
+            top_k=column([p.top_k or 0 for p in params], torch.long),
+            top_p=column([1.0 if p.top_p is None else p.top_p for p in params], torch.float64),
+        )
+
+    @property
+    def greedy(self) -> torch.Tensor:  # [B] bool
+        return self.temperature == 0
+
+    def select(self, index: torch.Tensor) -> RowParams:
+        """The settings of rows ``index`` ``[b]``."""
+        return RowParams(self.temperature[index], self.top_k[index], self.top_p[index])
+
+
+def warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """``[B, ..., V]`` float64 probabilities from logits ``[B, ..., V]``, row ``i`` warped by ``params`` row ``i``:
+    temperature, then top-k, then top-p; greedy rows get the one-hot distribution at their argmax."""
+    scores = logits.to(torch.float64)  # [B, ..., V]
+    shape = (-1,) + (1,) * (scores.dim() - 1)  # broadcasts a [B] setting over [B, ..., V]
+    greedy = params.greedy.reshape(shape)
+    temperature = torch.where(params.greedy, 1.0, params.temperature).reshape(shape)
+    probs = torch.softmax(scores / temperature, dim=-1)  # [B, ..., V]
+    top_k = params.top_k.reshape(shape)
+    if bool(((top_k > 0) & (top_k < scores.shape[-1])).any()):
+        probs = _renormalise(probs * _top_k_mask(scores, top_k))
+    top_p = params.top_p.reshape(shape)
+    if bool((top_p < 1).any()):
+        probs = _renormalise(probs * (_nucleus(probs, top_p) | (top_p >= 1)))
+    one_hot = torch.zeros_like(scores).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def _top_k_mask(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """``[B, ..., V]`` mask of each row's ``top_k`` largest scores (ties with the k-th kept; 0 keeps all)."""
+    vocab = scores.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [B, 1.., 1]
+    largest = scores.topk(int(k.max()), dim=-1).values  # [B, ..., kmax]
+    kth = largest.gather(-1, (k - 1).expand(*largest.shape[:-1], 1))  # [B, ..., 1]
+    return scores >= kth
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
     """``[..., V]`` mask of the smallest set of most probable tokens with mass >= ``top_p`` (never empty)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [..., V]
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V]
@@ -162,19 +216,28 @@ class RowRandom:
 
 @dataclass(frozen=True)
 class RoundSampling:
-    """How the rows of one round sample: their shared settings and where their random numbers come from.
+    """How the rows of one round sample: each row's own settings and where its random numbers come from.
 
     Attributes:
-        params: the rows' :class:`SamplingParams` (never greedy: greedy rounds take no ``RoundSampling``).
+        params: ``[B]`` per-row settings (greedy rows have temperature 0).
         rand: the rows' seeds and output offsets.
     """
 
-    params: SamplingParams
+    params: RowParams
     rand: RowRandom
 
     def __post_init__(self) -> None:
-        if self.params.greedy:
-            raise ValueError("RoundSampling needs temperature > 0; greedy rounds verify with verify_greedy")
+        if self.params.temperature.shape != self.rand.seeds.shape:
+            raise ValueError("RoundSampling needs one setting and one seed per row")
+
+    @property
+    def sampled(self) -> torch.Tensor:  # [B] bool
+        """Rows that sample (temperature > 0)."""
+        return ~self.params.greedy
+
+    @property
+    def any_sampled(self) -> bool:
+        return bool(self.sampled.any())
 
 
 def derive_row_seeds(seed: int | Sequence[int] | None, n_prompts: int) -> list[int]:

@@ -18,11 +18,16 @@ column its tokens start at, and how many columns from there each model's cache h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from batchspec.controller import RowAcceptance
 from batchspec.kv_cache import Slab
 from batchspec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from batchspec.proposers.ngram import NgramIndex
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -53,7 +58,8 @@ class Sequence:
 
     ``sampling`` and ``seed`` fix the row's tokens: with temperature > 0 the token at output position ``n``
     is a function of the prefix, ``seed`` and ``n`` (see :mod:`batchspec.sampling`). Rows decoded in one round
-    share their ``sampling`` params.
+    may each sample differently. ``lookup`` (its prompt-lookup index) and ``acceptance`` (its recent acceptance
+    of drafts) are kept by the proposers and the draft-length planner.
     """
 
     index: int
@@ -64,6 +70,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     kv: KVLocation | None = None
+    lookup: NgramIndex | None = field(default=None, repr=False)
+    acceptance: RowAcceptance = field(default_factory=RowAcceptance, repr=False)
 
     @property
     def content_len(self) -> int:
@@ -76,6 +84,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def ready(self) -> bool:
+        """The target's KV covers every real token but the pending one: the row can decode (its prompt is read)."""
+        return self.kv is not None and self.kv.target_cached == self.content_len - 1
 
     def append(self, tokens: list[int], eos_token_ids: frozenset[int]) -> int:
         """Append accepted tokens, stopping after the first EOS or at the budget.
@@ -125,12 +138,16 @@ class BatchState:
         content: ``[B]`` number of real tokens of each row.
         slab: tokens ``[B, L]`` and the caches; the target cache holds ``target_len <= L - 1`` columns and the
             draft cache ``draft_len <= L - 1``: a forward feeds the columns its cache lacks.
+        draft_cached: ``[B]`` draft KV columns valid from each row's first real token. Rows in step with the
+            batch have ``draft_len - pad``; a row whose draft lags further (it joined while the draft was idle)
+            has fewer, and is caught up before the draft runs again (see :mod:`batchspec.prefill`).
     """
 
     rows: list[Sequence]
     pad: torch.Tensor  # [B]
     content: torch.Tensor  # [B]
     slab: Slab
+    draft_cached: torch.Tensor  # [B]
 
     @property
     def size(self) -> int:
@@ -182,3 +199,7 @@ class BatchState:
             assert real == row.prompt + row.output, f"row {row.index}: token stream out of sync"
         assert 0 <= self.target_len <= width - 1, f"target KV covers {self.target_len} of {width - 1} columns"
         assert 0 <= self.draft_len <= width - 1, f"draft KV covers {self.draft_len} of {width - 1} columns"
+        in_cache = (self.draft_len - self.pad).clamp(min=0)  # [B]
+        assert bool((self.draft_cached >= 0).all() and (self.draft_cached <= in_cache).all()), (
+            f"draft KV of rows {self.draft_cached.tolist()} beyond the cache's {self.draft_len} columns"
+        )

@@ -31,8 +31,10 @@ but a different realisation from the accept/recover test the same position gets 
 seeded request's text would change with ``k`` and thus with batch composition. The cost is one extra draft
 forward per round when sampling.
 
-Without a draft (the autoregressive method), :func:`sample_target` draws each row's token from ``p_1`` with the
-row's ``Stream.DRAFT`` uniform: the token a draft equal to the target would propose and have accepted.
+Per-row lengths: row ``i`` proposes ``lengths[i]`` drafts (0 .. k; a row with nothing to propose takes a plain
+step inside the same target forward) and accepts at most that many. A sampling row without a draft for its
+bonus position (no draft model, or a lookup that found nothing) draws that token from ``p`` with its
+``Stream.DRAFT`` uniform: the token a draft equal to the target would propose and have accepted.
 """
 
 from __future__ import annotations
@@ -61,46 +63,67 @@ class Verdict:
         return self.accepted + 1
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    """Greedy verification of ``draft_tokens`` ``[B, k]`` against ``target_logits`` ``[B, k+1, V]``."""
+def accepted_prefix(passed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B]`` leading ``True`` entries of ``passed`` ``[B, k]``, at most ``lengths[i]`` in row ``i``.
+
+    Example: passed ``[[T, T, F], [T, T, T]]``, lengths ``[3, 1]`` → ``[2, 1]``.
+    """
+    within = torch.arange(passed.shape[1], device=passed.device) < lengths[:, None]  # [B, k]
+    return (passed & within).long().cumprod(dim=1).sum(dim=1)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, lengths: torch.Tensor | None = None
+) -> Verdict:
+    """Greedy verification of ``draft_tokens`` ``[B, k]`` (row ``i`` proposes its first ``lengths[i]``, default
+    all ``k``) against ``target_logits`` ``[B, k+1, V]``."""
     target_tokens = target_logits.argmax(dim=-1)  # [B, k+1]
     k = draft_tokens.shape[1]
-    matches = draft_tokens == target_tokens[:, :k]  # [B, k]
-    accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [B]
+    if lengths is None:
+        lengths = torch.full((draft_tokens.shape[0],), k, dtype=torch.long, device=draft_tokens.device)
+    accepted = accepted_prefix(draft_tokens == target_tokens[:, :k], lengths)  # [B]
     return Verdict(accepted=accepted, tokens=target_tokens)
 
 
-def verify_sampling(draft_tokens: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rand: RowRandom) -> Verdict:
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    rand: RowRandom,
+    lengths: torch.Tensor | None = None,
+    bonus_drafted: torch.Tensor | None = None,
+) -> Verdict:
     """Speculative-sampling verification of ``draft_tokens`` ``[B, k+1]`` (``d_j`` drawn from ``q_j``).
 
     ``q`` and ``p`` are ``[B, k+1, V]`` probabilities (any float dtype: only the entries used are taken to float64,
     never the whole tensors); ``rand`` keys each row's uniforms by the output position of ``d_1`` (its
-    ``offsets``). Returns ``tokens[i, :accepted[i] + 1]`` as row ``i``'s gain: ``d_1 .. d_a``
-    and then the recovered token or the outcome of the bonus position.
+    ``offsets``). Row ``i`` proposes ``d_1 .. d_{lengths[i]}`` (default all ``k``); ``d_{lengths[i]+1}`` is its draft
+    for the bonus position when ``bonus_drafted[i]`` (default: every row has one), else that token is drawn from
+    ``p`` with the row's ``Stream.DRAFT`` uniform. Returns ``tokens[i, :accepted[i] + 1]`` as row ``i``'s gain:
+    ``d_1 .. d_a`` and then the recovered token or the outcome of the bonus position.
     """
     _check_sampling_inputs(draft_tokens, q, p, rand)
-    steps = draft_tokens.shape[1]
+    rows, steps = draft_tokens.shape
+    if lengths is None:
+        lengths = torch.full((rows,), steps - 1, dtype=torch.long, device=draft_tokens.device)
+    if bonus_drafted is None:
+        bonus_drafted = torch.ones(rows, dtype=torch.bool, device=draft_tokens.device)
     p_draft = p.gather(-1, draft_tokens[..., None]).squeeze(-1).to(torch.float64)  # [B, k+1]
     q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1).to(torch.float64)  # [B, k+1]
     passed = _accept(rand.uniforms(Stream.ACCEPT, steps), p_draft, q_draft)  # [B, k+1]
-    accepted = passed[:, :-1].long().cumprod(dim=1).sum(dim=1)  # [B]
+    accepted = accepted_prefix(passed[:, :-1], lengths)  # [B]
     stop = accepted[:, None]  # [B, 1]: index of the row's final token
     stop_rows = stop[..., None].expand(-1, 1, p.shape[-1])  # [B, 1, V]
     p_stop = p.gather(1, stop_rows).squeeze(1).to(torch.float64)  # [B, V]
     q_stop = q.gather(1, stop_rows).squeeze(1).to(torch.float64)  # [B, V]
-    residual = _residual(p_stop, q_stop)  # [B, V]
-    recovered = inverse_cdf(residual, rand.uniforms(Stream.RECOVER, steps).gather(1, stop).squeeze(1))  # [B]
-    final = torch.where(passed.gather(1, stop), draft_tokens.gather(1, stop), recovered[:, None])  # [B, 1]
+    u_recover = rand.uniforms(Stream.RECOVER, steps).gather(1, stop).squeeze(1)  # [B]
+    u_plain = rand.uniforms(Stream.DRAFT, steps).gather(1, stop).squeeze(1)  # [B]
+    recovered = inverse_cdf(_residual(p_stop, q_stop), u_recover)[:, None]  # [B, 1]
+    plain = inverse_cdf(p_stop, u_plain)[:, None]  # [B, 1]
+    drafted = (accepted < lengths) | bonus_drafted  # [B]: a draft stands at the final position
+    final = torch.where(passed.gather(1, stop), draft_tokens.gather(1, stop), recovered)  # [B, 1]
+    final = torch.where(drafted[:, None], final, plain)  # [B, 1]
     return Verdict(accepted=accepted, tokens=draft_tokens.scatter(1, stop, final))
-
-
-def sample_target(p: torch.Tensor, rand: RowRandom) -> Verdict:
-    """Sampling without drafts: row ``i`` gains one token drawn from ``p[i, 0]`` (``p`` is ``[B, 1, V]``) with its
-    ``Stream.DRAFT`` uniform."""
-    if p.dim() != 3 or p.shape[1] != 1 or rand.seeds.shape != p.shape[:1]:
-        raise ValueError(f"need p [B, 1, V] and one seed per row, got {list(p.shape)} and {list(rand.seeds.shape)}")
-    tokens = inverse_cdf(p[:, 0], rand.uniforms(Stream.DRAFT, 1)[:, 0])  # [B]
-    return Verdict(accepted=torch.zeros_like(tokens), tokens=tokens[:, None])
 
 
 def _accept(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from batchspec.bench.reference import Reference, first_divergence, load_or_compute_reference, match_summary
-from batchspec.bench.runners import runner_for
+from batchspec.bench.runners import draft_length, plan_cells, runner_for, runs
 from batchspec.bench.workload import ModelPair, Workload
 
 NEAR_TIE_ULPS = 4.0
@@ -108,7 +108,8 @@ class AuditCell:
     exact_match: float
     partial_match: float
     divergences: list[Divergence] = field(default_factory=list)
-    num_draft_tokens: int | None = None
+    num_draft_tokens: int | str | None = None
+    proposer: str | None = None
 
     @property
     def failures(self) -> list[Divergence]:
@@ -147,14 +148,21 @@ def empty_report(workload: Workload, rule: NearTieRule) -> AuditReport:
 
 
 def audit_cell(
-    method: str, batch_size: int, workload: Workload, sequences: list[list[int]], reference: Reference,
+    method: str,
+    batch_size: int,
+    workload: Workload,
+    sequences: list[list[int]],
+    reference: Reference,
     rule: NearTieRule,
+    proposer: str | None = None,
 ) -> AuditCell:
-    """``sequences`` (a method's output at ``batch_size`` on ``workload``) against the reference."""
+    """``sequences`` (a method's output at ``batch_size`` on ``workload``, with ``proposer``) against the
+    reference."""
     match = match_summary(sequences, reference.sequences)
     divergences = find_divergences(sequences, reference, rule, float_dtype(workload.dtype))
     return AuditCell(
-        method, batch_size, match.exact_match, match.partial_match, divergences, workload.num_draft_tokens
+        method, batch_size, match.exact_match, match.partial_match, divergences,
+        draft_length(method, workload.num_draft_tokens), proposer,
     )
 
 
@@ -192,21 +200,23 @@ def run_audit(
     methods: tuple[str, ...],
     batch_sizes: tuple[int, ...],
     *,
+    proposers: tuple[str, ...] = ("draft",),
     rule: NearTieRule = NearTieRule(),
     out_dir: Path | None = None,
     progress: bool = True,
 ) -> AuditReport:
-    """Audit ``methods`` at ``batch_sizes``; writes ``audit.json`` into ``out_dir`` when given."""
+    """Audit ``methods`` (the speculative ones with each of ``proposers``) at ``batch_sizes``; writes
+    ``audit.json`` into ``out_dir`` when given."""
     float_dtype(workload.dtype)
     cache = None if out_dir is None else out_dir / "reference.json"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     reference = load_or_compute_reference(pair, workload, cache, progress)
     report = empty_report(workload, rule)
-    todo = [(m, b) for m in methods for b in batch_sizes if m != "hf-assisted" or b == 1]
-    for method, batch_size in tqdm(todo, desc="audit", unit="cell", disable=not progress):
-        sequences = runner_for(method)(pair, workload, batch_size, progress=progress).sequences
-        report.cells.append(audit_cell(method, batch_size, workload, sequences, reference, rule))
+    todo = [where for where in plan_cells(methods, proposers, batch_sizes) if runs(where)]
+    for method, proposer, batch_size in tqdm(todo, desc="audit", unit="cell", disable=not progress):
+        sequences = runner_for(method)(pair, workload, batch_size, progress=progress, proposer=proposer).sequences
+        report.cells.append(audit_cell(method, batch_size, workload, sequences, reference, rule, proposer))
     if out_dir is not None:
         report.write(out_dir)
     return report

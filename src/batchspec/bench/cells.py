@@ -7,24 +7,25 @@ from dataclasses import asdict, dataclass
 import torch
 
 from batchspec.bench.reference import MatchSummary
-from batchspec.bench.runners import RunOutput
+from batchspec.bench.runners import SPECULATIVE, RunOutput, draft_length
 from batchspec.bench.workload import Workload, machine_description
-
-STAGES = ("draft", "verify", "realign", "other")
+from batchspec.metrics import STAGES
 
 
 @dataclass
 class Cell:
     """The measurements of one cell; None where a field does not apply to the method (e.g. the peers have no
-    acceptance statistics or stage split, and only exspec groups)."""
+    acceptance statistics or stage split, only exspec groups, and only the speculative methods have a proposer
+    and a draft length)."""
 
     method: str
+    proposer: str | None
     batch_size: int
     model: str
     dtype: str
     prompts: int
     max_new_tokens: int
-    num_draft_tokens: int
+    num_draft_tokens: int | str | None
     torch_threads: int
     machine: str
     tokens_per_s: float
@@ -32,10 +33,13 @@ class Cell:
     generated_tokens: int
     acceptance_rate: float | None
     mean_accepted_length: float | None
+    recomputed_columns: int | None
+    prefill_s: float | None
     draft_s: float | None
     verify_s: float | None
     realign_s: float | None
     other_s: float | None
+    prefill_share: float | None
     draft_share: float | None
     verify_share: float | None
     realign_share: float | None
@@ -47,8 +51,28 @@ class Cell:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, row: dict[str, object]) -> Cell:
+        """A cell read back from ``results.json``; rows written before proposers and the prefill stage existed
+        get their draft proposer and no prefill figures."""
+        method = str(row["method"])
+        defaults = {
+            "proposer": "draft" if method in SPECULATIVE else None,
+            "recomputed_columns": None,
+            "prefill_s": None,
+            "prefill_share": None,
+        }
+        return cls(**{**defaults, **row})
 
-def make_cell(method: str, batch_size: int, workload: Workload, out: RunOutput, match: MatchSummary | None) -> Cell:
+
+def make_cell(
+    method: str,
+    proposer: str | None,
+    batch_size: int,
+    workload: Workload,
+    out: RunOutput,
+    match: MatchSummary | None,
+) -> Cell:
     tokens = sum(len(s) for s in out.sequences)
     stats = out.stats
     seconds: dict[str, float | None] = {f"{s}_s": None for s in STAGES}
@@ -61,12 +85,13 @@ def make_cell(method: str, batch_size: int, workload: Workload, out: RunOutput, 
     speculative = stats is not None and method != "autoregressive"
     return Cell(
         method=method,
+        proposer=proposer,
         batch_size=batch_size,
         model=workload.model,
         dtype=workload.dtype,
         prompts=len(workload.prompts),
         max_new_tokens=workload.max_new_tokens,
-        num_draft_tokens=workload.num_draft_tokens,
+        num_draft_tokens=draft_length(method, workload.num_draft_tokens),
         torch_threads=torch.get_num_threads(),
         machine=machine_description(),
         tokens_per_s=tokens / out.wall_s if out.wall_s > 0 else 0.0,
@@ -74,6 +99,7 @@ def make_cell(method: str, batch_size: int, workload: Workload, out: RunOutput, 
         generated_tokens=tokens,
         acceptance_rate=stats.acceptance_rate if speculative else None,
         mean_accepted_length=stats.mean_accepted_length if speculative else None,
+        recomputed_columns=None if stats is None else stats.recomputed_columns,
         **seconds,
         **shares,
         grouping_rate=stats.grouping_rate if speculative and method == "exspec" else None,

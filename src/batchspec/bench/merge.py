@@ -17,6 +17,7 @@ from batchspec.bench.audit import AuditCell, AuditReport, Divergence
 from batchspec.bench.cells import Cell
 from batchspec.bench.plots import write_plots
 from batchspec.bench.report import write_results
+from batchspec.bench.runners import draft_length
 
 SAME_IN_EVERY_RUN = ("model", "dtype", "prompts", "max_new_tokens", "torch_threads", "machine")
 
@@ -34,10 +35,10 @@ def read_cells(run_dir: Path) -> list[Cell]:
     path = run_dir / "results.json"
     if not path.is_file():
         raise ValueError(f"{run_dir} holds no results.json: is it a 'batchspec bench' output folder?")
-    return [Cell(**row) for row in json.loads(path.read_text())]
+    return [Cell.from_dict(row) for row in json.loads(path.read_text())]
 
 
-def read_audit(run_dir: Path, num_draft_tokens: int) -> AuditReport | None:
+def read_audit(run_dir: Path, num_draft_tokens: int | str | None) -> AuditReport | None:
     """The run's ``audit.json``; cells written without their draft length get the run's."""
     path = run_dir / "audit.json"
     if not path.is_file():
@@ -50,7 +51,9 @@ def read_audit(run_dir: Path, num_draft_tokens: int) -> AuditReport | None:
     cells = [
         AuditCell(
             c["method"], c["batch_size"], c["exact_match"], c["partial_match"],
-            [Divergence(**d) for d in c["divergences"]], c.get("num_draft_tokens") or num_draft_tokens,
+            [Divergence(**d) for d in c["divergences"]],
+            c["num_draft_tokens"] if "num_draft_tokens" in c else draft_length(c["method"], num_draft_tokens),
+            c.get("proposer"),
         )
         for c in raw["cells"]
     ]
@@ -68,7 +71,7 @@ def check_same_workload(runs: list[tuple[Path, list[Cell]]]) -> None:
     if len(keys) > 1:
         raise ValueError("the runs have different references (reference.json keys): different prompts or models")
     first_dir, first_cells = runs[0]
-    seen: dict[tuple[str, int, int], Path] = {}
+    seen: dict[tuple[str, str | None, int, int | str | None], Path] = {}
     for run_dir, cells in runs:
         for cell in cells:
             for name in SAME_IN_EVERY_RUN:
@@ -77,11 +80,12 @@ def check_same_workload(runs: list[tuple[Path, list[Cell]]]) -> None:
                         f"{run_dir} and {first_dir} differ in {name}: "
                         f"{getattr(cell, name)!r} vs {getattr(first_cells[0], name)!r}"
                     )
-            where = (cell.method, cell.batch_size, cell.num_draft_tokens)
+            where = (cell.method, cell.proposer, cell.batch_size, cell.num_draft_tokens)
             if where in seen:
+                proposer = "" if cell.proposer is None else f" ({cell.proposer})"
                 raise ValueError(
-                    f"{cell.method} at batch size {cell.batch_size}, k = {cell.num_draft_tokens} is in both "
-                    f"{seen[where]} and {run_dir}"
+                    f"{cell.method}{proposer} at batch size {cell.batch_size}, k = {cell.num_draft_tokens} is in "
+                    f"both {seen[where]} and {run_dir}"
                 )
             seen[where] = run_dir
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batchspec.bench.cells import STAGES, Cell
+from batchspec.bench.cells import Cell
+from batchspec.metrics import STAGES
 
 
 def _pyplot():
@@ -17,9 +18,14 @@ def _pyplot():
 
 
 def _label(cell: Cell, cells: list[Cell]) -> str:
-    """The method's name, with ``k=`` when the cells hold that method at several draft lengths."""
-    lengths = {c.num_draft_tokens for c in cells if c.method == cell.method}
-    return cell.method if len(lengths) == 1 else f"{cell.method} k={cell.num_draft_tokens}"
+    """The method's name, with its proposer when it ran with several and ``k=`` when at several draft lengths."""
+    same = [c for c in cells if c.method == cell.method]
+    label = cell.method
+    if len({c.proposer for c in same}) > 1:
+        label += f" {cell.proposer}"
+    if len({c.num_draft_tokens for c in same}) > 1:
+        label += f" k={cell.num_draft_tokens}"
+    return label
 
 
 def _by_method(cells: list[Cell]) -> dict[str, list[Cell]]:
@@ -52,7 +58,7 @@ def plot_throughput(cells: list[Cell], path: Path) -> None:
 
 
 def plot_anatomy(cells: list[Cell], path: Path) -> None:
-    """Stacked share of wall time in draft / verify / realign / other, per method and batch size."""
+    """Stacked share of wall time in prefill / draft / verify / realign / other, per method and batch size."""
     plt = _pyplot()
     staged = [c for c in cells if c.draft_share is not None]
     fig, axis = plt.subplots(figsize=(max(6, 0.7 * len(staged) + 2), 4))

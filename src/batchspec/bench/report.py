@@ -8,11 +8,11 @@ from dataclasses import fields
 from pathlib import Path
 
 from batchspec.bench.cells import Cell
-from batchspec.bench.runners import draft_length
 
 COLUMNS = [f.name for f in fields(Cell)]
 TABLE = (
     ("method", "method"),
+    ("proposer", "proposer"),
     ("B", "batch_size"),
     ("k", "num_draft_tokens"),
     ("tokens/s", "tokens_per_s"),
@@ -20,6 +20,7 @@ TABLE = (
     ("tokens", "generated_tokens"),
     ("accept", "acceptance_rate"),
     ("mean acc len", "mean_accepted_length"),
+    ("prefill", "prefill_share"),
     ("draft", "draft_share"),
     ("verify", "verify_share"),
     ("realign", "realign_share"),
@@ -29,6 +30,7 @@ TABLE = (
     ("partial", "partial_match"),
 )
 PERCENT = {
+    "prefill_share",
     "draft_share",
     "verify_share",
     "realign_share",
@@ -51,8 +53,6 @@ def _format(name: str, value: object) -> str:
 
 
 def _cell_value(cell: Cell, name: str) -> object:
-    if name == "num_draft_tokens":
-        return draft_length(cell.method, cell.num_draft_tokens)
     return getattr(cell, name)
 
 

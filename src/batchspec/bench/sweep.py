@@ -12,17 +12,20 @@ from batchspec.bench.cells import Cell, make_cell
 from batchspec.bench.plots import write_plots
 from batchspec.bench.reference import MatchSummary, Reference, load_or_compute_reference
 from batchspec.bench.report import write_results
-from batchspec.bench.runners import needs_draft, runner_for
+from batchspec.bench.runners import Where, needs_draft, plan_cells, runner_for, runs
 from batchspec.bench.workload import ModelPair, Workload
+from batchspec.config import PROPOSERS, ProposerKind
 
 
 @dataclass(frozen=True)
 class SweepPlan:
-    """The cells to run: ``methods`` × ``batch_sizes`` (hf-assisted at batch size 1 only)."""
+    """The cells to run: ``methods`` × ``batch_sizes``, the speculative batchspec methods once per proposer
+    (hf-assisted and hf-prompt-lookup at batch size 1 only)."""
 
     methods: tuple[str, ...]
     batch_sizes: tuple[int, ...]
     compare: bool = True
+    proposers: tuple[str, ...] = (ProposerKind.DRAFT.value,)
 
     def __post_init__(self) -> None:
         if not self.methods or not self.batch_sizes:
@@ -31,20 +34,31 @@ class SweepPlan:
             runner_for(method)
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers >= 1; got {list(self.batch_sizes)}")
+        unknown = [p for p in self.proposers if p not in PROPOSERS]
+        if unknown or not self.proposers:
+            raise ValueError(f"proposers must be among {', '.join(PROPOSERS)}; got {list(self.proposers)}")
 
-    def cells(self) -> list[tuple[str, int]]:
-        return [(m, b) for m in self.methods for b in self.batch_sizes if m != "hf-assisted" or b == 1]
+    def wanted(self) -> list[Where]:
+        """Every (method, proposer, batch size) asked for."""
+        return plan_cells(self.methods, self.proposers, self.batch_sizes)
+
+    def cells(self) -> list[Where]:
+        """The cells that run: those of :meth:`wanted` except single-row peers at batch sizes above 1."""
+        return [where for where in self.wanted() if runs(where)]
+
+    def needs_draft(self) -> list[str]:
+        return sorted({m for m, p, _ in self.cells() if needs_draft(m, p)})
 
 
 @dataclass
 class SweepResult:
     cells: list[Cell]
-    skipped: list[tuple[str, int]]
+    skipped: list[Where]
     plots: list[Path]
 
 
-def warm_up(pair: ModelPair, workload: Workload, methods: tuple[str, ...]) -> None:
-    """One short run of each method, so that first-call costs do not land in a measured cell."""
+def warm_up(pair: ModelPair, workload: Workload, cells: list[Where]) -> None:
+    """One short run of each method and proposer, so that first-call costs do not land in a measured cell."""
     tiny = Workload(
         workload.model,
         workload.dtype,
@@ -55,8 +69,8 @@ def warm_up(pair: ModelPair, workload: Workload, methods: tuple[str, ...]) -> No
         workload.eos_token_ids,
         workload.pad_token_id,
     )
-    for method in methods:
-        runner_for(method)(pair, tiny, 1)
+    for method, proposer in dict.fromkeys((m, p) for m, p, _ in cells):
+        runner_for(method)(pair, tiny, 1, proposer=proposer)
 
 
 def run_sweep(
@@ -66,26 +80,26 @@ def run_sweep(
 
     With ``plan.compare`` every cell's divergences from the reference are written to ``audit.json`` as well, in
     the format of ``batchspec audit`` (position and the reference's logit margin of each)."""
-    if pair.draft is None and any(needs_draft(m) for m in plan.methods):
-        raise ValueError("these methods need a draft model: " + ", ".join(m for m in plan.methods if needs_draft(m)))
+    if pair.draft is None and plan.needs_draft():
+        raise ValueError("these methods need a draft model: " + ", ".join(plan.needs_draft()))
     out_dir.mkdir(parents=True, exist_ok=True)
     reference: Reference | None = None
     if plan.compare:
         reference = load_or_compute_reference(pair, workload, out_dir / "reference.json", progress)
-    warm_up(pair, workload, plan.methods)
     todo = plan.cells()
-    skipped = [(m, b) for m in plan.methods for b in plan.batch_sizes if (m, b) not in todo]
+    warm_up(pair, workload, todo)
+    skipped = [where for where in plan.wanted() if where not in todo]
     cells: list[Cell] = []
     rule = NearTieRule()
     audit = empty_report(workload, rule)
-    for method, batch_size in tqdm(todo, desc="bench", unit="cell", disable=not progress):
-        out = runner_for(method)(pair, workload, batch_size, progress=progress)
+    for method, proposer, batch_size in tqdm(todo, desc="bench", unit="cell", disable=not progress):
+        out = runner_for(method)(pair, workload, batch_size, progress=progress, proposer=proposer)
         compared = None
         if reference is not None:  # record where it diverged, and how close
-            compared = audit_cell(method, batch_size, workload, out.sequences, reference, rule)
+            compared = audit_cell(method, batch_size, workload, out.sequences, reference, rule, proposer)
             audit.cells.append(compared)
         match = None if compared is None else MatchSummary(compared.exact_match, compared.partial_match)
-        cells.append(make_cell(method, batch_size, workload, out, match))
+        cells.append(make_cell(method, proposer, batch_size, workload, out, match))
         write_results(out_dir, cells)
         if compared is not None:
             audit.write(out_dir)

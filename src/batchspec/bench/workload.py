@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from batchspec.config import AUTO
+
 
 @dataclass(frozen=True)
 class ModelPair:
@@ -32,7 +34,7 @@ class Workload:
         prompt_source: where the prompts came from (``humaneval``, a path, ...).
         prompts: token ids of every prompt.
         max_new_tokens: new tokens per prompt at most.
-        num_draft_tokens: draft tokens per round for the speculative methods.
+        num_draft_tokens: drafts per round for the speculative methods, or ``"auto"``.
         eos_token_ids: ids that end a sequence.
         pad_token_id: filler for padded batches.
     """
@@ -42,7 +44,7 @@ class Workload:
     prompt_source: str
     prompts: tuple[tuple[int, ...], ...]
     max_new_tokens: int
-    num_draft_tokens: int
+    num_draft_tokens: int | str
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
 
@@ -51,8 +53,8 @@ class Workload:
             raise ValueError("a workload needs at least one prompt")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1; got {self.num_draft_tokens}")
+        if self.num_draft_tokens != AUTO and (isinstance(self.num_draft_tokens, str) or self.num_draft_tokens < 1):
+            raise ValueError(f"num_draft_tokens must be >= 1 or 'auto'; got {self.num_draft_tokens!r}")
 
     @property
     def key(self) -> str:

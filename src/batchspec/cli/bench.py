@@ -11,7 +11,7 @@ from batchspec.bench import METHODS, ModelPair, SweepPlan, Workload, run_audit, 
 from batchspec.bench.audit import NEAR_TIE_ULPS, AuditReport, NearTieRule
 from batchspec.bench.merge import merge_runs
 from batchspec.bench.report import markdown_table
-from batchspec.bench.runners import draft_length, needs_draft
+from batchspec.bench.runners import draft_length, needs_draft, plan_cells
 from batchspec.cli.common import (
     CacheDirOption,
     CategoryOption,
@@ -34,6 +34,8 @@ from batchspec.cli.common import (
     load_prompt_records,
 )
 from batchspec.cli.errors import user_errors
+from batchspec.config import PROPOSERS
+from batchspec.engine import resolve_special_ids
 
 ALL_METHODS = ",".join(METHODS)
 MethodsOption = Annotated[
@@ -47,6 +49,13 @@ MethodsOption = Annotated[
 ]
 BatchSizesOption = Annotated[
     str, typer.Option("--batch-sizes", metavar="B1,B2,...", help="Comma-separated batch sizes.")
+]
+ProposersOption = Annotated[
+    str,
+    typer.Option(
+        "--proposers", "--proposer", metavar="P1,P2,...",
+        help=f"Comma-separated proposers ({', '.join(PROPOSERS)}); eqspec and exspec run one cell per proposer.",
+    ),
 ]
 OutputDirOption = Annotated[
     Path, typer.Option("--output", "-o", metavar="DIR", file_okay=False, help="Folder for the results.")
@@ -78,14 +87,24 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return parse_positive_ints(text, "--batch-sizes")
 
 
+def parse_proposers(text: str) -> tuple[str, ...]:
+    """``"draft,ngram"`` → ``("draft", "ngram")``; a ValueError naming ``--proposers`` for anything else."""
+    proposers = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [p for p in proposers if p not in PROPOSERS]
+    if unknown or not proposers:
+        raise ValueError(
+            f"--proposers: unknown proposer {', '.join(unknown) or '(none)'}; choose from {', '.join(PROPOSERS)}"
+        )
+    return proposers
+
+
 def build_workload(
-    loaded: LoadedModels, prompts: PromptChoice, max_new_tokens: int, num_draft_tokens: int
+    loaded: LoadedModels, prompts: PromptChoice, max_new_tokens: int, num_draft_tokens: int | str
 ) -> tuple[ModelPair, Workload]:
-    """The loaded pair and the encoded prompts with the target's EOS ids and a pad id."""
+    """The loaded pair and the encoded prompts with the target's EOS ids and pad id (as the engine resolves
+    them, so that the peers stop where batchspec does)."""
     token_ids = encode_prompts(load_prompt_records(prompts), loaded.tokenizer, prompts)
-    eos = loaded.target.generation_config.eos_token_id
-    eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-    pad = loaded.tokenizer.pad_token_id
+    eos_ids, pad = resolve_special_ids(loaded.target, None, loaded.tokenizer.pad_token_id)
     workload = Workload(
         model=loaded.name,
         dtype=loaded.dtype.value,
@@ -94,16 +113,20 @@ def build_workload(
         max_new_tokens=max_new_tokens,
         num_draft_tokens=num_draft_tokens,
         eos_token_ids=eos_ids,
-        pad_token_id=pad if pad is not None else (eos_ids[0] if eos_ids else 0),
+        pad_token_id=pad,
     )
     return ModelPair(loaded.name, loaded.target, loaded.draft), workload
 
 
-def load_for_methods(preset, target, draft, dtype, cache_dir, methods: tuple[str, ...]) -> LoadedModels:
-    method = Method.EQSPEC if any(needs_draft(m) for m in methods) else Method.AUTOREGRESSIVE
+def load_for_methods(
+    preset, target, draft, dtype, cache_dir, methods: tuple[str, ...], proposers: tuple[str, ...] = ("draft",)
+) -> LoadedModels:
+    """The models the cells need: a draft only when some method (with some proposer) runs one."""
+    drafting = any(needs_draft(m, p) for m, p, _ in plan_cells(methods, proposers, (1,)))
+    method, proposer = (Method.EQSPEC, None) if drafting else (Method.AUTOREGRESSIVE, None)
     choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
-    choice.check_for(method)
-    loaded = load_models(choice, method)
+    choice.check_for(method, proposer)
+    loaded = load_models(choice, method, proposer)
     typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
     return loaded
 
@@ -119,8 +142,9 @@ def bench_command(
     chat_template: ChatTemplateOption = True,
     methods: MethodsOption = ALL_METHODS,
     batch_sizes: BatchSizesOption = "1,4,8",
+    proposers: ProposersOption = "draft",
     max_new_tokens: MaxNewTokensOption = 128,
-    num_draft_tokens: NumDraftTokensOption = 5,
+    num_draft_tokens: NumDraftTokensOption = "auto",
     dtype: DTypeOption = DType.AUTO,
     compare: Annotated[
         bool, typer.Option("--compare/--no-compare", help="Measure exact/partial match against the reference.")
@@ -154,10 +178,13 @@ def bench_command(
         typer.echo(result.to_json())
         return
     with user_errors():
-        plan = SweepPlan(parse_methods(methods), parse_batch_sizes(batch_sizes), compare=compare)
+        plan = SweepPlan(
+            parse_methods(methods), parse_batch_sizes(batch_sizes), compare=compare,
+            proposers=parse_proposers(proposers),
+        )
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         load_prompt_records(prompt_choice)
-        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, plan.methods)
+        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, plan.methods, plan.proposers)
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
         result = run_sweep(pair, workload, plan, output)
     typer.echo(
@@ -165,7 +192,7 @@ def bench_command(
         f"{workload.max_new_tokens} new tokens"
     )
     typer.echo(markdown_table(result.cells))
-    for method, size in result.skipped:
+    for method, _, size in result.skipped:
         typer.echo(f"skipped {method} at batch size {size}: it runs at batch size 1 only", err=True)
     typer.echo(f"Wrote results and plots to {output}", err=True)
 
@@ -208,8 +235,9 @@ def audit_command(
     chat_template: ChatTemplateOption = True,
     methods: MethodsOption = "eqspec,exspec",
     batch_sizes: BatchSizesOption = "1,4,8",
+    proposers: ProposersOption = "draft",
     max_new_tokens: MaxNewTokensOption = 128,
-    num_draft_tokens: NumDraftTokensOption = 5,
+    num_draft_tokens: NumDraftTokensOption = "auto",
     dtype: DTypeOption = DType.AUTO,
     near_tie_ulps: Annotated[
         float,
@@ -235,11 +263,12 @@ def audit_command(
     with user_errors():
         rule = NearTieRule(near_tie_ulps)
         method_list, sizes = parse_methods(methods), parse_batch_sizes(batch_sizes)
+        proposer_list = parse_proposers(proposers)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         load_prompt_records(prompt_choice)
-        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, method_list)
+        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, method_list, proposer_list)
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
-        report = run_audit(pair, workload, method_list, sizes, rule=rule, out_dir=output)
+        report = run_audit(pair, workload, method_list, sizes, proposers=proposer_list, rule=rule, out_dir=output)
     print_audit(report)
     if not report.passed:
         raise typer.Exit(2)
@@ -254,8 +283,9 @@ def print_audit(report: AuditReport) -> None:
         ties = len(cell.divergences) - len(cell.failures)
         k = draft_length(cell.method, cell.num_draft_tokens)
         k_text = "–" if k is None else str(k)
+        name = cell.method if cell.proposer is None else f"{cell.method}/{cell.proposer}"
         typer.echo(
-            f"  {cell.method:<14} B={cell.batch_size:<3} k={k_text:<3} exact {100 * cell.exact_match:5.1f}%  "
+            f"  {name:<18} B={cell.batch_size:<3} k={k_text:<4} exact {100 * cell.exact_match:5.1f}%  "
             f"partial {100 * cell.partial_match:5.1f}%  divergences {len(cell.divergences)} "
             f"(near-ties {ties}, failures {len(cell.failures)})"
         )

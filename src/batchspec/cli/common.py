@@ -16,14 +16,12 @@ from typing import Annotated, Any
 
 import typer
 
+from batchspec.config import AUTO, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts, load_prompts
+from batchspec.metrics import STAGES
 from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir, get_preset
 
-
-class Method(StrEnum):
-    EQSPEC = "eqspec"
-    EXSPEC = "exspec"
-    AUTOREGRESSIVE = "autoregressive"
+__all__ = ["Method", "ProposerKind"]
 
 
 class DType(StrEnum):
@@ -117,11 +115,35 @@ MaxNewTokensOption = Annotated[
     int,
     typer.Option("--max-new-tokens", metavar="N", min=0, help="New tokens per prompt at most."),
 ]
+def parse_draft_tokens(value: str) -> int | str:
+    """``"auto"`` or an integer >= 1 (typer callback of ``--num-draft-tokens``)."""
+    if value == AUTO:
+        return AUTO
+    try:
+        k = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"expected 'auto' or an integer >= 1; got {value!r}") from None
+    if k < 1:
+        raise typer.BadParameter(f"expected 'auto' or an integer >= 1; got {value!r}")
+    return k
+
+
 NumDraftTokensOption = Annotated[
-    int,
+    str,
     typer.Option(
-        "--num-draft-tokens", "-k", metavar="K", min=1,
-        help="Draft tokens proposed per round (clipped near a row's budget).",
+        "--num-draft-tokens", "-k", metavar="K|auto", callback=parse_draft_tokens,
+        help="Drafts per row and round (each row's capped by its own budget), or 'auto': chosen every round for "
+        "the most expected tokens per second from the rows' recent acceptance and the measured costs, down to "
+        "plain steps where speculation does not pay.",
+    ),
+]
+ProposerOption = Annotated[
+    ProposerKind | None,
+    typer.Option(
+        "--proposer",
+        help="Who drafts: draft (the draft model), ngram (prompt lookup in each prompt and its output: no draft "
+        "model is loaded) or hybrid (lookup where it finds a match, the draft model elsewhere). Default: draft, "
+        "or ngram when only --target is given.",
     ),
 ]
 TemperatureOption = Annotated[
@@ -178,19 +200,34 @@ class ModelChoice:
             return DEFAULT_PRESET
         return self.preset
 
-    def target_only(self, method: Method) -> bool:
-        """Whether only a target is needed: autoregressive decoding with --target and no draft named."""
-        return method is Method.AUTOREGRESSIVE and self.preset is None and self.target is not None and not self.draft
+    def proposer_for(self, method: Method, proposer: ProposerKind | None) -> ProposerKind | None:
+        """The proposer that runs: None for autoregressive decoding, the one asked for, else the draft model when
+        one is named or a preset gives one, else prompt lookup (``--target`` alone)."""
+        if method is Method.AUTOREGRESSIVE:
+            return None
+        if proposer is not None:
+            return proposer
+        return ProposerKind.DRAFT if self.draft or self.resolved_preset else ProposerKind.NGRAM
 
-    def check_for(self, method: Method) -> None:
+    def target_only(self, method: Method, proposer: ProposerKind | None = None) -> bool:
+        """Whether only the target is loaded: no draft model drafts (autoregressive, or prompt lookup)."""
+        return self.proposer_for(method, proposer) in (None, ProposerKind.NGRAM) and not self.draft
+
+    def check_for(self, method: Method, proposer: ProposerKind | None = None) -> None:
         """Raise ValueError unless ``method`` can run with these models (checked before loading any)."""
-        if self.preset is not None or (self.target is None) == (self.draft is None) or self.target_only(method):
+        if self.draft and self.target is None and self.preset is None:
+            raise ValueError("--draft needs --target as well (or --preset NAME, whose target fills it in)")
+        if self.target_only(method, proposer) or self.preset is not None or self.draft:
             return
-        missing, given = ("--draft", "--target") if self.draft is None else ("--target", "--draft")
         raise ValueError(
-            f"{given} needs {missing} as well for --method {method.value} "
-            f"(or --preset NAME, whose model fills in the missing one)"
+            f"--target needs --draft as well for --proposer {self.proposer_for(method, proposer).value} "
+            f"(or --preset NAME, whose draft fills it in; or --proposer ngram, which needs no draft model)"
         )
+
+    @property
+    def target_spec(self) -> str:
+        """The target to load alone: the named one, else the preset's."""
+        return self.target or f"{self.resolved_preset}:target"
 
 
 @dataclass
@@ -220,11 +257,11 @@ def quiet_weight_loading() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def presets_used(choice: ModelChoice, method: Method) -> list[str]:
+def presets_used(choice: ModelChoice, method: Method, proposer: ProposerKind | None = None) -> list[str]:
     """Names of the presets whose models ``choice`` loads, in order, each once."""
     from batchspec.models.loading import parse_preset_spec
 
-    specs = [choice.target] if choice.target_only(method) else [choice.target, choice.draft]
+    specs = [choice.target] if choice.target_only(method, proposer) else [choice.target, choice.draft]
     preset = choice.resolved_preset
     names = [] if preset is None or all(specs) else [preset]
     for spec in specs:
@@ -234,8 +271,11 @@ def presets_used(choice: ModelChoice, method: Method) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def load_models(choice: ModelChoice, method: Method, progress: bool = True) -> LoadedModels:
-    """Load the chosen models; a preset is obtained into the cache first if needed (download + conversion).
+def load_models(
+    choice: ModelChoice, method: Method, proposer: ProposerKind | None = None, progress: bool = True
+) -> LoadedModels:
+    """Load the chosen models (the target alone when no draft model drafts); a preset is obtained into the cache
+    first if needed (download + conversion).
 
     Raises ValueError before any generation when target and draft do not share one tokenizer.
     """
@@ -244,13 +284,12 @@ def load_models(choice: ModelChoice, method: Method, progress: bool = True) -> L
 
     dtype = DType(resolve_dtype(choice.dtype.value))
     started = time.perf_counter()
-    for name in presets_used(choice, method):
+    for name in presets_used(choice, method, proposer):
         obtain_preset(name, choice.cache_dir, progress=progress)
     with quiet_weight_loading():
-        if choice.target_only(method):
-            assert choice.target is not None
-            target, tokenizer = load_model(choice.target, dtype.value, cache_dir=choice.cache_dir)
-            name, draft = choice.target, None
+        if choice.target_only(method, proposer):
+            target, tokenizer = load_model(choice.target_spec, dtype.value, cache_dir=choice.cache_dir)
+            name, draft = choice.target or choice.resolved_preset, None
         else:
             pair = load_pair(
                 choice.resolved_preset, choice.target, choice.draft, dtype.value, cache_dir=choice.cache_dir
@@ -315,8 +354,7 @@ def summary_lines(stats: Any, finish_reasons: list[str], method: Method) -> list
             f"mean accepted    {stats.mean_accepted_length:.2f} tokens per row per round "
             f"(accepted drafts + bonus token; {stats.rounds} rounds, {stats.ragged_rounds} ragged)",
         ]
-    stages = (("draft", stats.draft_s), ("verify", stats.verify_s), ("realign", stats.realign_s),
-              ("other", stats.other_s))
+    stages = [(stage, getattr(stats, f"{stage}_s")) for stage in STAGES]
     split = ", ".join(f"{name} {seconds:.1f} s ({_percent(seconds, stats.wall_s)})" for name, seconds in stages)
     lines.append(f"time             {split}")
     return lines

@@ -17,11 +17,12 @@ from batchspec.cli.common import (
     ModelChoice,
     NumDraftTokensOption,
     PresetOption,
+    ProposerOption,
     TargetOption,
     load_models,
 )
 from batchspec.cli.errors import user_errors
-from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT
+from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PREFILL_CHUNK
 
 
 class LogLevel(StrEnum):
@@ -63,6 +64,18 @@ ServedNameOption = Annotated[
     typer.Option("--served-model-name", metavar="NAME", help="The model name clients send (default: the preset)."),
 ]
 LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", help="Server log verbosity.")]
+PrefillChunkOption = Annotated[
+    int,
+    typer.Option(
+        "--prefill-chunk", metavar="N", min=1,
+        help="Columns of new prompts read per round while other requests decode (chunked prefill): a long prompt "
+        "then delays the running streams a bounded amount per round.",
+    ),
+]
+TimingOption = Annotated[
+    bool,
+    typer.Option("--timing/--no-timing", help="Split round time into stages for /metrics (cheap on the CPU)."),
+]
 
 
 def serve_command(
@@ -72,10 +85,13 @@ def serve_command(
     host: HostOption = DEFAULT_HOST,
     port: PortOption = DEFAULT_PORT,
     method: ServeMethodOption = Method.EQSPEC,
+    proposer: ProposerOption = None,
     max_batch_size: MaxBatchSizeOption = 8,
     max_queue: MaxQueueOption = 64,
-    num_draft_tokens: NumDraftTokensOption = 5,
+    num_draft_tokens: NumDraftTokensOption = "auto",
     window_size: WindowSizeOption = None,
+    prefill_chunk: PrefillChunkOption = DEFAULT_PREFILL_CHUNK,
+    timing: TimingOption = True,
     dtype: DTypeOption = DType.AUTO,
     served_model_name: ServedNameOption = None,
     cache_dir: CacheDirOption = None,
@@ -93,13 +109,15 @@ def serve_command(
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with user_errors():
-        config = ServerConfig(
-            method=method.value, max_batch_size=max_batch_size, max_queue=max_queue,
-            num_draft_tokens=num_draft_tokens, window_size=window_size, served_model_name=served_model_name,
-        )
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
-        choice.check_for(method)
-        loaded = load_models(choice, method)
+        choice.check_for(method, proposer)
+        resolved = choice.proposer_for(method, proposer)
+        config = ServerConfig(
+            method=method.value, proposer=None if resolved is None else resolved.value,
+            max_batch_size=max_batch_size, max_queue=max_queue, num_draft_tokens=num_draft_tokens,
+            window_size=window_size, served_model_name=served_model_name, prefill_chunk=prefill_chunk, timing=timing,
+        )
+        loaded = load_models(choice, method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
         models = ServedModels(loaded.target, loaded.draft, loaded.tokenizer, loaded.name)
         app = create_app(models, config)

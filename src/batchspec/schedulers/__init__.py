@@ -1,10 +1,71 @@
-"""Schedulers decide which sequences are decoded together in every round.
+"""Schedulers decide which sequences are decoded together in every round; one driver runs them all.
 
-* :mod:`~batchspec.schedulers.eqspec`: fixed batches in prompt order (EqSpec, and the autoregressive baseline).
-* :mod:`~batchspec.schedulers.exspec`: a sliding window over a sequence pool, rows grouped by length (ExSpec).
+Every policy has the same five parts (:class:`Scheduler`): ``add`` queues a sequence, ``select`` admits what fits
+and names the rows of the next round, ``ran`` accounts a round and lets finished rows leave, ``remove`` drops
+rows retired early, and ``capacity`` says how many rows may be admitted at once. :func:`drive` runs rounds over
+any of them, for ``batchspec.generate`` (every request queued at the start) and for the server's engine thread
+(requests queued as they arrive) alike.
+
+* :class:`~batchspec.schedulers.static.StaticBatches` — offline EqSpec (and the autoregressive baseline): batches
+  of ``B`` prompts in order, each decoded to the end;
+* :class:`~batchspec.schedulers.running.RunningBatch` — online EqSpec: one batch of up to ``B`` rows, refilled as
+  rows leave;
+* :class:`~batchspec.schedulers.pool.PooledWindow` — ExSpec, offline and online: a window of ``W`` rows from which
+  every round takes ``B`` of one length when it can.
 """
 
-from batchspec.schedulers.eqspec import run_static_batches
-from batchspec.schedulers.exspec import SequencePool, run_exspec
+from __future__ import annotations
 
-__all__ = ["SequencePool", "run_exspec", "run_static_batches"]
+from typing import Protocol
+
+from batchspec.config import Method, SpecConfig
+from batchspec.state import Sequence
+
+
+class Scheduler(Protocol):
+    @property
+    def capacity(self) -> int:
+        """Rows that may be admitted (decoding) at once."""
+        ...
+
+    @property
+    def waiting(self) -> int:
+        """Queued rows not yet admitted."""
+        ...
+
+    @property
+    def running(self) -> int:
+        """Admitted, unfinished rows."""
+        ...
+
+    def add(self, row: Sequence) -> None:
+        """Queue ``row``; it is admitted once there is room."""
+        ...
+
+    def select(self) -> list[Sequence]:
+        """Admit queued rows while there is room; the rows of the next round (empty when there are none)."""
+        ...
+
+    def ran(self, rows: list[Sequence]) -> list[Sequence]:
+        """Account a round over ``rows``; the rows that finished leave and are returned."""
+        ...
+
+    def remove(self, rows: list[Sequence]) -> None:
+        """Drop ``rows`` (retired early: cancelled or failed), admitted or queued, between rounds."""
+        ...
+
+
+def make_scheduler(config: SpecConfig, *, online: bool = False) -> Scheduler:
+    """The policy of ``config.method``: ExSpec's window, or EqSpec's batches (static offline, running online)."""
+    from batchspec.schedulers.pool import PooledWindow
+    from batchspec.schedulers.running import RunningBatch
+    from batchspec.schedulers.static import StaticBatches
+
+    if config.method is Method.EXSPEC:
+        return PooledWindow(
+            config.batch_size, config.window, sort_by_length=config.sort_by_length and not online,
+            check=config.check_invariants,
+        )
+    if online:
+        return RunningBatch(config.batch_size)
+    return StaticBatches(config.batch_size)

@@ -20,9 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchspec.config import SpecConfig
-from batchspec.engine import Engine
-from batchspec.metrics import GenerationStats, StageTimer
-from batchspec.models.support import check_pair, vocab_size
+from batchspec.engine import build_engine
+from batchspec.models.support import vocab_size
+from batchspec.schedulers import make_scheduler
 from batchspec.server.errors import APIError
 from batchspec.server.formats import ChatFormat, CompletionFormat, ReplyContext, ReplyFormat, new_request_id
 from batchspec.server.handlers import Reply, Tracker, answer, submit
@@ -36,7 +36,6 @@ from batchspec.server.protocol import (
     ModelList,
     SamplingFields,
 )
-from batchspec.server.scheduling import make_scheduler
 from batchspec.server.settings import ServedModels, ServerConfig
 from batchspec.server.validation import validation_error
 
@@ -62,41 +61,21 @@ class ServingState:
 
 def build_state(models: ServedModels, config: ServerConfig) -> ServingState:
     """The engine, its loop and the metrics for ``models`` (checked like ``batchspec.generate`` checks them)."""
-    speculative = config.method != "autoregressive"
-    draft = models.draft if speculative else None
-    check_pair(models.target, draft)
-    if speculative and draft is None:
-        raise ValueError(f"method {config.method!r} needs a draft model")
     spec = SpecConfig(
         method=config.method, batch_size=config.max_batch_size, num_draft_tokens=config.num_draft_tokens,
-        eos_token_ids=eos_ids(models.target), pad_token_id=pad_id(models.target),
-        window_size=config.window_size, check_invariants=config.check_invariants,
+        proposer=config.proposer,
+        window_size=config.window_size, check_invariants=config.check_invariants, timing=config.timing,
+        prefill_chunk=config.prefill_chunk,
     )
-    stats = GenerationStats()
-    device = next(models.target.parameters()).device
-    engine = Engine(models.target, draft, spec, stats, StageTimer(stats, enabled=True, device=device))
+    engine = build_engine(models.target, models.draft, spec)
     metrics = ServerMetrics()
-    loop = EngineLoop(engine, make_scheduler(spec), models.tokenizer, max_queue=config.max_queue, metrics=metrics)
-    metrics.watch(stats, lambda: loop.status().queued, lambda: loop.status().running)
-    limits = ModelLimits(context_length=context_length(models.target, draft), vocab_size=vocab_size(models.target))
+    scheduler = make_scheduler(engine.config, online=True)
+    loop = EngineLoop(engine, scheduler, models.tokenizer, max_queue=config.max_queue, metrics=metrics)
+    metrics.watch(engine.stats, lambda: loop.status().queued, lambda: loop.status().running)
+    context = context_length(models.target, engine.draft)
+    limits = ModelLimits(context_length=context, vocab_size=vocab_size(models.target))
     name = config.served_model_name or models.name
     return ServingState(loop, metrics, models.tokenizer, limits, name, config)
-
-
-def eos_ids(target: Any) -> tuple[int, ...]:
-    """The target's EOS ids from its generation config, as ``batchspec.generate`` uses by default."""
-    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        return ()
-    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
-
-
-def pad_id(target: Any) -> int:
-    for source in (getattr(target, "generation_config", None), target.config):
-        candidate = getattr(source, "pad_token_id", None)
-        if isinstance(candidate, int):
-            return candidate
-    return 0
 
 
 def context_length(target: Any, draft: Any | None) -> int:

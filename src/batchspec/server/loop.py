@@ -1,7 +1,8 @@
-"""The engine loop: one thread owns the models and runs round after round over the admitted requests.
+"""The engine loop: one thread owns the models and drives rounds (:func:`batchspec.schedulers.drive.drive`, the
+driver ``batchspec.generate`` uses) over the requests that arrive.
 
-Between two rounds the loop admits queued requests while the scheduler has room (their prompt is read in their
-first round), retires rows whose client left, and asks the scheduler for the next round's rows. After a round
+Between two rounds the loop hands new requests to the scheduler, which admits them while it has room (their
+prompt is read apart, in chunks while other rows decode), and retires rows whose client left. After a round
 every row's new text is decoded and pushed to its handler; rows that met EOS, their budget or a stop string
 leave at once, and their KV is released. An exception in a round fails the requests of that round only.
 """
@@ -18,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from batchspec.engine import Engine
+from batchspec.schedulers import Scheduler
+from batchspec.schedulers.drive import drive
 from batchspec.server.events import Failed, Finished, RequestHandle, Tokens
 from batchspec.server.metrics import ServerMetrics
-from batchspec.server.scheduling import ServingScheduler
 from batchspec.server.text import TextTracker
 from batchspec.state import FINISH_LENGTH, Sequence
 
@@ -67,7 +69,7 @@ class EngineLoop:
     """Continuous admission around one :class:`~batchspec.engine.Engine`, run by a dedicated thread."""
 
     def __init__(
-        self, engine: Engine, scheduler: ServingScheduler, tokenizer, *, max_queue: int, metrics: ServerMetrics
+        self, engine: Engine, scheduler: Scheduler, tokenizer, *, max_queue: int, metrics: ServerMetrics
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0; got {max_queue}")
@@ -79,6 +81,8 @@ class EngineLoop:
         self._inbox: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}
         self._running = 0
+        self._queued = 0
+        self._round_started = time.perf_counter()
         self._cond = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
@@ -96,7 +100,8 @@ class EngineLoop:
             self._thread.join(timeout)
 
     def status(self) -> LoopStatus:
-        return LoopStatus(queued=len(self._inbox), running=self._running, alive=self._thread.is_alive())
+        return LoopStatus(queued=len(self._inbox) + self._queued, running=self._running,
+                          alive=self._thread.is_alive())
 
     def submit(self, handle: RequestHandle) -> None:
         """Queue ``handle``'s request; raises :class:`QueueFull` or :class:`ServerClosing`."""
@@ -109,42 +114,67 @@ class EngineLoop:
             if self._stopping or not self._thread.is_alive():
                 raise ServerClosing("the server is shutting down")
             free = self.scheduler.capacity - self._running
-            if len(self._inbox) - free >= self.max_queue:
+            if len(self._inbox) + self._queued - free >= self.max_queue:
                 raise QueueFull(self.max_queue)
             self._inbox.append(job)
             self._cond.notify()
 
     def _run(self) -> None:
         with torch.inference_mode():
-            while self._admit():
-                try:
-                    self._drop_cancelled()
-                    rows = self.scheduler.select()
-                    if rows:
-                        self._round(rows)
-                except Exception:
-                    logger.exception("engine loop: unexpected error; failing every running request")
-                    self._fail(self.scheduler.active, "internal error in the engine loop")
-                self._running = len(self.scheduler.active)
+            drive(self.engine, self.scheduler, self)
         logger.info("engine loop stopped")
 
-    def _admit(self) -> bool:
-        """Wait for work and admit queued requests while there is room; False once drained for shutdown."""
+    def admit(self, scheduler: Scheduler) -> bool:
+        """Before every round: wait for work, hand new requests to the scheduler and retire cancelled rows; False
+        once drained for shutdown."""
         with self._cond:
             while not self._inbox and not self._jobs and not self._stopping:
                 self._cond.wait()
             if self._stopping and not self._inbox and not self._jobs:
                 return False
-            room = self.scheduler.capacity - len(self.scheduler.active)
-            newcomers = [self._inbox.popleft() for _ in range(min(room, len(self._inbox)))]
+            newcomers = list(self._inbox)
+            self._inbox.clear()
         for job in newcomers:
             if job.handle.cancelled:
                 self.metrics.cancelled.inc()
                 continue
             self._jobs[job.row.index] = job
-            self.scheduler.add(job.row)
-        self._running = len(self.scheduler.active)
+            scheduler.add(job.row)
+        self._drop_cancelled()
+        self._count()
+        self._round_started = time.perf_counter()
         return True
+
+    def ran(self, rows: list[Sequence], finished: list[Sequence]) -> None:
+        """Push every row's new text; rows that met a stop string just now leave the scheduler too (before any
+        client hears that its request is done)."""
+        seconds = time.perf_counter() - self._round_started
+        outbox: list[tuple[Job, list[Tokens | Finished]]] = []
+        for row in rows:
+            job = self._jobs.get(row.index)
+            if job is None:
+                continue
+            try:
+                outbox.append((job, self._advance(job)))
+            except Exception as error:
+                self.failed([row], error)
+        left = {id(row) for row in finished}
+        stopped = [row for row in rows if row.finished and id(row) not in left]
+        if stopped:
+            self.scheduler.remove(stopped)
+        self._count()
+        for job, events in outbox:
+            for event in events:
+                job.handle.push(event)
+        self.metrics.observe_round(len(rows), self.engine.config.batch_size, seconds)
+
+    def failed(self, rows: list[Sequence], error: Exception) -> None:
+        logger.error("round over %d rows failed; failing those requests", len(rows), exc_info=error)
+        self._fail(rows, f"generation failed: {type(error).__name__}: {error}")
+
+    def _count(self) -> None:
+        self._running = self.scheduler.running
+        self._queued = self.scheduler.waiting
 
     def _drop_cancelled(self) -> None:
         gone = [job for job in self._jobs.values() if job.handle.cancelled]
@@ -156,22 +186,8 @@ class EngineLoop:
             self.scheduler.remove([job.row for job in gone])
             self.metrics.cancelled.inc(len(gone))
 
-    def _round(self, rows: list[Sequence]) -> None:
-        started = time.perf_counter()
-        try:
-            with self.engine.timer.wall():
-                self.engine.step(rows)
-            for row in rows:
-                self._advance(self._jobs[row.index])
-        except Exception as error:
-            logger.exception("round over %d rows failed; failing those requests", len(rows))
-            self._fail(rows, f"generation failed: {type(error).__name__}: {error}")
-            return
-        self.scheduler.ran(rows)
-        self.metrics.observe_round(len(rows), self.engine.config.batch_size, time.perf_counter() - started)
-
-    def _advance(self, job: Job) -> None:
-        """Push the row's new text; finish the request when the row finished or met a stop string."""
+    def _advance(self, job: Job) -> list[Tokens | Finished]:
+        """The row's new text, and the end of the request when the row finished or met a stop string."""
         row = job.row
         update = job.text.update(row.output, final=row.finished)
         if update.stopped:
@@ -179,12 +195,14 @@ class EngineLoop:
         end = update.stop_tokens if update.stopped else len(row.output)
         new_tokens = row.output[job.sent_tokens : end]
         job.sent_tokens = end
+        events: list[Tokens | Finished] = []
         if update.delta or new_tokens:
-            job.handle.push(Tokens(update.delta, new_tokens))
+            events.append(Tokens(update.delta, new_tokens))
         if row.finished:
             reason = FINISH_LENGTH if row.finish_reason == FINISH_LENGTH else FINISH_STOP
-            job.handle.push(Finished(reason, len(row.prompt), row.output[:end]))
+            events.append(Finished(reason, len(row.prompt), row.output[:end]))
             del self._jobs[row.index]
+        return events
 
     def _fail(self, rows: list[Sequence], message: str) -> None:
         for row in rows:
@@ -193,4 +211,3 @@ class EngineLoop:
                 job.handle.push(Failed(message))
                 self.metrics.failed.inc()
             row.retire(FINISH_ERROR)
-        self.scheduler.remove(rows)

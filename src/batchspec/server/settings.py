@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchspec.config import METHODS
+from batchspec.config import AUTO, METHODS, PROPOSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -20,31 +21,46 @@ class ServerConfig:
             requests regrouped by length every round; more throughput, longer tails) or "autoregressive".
         max_batch_size: rows decoded together per round (B).
         max_queue: requests that may wait for admission beyond the running ones; one more gets a 429.
-        num_draft_tokens: draft tokens k per round.
+        proposer: who drafts (``draft``, ``ngram`` or ``hybrid``); None: the draft model when one is loaded,
+            else prompt lookup.
+        num_draft_tokens: drafts per row and round, or ``"auto"`` (chosen every round).
         window_size: exspec only: requests admitted at once (W >= B); default ``4 * max_batch_size``.
         served_model_name: the ``model`` name clients use; default the loaded models' name.
         check_invariants: check the batch invariants every round (slow; for tests).
         drain_timeout_s: on shutdown, seconds to wait for the engine loop to finish its requests (None: no limit).
+        timing: split round time into stages for ``/metrics`` (cheap: on a GPU one device synchronisation a round).
+        prefill_chunk: columns of new prompts read per round while other requests decode (chunked prefill: a long
+            prompt delays the running streams a bounded amount per round); None reads each prompt in one piece.
     """
 
     method: str = "eqspec"
     max_batch_size: int = 8
     max_queue: int = 64
-    num_draft_tokens: int = 5
+    num_draft_tokens: int | str = AUTO
+    proposer: str | None = None
     window_size: int | None = None
     served_model_name: str | None = None
     check_invariants: bool = False
     drain_timeout_s: float | None = None
+    timing: bool = True
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
-        for name, minimum in (("max_batch_size", 1), ("max_queue", 0), ("num_draft_tokens", 1)):
+        if self.proposer is not None and self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}; got {self.proposer!r}")
+        checked = [("max_batch_size", 1), ("max_queue", 0)]
+        if self.num_draft_tokens != AUTO:
+            checked.append(("num_draft_tokens", 1))
+        for name, minimum in checked:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
         if self.window_size is not None and self.window_size < self.max_batch_size:
             raise ValueError(f"window_size must be >= max_batch_size ({self.max_batch_size}); got {self.window_size}")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be an integer >= 1 or None; got {self.prefill_chunk!r}")
         if self.drain_timeout_s is not None and self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0; got {self.drain_timeout_s}")
 

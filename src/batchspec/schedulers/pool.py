@@ -1,10 +1,10 @@
-"""ExSpec: cross-batch scheduling over a pool of sequences.
+"""ExSpec: cross-batch scheduling over a pool of sequences, offline and online.
 
 Every prompt is a :class:`~batchspec.state.Sequence` that carries its own tokens and the location of its KV.
 A sliding window of ``W >= B`` sequences is active at once and is refilled from the pool (in order of prompt
 length with ``sort_by_length``) as sequences finish; finished sequences leave at once. Each round:
 
-1. **Group.** The window's rows are bucketed by length (and by whether they have KV yet). A bucket of at
+1. **Group.** The window's rows are bucketed by length (and by whether their prompt is read yet). A bucket of at
    least ``B`` rows — or one holding every row left in the window — gives a *grouped* round of ``B`` rows of
    one length: no padding, no realignment. When the ``B`` rows of one previous batch are all in the bucket
    they are taken as they are, so a group that stays in lockstep keeps its storage and copies nothing.
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batchspec.engine import Engine
 from batchspec.realign import compact
 from batchspec.state import Sequence
 
@@ -48,11 +46,6 @@ class SequencePool:
     waited: dict[int, int] = field(default_factory=dict)
     done: int = 0
 
-    @classmethod
-    def create(cls, sequences: list[Sequence], capacity: int, *, sort_by_length: bool) -> SequencePool:
-        order = sorted(sequences, key=lambda s: (len(s.prompt), s.index)) if sort_by_length else list(sequences)
-        return cls(waiting=deque(order), capacity=capacity)
-
     def refill(self) -> None:
         """Admit waiting sequences until the window is full or the pool is empty."""
         while len(self.window) < self.capacity and self.waiting:
@@ -61,7 +54,7 @@ class SequencePool:
             self.waited[row.index] = 0
 
     def add(self, row: Sequence) -> None:
-        """Queue a sequence that arrived after the pool was made (online serving); ``refill`` admits it."""
+        """Queue a sequence; ``refill`` admits it."""
         self.waiting.append(row)
 
     def discard(self, rows: list[Sequence]) -> None:
@@ -102,7 +95,7 @@ class SequencePool:
     def _largest_bucket(self) -> list[Sequence]:
         buckets: dict[tuple[int, bool], list[Sequence]] = {}
         for row in self.window:
-            buckets.setdefault((row.content_len, row.kv is not None), []).append(row)
+            buckets.setdefault((row.content_len, row.ready), []).append(row)
         return max(buckets.values(), key=lambda rows: (len(rows), max(self.waited[r.index] for r in rows)))
 
     def _pick_from_bucket(self, bucket: list[Sequence], batch_size: int) -> list[Sequence]:
@@ -121,7 +114,7 @@ class SequencePool:
         """``anchor`` and the rows closest to it in length (same KV state first), for a padded batch."""
 
         def distance(row: Sequence) -> tuple[bool, int, int]:
-            same_state = (row.kv is None) == (anchor.kv is None)
+            same_state = row.ready == anchor.ready
             return (not same_state, abs(row.content_len - anchor.content_len), -self.waited[row.index])
 
         return sorted(self.window, key=distance)[:batch_size]
@@ -154,18 +147,55 @@ def _in_slab_order(rows: list[Sequence]) -> list[Sequence]:
     return sorted(rows, key=lambda r: (0, rank[id(r.kv.slab)], r.kv.row) if r.kv else (1, r.index, 0))
 
 
-def run_exspec(
-    engine: Engine, sequences: list[Sequence], on_done: Callable[[int], None], *, check: bool = False
-) -> SequencePool:
-    """Decode every sequence with ExSpec; returns the drained pool."""
-    config = engine.config
-    pool = SequencePool.create(sequences, config.window, sort_by_length=config.sort_by_length)
-    pool.refill()
-    while pool.window:
-        rows = pool.select(config.batch_size)
-        engine.step(rows)
-        on_done(pool.ran(rows))
-        pool.refill()
-        if check:
-            pool.check(len(sequences))
-    return pool
+@dataclass
+class PooledWindow:
+    """ExSpec behind the scheduler protocol: a :class:`SequencePool` picking ``batch_size`` rows per round.
+
+    With ``sort_by_length`` (offline) the rows queued before the first round enter the window shortest first; rows
+    queued later (online) enter in arrival order. ``check`` verifies the pool after every round (tests).
+    """
+
+    batch_size: int
+    window: int
+    sort_by_length: bool = False
+    check: bool = False
+    pool: SequencePool = field(init=False)
+    added: int = 0
+
+    def __post_init__(self) -> None:
+        self.pool = SequencePool(waiting=deque(), capacity=self.window)
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pool.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.pool.window)
+
+    def add(self, row: Sequence) -> None:
+        self.pool.add(row)
+        self.added += 1
+        if not self.sort_by_length:
+            self.pool.refill()
+
+    def select(self) -> list[Sequence]:
+        if self.sort_by_length and not self.pool.window:
+            self.pool.waiting = deque(sorted(self.pool.waiting, key=lambda s: (len(s.prompt), s.index)))
+        self.pool.refill()
+        return self.pool.select(self.batch_size) if self.pool.window else []
+
+    def ran(self, rows: list[Sequence]) -> list[Sequence]:
+        finished = [row for row in self.pool.window if row.finished]
+        self.pool.ran(rows)
+        if self.check:
+            self.pool.refill()
+            self.pool.check(self.added)
+        return finished
+
+    def remove(self, rows: list[Sequence]) -> None:
+        self.pool.discard(rows)

@@ -1,0 +1,245 @@
+"""How many drafts each row proposes in a round: a fixed ``k``, or (``num_draft_tokens="auto"``) the number that
+maximises the expected tokens per second of the round, from each row's recent acceptance and measured costs.
+
+Terms (per round over ``B`` rows, ``K`` the longest proposal):
+
+    E_i(m)  = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_m   tokens row i expects from m drafts (a_j: chance that its j-th
+                                                      draft is accepted once the ones before it were)
+    cost(K) = c_0 + c_v K + c_d s(K)                 seconds of the round: a fixed part, the verification's
+                                                      growth per extra column, and s(K) draft forwards
+    K*      = argmax_K  sum_i E_i(min(K, reach_i)) / cost(K)
+
+``K = 0`` is a plain step of the target (no draft forward at all for greedy rows), so speculation is used only
+where it is expected to pay. A row's ``a`` is its recent share of accepted drafts (exponentially weighted), pulled
+toward the engine-wide share while it has few observations; lookup drafts and draft-model drafts are counted
+apart. The cost coefficients are fitted per batch size to every round's measured seconds (ridge regression
+towards a prior: the verification grows by a tenth of a plain step per extra column, a draft forward costs the
+draft's share of the two models' parameters). While the draft is idle its rows' counts fade toward the engine-wide
+prior, which itself fades toward an optimistic 0.6, so that acceptance is probed again now and then; lookup drafts
+need no probe, since a plain step checks the first lookup of every row for free.
+
+Example: B = 1, ``a = 0.8`` and cost(K) = 0.25 + 0.05 K + 0.09 K s: K = 0 gives 1 / 0.25 = 4.0 tokens/s; K = 3 with a
+draft model gives (1 + .8 + .64 + .51) / 0.67 = 4.4; K = 3 with lookups only (s = 0) gives 2.95 / 0.40 = 7.4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PRIOR_ACCEPTANCE = 0.6
+ROW_DECAY = 0.7  # weight of a row's earlier rounds when a round is observed
+ENGINE_DECAY = 0.97
+IDLE_DECAY = 0.97  # per idle round: how fast unobserved counts fade toward their prior
+PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide share in a row's estimate
+COST_DECAY = 0.95
+RIDGE = 0.5
+VERIFY_GROWTH_PRIOR = 0.1
+
+
+@dataclass
+class Share:
+    """An exponentially weighted count of accepted drafts out of the drafts that were tested."""
+
+    accepted: float = 0.0
+    tested: float = 0.0
+
+    def observe(self, accepted: int, tested: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.tested = decay * self.tested + tested
+
+    def fade(self, decay: float) -> None:
+        self.accepted *= decay
+        self.tested *= decay
+
+    def estimate(self, prior: float, weight: float) -> float:
+        return (self.accepted + weight * prior) / (self.tested + weight)
+
+
+@dataclass
+class RowAcceptance:
+    """One row's recent acceptance of draft-model and of lookup drafts."""
+
+    model: Share = field(default_factory=Share)
+    lookup: Share = field(default_factory=Share)
+
+
+@dataclass
+class CostFit:
+    """``seconds ≈ theta · [1, K, s]`` for one batch size, fitted to decayed observations by ridge regression."""
+
+    prior: torch.Tensor  # [3]
+    gram: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 3, dtype=torch.float64))
+    moment: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+
+    def observe(self, k: int, steps: int, seconds: float) -> None:
+        x = torch.tensor([1.0, k, steps], dtype=torch.float64)
+        self.gram = COST_DECAY * self.gram + torch.outer(x, x)
+        self.moment = COST_DECAY * self.moment + x * seconds
+
+    @property
+    def theta(self) -> torch.Tensor:  # [3]
+        scale = RIDGE * torch.eye(3, dtype=torch.float64)
+        return torch.linalg.solve(self.gram + scale, self.moment + scale @ self.prior)
+
+    def predict(self, k: int, steps: int) -> float:
+        return float(self.theta @ torch.tensor([1.0, k, steps], dtype=torch.float64))
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far each row of a round could draft.
+
+    Attributes:
+        lookups: per row, lookup drafts found in a row (0 without prompt lookup).
+        model: a draft model proposes the positions after the lookups (draft and hybrid proposers).
+        first: per row, its first lookup draft (None: none), checked for free when the row proposes nothing.
+    """
+
+    lookups: list[int]
+    model: bool
+    first: list[int | None] | None = None
+
+    def available(self, row: int, cap: int) -> int:
+        """Drafts row ``row`` can propose within ``cap``."""
+        return cap if self.model else min(cap, self.lookups[row])
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """What one round proposed and what came of it, for :meth:`AdaptiveLength.observe`.
+
+    Attributes:
+        lengths, accepted: per row, drafts proposed and accepted.
+        looked: per row, which proposed positions were lookup drafts.
+        shadow: per row that proposed nothing, whether its first lookup draft equals the token it gained
+            (None: no lookup draft).
+        k, forwards: the round's longest proposal and the draft forwards it ran.
+        seconds: the round's decode time.
+    """
+
+    lengths: list[int]
+    accepted: list[int]
+    looked: list[list[bool]]
+    shadow: list[bool | None]
+    k: int
+    forwards: int
+    seconds: float
+
+
+class FixedLength:
+    """``k`` drafts per row, capped by each row's remaining budget."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.limit = k
+        self.drafting = k > 0
+
+    def lengths(self, rows, reach: Reach, sampled: bool) -> list[int]:
+        return [reach.available(i, min(self.k, row.remaining - 1)) for i, row in enumerate(rows)]
+
+    def observe(self, rows, record: RoundRecord) -> None:
+        return None
+
+
+class AdaptiveLength:
+    """Chooses each round's ``K`` for the highest expected tokens per second (see the module docstring)."""
+
+    def __init__(self, max_k: int, draft_ratio: float) -> None:
+        self.max_k = max_k
+        self.limit = max_k
+        self.drafting = False  # the draft model ran last round: new prompts are then read by it too
+        self.draft_ratio = draft_ratio
+        self.engine = RowAcceptance()
+        self.fits: dict[int, CostFit] = {}
+
+    def lengths(self, rows, reach: Reach, sampled: bool) -> list[int]:
+        caps = [reach.available(i, min(self.max_k, row.remaining - 1)) for i, row in enumerate(rows)]
+        shares = [self._shares(row) for row in rows]
+        fit = self._fit(len(rows))
+        best, best_rate = 0, 0.0
+        for k in range(max(caps, default=0) + 1):
+            expected = sum(
+                _expected(min(k, cap), looked, shares_i, reach.model)
+                for cap, looked, shares_i in zip(caps, reach.lookups, shares, strict=True)
+            )
+            rate = expected / max(fit.predict(k, _draft_steps(k, caps, reach, sampled)), 1e-6)
+            if rate > best_rate * (1 + 1e-6):
+                best, best_rate = k, rate
+        return [min(best, cap) for cap in caps]
+
+    def observe(self, rows, record: RoundRecord) -> None:
+        """Account a round: acceptance per row and source, and its cost."""
+        model_tested = False
+        for row, n, a, looked, shadow in zip(
+            rows, record.lengths, record.accepted, record.looked, record.shadow, strict=True
+        ):
+            counts = _tests(n, a, looked)
+            if shadow is not None:
+                counts["lookup"] = (counts["lookup"][0] + int(shadow), counts["lookup"][1] + 1)
+            for source in ("model", "lookup"):
+                accepted, tested = counts[source]
+                if tested:
+                    getattr(row.acceptance, source).observe(accepted, tested, ROW_DECAY)
+                    getattr(self.engine, source).observe(accepted, tested, ENGINE_DECAY)
+            if counts["model"][1] == 0:
+                row.acceptance.model.fade(IDLE_DECAY)
+            model_tested |= counts["model"][1] > 0
+        if not model_tested:
+            self.engine.model.fade(IDLE_DECAY)
+        self.drafting = record.forwards > 0
+        self._fit(len(rows), record).observe(record.k, record.forwards, record.seconds)
+
+    def _shares(self, row) -> tuple[float, float]:
+        engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        engine_model = self.engine.model.estimate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        return (
+            row.acceptance.lookup.estimate(engine_lookup, PRIOR_WEIGHT),
+            row.acceptance.model.estimate(engine_model, PRIOR_WEIGHT),
+        )
+
+    def _fit(self, rows: int, first: RoundRecord | None = None) -> CostFit:
+        """The cost fit of ``rows`` rows: a copy of the nearest batch size's for a new one, or a prior scaled to
+        the first observed round."""
+        if rows not in self.fits:
+            if self.fits:
+                nearest = self.fits[min(self.fits, key=lambda b: abs(b - rows))]
+                self.fits[rows] = CostFit(nearest.theta.clone())
+            else:
+                shape = torch.tensor([1.0, VERIFY_GROWTH_PRIOR, self.draft_ratio], dtype=torch.float64)
+                scale = 1.0 if first is None else first.seconds / (1 + VERIFY_GROWTH_PRIOR * first.k
+                                                                  + self.draft_ratio * first.forwards)
+                self.fits[rows] = CostFit(shape * scale)
+        return self.fits[rows]
+
+
+def _expected(m: int, looked: int, shares: tuple[float, float], model: bool) -> float:
+    """``E(m)``: the row's expected tokens from ``m`` drafts, lookups first (share ``shares[0]``), then the draft
+    model's (``shares[1]``)."""
+    total, chance = 1.0, 1.0
+    for j in range(1, m + 1):
+        if j > looked and not model:
+            break
+        chance *= shares[0] if j <= looked else shares[1]
+        total += chance
+    return total
+
+
+def _draft_steps(k: int, caps: list[int], reach: Reach, sampled: bool) -> int:
+    """Draft forwards a round of longest proposal ``k`` runs."""
+    if not reach.model:
+        return 0
+    needs_model = any(min(k, cap) > looked for cap, looked in zip(caps, reach.lookups, strict=True))
+    return (k if needs_model else 0) + int(sampled)
+
+
+def _tests(n: int, a: int, looked: list[bool]) -> dict[str, tuple[int, int]]:
+    """``{source: (accepted, tested)}`` of one row: drafts ``1 .. a`` were accepted and draft ``a + 1`` (if it was
+    proposed) rejected; each counts for the source that proposed it."""
+    counts = {"model": (0, 0), "lookup": (0, 0)}
+    for j in range(min(a + 1, n)):
+        source = "lookup" if looked[j] else "model"
+        accepted, tested = counts[source]
+        counts[source] = (accepted + int(j < a), tested + 1)
+    return counts

@@ -1,0 +1,78 @@
+"""Reading what a model's cache lacks, apart from the batch that decodes: new prompts, and a lagging draft.
+
+Rows decode together only when the target's KV covers every column but their pending token
+(:attr:`~batchspec.state.Sequence.ready`): a batch forward starts at the column the least-read row needs, so one
+row without KV would make every other row read its columns again. Rows that lack KV are therefore laid out on
+their own and read first:
+
+* **prefill** — the target (and the draft, when it drafts) reads the prompts of new rows, all in one padded
+  forward per model; while other rows are decoding, at most ``limit`` columns per round (chunked prefill: a long
+  prompt delays the running rows by a bounded amount per round instead of its whole prefill at once). A prompt
+  read in chunks finishes before new prompts start, so no chunk reads columns twice.
+* **draft catch-up** — before the draft runs, rows whose draft cache lags further than the batch's slack (they
+  joined while the draft was idle) read the missing columns.
+
+Both feed columns up to, not including, each row's pending token, through the decoder only (no logits).
+
+Example, ``limit = 4``: rows ``a`` (7 tokens) and ``b`` (3 tokens) are laid out ``[a a a a a a a]`` and
+``[_ _ _ _ b b b]``; the first chunk reads columns 0–3 (``b`` has none of its own there), the second columns 4–5;
+then both hold every column but their last, and are ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchspec.forward import read_columns
+from batchspec.kv_cache import BatchKVCache
+from batchspec.realign import assemble, plan_layout
+from batchspec.state import BatchState, KVLocation, Sequence
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A model and which of a slab's caches it reads into (``draft=False``: the target's)."""
+
+    model: torch.nn.Module
+    draft: bool = False
+
+    def cache(self, batch: BatchState) -> BatchKVCache:
+        cache = batch.slab.draft if self.draft else batch.slab.target
+        assert cache is not None, "a batch read by the draft carries a draft cache"
+        return cache
+
+
+def catch_up(
+    rows: list[Sequence],
+    readers: list[Reader],
+    *,
+    limit: int | None,
+    filler: int,
+    layers: tuple[int, int | None],
+) -> int:
+    """Lay ``rows`` out on their own and let every reader read at most ``limit`` (None: all) of the columns its
+    cache lacks before the pending tokens; returns the target columns read that rows already held."""
+    device = rows[0].kv.slab.tokens.device if rows[0].kv else _device(readers)
+    layout = plan_layout(rows, device, draft_slack=None)
+    batch = assemble(layout, rows, filler=filler, layers=layers)
+    for reader in readers:
+        cache = reader.cache(batch)
+        end = batch.width - 1 if limit is None else min(batch.width - 1, cache.length + limit)
+        if end > cache.length:
+            read_columns(reader.model, batch, cache, batch.tokens[:, cache.length : end])
+    _locate(batch, draft_read=any(reader.draft for reader in readers))
+    return layout.recomputed
+
+
+def _locate(batch: BatchState, *, draft_read: bool) -> None:
+    """Record where each row's tokens and KV now are, and how many columns each cache holds for it."""
+    target = (batch.target_len - batch.pad).clamp(min=0).tolist()  # [B]
+    draft = (batch.draft_len - batch.pad).clamp(min=0) if draft_read else batch.draft_cached  # [B]
+    for i, (row, pad) in enumerate(zip(batch.rows, batch.pad.tolist(), strict=True)):
+        row.kv = KVLocation(batch.slab, i, start=pad, target_cached=target[i], draft_cached=int(draft[i]))
+
+
+def _device(readers: list[Reader]) -> torch.device:
+    return next(readers[0].model.parameters()).device

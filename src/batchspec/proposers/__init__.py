@@ -1,0 +1,111 @@
+"""Proposers: who drafts the tokens the target verifies.
+
+Like transformers' ``CandidateGenerator``, a proposer has two methods: ``propose`` drafts for the current batch,
+and ``cached_after`` says how much of the draft model's KV cache stays valid once the engine has accepted tokens,
+so that the next round's layout knows which columns the draft must re-read.
+
+A proposal carries per-row lengths: row ``i`` proposes ``d_1 .. d_{lengths[i]}`` (0 .. k) and the target accepts at
+most that many. Greedy rows draft by argmax. Rows that sample also carry, at index ``lengths[i]``, a draft for the
+position after their last draft (the bonus position), each ``d_j`` drawn from the warped draft distribution ``q_j``
+with the row's ``Stream.DRAFT`` uniform for its output position (see :mod:`batchspec.verifier`).
+
+* :class:`NoDraftProposer` proposes nothing (the autoregressive method);
+* :class:`~batchspec.proposers.draft.DraftModelProposer` drafts with a small causal LM (``proposer="draft"``), and
+  with prompt lookup first (``"hybrid"``);
+* :class:`~batchspec.proposers.ngram.NgramProposer` copies drafts from the row's own text (``"ngram"``).
+
+A third, cheap method, ``reach``, tells how far each row could draft before the round's lengths are chosen
+(:mod:`batchspec.controller`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from batchspec.controller import Reach
+from batchspec.sampling import RoundSampling
+from batchspec.state import BatchState, Sequence
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one round.
+
+    Attributes:
+        tokens: ``[B, k+1]`` ``d_1 .. d_k`` and ``d_{k+1}``; row ``i`` proposes its first ``lengths[i]``, and
+            ``tokens[i, lengths[i]]`` is its draft for the bonus position where ``bonus_drafted[i]``. The target
+            scores ``tokens[:, :k]``; other entries are filler.
+        lengths: ``[B]`` drafts each row proposes (0 .. k).
+        q: ``[B, k+1, V]`` the draft distributions the drafts of sampling rows were drawn from; None when every
+            draft is a point mass (a lookup), :func:`point_masses`. float32, or float64 for a float64 draft.
+        bonus_drafted: ``[B]`` rows with a draft for their bonus position (None: no row has one).
+        draft_fed: drafts ``d_1 .. d_n`` whose KV the draft model's cache holds after proposing (its last forward
+            read ``d_n``); None when the draft model did not run this round.
+        draft_forwards: forwards the draft model ran this round.
+        looked: ``[B, k+1]`` which drafts were found by prompt lookup (None: none were).
+    """
+
+    tokens: torch.Tensor  # [B, k+1]
+    lengths: torch.Tensor  # [B]
+    q: torch.Tensor | None = None  # [B, k+1, V]
+    bonus_drafted: torch.Tensor | None = None  # [B]
+    draft_fed: int | None = None
+    draft_forwards: int = 0
+    looked: torch.Tensor | None = None  # [B, k+1]
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2 or self.lengths.shape != self.tokens.shape[:1]:
+            shapes = f"{list(self.tokens.shape)}, {list(self.lengths.shape)}"
+            raise ValueError(f"need tokens [B, k+1] and lengths [B], got {shapes}")
+
+    @property
+    def k(self) -> int:
+        """Drafts the target scores per row (the longest row's length)."""
+        return self.tokens.shape[1] - 1
+
+    @property
+    def proposed(self) -> int:
+        """Drafts proposed in all rows."""
+        return int(self.lengths.sum())
+
+
+def point_masses(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, m, V]`` float32 ``q`` that puts all mass on ``tokens`` ``[B, m]``: the distribution of a draft that
+    was looked up rather than sampled."""
+    q = torch.zeros((*tokens.shape, vocab), dtype=torch.float32, device=tokens.device)
+    return q.scatter_(-1, tokens[..., None], 1.0)
+
+
+class Proposer(Protocol):
+    uses_draft_model: bool
+
+    def reach(self, rows: list[Sequence], limit: int) -> Reach:
+        """How far each row could draft this round (up to ``limit``); cheap, used to choose the lengths."""
+        ...
+
+    def propose(self, batch: BatchState, lengths: torch.Tensor, sampling: RoundSampling | None) -> Proposal:
+        """Up to ``lengths[i]`` drafts for row ``i`` (argmax for greedy rows, sampled with ``q`` for the others)."""
+        ...
+
+    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: torch.Tensor) -> torch.Tensor:
+        """``[B]`` draft-cache columns valid from each row's first real token once ``accepted[i]`` drafts
+        of ``proposal`` are kept."""
+        ...
+
+
+class NoDraftProposer:
+    """Proposes nothing: every round is one plain step of the target (the autoregressive method)."""
+
+    uses_draft_model = False
+
+    def reach(self, rows: list[Sequence], limit: int) -> Reach:
+        return Reach(lookups=[0] * len(rows), model=False)
+
+    def propose(self, batch: BatchState, lengths: torch.Tensor, sampling: RoundSampling | None) -> Proposal:
+        return Proposal(tokens=batch.tokens.new_zeros((batch.size, 1)), lengths=torch.zeros_like(lengths))
+
+    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: torch.Tensor) -> torch.Tensor:
+        return batch.draft_cached

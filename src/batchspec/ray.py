@@ -1,0 +1,166 @@
+"""Ray Data: batchspec over a ``ray.data.Dataset`` of prompts, on one machine or a cluster.
+
+Needs the ``ray`` extra (``pip install 'batchspec[ray]'``). :class:`BatchspecPredictor` is a callable class for
+``Dataset.map_batches``: each actor loads the target and draft once, then every batch it is handed is one
+``batchspec.generate`` call::
+
+    import ray
+    from batchspec.ray import BatchspecPredictor
+
+    ds = ray.data.from_items([{"prompt": "Write a haiku about tensors."}, {"prompt": "Explain KV caches."}])
+    out = ds.map_batches(
+        BatchspecPredictor,
+        fn_constructor_kwargs={"preset": "smollm2", "dtype": "float32", "max_new_tokens": 64},
+        batch_size=8,        # prompts per generate call
+        concurrency=2,       # actors, each with its own copy of the models
+        num_cpus=1,          # CPUs reserved per actor; give the same number as num_threads
+    )
+    for row in out.iter_rows():
+        print(row["text"], row["finish_reason"])
+
+Columns in: ``prompt`` (text; another name with ``prompt_column=``), optionally ``seed`` (one int in
+``[0, 2**63)`` per row, for sampling) and ``code_completion`` (bool: with a chat template, ask to complete the
+code, as the HumanEval prompts of ``batchspec generate`` are). Every input column is passed through. Columns out:
+``text`` (special tokens removed), ``token_ids``, ``num_tokens``, ``finish_reason`` (``"eos"`` or ``"length"``)
+and ``batch_stats``, the JSON of the batch's :class:`~batchspec.GenerationStats` (``to_dict()``) with ``batch_id``,
+``rows``, ``started`` and ``finished`` (Unix seconds) added; :func:`merge_batch_stats` adds them up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchspec.api import GenerationResult, generate
+from batchspec.data import PromptRecord, format_prompts
+from batchspec.metrics import GenerationStats
+
+PROMPT_COLUMN = "prompt"
+SEED_COLUMN = "seed"
+CODE_COLUMN = "code_completion"
+STATS_COLUMN = "batch_stats"
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What each batch is generated with: the ``batchspec.generate`` keyword arguments and the prompt format."""
+
+    method: str = "eqspec"
+    batch_size: int = 8
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 5
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    chat_template: bool = True
+    proposer: str | None = None
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        return dict(
+            method=self.method, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
+            num_draft_tokens=self.num_draft_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            proposer=self.proposer,
+        )
+
+
+class BatchspecPredictor:
+    """A ``map_batches`` callable class: the models load once per actor, each batch is one ``generate`` call.
+
+    Args:
+        preset: a preset name (``smollm2``, ``qwen2.5-coder``); obtained into the actor's cache if missing.
+        target, draft: model specs as for ``batchspec generate --target/--draft`` (Hub id, directory, ``.gguf``,
+            ``preset:role``); they replace the preset's models.
+        dtype: weights and compute dtype of both models; ``"auto"`` (float32 on the CPU, see
+            :func:`batchspec.models.resolve_dtype`) by default.
+        cache_dir: the preset cache on the actor's machine (default as for the CLI).
+        num_threads: torch threads of each actor (match ``num_cpus`` of ``map_batches``); default torch's.
+        prompt_column: the column holding the prompt texts.
+        **settings: :class:`GenerationSettings` fields (``method``, ``max_new_tokens``, ``temperature``, ...).
+    """
+
+    def __init__(
+        self,
+        preset: str | None = None,
+        *,
+        target: str | None = None,
+        draft: str | None = None,
+        dtype: str = "auto",
+        cache_dir: str | None = None,
+        num_threads: int | None = None,
+        prompt_column: str = PROMPT_COLUMN,
+        **settings: Any,
+    ) -> None:
+        # imported here: the cli package imports this module for ``generate --ray``
+        from batchspec.cli.common import Method, ModelChoice, ProposerKind, load_models
+
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.settings = GenerationSettings(**settings)
+        self.prompt_column = prompt_column
+        method = Method(self.settings.method)
+        proposer = None if self.settings.proposer is None else ProposerKind(self.settings.proposer)
+        choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype,
+                             cache_dir=Path(cache_dir) if cache_dir is not None else None)
+        choice.check_for(method, proposer)
+        self.models = load_models(choice, method, proposer, progress=False)
+        self._batch_ids = (f"{socket.gethostname()}:{os.getpid()}:{n}" for n in count())
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        records = batch_records(batch, self.prompt_column)
+        token_ids = format_prompts(records, self.models.tokenizer, chat_template=self.settings.chat_template)
+        seeds = [int(s) for s in batch[SEED_COLUMN]] if SEED_COLUMN in batch else None
+        started = time.time()
+        result = generate(self.models.target, self.models.draft, token_ids, seed=seeds,
+                          **self.settings.generate_kwargs())
+        stats = dict(result.stats.to_dict(), batch_id=next(self._batch_ids), rows=len(records), started=started,
+                     finished=time.time())
+        return dict(batch) | output_columns(result, self.models.tokenizer, json.dumps(stats))
+
+
+def batch_records(batch: Mapping[str, Any], prompt_column: str) -> list[PromptRecord]:
+    """The batch's prompts as records (``code_completion`` from its column when there is one)."""
+    if prompt_column not in batch:
+        raise ValueError(f"the batch has no {prompt_column!r} column; columns: {', '.join(sorted(batch))}")
+    code = batch[CODE_COLUMN] if CODE_COLUMN in batch else [False] * len(batch[prompt_column])
+    return [
+        PromptRecord(id=str(i), text=str(text), code_completion=bool(flag))
+        for i, (text, flag) in enumerate(zip(batch[prompt_column], code, strict=True))
+    ]
+
+
+def output_columns(result: GenerationResult, tokenizer: Any, stats_json: str) -> dict[str, list]:
+    """The columns a batch gains: decoded text, token ids, their count, finish reason and the batch's stats."""
+    return {
+        "text": [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in result.sequences],
+        "token_ids": [list(tokens) for tokens in result.sequences],
+        "num_tokens": [len(tokens) for tokens in result.sequences],
+        "finish_reason": list(result.finish_reasons),
+        STATS_COLUMN: [stats_json] * len(result.sequences),
+    }
+
+
+def merge_batch_stats(stats_json: Iterable[str]) -> tuple[GenerationStats, float]:
+    """One :class:`GenerationStats` summed over distinct batches, and the seconds from the first batch's start to
+    the last one's end (wall time of generation across actors; the summed ``wall_s`` counts actor-seconds)."""
+    batches = {b["batch_id"]: b for b in map(json.loads, stats_json)}.values()
+    total = GenerationStats()
+    for batch in batches:
+        for field in fields(GenerationStats):
+            value = batch[field.name]
+            if isinstance(value, dict):
+                merged = getattr(total, field.name)
+                for key, n in value.items():
+                    merged[int(key)] = merged.get(int(key), 0) + n
+            else:
+                setattr(total, field.name, getattr(total, field.name) + value)
+    span = max((b["finished"] for b in batches), default=0.0) - min((b["started"] for b in batches), default=0.0)
+    return total, span

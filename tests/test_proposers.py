@@ -1,0 +1,141 @@
+"""Proposers beyond the draft model: prompt lookup (ngram), hybrid, per-row lengths and the adaptive length.
+
+* The n-gram index against a brute-force lookup (hypothesis), and its incremental updates.
+* Greedy equivalence with transformers' own ``generate`` for ngram, hybrid and ``num_draft_tokens="auto"``, with
+  prompts that repeat segments (lookups fire) and prompts that do not, pad and EOS ids inside prompts, EqSpec and
+  ExSpec.
+* Per-row lengths: rows that propose nothing, and rows whose own budget caps their length, in one round.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import tiny_models
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchspec.config import SpecConfig
+from batchspec.engine import build_engine
+from batchspec.proposers.ngram import NgramIndex
+from batchspec.schedulers import make_scheduler
+from batchspec.schedulers.drive import Offline, drive
+from batchspec.state import Sequence
+from batchspec.verifier import verify_greedy
+
+
+def brute_force_lookup(text: list[int], n_min: int, n_max: int) -> int | None:
+    """The token after the most recent earlier occurrence of the longest suffix n-gram, by scanning."""
+    for n in range(min(n_max, len(text) - 1), n_min - 1, -1):
+        suffix = text[len(text) - n :]
+        for end in range(len(text) - 2, n - 2, -1):
+            if text[end - n + 1 : end + 1] == suffix:
+                return text[end + 1]
+    return None
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    text=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    split=st.integers(0, 40),
+    n_range=st.sampled_from([(1, 3), (2, 4), (1, 1), (3, 3)]),
+    limit=st.integers(0, 8),
+)
+def test_chain_matches_a_brute_force_lookup(text, split, n_range, limit):
+    n_min, n_max = n_range
+    index = NgramIndex(n_min, n_max)
+    index.extend(text[:split])  # indexed in two steps, as a row's text grows
+    index.extend(text)
+    expected, context = [], list(text)
+    while len(expected) < limit and (token := brute_force_lookup(context, n_min, n_max)) is not None:
+        expected.append(token)
+        context.append(token)
+    assert index.chain(limit) == expected
+    assert index.tokens == text, "a chain must not change the index"
+
+
+def test_the_docstring_example():
+    index = NgramIndex(1, 3)
+    index.extend(list("abcdxabc"))
+    assert index.chain(4) == list("dxab")
+
+
+# ---- greedy equivalence ---------------------------------------------------------------------------------
+
+
+def repeating_prompts(bundle, n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat segments of themselves (lookups find matches), with pad and EOS ids inside."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        segment = [rng.randrange(tiny_models.VOCAB_SIZE) for _ in range(rng.randint(2, 9))]
+        prompt = segment * rng.randint(2, 4) + [rng.randrange(tiny_models.VOCAB_SIZE) for _ in range(i % 5)]
+        prompt[rng.randrange(len(prompt))] = bundle.pad_id if i % 2 else bundle.eos_id
+        prompts.append(prompt)
+    return prompts
+
+
+CASES = [
+    # (proposer, draft kind, num_draft_tokens, method, batch size)
+    ("ngram", None, 4, "eqspec", 4),
+    ("ngram", None, "auto", "exspec", 3),
+    ("ngram", None, 1, "exspec", 2),
+    ("hybrid", "perturbed", 3, "eqspec", 3),
+    ("hybrid", "unrelated", "auto", "exspec", 4),
+    ("hybrid", "identical", 5, "eqspec", 4),
+    ("draft", "perturbed", "auto", "eqspec", 4),
+    ("draft", "identical", "auto", "exspec", 3),
+]
+
+
+@pytest.mark.parametrize("repeating", [True, False], ids=["repeating", "random"])
+@pytest.mark.parametrize(("proposer", "draft", "k", "method", "batch_size"), CASES)
+@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+def test_matches_reference(target, proposer, draft, k, method, batch_size, repeating, bs, bundles, make_prompts,
+                           reference, check):
+    bundle = bundles[target]
+    prompts = repeating_prompts(bundle, 7, seed=5) if repeating else make_prompts(bundle, 7, seed=6)
+    result = bs.generate(
+        bundle.target, None if draft is None else bundle.drafts[draft], prompts, method=method, proposer=proposer,
+        batch_size=batch_size, window_size=batch_size + 2 if method == "exspec" else None, max_new_tokens=21,
+        num_draft_tokens=k, check_invariants=True,
+    )
+    refs = [reference(bundle.target, p, 21, bundle.eos_id) for p in prompts]
+    check.result_matches(result, prompts, refs, 21, bundle.eos_id)
+    assert result.stats.recomputed_columns == 0
+    if repeating and proposer != "draft":
+        assert result.stats.draft_tokens_proposed > 0, "lookups found nothing in repeating prompts"
+
+
+# ---- per-row lengths ------------------------------------------------------------------------------------
+
+
+def test_greedy_verification_caps_each_row_at_its_length():
+    target_logits = torch.zeros(4, 4, 6)  # [B, k+1, V]
+    target_logits[:, :, 2] = 1.0  # the target's argmax is 2 everywhere
+    drafts = torch.full((4, 3), 2)  # [B, k]: every draft agrees
+    verdict = verify_greedy(drafts, target_logits, torch.tensor([3, 2, 0, 1]))
+    assert verdict.accepted.tolist() == [3, 2, 0, 1]
+    drafts[0, 1] = 5
+    assert verify_greedy(drafts, target_logits, torch.tensor([3, 2, 0, 1])).accepted.tolist() == [1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_each_row_is_capped_by_its_own_budget(proposer, llama, reference):
+    """Rows with budgets of 1, 2, 3 and 30 tokens decode together; each drafts within its own budget only."""
+    config = SpecConfig(batch_size=4, num_draft_tokens=6, proposer=proposer, check_invariants=True)
+    engine = build_engine(llama.target, llama.drafts["identical"] if proposer == "draft" else None, config)
+    prompts = repeating_prompts(llama, 4, seed=3)
+    rows = [Sequence(i, p, budget) for i, (p, budget) in enumerate(zip(prompts, [1, 2, 3, 30], strict=True))]
+    scheduler = make_scheduler(engine.config)
+    for row in rows:
+        scheduler.add(row)
+    with torch.inference_mode():
+        drive(engine, scheduler, Offline(lambda done: None))
+    for row in rows:
+        assert row.output == reference(llama.target, row.prompt, row.max_new_tokens, llama.eos_id)
+    if proposer == "draft":  # the identical draft is always right: the long row gains k + 1 per round
+        assert engine.stats.draft_tokens_accepted == engine.stats.draft_tokens_proposed
+        assert max(engine.stats.accepted_length_histogram) == 6
