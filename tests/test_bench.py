@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from batchspec.bench import ModelPair, SweepPlan, Workload, run_audit, run_sweep
 from batchspec.bench import runners as bench_runners
+from batchspec.bench.audit import NEAR_TIE_ULPS, NearTieRule, spacing
 from batchspec.bench.cells import Cell
 from batchspec.bench.reference import first_divergence, match_summary
 from batchspec.bench.runners import RunOutput, cut_after_eos
@@ -127,11 +128,20 @@ def test_audit_passes_batchspec_and_catches_a_broken_method(tiny, tmp_path, monk
             assert cells[(method, size)].exact_match == 1.0 and not cells[(method, size)].divergences
     broken = cells[("broken", 3)]
     assert broken.exact_match < 1.0 and broken.failures
-    assert all(d.relative_margin > 1e-3 and not d.near_tie for d in broken.failures)
+    assert all(d.margin_ulps > NEAR_TIE_ULPS and not d.near_tie for d in broken.failures)
     assert cells[("broken", 1)].exact_match == 1.0  # a single row has no padding to get wrong
     assert not report.passed
     stored = json.loads((tmp_path / "audit.json").read_text())
     assert stored["passed"] is False and len(stored["cells"]) == 6
+    assert stored["dtype"] == "float64" and stored["near_tie_ulps"] == NEAR_TIE_ULPS
+    assert "spacing" in stored["near_tie_rule"] and "mantissa bits" in stored["near_tie_rule"]
+    divergence = next(c for c in stored["cells"] if c["method"] == "broken" and c["batch_size"] == 3)["divergences"][0]
+    assert set(divergence) == {
+        "prompt", "position", "expected", "got", "top_logit", "margin", "margin_ulps", "near_tie"
+    }
+    assert divergence["margin_ulps"] == divergence["margin"] / spacing(divergence["top_logit"], torch.float64)
+    lenient = run_audit(pair, workload, ("broken",), (3,), rule=NearTieRule(ulps=1e300), progress=False)
+    assert lenient.passed and lenient.cells[0].divergences and lenient.near_tie_ulps == 1e300
 
 
 def test_match_metrics():
@@ -164,16 +174,33 @@ def _cli(*args):
     return CliRunner().invoke(app, list(args))
 
 
-def test_bench_and_audit_commands(tiny_dirs, tmp_path):
-    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"), "--dtype", "float32"]
+def test_bench_and_audit_commands_record_the_resolved_dtype(tiny_dirs, tmp_path):
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]  # --dtype auto
     common = [*models, "--prompts", str(tiny_dirs / "prompts.txt"), "--max-new-tokens", "6", "-k", "2"]
     result = _cli("bench", *common, "--methods", "eqspec,hf-generate", "--batch-sizes", "1,2", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
-    assert len(json.loads((tmp_path / "results.json").read_text())) == 4
+    assert [cell["dtype"] for cell in json.loads((tmp_path / "results.json").read_text())] == ["float32"] * 4
+    assert json.loads((tmp_path / "audit.json").read_text())["dtype"] == "float32"
+    assert f"Bench of {tiny_dirs / 'target'} + {tiny_dirs / 'draft'} (float32), 3 prompts" in result.stdout
     result = _cli("audit", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
-    assert "PASSED" in result.output and json.loads((tmp_path / "audit.json").read_text())["passed"]
+    audit = json.loads((tmp_path / "audit.json").read_text())
+    assert audit["passed"] and audit["dtype"] == "float32" and audit["near_tie_ulps"] == NEAR_TIE_ULPS
+    assert "PASSED" in result.output
+    assert "(float32), 3 prompts; near-tie: reference margin at most 4 ulps of float32" in result.output
     assert "eqspec/draft       B=1   k=2    exact 100.0%" in result.output
+
+
+def test_audit_near_tie_multiple_is_checked(tiny_dirs, tmp_path):
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]
+    for value in ("-1", "nan"):
+        refused = _cli("audit", *models, "--near-tie-ulps", value, "-o", str(tmp_path))
+        assert refused.exit_code == 2 and "Invalid value for '--near-tie-ulps'" in refused.output
+    infinite = _cli("audit", *models, "--near-tie-ulps", "inf", "-o", str(tmp_path))
+    assert infinite.exit_code == 1
+    assert "Error: the near-tie multiple must be a finite number >= 0; got inf" in infinite.output
+    help_text = " ".join(_cli("audit", "--help").output.split())
+    assert "--near-tie-ulps" in help_text and "mantissa bits" in help_text and "default 4" in help_text
 
 
 @pytest.mark.parametrize(

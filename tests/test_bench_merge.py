@@ -73,6 +73,19 @@ def test_merge_without_every_audit_writes_none(pieces, tmp_path):
     assert len(merged.cells) == 5
 
 
+def test_merge_refuses_audits_judged_differently(pieces, tmp_path):
+    for name, change, message in (
+        ("lenient", lambda audit: {**audit, "near_tie_ulps": 8.0}, r"different multiples: \[4.0, 8.0\] ulps"),
+        ("old", lambda audit: {k: v for k, v in audit.items() if k != "near_tie_ulps"}, "old relative tolerance"),
+    ):
+        other = tmp_path / name
+        shutil.copytree(pieces / "b2", other)
+        (other / "audit.json").write_text(json.dumps(change(json.loads((other / "audit.json").read_text()))))
+        with pytest.raises(ValueError, match=message):
+            merge_runs([pieces / "b1", other], tmp_path / f"{name}-out")
+        assert not (tmp_path / f"{name}-out").exists(), "nothing is written before the runs are checked"
+
+
 def test_bench_merge_command(pieces, tmp_path):
     result = _cli("bench-merge", str(pieces / "b1"), str(pieces / "k2"), "-o", str(tmp_path))
     assert result.exit_code == 0, result.output

@@ -64,7 +64,7 @@ def test_help_explains_commands_and_options():
     for option in ("--preset", "--target", "--draft", "--prompts", "--limit", "--category", "--no-chat-template",
                    "--method", "--batch-size", "--max-new-tokens", "--num-draft-tokens", "--dtype", "--output",
                    "--cache-dir", "autoregressive|eqspec|exspec",
-                   "draft|ngram|hybrid", "K|auto", "bfloat16|float32", "qwen2.5-coder, smollm2",
+                   "draft|ngram|hybrid", "K|auto", "auto|bfloat16|float16|float32", "qwen2.5-coder, smollm2",
                    "BATCHSPEC_CACHE"):
         assert option in generate.output, option
     fetch = run("fetch", "--help")
@@ -94,7 +94,7 @@ def test_missing_model_directory(tiny_pair, tmp_path):
     [
         ("--batch-size", "0", ("Invalid value for '--batch-size'", "greater than or equal to 1")),
         ("--batch-size", "four", ("Invalid value for '--batch-size'", "integer")),
-        ("--dtype", "float16", ("Invalid value for '--dtype'", "'float16' is not one of 'bfloat16', 'float32'")),
+        ("--dtype", "int8", ("Invalid value for '--dtype'", "'int8' is not one of 'auto', 'bfloat16', 'float16'")),
         ("--method", "beam", ("Invalid value for '--method'", "'beam' is not one of")),
         ("--num-draft-tokens", "0", ("Invalid value for '--num-draft-tokens'",)),
         ("--max-new-tokens", "-1", ("Invalid value for '--max-new-tokens'",)),
@@ -142,7 +142,7 @@ def test_output_jsonl_fields_contents_and_summary(tiny_pair, tmp_path, reference
 
     out = tmp_path / "out.jsonl"
     result = run(*tiny_args(tiny_pair, "--batch-size", "2", "--max-new-tokens", "12", "--num-draft-tokens", "3",
-                            "--dtype", "float32", "--limit", "4", "--output", str(out)))
+                            "--limit", "4", "--output", str(out)))  # --dtype auto: float32 on the CPU
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["index"] for row in rows] == [0, 1, 2, 3]
@@ -158,7 +158,8 @@ def test_output_jsonl_fields_contents_and_summary(tiny_pair, tmp_path, reference
         expected_reason = "eos" if row["token_ids"] and row["token_ids"][-1] == eos else "length"
         assert row["finish_reason"] == expected_reason
     assert sum(row["num_tokens"] for row in rows) > 0
-    for fragment in ("Summary: ", "eqspec, batch size 2, draft proposer, k=3", "sequences        4", "tokens/s",
+    for fragment in ("Summary: ", "(float32), eqspec, batch size 2, draft proposer, k=3", "sequences        4",
+                     "tokens/s",
                      "acceptance rate", "mean accepted", "draft ", "verify ", "realign ", "other "):
         assert fragment in result.stdout, fragment
     assert f"Wrote 4 results to {out}" in result.stderr
@@ -265,8 +266,9 @@ def test_model_choice_names_the_presets_to_obtain():
     assert presets_used(ModelChoice(preset="smollm2"), Method.EQSPEC, ProposerKind.NGRAM) == ["smollm2"]
     assert ModelChoice(preset="smollm2").proposer_for(Method.EXSPEC, None) is ProposerKind.DRAFT
     assert ModelChoice(dtype="float32").dtype.value == "float32"
-    with pytest.raises(ValueError, match="Unsupported dtype 'float16'"):
-        ModelChoice(dtype="float16")
+    assert ModelChoice().dtype.value == "auto"
+    with pytest.raises(ValueError, match="Unsupported dtype 'int8'"):
+        ModelChoice(dtype="int8")
     with pytest.raises(ValueError, match="--draft needs --target as well"):
         ModelChoice(draft="/d").check_for(Method.EQSPEC)
 

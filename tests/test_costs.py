@@ -48,7 +48,7 @@ def test_measured_costs_cover_every_batch_size_and_width(bundles):
 
 
 def test_costs_command_writes_json_and_table(tiny_dirs, tmp_path):  # noqa: F811
-    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"), "--dtype", "float32"]
+    models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]  # --dtype auto
     result = _cli(
         "costs", *models, "--batch-sizes", "1,2", "--draft-lengths", "3", "--context", "8", "--repeats", "1",
         "--mean-accepted-length", "2.5", "-o", str(tmp_path),
@@ -56,6 +56,7 @@ def test_costs_command_writes_json_and_table(tiny_dirs, tmp_path):  # noqa: F811
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "costs.json").read_text())
     assert len(report["forward_costs"]) == 2 * 3 and len(report["speculation"]) == 2
+    assert report["dtype"] == "float32" and "(float32, " in result.stdout
     assert all(s["predicted_speedup"] > 0 for s in report["speculation"])
     assert "| 2 | 3 |" in result.stdout
     bad = _cli("costs", *models, "--draft-lengths", "3,x", "-o", str(tmp_path))

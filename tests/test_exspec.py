@@ -5,11 +5,12 @@ Every run uses ``check_invariants=True``, which also checks the sequence pool af
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import pytest
 import tiny_models
-from conftest import make_prompts_for
+from conftest import forward_log, make_prompts_for
 
 from batchspec.config import SpecConfig
 from batchspec.schedulers.pool import PooledWindow
@@ -44,6 +45,12 @@ CASES = [
     Case("qwen2", "perturbed", 11, 4, None, 1, 23),
     Case("qwen2", "perturbed", 13, 2, 7, 8, 13),
     Case("qwen2", "perturbed", 8, 8, 8, 4, 5),
+    Case("qwen3", "identical", 6, 2, 4, 4, 23),
+    Case("qwen3", "unrelated", 5, 2, None, 4, 13),
+    Case("qwen3", "perturbed", 11, 3, 6, 4, 23),
+    Case("mistral", "identical", 6, 3, None, 8, 13),
+    Case("mistral", "unrelated", 4, 2, 3, 1, 13),
+    Case("mistral", "perturbed", 12, 4, 8, 5, 23),
 ]
 
 
@@ -73,23 +80,27 @@ def test_case_list_covers_every_value():
 def test_matches_reference(case: Case, bs, bundles, make_prompts, reference, check):
     bundle = bundles[case.target]
     prompts = make_prompts(bundle, case.n_prompts, seed=2000 + CASES.index(case))
-    result = _run(
-        bs,
-        bundle,
-        case.draft,
-        prompts,
-        batch_size=case.batch_size,
-        window_size=case.window,
-        max_new_tokens=case.max_new,
-        num_draft_tokens=case.k,
-    )
+    with forward_log(bundle.target) as verifies:
+        result = _run(
+            bs,
+            bundle,
+            case.draft,
+            prompts,
+            batch_size=case.batch_size,
+            window_size=case.window,
+            max_new_tokens=case.max_new,
+            num_draft_tokens=case.k,
+        )
     refs = [reference(bundle.target, p, case.max_new, bundle.eos_id) for p in prompts]
     check.result_matches(result, prompts, refs, case.max_new, bundle.eos_id)
     check.stats_consistent(result, X, case.k)
+    # every round is one target forward (its verification): rounds, rows and realignments recounted from those
     st = result.stats
-    assert sum(b * n for b, n in st.rows_per_round_histogram.items()) == st.row_rounds
-    assert max(st.rows_per_round_histogram) <= case.batch_size
-    assert 0 <= st.realignments <= st.rounds and 0 <= st.cache_gathers <= st.rounds
+    assert st.rounds == len(verifies)
+    assert st.rows_per_round_histogram == Counter(call.rows for call in verifies)
+    assert st.row_rounds == sum(call.rows for call in verifies)
+    assert max(call.rows for call in verifies) <= case.batch_size
+    assert st.realignments == sum(len(set(call.attended)) > 1 for call in verifies), "rows of different lengths"
 
 
 @pytest.mark.parametrize("sort_by_length", [True, False])
@@ -111,7 +122,7 @@ def _uniform_prompts(bundle, n: int, length: int, seed: int) -> list[list[int]]:
     return make_prompts_for(bundle, n, seed=seed, min_len=length, max_len=length, specials=False)
 
 
-@pytest.mark.parametrize("target", tiny_models.TARGET_KINDS)
+@pytest.mark.parametrize("target", ["llama", "qwen2"])  # a property of the scheduler; thresholds measured on these
 def test_grouping_rate_uniform_versus_mixed_lengths(target, bs, bundles, reference, check):
     bundle = bundles[target]
     kw = dict(batch_size=4, window_size=16, max_new_tokens=23, num_draft_tokens=4, eos_token_id=[])

@@ -313,8 +313,14 @@ def test_load_pair_from_preset(tmp_path, test_presets):
     pair = loading.load_pair("derived", cache_dir=cache, progress=False)
     assert pair.name == "derived"
     assert not pair.target.training and not pair.draft.training
-    assert pair.target.dtype == torch.bfloat16
+    assert pair.dtype == "float32" and pair.target.dtype == pair.draft.dtype == torch.float32  # auto, on the CPU
     assert len(pair.draft.model.layers) == 2
+    half = loading.load_pair("derived", dtype="bfloat16", cache_dir=cache, progress=False)
+    assert half.dtype == "bfloat16" and half.target.dtype == torch.bfloat16
+    wide, narrow = pair.target.state_dict(), half.target.state_dict()
+    assert wide.keys() == narrow.keys()
+    for name, weights in narrow.items():  # the cached bf16 weights, upcast exactly
+        assert torch.equal(wide[name], weights.float()), name
 
 
 def test_cache_dir_environment(monkeypatch, tmp_path):
@@ -407,8 +413,21 @@ def test_load_pair_custom_names_and_dtype(tmp_path):
     assert pair.name == f"{tmp_path / 'a'} + {tmp_path / 'b'}"
     with pytest.raises(ValueError, match="Give both target= and draft="):
         loading.load_pair(target=str(tmp_path / "a"))
-    with pytest.raises(ValueError, match="Unsupported dtype 'float16'"):
-        loading.load_model(str(tmp_path / "a"), "float16")
+    with pytest.raises(ValueError, match="Unsupported dtype 'int8'; expected one of auto, bfloat16, float16, float32"):
+        loading.load_model(str(tmp_path / "a"), "int8")
+
+
+def test_resolve_dtype_is_float32_on_the_cpu_and_half_precision_on_a_gpu(monkeypatch):
+    assert loading.resolve_dtype() == loading.resolve_dtype("auto", "cpu") == "float32"
+    for name in ("bfloat16", "float16", "float32"):
+        assert loading.resolve_dtype(name) == loading.resolve_dtype(name, "cuda") == name
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert loading.resolve_dtype("auto", "cuda") == loading.resolve_dtype("auto", torch.device("cuda", 1)) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert loading.resolve_dtype("auto", "cuda:0") == "float16"
+    assert loading.resolve_dtype("auto", "cpu") == "float32"
+    with pytest.raises(ValueError, match="Unsupported dtype 'float64'"):
+        loading.resolve_dtype("float64")
 
 
 def test_missing_local_path_and_unreachable_hub(tmp_path, monkeypatch):

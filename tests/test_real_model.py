@@ -1,16 +1,21 @@
-"""The real ``smollm2`` preset: batched EqSpec, ExSpec and autoregressive decoding equal the target's own greedy output.
+"""The real ``smollm2`` preset: batched EqSpec, ExSpec, autoregressive decoding and the server equal the target's own
+greedy output.
 
-The reference is transformers' ``generate`` on each prompt alone (batch size 1, ``do_sample=False``).
-Both models run in float32, where the batched and the single-prompt forward passes agree closely
-enough that no argmax near-tie flips. CI obtains the preset first (``scripts/setup.sh test`` runs
-``batchspec fetch --preset smollm2``), so there a missing preset fails instead of skipping.
+The reference is transformers' ``generate`` on each prompt alone (batch size 1, ``do_sample=False``). The models
+are loaded as batchspec loads them by default (``dtype="auto"``: float32 on the CPU), where the batched and the
+single-prompt forward passes agree closely enough that no argmax near-tie flips. CI obtains the preset first
+(``scripts/setup.sh test`` runs ``batchspec fetch --preset smollm2``), so there a missing preset fails instead of
+skipping.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_real_model_prep import cached_or_skip
 from typer.testing import CliRunner
 
@@ -18,6 +23,7 @@ import batchspec
 from batchspec.cli import app
 from batchspec.data import format_prompts, load_prompts
 from batchspec.models import loading
+from batchspec.server import ServedModels, ServerConfig, create_app, serve_in_thread
 
 torch = pytest.importorskip("torch")
 
@@ -26,10 +32,17 @@ BATCH_SIZE = 4
 MAX_NEW_TOKENS = 40
 
 
+SERVED_PROMPTS = (
+    "def fibonacci(n):", "# quicksort in Python\n", "The capital of France is", "import numpy as np\n",
+    "def is_prime(n):\n    ", "Once upon a time", "SELECT name FROM users WHERE", "class Stack:\n",
+)
+SERVED_TOKENS = 16
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     cached_or_skip("smollm2")
-    return loading.load_pair("smollm2", dtype="float32", progress=False)
+    return loading.load_pair("smollm2", progress=False)  # the default dtype
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +73,50 @@ def test_cli_generate_on_the_preset(smollm2, expected, tmp_path):
     out = tmp_path / "out.jsonl"
     result = CliRunner().invoke(app, [
         "generate", "--preset", "smollm2", "--limit", str(NUM_PROMPTS), "--batch-size", str(BATCH_SIZE),
-        "--max-new-tokens", str(MAX_NEW_TOKENS), "--dtype", "float32", "--output", str(out),
+        "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(out),
     ])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["token_ids"] for row in rows] == expected
     assert "def " in rows[0]["text"]
     assert "acceptance rate" in result.stdout
+    assert "Summary: smollm2 (float32), eqspec, batch size 4" in result.stdout
+
+
+def test_default_dtype_is_float32_on_the_cpu(smollm2):
+    assert smollm2.dtype == "float32"
+    assert smollm2.target.dtype == smollm2.draft.dtype == torch.float32
+
+
+def mean_batch_occupancy(url: str) -> float:
+    """Rows per round over the maximum batch size, averaged over the server's rounds (from its /metrics)."""
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    samples = {sample.name: sample.value for sample in families["batchspec_batch_occupancy"].samples}
+    return samples["batchspec_batch_occupancy_sum"] / samples["batchspec_batch_occupancy_count"]
+
+
+def test_server_default_config_gives_concurrent_clients_their_sequential_outputs(smollm2):
+    """16 greedy clients at once (8 prompts, each sent twice) against the server as `batchspec serve --preset
+    smollm2` starts it (default dtype and options): each gets what batchspec.generate gives its prompt alone."""
+    prompts = [smollm2.tokenizer.encode(text) for text in SERVED_PROMPTS]
+    config = ServerConfig()
+    alone = [
+        batchspec.generate(smollm2.target, smollm2.draft, [ids], max_new_tokens=SERVED_TOKENS,
+                           num_draft_tokens=config.num_draft_tokens).sequences[0]
+        for ids in prompts
+    ]
+    models = ServedModels(smollm2.target, smollm2.draft, smollm2.tokenizer, smollm2.name)
+    with serve_in_thread(create_app(models, config)) as server:
+
+        def complete(index: int) -> list[int]:
+            body = {"model": "smollm2", "prompt": prompts[index % len(prompts)], "max_tokens": SERVED_TOKENS,
+                    "return_token_ids": True}
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120.0)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(2 * len(prompts)) as pool:
+            served = list(pool.map(complete, range(2 * len(prompts))))
+        occupancy = mean_batch_occupancy(server.url)
+    assert served == alone + alone
+    assert occupancy > 2 / config.max_batch_size, "the requests must have been decoded together"

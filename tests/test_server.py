@@ -546,7 +546,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0(model_dirs, tiny):
     port = free_port()
     command = [
         sys.executable, "-c", "import typer; from batchspec.cli.serve import serve_command; typer.run(serve_command)",
-        "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--dtype", "float32",
+        "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]),  # --dtype auto
         "--port", str(port), "--served-model-name", "tiny", "--max-batch-size", "2", "--log-level", "warning",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -568,6 +568,7 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0(model_dirs, tiny):
             process.kill()
         _, stderr = process.communicate(timeout=TIMEOUT_S)
     assert "Traceback" not in stderr
+    assert f"Serving tiny (float32) on http://127.0.0.1:{port}/v1" in stderr
 
 
 def _healthy(url: str) -> bool:

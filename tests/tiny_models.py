@@ -3,7 +3,8 @@
 Everything here is built from configs (no Hub downloads), seeded, converted to float64 and put
 in eval mode, so greedy decoding is deterministic and numerically far from argmax ties.
 
-For each target (Llama, Qwen2) three kinds of draft are provided:
+The targets cover the four supported families: Llama, Qwen2, Qwen3 (per-head q/k RMSNorm) and Mistral (with
+``sliding_window=None``, i.e. full attention). For each target three kinds of draft are provided:
 
 * ``identical``: a deepcopy of the target (every draft token is accepted);
 * ``unrelated``: an independent random model of another architecture and size, same vocab
@@ -25,9 +26,13 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB_SIZE = 96
@@ -35,13 +40,13 @@ MAX_POSITIONS = 512
 INIT_RANGE = 0.3
 # Relative std of the Gaussian noise added to every weight of the "perturbed" draft
 # (tuned so that greedy agreement with the target is partial: see validate_models()).
-PERTURB_SCALE = {"llama": 0.03, "qwen2": 0.03}
+PERTURB_SCALE = {"llama": 0.03, "qwen2": 0.03, "qwen3": 0.03, "mistral": 0.03}
 
 # Horizon used to choose the EOS id, and the probe prompts used for the choice.
 EOS_HORIZON = 40
 N_PROBE_PROMPTS = 24
 
-TARGET_KINDS = ("llama", "qwen2")
+TARGET_KINDS = ("llama", "qwen2", "qwen3", "mistral")
 DRAFT_KINDS = ("identical", "unrelated", "perturbed")
 
 
@@ -85,8 +90,23 @@ def build_qwen2(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
     return _finish(Qwen2ForCausalLM(cfg))
 
 
-_BUILDERS = {"llama": build_llama, "qwen2": build_qwen2}
-_TARGET_SEEDS = {"llama": 1234, "qwen2": 4321}
+def build_qwen3(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
+    kw = _common_config_kwargs(**overrides)
+    cfg = Qwen3Config(head_dim=kw["hidden_size"] // kw["num_attention_heads"], **kw)
+    assert not cfg.use_sliding_window and set(cfg.layer_types) == {"full_attention"}
+    torch.manual_seed(seed)
+    return _finish(Qwen3ForCausalLM(cfg))
+
+
+def build_mistral(seed: int = 0, **overrides) -> MistralForCausalLM:
+    kw = _common_config_kwargs(**overrides)
+    cfg = MistralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=None, **kw)
+    torch.manual_seed(seed)
+    return _finish(MistralForCausalLM(cfg))
+
+
+_BUILDERS = {"llama": build_llama, "qwen2": build_qwen2, "qwen3": build_qwen3, "mistral": build_mistral}
+_TARGET_SEEDS = {"llama": 1234, "qwen2": 4321, "qwen3": 2468, "mistral": 1357}
 
 
 def build_target(kind: str) -> PreTrainedModel:

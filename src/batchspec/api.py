@@ -64,8 +64,12 @@ def generate(
 ) -> GenerationResult:
     """Generation with ``target``, batched, optionally sped up by speculative decoding with ``draft``.
 
-    Greedy (``temperature=0``): every method returns, for each prompt, exactly the tokens the target's own
-    greedy decoding of that prompt alone would return (up to floating-point ties). Sampling (``temperature > 0``):
+    Greedy (``temperature=0``): every method returns, for each prompt, the tokens the target's own greedy decoding
+    of that prompt alone would return: exactly, for models in float32 (or float64), as the tests and the audit
+    check; for half-precision models (bfloat16, float16) up to near-ties, positions where the target's two best
+    logits are within a few rounding steps and a batched forward may round the other way (see
+    :mod:`batchspec.bench.audit`). Load models with ``batchspec.models.load_pair`` (float32 on the CPU by default)
+    or pass ``dtype=torch.float32`` to transformers' ``from_pretrained``. Sampling (``temperature > 0``):
     each token is distributed as the target's own warped next-token distribution (lossless speculative sampling),
     and a prompt's tokens depend only on the prompt, its seed, the sampling settings and the two models, never on
     the batch, the method's batching or ``num_draft_tokens``.

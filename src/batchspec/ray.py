@@ -79,7 +79,8 @@ class BatchspecPredictor:
         preset: a preset name (``smollm2``, ``qwen2.5-coder``); obtained into the actor's cache if missing.
         target, draft: model specs as for ``batchspec generate --target/--draft`` (Hub id, directory, ``.gguf``,
             ``preset:role``); they replace the preset's models.
-        dtype: weights and compute dtype of both models.
+        dtype: weights and compute dtype of both models; ``"auto"`` (float32 on the CPU, see
+            :func:`batchspec.models.resolve_dtype`) by default.
         cache_dir: the preset cache on the actor's machine (default as for the CLI).
         num_threads: torch threads of each actor (match ``num_cpus`` of ``map_batches``); default torch's.
         prompt_column: the column holding the prompt texts.
@@ -92,7 +93,7 @@ class BatchspecPredictor:
         *,
         target: str | None = None,
         draft: str | None = None,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         cache_dir: str | None = None,
         num_threads: int | None = None,
         prompt_column: str = PROMPT_COLUMN,

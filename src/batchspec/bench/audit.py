@@ -1,24 +1,78 @@
 """``batchspec audit``: does each method reproduce the target's own greedy output, and where not, why?
 
 For every method and batch size the outputs are compared with the reference (the target alone, greedy, batch
-size 1). Every divergence is reported with its position and the reference's margin between its two highest
-logits there: a relative margin at or below ``tolerance`` is a numerical near-tie (batched arithmetic may
-legitimately round the other way), anything larger is a synchronisation bug and fails the audit.
+size 1). Every divergence is reported with its position, the reference's margin between its two highest logits
+there, and that margin counted in steps of the dtype's resolution at the top logit.
+
+**The near-tie rule.** A batched forward pass rounds differently from a single-row one, so where the reference's
+two best logits are (nearly) tied the argmax may legitimately flip. How near is near depends on the dtype the
+models run in: adjacent representable numbers of magnitude ``x`` are ``spacing(x) = 2**(floor(log2 |x|) - m)``
+apart, ``m`` being the dtype's mantissa bits (``torch.finfo(dtype).eps == 2**-m``: 7 for bfloat16, 10 for float16,
+23 for float32). At logits of magnitude 16 to 32 that is 0.125 in bfloat16 and about 1.9e-6 in float32. A
+divergence is a *near-tie* when
+
+    margin <= NEAR_TIE_ULPS * spacing(|top-1 logit|)        (NEAR_TIE_ULPS = 4)
+
+that is, when the two best logits are at most four rounding steps apart, slack for rounding differences that
+build up over the layers of the two differently batched forwards. A larger margin cannot be explained by rounding:
+it fails the audit and points at a synchronisation bug. A method that goes on where the reference ended has an
+infinite margin. ``batchspec audit --near-tie-ulps`` overrides the multiple.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from batchspec.bench.reference import Reference, first_divergence, load_or_compute_reference, match_summary
 from batchspec.bench.runners import draft_length, plan_cells, runner_for, runs
 from batchspec.bench.workload import ModelPair, Workload
 
-DEFAULT_TOLERANCE = 1e-3
+NEAR_TIE_ULPS = 4.0
+NEAR_TIE_RULE = (
+    "near-tie: margin <= near_tie_ulps * spacing(|top-1 logit|), spacing(x) = 2**(floor(log2 x) - mantissa bits "
+    "of dtype) = torch.finfo(dtype).eps * 2**floor(log2 x); a larger margin is a failure"
+)
+
+
+def float_dtype(name: str) -> torch.dtype:
+    """The torch floating-point dtype called ``name`` (``"bfloat16"``, ``"float32"``, ...)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{name!r} is not a floating-point dtype; near-ties are judged in the models' dtype")
+    return dtype
+
+
+def spacing(magnitude: float, dtype: torch.dtype) -> float:
+    """Distance between adjacent numbers of ``dtype`` at ``|magnitude|``: ``2**(floor(log2 |x|) - mantissa bits)``."""
+    info = torch.finfo(dtype)
+    _, exponent = math.frexp(max(abs(magnitude), info.tiny))  # |x| = f * 2**exponent, 0.5 <= f < 1
+    return math.ldexp(info.eps, exponent - 1)
+
+
+@dataclass(frozen=True)
+class NearTieRule:
+    """A divergence is a near-tie when the reference's margin is at most ``ulps`` spacings of its top logit."""
+
+    ulps: float = NEAR_TIE_ULPS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ulps, bool) or not isinstance(self.ulps, int | float) or not 0 <= self.ulps < math.inf:
+            raise ValueError(f"the near-tie multiple must be a finite number >= 0; got {self.ulps!r}")
+
+    def margin_ulps(self, margin: float, top_logit: float | None, dtype: torch.dtype) -> float:
+        """``margin`` in spacings of ``dtype`` at ``top_logit`` (infinite without a reference logit)."""
+        if top_logit is None:
+            return math.inf
+        return margin / spacing(top_logit, dtype)
+
+    def holds(self, margin_ulps: float) -> bool:
+        return margin_ulps <= self.ulps
 
 
 @dataclass(frozen=True)
@@ -29,17 +83,19 @@ class Divergence:
         prompt: prompt index.
         position: generated-token index of the first difference.
         expected, got: the reference's token and the method's (None where a sequence had already ended).
-        margin: the reference's top-1 minus top-2 logit at ``position``.
-        relative_margin: ``margin / |top-1 logit|``.
-        near_tie: ``relative_margin <= tolerance``.
+        top_logit: the reference's top-1 logit at ``position`` (None where the reference had ended).
+        margin: the reference's top-1 minus top-2 logit at ``position`` (infinite where it had ended).
+        margin_ulps: ``margin`` in spacings of the dtype at ``top_logit`` (see the module docstring).
+        near_tie: ``margin_ulps`` is within the audit's near-tie multiple.
     """
 
     prompt: int
     position: int
     expected: int | None
     got: int | None
+    top_logit: float | None
     margin: float
-    relative_margin: float
+    margin_ulps: float
     near_tie: bool
 
 
@@ -62,11 +118,13 @@ class AuditCell:
 
 @dataclass
 class AuditReport:
+    """Every audited cell of one workload, judged with the near-tie multiple ``near_tie_ulps``."""
+
     model: str
     dtype: str
     prompts: int
     max_new_tokens: int
-    tolerance: float
+    near_tie_ulps: float
     cells: list[AuditCell]
 
     @property
@@ -75,6 +133,7 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
+        out["near_tie_rule"] = NEAR_TIE_RULE
         out["passed"] = self.passed
         return out
 
@@ -83,45 +142,53 @@ class AuditReport:
         (out_dir / "audit.json").write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
 
 
+def empty_report(workload: Workload, rule: NearTieRule) -> AuditReport:
+    """A report of ``workload`` with no cells yet."""
+    return AuditReport(workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, rule.ulps, [])
+
+
 def audit_cell(
     method: str,
     batch_size: int,
     workload: Workload,
     sequences: list[list[int]],
     reference: Reference,
-    tolerance: float,
+    rule: NearTieRule,
     proposer: str | None = None,
 ) -> AuditCell:
     """``sequences`` (a method's output at ``batch_size`` on ``workload``, with ``proposer``) against the
     reference."""
     match = match_summary(sequences, reference.sequences)
-    divergences = find_divergences(sequences, reference, tolerance)
+    divergences = find_divergences(sequences, reference, rule, float_dtype(workload.dtype))
     return AuditCell(
         method, batch_size, match.exact_match, match.partial_match, divergences,
         draft_length(method, workload.num_draft_tokens), proposer,
     )
 
 
-def find_divergences(sequences: list[list[int]], reference: Reference, tolerance: float) -> list[Divergence]:
+def find_divergences(
+    sequences: list[list[int]], reference: Reference, rule: NearTieRule, dtype: torch.dtype
+) -> list[Divergence]:
+    """The first divergence of every sequence that differs from the reference, judged by ``rule`` in ``dtype``."""
     found = []
     for prompt, (got, expected) in enumerate(zip(sequences, reference.sequences, strict=True)):
         position = first_divergence(got, expected)
         if position is None:
             continue
-        if position >= len(expected):  # the method went on where the reference had stopped
-            margin = relative = float("inf")
-        else:
-            margin = reference.margins[prompt][position]
-            relative = reference.relative_margin(prompt, position)
+        ended = position >= len(expected)  # the method went on where the reference had stopped
+        top = None if ended else reference.top_logits[prompt][position]
+        margin = math.inf if ended else reference.margins[prompt][position]
+        ulps = rule.margin_ulps(margin, top, dtype)
         found.append(
             Divergence(
                 prompt=prompt,
                 position=position,
-                expected=expected[position] if position < len(expected) else None,
+                expected=None if ended else expected[position],
                 got=got[position] if position < len(got) else None,
+                top_logit=top,
                 margin=margin,
-                relative_margin=relative,
-                near_tie=relative <= tolerance,
+                margin_ulps=ulps,
+                near_tie=rule.holds(ulps),
             )
         )
     return found
@@ -134,26 +201,22 @@ def run_audit(
     batch_sizes: tuple[int, ...],
     *,
     proposers: tuple[str, ...] = ("draft",),
-    tolerance: float = DEFAULT_TOLERANCE,
+    rule: NearTieRule = NearTieRule(),
     out_dir: Path | None = None,
     progress: bool = True,
 ) -> AuditReport:
     """Audit ``methods`` (the speculative ones with each of ``proposers``) at ``batch_sizes``; writes
     ``audit.json`` into ``out_dir`` when given."""
-    if tolerance < 0:
-        raise ValueError(f"tolerance must be >= 0; got {tolerance}")
+    float_dtype(workload.dtype)
     cache = None if out_dir is None else out_dir / "reference.json"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     reference = load_or_compute_reference(pair, workload, cache, progress)
-    cells = []
+    report = empty_report(workload, rule)
     todo = [where for where in plan_cells(methods, proposers, batch_sizes) if runs(where)]
     for method, proposer, batch_size in tqdm(todo, desc="audit", unit="cell", disable=not progress):
         sequences = runner_for(method)(pair, workload, batch_size, progress=progress, proposer=proposer).sequences
-        cells.append(audit_cell(method, batch_size, workload, sequences, reference, tolerance, proposer))
-    report = AuditReport(
-        workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, tolerance, cells
-    )
+        report.cells.append(audit_cell(method, batch_size, workload, sequences, reference, rule, proposer))
     if out_dir is not None:
         report.write(out_dir)
     return report

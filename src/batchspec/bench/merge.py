@@ -44,6 +44,10 @@ def read_audit(run_dir: Path, num_draft_tokens: int | str | None) -> AuditReport
     if not path.is_file():
         return None
     raw = json.loads(path.read_text())
+    if "near_tie_ulps" not in raw:
+        raise ValueError(
+            f"{path} judges near-ties by the old relative tolerance; rerun that bench to judge them in ulps"
+        )
     cells = [
         AuditCell(
             c["method"], c["batch_size"], c["exact_match"], c["partial_match"],
@@ -53,7 +57,7 @@ def read_audit(run_dir: Path, num_draft_tokens: int | str | None) -> AuditReport
         )
         for c in raw["cells"]
     ]
-    return AuditReport(raw["model"], raw["dtype"], raw["prompts"], raw["max_new_tokens"], raw["tolerance"], cells)
+    return AuditReport(raw["model"], raw["dtype"], raw["prompts"], raw["max_new_tokens"], raw["near_tie_ulps"], cells)
 
 
 def reference_key(run_dir: Path) -> str | None:
@@ -86,6 +90,20 @@ def check_same_workload(runs: list[tuple[Path, list[Cell]]]) -> None:
             seen[where] = run_dir
 
 
+def merge_audits(audits: list[AuditReport | None]) -> AuditReport | None:
+    """One audit of every run's cells, when every run has one (all judged with one near-tie multiple)."""
+    if any(a is None for a in audits):
+        return None
+    multiples = sorted({a.near_tie_ulps for a in audits})
+    if len(multiples) > 1:
+        raise ValueError(f"the runs judge near-ties with different multiples: {multiples} ulps")
+    first = audits[0]
+    return AuditReport(
+        first.model, first.dtype, first.prompts, first.max_new_tokens, first.near_tie_ulps,
+        [cell for a in audits for cell in a.cells],
+    )
+
+
 def merge_runs(run_dirs: list[Path], out_dir: Path) -> MergedRuns:
     """Merge ``run_dirs`` (``bench`` output folders) into ``out_dir``: results, plots and, if every run has
     one, ``audit.json``."""
@@ -96,16 +114,10 @@ def merge_runs(run_dirs: list[Path], out_dir: Path) -> MergedRuns:
     if empty:
         raise ValueError(f"no measured cells in {', '.join(empty)}")
     check_same_workload(runs)
+    audit = merge_audits([read_audit(run_dir, run_cells[0].num_draft_tokens) for run_dir, run_cells in runs])
     cells = [cell for _, run_cells in runs for cell in run_cells]
     out_dir.mkdir(parents=True, exist_ok=True)
     write_results(out_dir, cells)
-    audits = [read_audit(run_dir, run_cells[0].num_draft_tokens) for run_dir, run_cells in runs]
-    audit = None
-    if all(a is not None for a in audits):
-        first = audits[0]
-        audit = AuditReport(
-            first.model, first.dtype, first.prompts, first.max_new_tokens, first.tolerance,
-            [cell for a in audits for cell in a.cells],
-        )
+    if audit is not None:
         audit.write(out_dir)
     return MergedRuns(cells, audit, write_plots(out_dir, cells))

@@ -26,17 +26,13 @@ class Reference:
         key: the workload's key (model, dtype, prompts, budget, EOS).
         sequences: new tokens of each prompt.
         margins: per prompt and generated position, top-1 minus top-2 logit of the reference.
-        top_logits: per prompt and position, the top-1 logit (for relative margins).
+        top_logits: per prompt and position, the top-1 logit (whose magnitude sets the dtype's spacing there).
     """
 
     key: str
     sequences: list[list[int]]
     margins: list[list[float]]
     top_logits: list[list[float]]
-
-    def relative_margin(self, prompt: int, position: int) -> float:
-        margin = self.margins[prompt][position]
-        return margin / max(abs(self.top_logits[prompt][position]), 1e-12)
 
 
 @torch.inference_mode()
@@ -53,7 +49,7 @@ def compute_reference(pair: ModelPair, workload: Workload, progress: bool = True
             **greedy_generate_kwargs(workload),
         )
         tokens = cut_after_eos(out.sequences[0, len(prompt) :].tolist(), workload.eos_token_ids)
-        top2 = torch.stack([step[0].float().topk(2).values for step in out.logits[: len(tokens)]])  # [T, 2]
+        top2 = torch.stack([step[0].double().topk(2).values for step in out.logits[: len(tokens)]])  # [T, 2]
         sequences.append(tokens)
         margins.append((top2[:, 0] - top2[:, 1]).tolist() if tokens else [])
         tops.append(top2[:, 0].tolist() if tokens else [])

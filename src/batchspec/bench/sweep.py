@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from batchspec.bench.audit import DEFAULT_TOLERANCE, AuditReport, audit_cell
+from batchspec.bench.audit import NearTieRule, audit_cell, empty_report
 from batchspec.bench.cells import Cell, make_cell
 from batchspec.bench.plots import write_plots
 from batchspec.bench.reference import MatchSummary, Reference, load_or_compute_reference
@@ -90,14 +90,13 @@ def run_sweep(
     warm_up(pair, workload, todo)
     skipped = [where for where in plan.wanted() if where not in todo]
     cells: list[Cell] = []
-    audit = AuditReport(
-        workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, DEFAULT_TOLERANCE, []
-    )
+    rule = NearTieRule()
+    audit = empty_report(workload, rule)
     for method, proposer, batch_size in tqdm(todo, desc="bench", unit="cell", disable=not progress):
         out = runner_for(method)(pair, workload, batch_size, progress=progress, proposer=proposer)
         compared = None
         if reference is not None:  # record where it diverged, and how close
-            compared = audit_cell(method, batch_size, workload, out.sequences, reference, DEFAULT_TOLERANCE, proposer)
+            compared = audit_cell(method, batch_size, workload, out.sequences, reference, rule, proposer)
             audit.cells.append(compared)
         match = None if compared is None else MatchSummary(compared.exact_match, compared.partial_match)
         cells.append(make_cell(method, proposer, batch_size, workload, out, match))

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from batchspec.bench import METHODS, ModelPair, SweepPlan, Workload, run_audit, run_sweep
-from batchspec.bench.audit import DEFAULT_TOLERANCE, AuditReport
+from batchspec.bench.audit import NEAR_TIE_ULPS, AuditReport, NearTieRule
 from batchspec.bench.merge import merge_runs
 from batchspec.bench.report import markdown_table
 from batchspec.bench.runners import draft_length, needs_draft, plan_cells
@@ -145,7 +145,7 @@ def bench_command(
     proposers: ProposersOption = "draft",
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
-    dtype: DTypeOption = DType.BFLOAT16,
+    dtype: DTypeOption = DType.AUTO,
     compare: Annotated[
         bool, typer.Option("--compare/--no-compare", help="Measure exact/partial match against the reference.")
     ] = True,
@@ -187,6 +187,10 @@ def bench_command(
         loaded = load_for_methods(preset, target, draft, dtype, cache_dir, plan.methods, plan.proposers)
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
         result = run_sweep(pair, workload, plan, output)
+    typer.echo(
+        f"Bench of {workload.model} ({workload.dtype}), {len(workload.prompts)} prompts, "
+        f"{workload.max_new_tokens} new tokens"
+    )
     typer.echo(markdown_table(result.cells))
     for method, _, size in result.skipped:
         typer.echo(f"skipped {method} at batch size {size}: it runs at batch size 1 only", err=True)
@@ -234,41 +238,47 @@ def audit_command(
     proposers: ProposersOption = "draft",
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
-    dtype: DTypeOption = DType.FLOAT32,
-    tolerance: Annotated[
+    dtype: DTypeOption = DType.AUTO,
+    near_tie_ulps: Annotated[
         float,
         typer.Option(
-            "--tolerance",
+            "--near-tie-ulps",
             min=0.0,
-            help="Largest relative top-2 logit margin (margin / |top logit|) of the reference at a divergence "
-            "that still counts as a numerical near-tie; a larger one fails the audit.",
+            metavar="N",
+            help="A divergence is a near-tie (legitimate rounding, not a failure) when the reference's top-2 logit "
+            "margin there is at most N spacings of the dtype at the top logit: margin <= N * 2**(floor(log2 |top "
+            "logit|) - mantissa bits); bfloat16 has 7 mantissa bits, float16 10, float32 23.",
         ),
-    ] = DEFAULT_TOLERANCE,
+    ] = NEAR_TIE_ULPS,
     cache_dir: CacheDirOption = None,
 ) -> None:
     """Check that methods reproduce the target's own greedy output (batch size 1, transformers' generate).
 
     Reports exact and partial match per method and batch size and, for every divergence, its position and the
-    reference's top-2 logit margin there. Writes audit.json into --output. Exits with status 2 when a
-    divergence is not a near-tie.
+    reference's top-2 logit margin there, also in ulps: spacings of the models' dtype at the top logit,
+    2**(floor(log2 |top logit|) - mantissa bits), 0.125 for bfloat16 logits of magnitude 16 to 32. A divergence
+    whose margin is at most --near-tie-ulps (default 4) ulps is a near-tie that rounding explains; any other
+    fails the audit. Writes audit.json into --output. Exits with status 2 when a divergence is not a near-tie.
     """
     with user_errors():
+        rule = NearTieRule(near_tie_ulps)
         method_list, sizes = parse_methods(methods), parse_batch_sizes(batch_sizes)
         proposer_list = parse_proposers(proposers)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         load_prompt_records(prompt_choice)
         loaded = load_for_methods(preset, target, draft, dtype, cache_dir, method_list, proposer_list)
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
-        report = run_audit(
-            pair, workload, method_list, sizes, proposers=proposer_list, tolerance=tolerance, out_dir=output
-        )
+        report = run_audit(pair, workload, method_list, sizes, proposers=proposer_list, rule=rule, out_dir=output)
     print_audit(report)
     if not report.passed:
         raise typer.Exit(2)
 
 
 def print_audit(report: AuditReport) -> None:
-    typer.echo(f"Audit of {report.model} ({report.dtype}), {report.prompts} prompts, tolerance {report.tolerance}")
+    typer.echo(
+        f"Audit of {report.model} ({report.dtype}), {report.prompts} prompts; near-tie: reference margin at most "
+        f"{report.near_tie_ulps:g} ulps of {report.dtype} at the top logit"
+    )
     for cell in report.cells:
         ties = len(cell.divergences) - len(cell.failures)
         k = draft_length(cell.method, cell.num_draft_tokens)
@@ -281,9 +291,10 @@ def print_audit(report: AuditReport) -> None:
         )
         for d in cell.divergences:
             kind = "near-tie" if d.near_tie else "FAILURE"
+            where = "the reference had ended" if d.top_logit is None else f"top logit {d.top_logit:.4g}"
             typer.echo(
                 f"    prompt {d.prompt} at token {d.position}: expected {d.expected}, got {d.got}; "
-                f"reference margin {d.margin:.4g} (relative {d.relative_margin:.2e}) {kind}"
+                f"reference margin {d.margin:.4g} = {d.margin_ulps:.3g} ulps ({where}) {kind}"
             )
     typer.echo("PASSED" if report.passed else "FAILED: a divergence is larger than a near-tie")
 

@@ -25,7 +25,9 @@ __all__ = ["Method", "ProposerKind"]
 
 
 class DType(StrEnum):
+    AUTO = "auto"
     BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
     FLOAT32 = "float32"
 
 
@@ -56,7 +58,12 @@ DraftOption = Annotated[
 ]
 DTypeOption = Annotated[
     DType,
-    typer.Option("--dtype", help="Weights and compute dtype of both models."),
+    typer.Option(
+        "--dtype",
+        help="Weights and compute dtype of both models. auto (default): float32 on the CPU, where greedy output is "
+        "exactly the target's own; bfloat16 or float16 halve the memory, and greedy output then equals the "
+        "target's up to near-ties (and on CPUs without native bf16 kernels bfloat16 is also slower).",
+    ),
 ]
 CacheDirOption = Annotated[
     Path | None,
@@ -170,12 +177,12 @@ SeedOption = Annotated[
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """Which models to load: a preset and/or explicit target and draft specs, in one dtype."""
+    """Which models to load: a preset and/or explicit target and draft specs, in one dtype (``auto`` until loaded)."""
 
     preset: str | None = None
     target: str | None = None
     draft: str | None = None
-    dtype: DType = DType.BFLOAT16
+    dtype: DType = DType.AUTO
     cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -225,7 +232,8 @@ class ModelChoice:
 
 @dataclass
 class LoadedModels:
-    """Loaded models: ``draft`` is None when only the target was needed; ``seconds`` spent loading."""
+    """Loaded models: ``draft`` is None when only the target was needed; ``dtype`` the one they were loaded in
+    (resolved, never ``auto``); ``seconds`` spent loading."""
 
     name: str
     target: Any
@@ -271,22 +279,23 @@ def load_models(
 
     Raises ValueError before any generation when target and draft do not share one tokenizer.
     """
-    from batchspec.models.loading import load_model, load_pair
+    from batchspec.models.loading import load_model, load_pair, resolve_dtype
     from batchspec.models.presets import obtain_preset
 
+    dtype = DType(resolve_dtype(choice.dtype.value))
     started = time.perf_counter()
     for name in presets_used(choice, method, proposer):
         obtain_preset(name, choice.cache_dir, progress=progress)
     with quiet_weight_loading():
         if choice.target_only(method, proposer):
-            target, tokenizer = load_model(choice.target_spec, choice.dtype.value, cache_dir=choice.cache_dir)
+            target, tokenizer = load_model(choice.target_spec, dtype.value, cache_dir=choice.cache_dir)
             name, draft = choice.target or choice.resolved_preset, None
         else:
             pair = load_pair(
-                choice.resolved_preset, choice.target, choice.draft, choice.dtype.value, cache_dir=choice.cache_dir
+                choice.resolved_preset, choice.target, choice.draft, dtype.value, cache_dir=choice.cache_dir
             )
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
-    return LoadedModels(name, target, draft, tokenizer, choice.dtype, time.perf_counter() - started)
+    return LoadedModels(name, target, draft, tokenizer, dtype, time.perf_counter() - started)
 
 
 @dataclass(frozen=True)

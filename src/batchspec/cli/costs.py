@@ -32,7 +32,7 @@ def costs_command(
     draft: DraftOption = None,
     batch_sizes: BatchSizesOption = "1,4,8",
     draft_lengths: DraftLengthsOption = "3,5",
-    dtype: DTypeOption = DType.BFLOAT16,
+    dtype: DTypeOption = DType.AUTO,
     context: Annotated[int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")] = 128,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = 3,
     mean_accepted_length: Annotated[

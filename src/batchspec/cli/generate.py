@@ -146,7 +146,7 @@ def generate_command(
     batch_size: BatchSizeOption = 8,
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
-    dtype: DTypeOption = DType.BFLOAT16,
+    dtype: DTypeOption = DType.AUTO,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
@@ -158,8 +158,10 @@ def generate_command(
     actors: ActorsOption = None,
     threads_per_actor: ThreadsPerActorOption = None,
 ) -> None:
-    """Generate for a prompt set: greedy by default, and then every output is exactly the target's own
-    greedy output; with --temperature > 0 outputs are samples from the target's own distribution.
+    """Generate for a prompt set: greedy by default, and then every output is the target's own greedy output,
+    exactly in float32 (--dtype auto, the default on the CPU) and up to near-ties (the two best tokens within a few
+    rounding steps) in bfloat16 or float16; with --temperature > 0 outputs are samples from the target's own
+    distribution.
 
     Without --preset, --target or --draft the default preset is used; the first use of a preset
     downloads and converts it (see `batchspec fetch`). Shows a progress bar while generating, then the
@@ -212,6 +214,8 @@ def generate_command(
             typer.echo(f"Wrote {len(results)} results to {output}", err=True)
     drafting = "" if proposer is None else f", {proposer.value} proposer, k={num_draft_tokens}"
     sampling = sampling_summary(temperature, top_k, top_p, seed)
-    typer.echo(f"Summary: {loaded.name}, {method.value}, batch size {batch_size}{drafting}, {sampling}")
+    typer.echo(
+        f"Summary: {loaded.name} ({loaded.dtype.value}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
+    )
     for line in summary_lines(result.stats, result.finish_reasons, method):
         typer.echo(f"  {line}")

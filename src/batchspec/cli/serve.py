@@ -195,7 +195,7 @@ def serve_command(
     window_size: WindowSizeOption = None,
     prefill_chunk: PrefillChunkOption = DEFAULT_PREFILL_CHUNK,
     timing: TimingOption = True,
-    dtype: DTypeOption = DType.BFLOAT16,
+    dtype: DTypeOption = DType.AUTO,
     served_model_name: ServedNameOption = None,
     cache_dir: CacheDirOption = None,
     log_level: LogLevelOption = LogLevel.INFO,
@@ -216,8 +216,9 @@ def serve_command(
     /v1/models, /health and /metrics (Prometheus).
 
     Requests that arrive while others decode join the running batch between rounds; with temperature 0 every
-    answer is exactly the target's own greedy output for that prompt. SIGTERM or Ctrl-C gives the requests in
-    flight --shutdown-timeout seconds to finish, then exits.
+    answer is the target's own greedy output for that prompt alone: exactly in float32 (--dtype auto, the default
+    on the CPU), up to near-ties (the two best tokens within a few rounding steps) in bfloat16 or float16.
+    SIGTERM or Ctrl-C gives the requests in flight --shutdown-timeout seconds to finish, then exits.
     """
     from batchspec.server import ServedModels, ServerConfig, create_app, serve_forever
 
@@ -241,5 +242,6 @@ def serve_command(
         typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
         models = ServedModels(loaded.target, loaded.draft, loaded.tokenizer, loaded.name)
         app = create_app(models, config)
-        typer.echo(f"Serving {config.served_model_name or loaded.name} on {http.scheme}://{host}:{port}/v1", err=True)
+        served = config.served_model_name or loaded.name
+        typer.echo(f"Serving {served} ({loaded.dtype.value}) on {http.scheme}://{host}:{port}/v1", err=True)
         serve_forever(app, host, port, log_level=log_level.value, http=http)

@@ -1,6 +1,6 @@
 """Models: support checks, the per-batch runner, presets and loading."""
 
-from batchspec.models.loading import LoadedPair, check_compatible, load_model, load_pair
+from batchspec.models.loading import LoadedPair, check_compatible, load_model, load_pair, resolve_dtype
 from batchspec.models.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -23,4 +23,5 @@ __all__ = [
     "load_model",
     "load_pair",
     "obtain_preset",
+    "resolve_dtype",
 ]

@@ -12,6 +12,10 @@ A model spec given to :func:`load_model` is one of:
 
 :func:`load_pair` loads a target and a draft and checks that they share a vocabulary before any
 generation happens.
+
+Every loader takes ``dtype="auto"`` by default and turns it into a concrete dtype with :func:`resolve_dtype`,
+the one place where batchspec picks a default dtype: float32 on the CPU, where greedy output is exactly the
+target's own; half precision only when asked for (or on a GPU, for models moved there by the caller).
 """
 
 from __future__ import annotations
@@ -33,26 +37,46 @@ from batchspec.models.presets import (
     obtain_preset,
 )
 
-DType = Literal["bfloat16", "float32"]
-_DTYPES: tuple[str, ...] = ("bfloat16", "float32")
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
+LOAD_DEVICE = "cpu"
 
 
 @dataclass
 class LoadedPair:
-    """A target and a draft model in eval mode, the tokenizer they share, and a name for reports."""
+    """A target and a draft model in eval mode, the tokenizer they share, a name for reports and the
+    dtype both were loaded in (resolved: never ``"auto"``)."""
 
     target: Any
     draft: Any
     tokenizer: Any
     name: str
+    dtype: str
+
+
+def resolve_dtype(dtype: str = "auto", device: Any = LOAD_DEVICE) -> str:
+    """The name of the dtype to load models in: ``dtype`` itself, or for ``"auto"`` the usual choice on ``device``.
+
+    ``"auto"`` is ``"float32"`` on a CPU (batchspec's loaders load onto the CPU): exact greedy output, and on CPUs
+    without native bf16 matrix kernels faster than bfloat16 for the multi-token forwards speculation runs. On a
+    CUDA device it is ``"bfloat16"`` where the GPU supports it, else ``"float16"``. Half precision halves the
+    memory; greedy output then equals the target's own up to near-ties (see :mod:`batchspec.bench.audit`).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"Unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
 
 def _torch_dtype(dtype: str):
     import torch
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"Unsupported dtype {dtype!r}; expected one of {', '.join(_DTYPES)}")
-    return getattr(torch, dtype)
+    return getattr(torch, resolve_dtype(dtype))
 
 
 def parse_preset_spec(spec: str) -> tuple[str, str] | None:
@@ -128,7 +152,7 @@ def _load_hub(repo_id: str, dtype: str, gguf_file: str | None) -> tuple[Any, Any
 
 def load_model(
     spec: str,
-    dtype: DType = "bfloat16",
+    dtype: DType = "auto",
     *,
     cache_dir: str | Path | None = None,
     cache_gguf: bool = True,
@@ -137,11 +161,13 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for ``spec``: a preset role, a local GGUF file or directory, or a Hub id.
 
-    ``dtype`` is ``"bfloat16"`` or ``"float32"``. The model is returned in eval mode. ``cache_dir``
+    ``dtype`` is ``"auto"`` (float32 on the CPU, see :func:`resolve_dtype`), ``"bfloat16"``, ``"float16"`` or
+    ``"float32"``; the presets' cached bf16 weights load exactly in any of them (float32 is an exact upcast at
+    twice the memory). The model is returned in eval mode. ``cache_dir``
     defaults to :func:`batchspec.models.presets.default_cache_dir`. ``gguf_file`` names a GGUF file
     inside a Hub repository or local directory.
     """
-    _torch_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     preset_role = parse_preset_spec(spec)
     if preset_role is not None:
@@ -204,12 +230,12 @@ def load_pair(
     preset: str | None = None,
     target: str | None = None,
     draft: str | None = None,
-    dtype: DType = "bfloat16",
+    dtype: DType = "auto",
     *,
     cache_dir: str | Path | None = None,
     progress: bool = True,
 ) -> LoadedPair:
-    """Load a target and a draft sharing one tokenizer.
+    """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`).
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
     :func:`load_model`) replace the preset's models; without a ``preset`` both must be given.
@@ -223,9 +249,10 @@ def load_pair(
         target = target or f"{preset}:target"
         draft = draft or f"{preset}:draft"
     assert target is not None and draft is not None
+    dtype = resolve_dtype(dtype)
     target_model, target_tokenizer = load_model(target, dtype, cache_dir=cache_dir, progress=progress)
     draft_model, draft_tokenizer = load_model(draft, dtype, cache_dir=cache_dir, progress=progress)
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
-    return LoadedPair(target=target_model, draft=draft_model, tokenizer=target_tokenizer, name=name)
+    return LoadedPair(target=target_model, draft=draft_model, tokenizer=target_tokenizer, name=name, dtype=dtype)
