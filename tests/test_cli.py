@@ -158,8 +158,8 @@ def test_output_jsonl_fields_contents_and_summary(tiny_pair, tmp_path, reference
         expected_reason = "eos" if row["token_ids"] and row["token_ids"][-1] == eos else "length"
         assert row["finish_reason"] == expected_reason
     assert sum(row["num_tokens"] for row in rows) > 0
-    for fragment in ("Summary: ", "(float32), eqspec, batch size 2, draft proposer, k=3", "sequences        4",
-                     "tokens/s",
+    for fragment in ("Summary: ", "(float32, packed kernels), eqspec, batch size 2, draft proposer, k=3",
+                     "sequences        4", "tokens/s",
                      "acceptance rate", "mean accepted", "draft ", "verify ", "realign ", "other "):
         assert fragment in result.stdout, fragment
     assert f"Wrote 4 results to {out}" in result.stderr

@@ -80,7 +80,7 @@ def test_cli_generate_on_the_preset(smollm2, expected, tmp_path):
     assert [row["token_ids"] for row in rows] == expected
     assert "def " in rows[0]["text"]
     assert "acceptance rate" in result.stdout
-    assert "Summary: smollm2 (float32), eqspec, batch size 4" in result.stdout
+    assert "Summary: smollm2 (float32, packed kernels), eqspec, batch size 4" in result.stdout
 
 
 def test_default_dtype_is_float32_on_the_cpu(smollm2):

@@ -81,6 +81,7 @@ class BatchspecPredictor:
             ``preset:role``); they replace the preset's models.
         dtype: weights and compute dtype of both models; ``"auto"`` (float32 on the CPU, see
             :func:`batchspec.models.resolve_dtype`) by default.
+        kernels: CPU matrix kernels (``"auto"``, ``"packed"``, ``"default"``; see :func:`batchspec.models.use_kernels`).
         cache_dir: the preset cache on the actor's machine (default as for the CLI).
         num_threads: torch threads of each actor (match ``num_cpus`` of ``map_batches``); default torch's.
         prompt_column: the column holding the prompt texts.
@@ -94,6 +95,7 @@ class BatchspecPredictor:
         target: str | None = None,
         draft: str | None = None,
         dtype: str = "auto",
+        kernels: str = "auto",
         cache_dir: str | None = None,
         num_threads: int | None = None,
         prompt_column: str = PROMPT_COLUMN,
@@ -108,7 +110,7 @@ class BatchspecPredictor:
         self.prompt_column = prompt_column
         method = Method(self.settings.method)
         proposer = None if self.settings.proposer is None else ProposerKind(self.settings.proposer)
-        choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype,
+        choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, kernels=kernels,
                              cache_dir=Path(cache_dir) if cache_dir is not None else None)
         choice.check_for(method, proposer)
         self.models = load_models(choice, method, proposer, progress=False)

@@ -75,7 +75,8 @@ def write_results(out_dir: Path, cells: list[Cell]) -> None:
     if cells:
         first = cells[0]
         title = (
-            f"{first.model}, {first.dtype}, {first.prompts} prompts, {first.max_new_tokens} new tokens, "
+            f"{first.model}, {first.dtype} ({first.kernels} kernels), {first.prompts} prompts, "
+            f"{first.max_new_tokens} new tokens, "
             f"{first.torch_threads} threads, {first.machine}"
         )
         _atomic_write(out_dir / "results.md", f"{title}\n\n{markdown_table(cells)}")

@@ -68,6 +68,7 @@ def warm_up(pair: ModelPair, workload: Workload, cells: list[Where]) -> None:
         workload.num_draft_tokens,
         workload.eos_token_ids,
         workload.pad_token_id,
+        workload.kernels,
     )
     for method, proposer in dict.fromkeys((m, p) for m, p, _ in cells):
         runner_for(method)(pair, tiny, 1, proposer=proposer)

@@ -37,6 +37,7 @@ class Workload:
         num_draft_tokens: drafts per round for the speculative methods, or ``"auto"``.
         eos_token_ids: ids that end a sequence.
         pad_token_id: filler for padded batches.
+        kernels: the models' CPU matrix kernels (``packed`` or ``default``, see :func:`batchspec.models.use_kernels`).
     """
 
     model: str
@@ -47,6 +48,7 @@ class Workload:
     num_draft_tokens: int | str
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    kernels: str = "default"
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -58,8 +60,10 @@ class Workload:
 
     @property
     def key(self) -> str:
-        """Identifies the workload's reference outputs (model, dtype, prompts, budget, EOS)."""
-        blob = json.dumps([self.model, self.dtype, self.prompts, self.max_new_tokens, self.eos_token_ids])
+        """Identifies the workload's reference outputs (model, dtype, kernels, prompts, budget, EOS)."""
+        blob = json.dumps(
+            [self.model, self.dtype, self.kernels, self.prompts, self.max_new_tokens, self.eos_token_ids]
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -19,6 +19,8 @@ from batchspec.cli.common import (
     DraftOption,
     DType,
     DTypeOption,
+    Kernels,
+    KernelsOption,
     LimitOption,
     LoadedModels,
     MaxNewTokensOption,
@@ -32,10 +34,12 @@ from batchspec.cli.common import (
     encode_prompts,
     load_models,
     load_prompt_records,
+    precision,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.config import PROPOSERS
 from batchspec.engine import resolve_special_ids
+from batchspec.models.kernels import kernels_in_use
 
 ALL_METHODS = ",".join(METHODS)
 MethodsOption = Annotated[
@@ -114,20 +118,24 @@ def build_workload(
         num_draft_tokens=num_draft_tokens,
         eos_token_ids=eos_ids,
         pad_token_id=pad,
+        kernels=kernels_in_use(loaded.target),
     )
     return ModelPair(loaded.name, loaded.target, loaded.draft), workload
 
 
 def load_for_methods(
-    preset, target, draft, dtype, cache_dir, methods: tuple[str, ...], proposers: tuple[str, ...] = ("draft",)
+    preset, target, draft, dtype, cache_dir, methods: tuple[str, ...], proposers: tuple[str, ...] = ("draft",),
+    kernels: Kernels = Kernels.AUTO,
 ) -> LoadedModels:
     """The models the cells need: a draft only when some method (with some proposer) runs one."""
     drafting = any(needs_draft(m, p) for m, p, _ in plan_cells(methods, proposers, (1,)))
     method, proposer = (Method.EQSPEC, None) if drafting else (Method.AUTOREGRESSIVE, None)
-    choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
+    choice = ModelChoice(
+        preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels
+    )
     choice.check_for(method, proposer)
     loaded = load_models(choice, method, proposer)
-    typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
+    typer.echo(f"Loaded {loaded.name} ({precision(loaded)}) in {loaded.seconds:.1f} s", err=True)
     return loaded
 
 
@@ -146,6 +154,7 @@ def bench_command(
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
     dtype: DTypeOption = DType.AUTO,
+    kernels: KernelsOption = Kernels.AUTO,
     compare: Annotated[
         bool, typer.Option("--compare/--no-compare", help="Measure exact/partial match against the reference.")
     ] = True,
@@ -170,7 +179,7 @@ def bench_command(
         with user_errors():
             online_methods = _online_methods(methods)
             prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
-            loaded = load_for_methods(preset, target, draft, dtype, cache_dir, online_methods)
+            loaded = load_for_methods(preset, target, draft, dtype, cache_dir, online_methods, kernels=kernels)
             pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
             result = _run_online(loaded, workload, online_methods, parse_batch_sizes(batch_sizes)[0], rate, requests)
             output.mkdir(parents=True, exist_ok=True)
@@ -184,7 +193,9 @@ def bench_command(
         )
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         load_prompt_records(prompt_choice)
-        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, plan.methods, plan.proposers)
+        loaded = load_for_methods(
+            preset, target, draft, dtype, cache_dir, plan.methods, plan.proposers, kernels=kernels
+        )
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
         result = run_sweep(pair, workload, plan, output)
     typer.echo(
@@ -239,6 +250,7 @@ def audit_command(
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
     dtype: DTypeOption = DType.AUTO,
+    kernels: KernelsOption = Kernels.AUTO,
     near_tie_ulps: Annotated[
         float,
         typer.Option(
@@ -266,7 +278,9 @@ def audit_command(
         proposer_list = parse_proposers(proposers)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
         load_prompt_records(prompt_choice)
-        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, method_list, proposer_list)
+        loaded = load_for_methods(
+            preset, target, draft, dtype, cache_dir, method_list, proposer_list, kernels=kernels
+        )
         pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
         report = run_audit(pair, workload, method_list, sizes, proposers=proposer_list, rule=rule, out_dir=output)
     print_audit(report)

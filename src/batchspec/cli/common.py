@@ -31,6 +31,12 @@ class DType(StrEnum):
     FLOAT32 = "float32"
 
 
+class Kernels(StrEnum):
+    AUTO = "auto"
+    PACKED = "packed"
+    DEFAULT = "default"
+
+
 PRESET_NAMES = ", ".join(sorted(PRESETS))
 
 PresetOption = Annotated[
@@ -63,6 +69,15 @@ DTypeOption = Annotated[
         help="Weights and compute dtype of both models. auto (default): float32 on the CPU, where greedy output is "
         "exactly the target's own; bfloat16 or float16 halve the memory, and greedy output then equals the "
         "target's up to near-ties (and on CPUs without native bf16 kernels bfloat16 is also slower).",
+    ),
+]
+KernelsOption = Annotated[
+    Kernels,
+    typer.Option(
+        "--kernels",
+        help="CPU matrix kernels. auto (default): float32 models on the CPU run their linear layers on oneDNN with "
+        "weights prepacked once (faster steps and verifications, twice the memory for the weights); packed "
+        "insists on it; default keeps PyTorch's own kernels.",
     ),
 ]
 CacheDirOption = Annotated[
@@ -184,6 +199,7 @@ class ModelChoice:
     draft: str | None = None
     dtype: DType = DType.AUTO
     cache_dir: Path | None = None
+    kernels: Kernels = Kernels.AUTO
 
     def __post_init__(self) -> None:
         if self.preset is not None:
@@ -192,6 +208,10 @@ class ModelChoice:
             object.__setattr__(self, "dtype", DType(self.dtype))
         except ValueError:
             raise ValueError(f"Unsupported dtype {self.dtype!r}; expected one of {', '.join(DType)}") from None
+        try:
+            object.__setattr__(self, "kernels", Kernels(self.kernels))
+        except ValueError:
+            raise ValueError(f"Unsupported kernels {self.kernels!r}; expected one of {', '.join(Kernels)}") from None
 
     @property
     def resolved_preset(self) -> str | None:
@@ -243,6 +263,13 @@ class LoadedModels:
     seconds: float
 
 
+def precision(loaded: LoadedModels) -> str:
+    """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``."""
+    from batchspec.models.kernels import kernels_in_use
+
+    return f"{loaded.dtype.value}, {kernels_in_use(loaded.target)} kernels"
+
+
 @contextmanager
 def quiet_weight_loading() -> Iterator[None]:
     """Hide transformers' per-load progress bars (loading a cached model takes seconds)."""
@@ -288,11 +315,14 @@ def load_models(
         obtain_preset(name, choice.cache_dir, progress=progress)
     with quiet_weight_loading():
         if choice.target_only(method, proposer):
-            target, tokenizer = load_model(choice.target_spec, dtype.value, cache_dir=choice.cache_dir)
+            target, tokenizer = load_model(
+                choice.target_spec, dtype.value, cache_dir=choice.cache_dir, kernels=choice.kernels.value
+            )
             name, draft = choice.target or choice.resolved_preset, None
         else:
             pair = load_pair(
-                choice.resolved_preset, choice.target, choice.draft, dtype.value, cache_dir=choice.cache_dir
+                choice.resolved_preset, choice.target, choice.draft, dtype.value,
+                cache_dir=choice.cache_dir, kernels=choice.kernels.value,
             )
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
     return LoadedModels(name, target, draft, tokenizer, dtype, time.perf_counter() - started)

@@ -17,8 +17,19 @@ from batchspec.cli.bench import (
     parse_batch_sizes,
     parse_positive_ints,
 )
-from batchspec.cli.common import CacheDirOption, DraftOption, DType, DTypeOption, PresetOption, TargetOption
+from batchspec.cli.common import (
+    CacheDirOption,
+    DraftOption,
+    DType,
+    DTypeOption,
+    Kernels,
+    KernelsOption,
+    PresetOption,
+    TargetOption,
+    precision,
+)
 from batchspec.cli.errors import user_errors
+from batchspec.models.kernels import kernels_in_use
 
 DraftLengthsOption = Annotated[
     str, typer.Option("--draft-lengths", metavar="K1,K2,...", help="Comma-separated draft lengths k to cost.")
@@ -33,6 +44,7 @@ def costs_command(
     batch_sizes: BatchSizesOption = "1,4,8",
     draft_lengths: DraftLengthsOption = "3,5",
     dtype: DTypeOption = DType.AUTO,
+    kernels: KernelsOption = Kernels.AUTO,
     context: Annotated[int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")] = 128,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = 3,
     mean_accepted_length: Annotated[
@@ -54,20 +66,21 @@ def costs_command(
     with user_errors():
         sizes = parse_batch_sizes(batch_sizes)
         lengths = parse_positive_ints(draft_lengths, "--draft-lengths")
-        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, ("eqspec",))
+        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, ("eqspec",), kernels=kernels)
         costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats)
         summary = speculation_costs(costs, mean_accepted_length)
     output.mkdir(parents=True, exist_ok=True)
     report = {
         "model": loaded.name,
         "dtype": loaded.dtype.value,
+        "kernels": kernels_in_use(loaded.target),
         "torch_threads": torch.get_num_threads(),
         "context": context,
         "forward_costs": [c.__dict__ for c in costs],
         "speculation": [s.to_dict() for s in summary],
     }
     (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
-    typer.echo(f"{loaded.name} ({loaded.dtype.value}, {torch.get_num_threads()} threads), {context} cached columns")
+    typer.echo(f"{loaded.name} ({precision(loaded)}, {torch.get_num_threads()} threads), {context} cached columns")
     typer.echo("| B | k | c_t(B,1) s | c_t(B,k+1) s | c_d(B,1) s | round s | break-even E | speedup | c_d needed s |")
     typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:

@@ -19,6 +19,8 @@ from batchspec.cli.common import (
     DraftOption,
     DType,
     DTypeOption,
+    Kernels,
+    KernelsOption,
     LimitOption,
     MaxNewTokensOption,
     Method,
@@ -38,6 +40,7 @@ from batchspec.cli.common import (
     encode_prompts,
     load_models,
     load_prompt_records,
+    precision,
     summary_lines,
 )
 from batchspec.cli.errors import user_errors
@@ -147,6 +150,7 @@ def generate_command(
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
     dtype: DTypeOption = DType.AUTO,
+    kernels: KernelsOption = Kernels.AUTO,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
@@ -172,7 +176,9 @@ def generate_command(
     a local cluster or the one at --ray-address / $RAY_ADDRESS; the output is the same, in prompt order.
     """
     with user_errors():
-        models = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
+        models = ModelChoice(
+            preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels
+        )
         models.check_for(method, proposer)
         check_sampling_options(temperature, top_k, top_p, seed)
         prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
@@ -189,7 +195,7 @@ def generate_command(
             return
         loaded = load_models(models, method, proposer)
         proposer = models.proposer_for(method, proposer)
-        typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
+        typer.echo(f"Loaded {loaded.name} ({precision(loaded)}) in {loaded.seconds:.1f} s", err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompt_choice)
         result = generate(
             loaded.target,
@@ -215,7 +221,7 @@ def generate_command(
     drafting = "" if proposer is None else f", {proposer.value} proposer, k={num_draft_tokens}"
     sampling = sampling_summary(temperature, top_k, top_p, seed)
     typer.echo(
-        f"Summary: {loaded.name} ({loaded.dtype.value}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
+        f"Summary: {loaded.name} ({precision(loaded)}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
     )
     for line in summary_lines(result.stats, result.finish_reasons, method):
         typer.echo(f"  {line}")

@@ -196,7 +196,7 @@ def _predictor_kwargs(models: ModelChoice, settings: GenerationSettings, choice:
     cache_dir = None if models.cache_dir is None else str(models.cache_dir)
     return dict(
         preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype.value,
-        cache_dir=cache_dir, num_threads=choice.threads, **vars(settings),
+        kernels=models.kernels.value, cache_dir=cache_dir, num_threads=choice.threads, **vars(settings),
     )
 
 

@@ -15,6 +15,8 @@ from batchspec.cli.common import (
     DraftOption,
     DType,
     DTypeOption,
+    Kernels,
+    KernelsOption,
     Method,
     ModelChoice,
     NumDraftTokensOption,
@@ -22,6 +24,7 @@ from batchspec.cli.common import (
     ProposerOption,
     TargetOption,
     load_models,
+    precision,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_READ_TIMEOUT_S, RequestLimits
@@ -196,6 +199,7 @@ def serve_command(
     prefill_chunk: PrefillChunkOption = DEFAULT_PREFILL_CHUNK,
     timing: TimingOption = True,
     dtype: DTypeOption = DType.AUTO,
+    kernels: KernelsOption = Kernels.AUTO,
     served_model_name: ServedNameOption = None,
     cache_dir: CacheDirOption = None,
     log_level: LogLevelOption = LogLevel.INFO,
@@ -229,7 +233,9 @@ def serve_command(
     )
     with user_errors():
         http, limits, security = network.http(), network.limits(), network.security()
-        choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir)
+        choice = ModelChoice(
+            preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels
+        )
         choice.check_for(method, proposer)
         resolved = choice.proposer_for(method, proposer)
         config = ServerConfig(
@@ -239,7 +245,7 @@ def serve_command(
             shutdown_timeout_s=shutdown_timeout, limits=limits, security=security,
         )
         loaded = load_models(choice, method, proposer)
-        typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
+        typer.echo(f"Loaded {loaded.name} ({precision(loaded)}) in {loaded.seconds:.1f} s", err=True)
         models = ServedModels(loaded.target, loaded.draft, loaded.tokenizer, loaded.name)
         app = create_app(models, config)
         served = config.served_model_name or loaded.name

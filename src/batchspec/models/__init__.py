@@ -1,6 +1,13 @@
 """Models: support checks, the per-batch runner, presets and loading."""
 
-from batchspec.models.loading import LoadedPair, check_compatible, load_model, load_pair, resolve_dtype
+from batchspec.models.loading import (
+    LoadedPair,
+    check_compatible,
+    load_model,
+    load_pair,
+    resolve_dtype,
+    use_kernels,
+)
 from batchspec.models.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -24,4 +31,5 @@ __all__ = [
     "load_pair",
     "obtain_preset",
     "resolve_dtype",
+    "use_kernels",
 ]

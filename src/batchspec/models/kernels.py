@@ -46,6 +46,11 @@ def can_pack(model: torch.nn.Module) -> bool:
     )
 
 
+def kernels_in_use(model: torch.nn.Module) -> str:
+    """``"packed"`` when :func:`pack_linears` swapped ``model``'s linear layers, else ``"default"``."""
+    return "packed" if any(isinstance(m, PackedLinear) for m in model.modules()) else "default"
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear` (when :func:`can_pack`); returns how many.
     The packed copies add the size of the linear weights to memory while they are in use."""

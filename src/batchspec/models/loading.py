@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -39,6 +40,8 @@ from batchspec.models.presets import (
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
+Kernels = Literal["auto", "packed", "default"]
+KERNELS: tuple[str, ...] = ("auto", "packed", "default")
 LOAD_DEVICE = "cpu"
 
 
@@ -158,6 +161,7 @@ def load_model(
     cache_gguf: bool = True,
     gguf_file: str | None = None,
     progress: bool = True,
+    kernels: Kernels = "auto",
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for ``spec``: a preset role, a local GGUF file or directory, or a Hub id.
 
@@ -165,9 +169,38 @@ def load_model(
     ``"float32"``; the presets' cached bf16 weights load exactly in any of them (float32 is an exact upcast at
     twice the memory). The model is returned in eval mode. ``cache_dir``
     defaults to :func:`batchspec.models.presets.default_cache_dir`. ``gguf_file`` names a GGUF file
-    inside a Hub repository or local directory.
+    inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     """
-    dtype = resolve_dtype(dtype)
+    if kernels not in KERNELS:
+        raise ValueError(f"Unsupported kernels {kernels!r}; expected one of {', '.join(KERNELS)}")
+    model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress)
+    use_kernels(model, kernels)
+    return model, tokenizer
+
+
+def use_kernels(model: Any, kernels: Kernels = "auto") -> bool:
+    """Put ``model``'s linear layers on the chosen CPU kernels; returns whether they are packed.
+
+    ``"packed"`` and ``"auto"`` swap a float32 CPU model's linear layers for oneDNN ones with prepacked weights
+    (:mod:`batchspec.models.kernels`: 1.4-2x faster steps and verifications on the CPUs measured, same float32
+    arithmetic in another summation order); ``"auto"`` leaves other models alone, ``"packed"`` raises for them.
+    ``"default"`` keeps PyTorch's own kernels.
+    """
+    if kernels not in KERNELS:
+        raise ValueError(f"Unsupported kernels {kernels!r}; expected one of {', '.join(KERNELS)}")
+    if kernels == "default":
+        return False
+    if not can_pack(model):
+        if kernels == "packed":
+            raise ValueError("kernels='packed' needs a float32 model on the CPU and a PyTorch built with oneDNN")
+        return False
+    pack_linears(model)
+    return True
+
+
+def _load_any(
+    spec: str, dtype: str, cache_dir: str | Path | None, cache_gguf: bool, gguf_file: str | None, progress: bool
+) -> tuple[Any, Any]:
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     preset_role = parse_preset_spec(spec)
     if preset_role is not None:
@@ -234,8 +267,10 @@ def load_pair(
     *,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    kernels: Kernels = "auto",
 ) -> LoadedPair:
-    """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`).
+    """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
+    on the CPU kernels ``kernels`` (see :func:`use_kernels`).
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
     :func:`load_model`) replace the preset's models; without a ``preset`` both must be given.
@@ -250,8 +285,9 @@ def load_pair(
         draft = draft or f"{preset}:draft"
     assert target is not None and draft is not None
     dtype = resolve_dtype(dtype)
-    target_model, target_tokenizer = load_model(target, dtype, cache_dir=cache_dir, progress=progress)
-    draft_model, draft_tokenizer = load_model(draft, dtype, cache_dir=cache_dir, progress=progress)
+    loads = {"cache_dir": cache_dir, "progress": progress, "kernels": kernels}
+    target_model, target_tokenizer = load_model(target, dtype, **loads)
+    draft_model, draft_tokenizer = load_model(draft, dtype, **loads)
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
