@@ -12,13 +12,14 @@ from conftest import make_prompts_for
 from test_presets import save_tiny_model
 from typer.testing import CliRunner
 
-from batchspec.bench import ModelPair, SweepPlan, Workload, run_audit, run_sweep
+from batchspec.bench import SweepPlan, Workload, run_audit, run_sweep
 from batchspec.bench import runners as bench_runners
 from batchspec.bench.audit import NEAR_TIE_ULPS, NearTieRule, spacing
 from batchspec.bench.cells import Cell
 from batchspec.bench.reference import first_divergence, match_summary
 from batchspec.bench.runners import RunOutput, cut_after_eos
 from batchspec.cli import app
+from batchspec.models import ModelPair
 
 FIELDS = {
     "method", "proposer", "batch_size", "model", "dtype", "prompts", "max_new_tokens", "num_draft_tokens",
@@ -32,7 +33,7 @@ FIELDS = {
 @pytest.fixture(scope="module")
 def tiny(bundles):
     bundle = bundles["llama"]
-    pair = ModelPair("tiny-llama", bundle.target, bundle.drafts["perturbed"])
+    pair = ModelPair(bundle.target, bundle.drafts["perturbed"], None, "tiny-llama", "float64")
     prompts = make_prompts_for(bundle, 5, seed=300, max_len=30)
     workload = Workload(
         model="tiny-llama", dtype="float64", prompt_source="random", prompts=tuple(tuple(p) for p in prompts),

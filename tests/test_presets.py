@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from batchspec.models import loading, presets
+from batchspec.models import ModelPair, loading, presets
 from batchspec.models.presets import (
     COMPLETE_MARKER,
     GgufSource,
@@ -311,7 +311,7 @@ def test_load_pair_from_preset(tmp_path, test_presets):
     obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(test_presets),
                   dequantizer=FakeDequantizer())
     pair = loading.load_pair("derived", cache_dir=cache, progress=False)
-    assert pair.name == "derived"
+    assert isinstance(pair, ModelPair) and pair.name == "derived" and pair.seconds > 0
     assert not pair.target.training and not pair.draft.training
     assert pair.dtype == "float32" and pair.target.dtype == pair.draft.dtype == torch.float32  # auto, on the CPU
     assert len(pair.draft.model.layers) == 2
@@ -428,6 +428,13 @@ def test_resolve_dtype_is_float32_on_the_cpu_and_half_precision_on_a_gpu(monkeyp
     assert loading.resolve_dtype("auto", "cpu") == "float32"
     with pytest.raises(ValueError, match="Unsupported dtype 'float64'"):
         loading.resolve_dtype("float64")
+
+
+def test_model_pair_holds_a_resolved_dtype():
+    pair = ModelPair("target", None, "tokenizer", "name", "float32")
+    assert pair.draft is None and pair.seconds == 0.0
+    with pytest.raises(ValueError, match="not 'auto'"):
+        ModelPair("target", None, "tokenizer", "name", "auto")
 
 
 def test_missing_local_path_and_unreachable_hub(tmp_path, monkeypatch):

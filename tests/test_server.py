@@ -29,7 +29,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import batchspec
-from batchspec.server import ServedModels, ServerConfig, create_app, serve_in_thread
+from batchspec.models import ModelPair
+from batchspec.server import ServerConfig, create_app, serve_in_thread
 from batchspec.server.loadgen import OnlineWorkload, run_online_benchmark
 from batchspec.server.text import TextTracker
 
@@ -60,7 +61,7 @@ def word_tokenizer(eos_id: int) -> PreTrainedTokenizerFast:
 class Tiny:
     """The served models, their tokenizer, and ``batchspec.generate`` references (cached)."""
 
-    models: ServedModels
+    models: ModelPair
     cache: dict
 
     @property
@@ -86,7 +87,7 @@ class Tiny:
 
 @pytest.fixture(scope="module")
 def tiny(llama) -> Tiny:
-    models_ = ServedModels(llama.target, llama.drafts["perturbed"], word_tokenizer(llama.eos_id), "tiny")
+    models_ = ModelPair(llama.target, llama.drafts["perturbed"], word_tokenizer(llama.eos_id), "tiny", "float64")
     return Tiny(models_, {})
 
 

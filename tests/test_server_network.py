@@ -42,7 +42,8 @@ from test_server import (
 )
 
 import batchspec
-from batchspec.server import ServedModels, ServerConfig, create_app, serve_in_thread
+from batchspec.models import ModelPair
+from batchspec.server import ServerConfig, create_app, serve_in_thread
 from batchspec.server.limits import RequestLimits
 from batchspec.server.runner import HttpOptions
 from batchspec.server.security import LOOPBACK_NAMES, SecurityConfig, host_name, is_loopback
@@ -286,7 +287,7 @@ class GatedTokenizer:
 
 def test_tokenizing_does_not_hold_up_other_clients(tiny):
     gated = GatedTokenizer(tiny.tokenizer)
-    models = ServedModels(tiny.models.target, tiny.models.draft, gated, "tiny")
+    models = ModelPair(tiny.models.target, tiny.models.draft, gated, "tiny", "float64")
     with serve_in_thread(create_app(models, ServerConfig(max_batch_size=2))) as server, ThreadPoolExecutor(1) as pool:
         held = pool.submit(post_raw, server, json.dumps({"prompt": "w10 w11 w12", "max_tokens": 3}))
         assert gated.entered.wait(TIMEOUT_S)

@@ -60,14 +60,14 @@ def costs_command(
     output.mkdir(parents=True, exist_ok=True)
     report = {
         "model": loaded.name,
-        "dtype": loaded.dtype.value,
+        "dtype": loaded.dtype,
         "torch_threads": torch.get_num_threads(),
         "context": context,
         "forward_costs": [c.__dict__ for c in costs],
         "speculation": [s.to_dict() for s in summary],
     }
     (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
-    typer.echo(f"{loaded.name} ({loaded.dtype.value}, {torch.get_num_threads()} threads), {context} cached columns")
+    typer.echo(f"{loaded.name} ({loaded.dtype}, {torch.get_num_threads()} threads), {context} cached columns")
     typer.echo("| B | k | c_t(B,1) s | c_t(B,k+1) s | c_d(B,1) s | round s | break-even E | speedup | c_d needed s |")
     typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:

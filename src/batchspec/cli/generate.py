@@ -189,7 +189,7 @@ def generate_command(
             return
         loaded = load_models(models, method, proposer)
         proposer = models.proposer_for(method, proposer)
-        typer.echo(f"Loaded {loaded.name} ({loaded.dtype.value}) in {loaded.seconds:.1f} s", err=True)
+        typer.echo(f"Loaded {loaded.name} ({loaded.dtype}) in {loaded.seconds:.1f} s", err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompt_choice)
         result = generate(
             loaded.target,
@@ -215,7 +215,7 @@ def generate_command(
     drafting = "" if proposer is None else f", {proposer.value} proposer, k={num_draft_tokens}"
     sampling = sampling_summary(temperature, top_k, top_p, seed)
     typer.echo(
-        f"Summary: {loaded.name} ({loaded.dtype.value}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
+        f"Summary: {loaded.name} ({loaded.dtype}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
     )
     for line in summary_lines(result.stats, result.finish_reasons, method):
         typer.echo(f"  {line}")

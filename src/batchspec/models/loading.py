@@ -21,10 +21,11 @@ target's own; half precision only when asked for (or on a GPU, for models moved 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import time
 from pathlib import Path
 from typing import Any, Literal
 
+from batchspec.models.pair import ModelPair
 from batchspec.models.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -40,18 +41,6 @@ from batchspec.models.presets import (
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 LOAD_DEVICE = "cpu"
-
-
-@dataclass
-class LoadedPair:
-    """A target and a draft model in eval mode, the tokenizer they share, a name for reports and the
-    dtype both were loaded in (resolved: never ``"auto"``)."""
-
-    target: Any
-    draft: Any
-    tokenizer: Any
-    name: str
-    dtype: str
 
 
 def resolve_dtype(dtype: str = "auto", device: Any = LOAD_DEVICE) -> str:
@@ -234,7 +223,7 @@ def load_pair(
     *,
     cache_dir: str | Path | None = None,
     progress: bool = True,
-) -> LoadedPair:
+) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`).
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
@@ -250,9 +239,11 @@ def load_pair(
         draft = draft or f"{preset}:draft"
     assert target is not None and draft is not None
     dtype = resolve_dtype(dtype)
+    started = time.perf_counter()
     target_model, target_tokenizer = load_model(target, dtype, cache_dir=cache_dir, progress=progress)
     draft_model, draft_tokenizer = load_model(draft, dtype, cache_dir=cache_dir, progress=progress)
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
-    return LoadedPair(target=target_model, draft=draft_model, tokenizer=target_tokenizer, name=name, dtype=dtype)
+    seconds = time.perf_counter() - started
+    return ModelPair(target_model, draft_model, target_tokenizer, name, dtype, seconds)
