@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from helpers import cached_or_skip
 from prometheus_client.parser import text_string_to_metric_families
-from test_real_model_prep import cached_or_skip
 from typer.testing import CliRunner
 
 import batchspec
