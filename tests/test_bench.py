@@ -8,17 +8,15 @@ import json
 
 import pytest
 import torch
-from conftest import make_prompts_for
-from test_presets import save_tiny_model
-from typer.testing import CliRunner
+from helpers import run_cli
 
-from batchspec.bench import ModelPair, SweepPlan, Workload, run_audit, run_sweep
+from batchspec.bench import SweepPlan, Workload, run_audit, run_sweep
 from batchspec.bench import runners as bench_runners
 from batchspec.bench.audit import NEAR_TIE_ULPS, NearTieRule, spacing
 from batchspec.bench.cells import Cell
 from batchspec.bench.reference import first_divergence, match_summary
 from batchspec.bench.runners import RunOutput, cut_after_eos
-from batchspec.cli import app
+from batchspec.models import ModelPair
 
 FIELDS = {
     "method", "proposer", "batch_size", "model", "dtype", "kernels", "prompts", "max_new_tokens", "num_draft_tokens",
@@ -29,20 +27,8 @@ FIELDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(bundles):
-    bundle = bundles["llama"]
-    pair = ModelPair("tiny-llama", bundle.target, bundle.drafts["perturbed"])
-    prompts = make_prompts_for(bundle, 5, seed=300, max_len=30)
-    workload = Workload(
-        model="tiny-llama", dtype="float64", prompt_source="random", prompts=tuple(tuple(p) for p in prompts),
-        max_new_tokens=12, num_draft_tokens=3, eos_token_ids=(bundle.eos_id,), pad_token_id=bundle.pad_id,
-    )
-    return pair, workload
-
-
-def test_sweep_writes_consistent_cells(tiny, tmp_path, reference):
-    pair, workload = tiny
+def test_sweep_writes_consistent_cells(bench_tiny, tmp_path, reference):
+    pair, workload = bench_tiny
     methods = ("autoregressive", "eqspec", "exspec", "hf-generate", "hf-assisted", "hf-prompt-lookup")
     plan = SweepPlan(methods, (1, 3), proposers=("draft", "ngram"))
     result = run_sweep(pair, workload, plan, tmp_path, progress=False)
@@ -77,8 +63,8 @@ def test_sweep_writes_consistent_cells(tiny, tmp_path, reference):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_interrupted_sweep_keeps_finished_cells(tiny, tmp_path, monkeypatch):
-    pair, workload = tiny
+def test_interrupted_sweep_keeps_finished_cells(bench_tiny, tmp_path, monkeypatch):
+    pair, workload = bench_tiny
     calls = {"n": 0}
     real = bench_runners.RUNNERS["eqspec"]
 
@@ -118,8 +104,8 @@ def _right_padded_without_mask(
     return RunOutput(sequences, None, 1.0)
 
 
-def test_audit_passes_batchspec_and_catches_a_broken_method(tiny, tmp_path, monkeypatch):
-    pair, workload = tiny
+def test_audit_passes_batchspec_and_catches_a_broken_method(bench_tiny, tmp_path, monkeypatch):
+    pair, workload = bench_tiny
     monkeypatch.setitem(bench_runners.RUNNERS, "broken", _right_padded_without_mask)
     report = run_audit(pair, workload, ("eqspec", "exspec", "broken"), (1, 3), out_dir=tmp_path, progress=False)
     cells = {(c.method, c.batch_size): c for c in report.cells}
@@ -161,28 +147,15 @@ def test_sweep_plan_validation():
     assert Cell.__dataclass_fields__.keys() == FIELDS
 
 
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-models")
-    save_tiny_model(root / "target")
-    save_tiny_model(root / "draft", layers=2)
-    (root / "prompts.txt").write_text("hello world\ndef x\nreturn hello\n")
-    return root
-
-
-def _cli(*args):
-    return CliRunner().invoke(app, list(args))
-
-
 def test_bench_and_audit_commands_record_the_resolved_dtype(tiny_dirs, tmp_path):
     models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]  # --dtype auto
     common = [*models, "--prompts", str(tiny_dirs / "prompts.txt"), "--max-new-tokens", "6", "-k", "2"]
-    result = _cli("bench", *common, "--methods", "eqspec,hf-generate", "--batch-sizes", "1,2", "-o", str(tmp_path))
+    result = run_cli("bench", *common, "--methods", "eqspec,hf-generate", "--batch-sizes", "1,2", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert [cell["dtype"] for cell in json.loads((tmp_path / "results.json").read_text())] == ["float32"] * 4
     assert json.loads((tmp_path / "audit.json").read_text())["dtype"] == "float32"
     assert f"Bench of {tiny_dirs / 'target'} + {tiny_dirs / 'draft'} (float32), 3 prompts" in result.stdout
-    result = _cli("audit", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3", "-o", str(tmp_path))
+    result = run_cli("audit", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
     audit = json.loads((tmp_path / "audit.json").read_text())
     assert audit["passed"] and audit["dtype"] == "float32" and audit["near_tie_ulps"] == NEAR_TIE_ULPS
@@ -194,12 +167,12 @@ def test_bench_and_audit_commands_record_the_resolved_dtype(tiny_dirs, tmp_path)
 def test_audit_near_tie_multiple_is_checked(tiny_dirs, tmp_path):
     models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]
     for value in ("-1", "nan"):
-        refused = _cli("audit", *models, "--near-tie-ulps", value, "-o", str(tmp_path))
+        refused = run_cli("audit", *models, "--near-tie-ulps", value, "-o", str(tmp_path))
         assert refused.exit_code == 2 and "Invalid value for '--near-tie-ulps'" in refused.output
-    infinite = _cli("audit", *models, "--near-tie-ulps", "inf", "-o", str(tmp_path))
+    infinite = run_cli("audit", *models, "--near-tie-ulps", "inf", "-o", str(tmp_path))
     assert infinite.exit_code == 1
     assert "Error: the near-tie multiple must be a finite number >= 0; got inf" in infinite.output
-    help_text = " ".join(_cli("audit", "--help").output.split())
+    help_text = " ".join(run_cli("audit", "--help").output.split())
     assert "--near-tie-ulps" in help_text and "mantissa bits" in help_text and "default 4" in help_text
 
 
@@ -215,14 +188,14 @@ def test_audit_near_tie_multiple_is_checked(tiny_dirs, tmp_path):
 @pytest.mark.parametrize("command", ["bench", "audit"])
 def test_command_errors_are_one_line(command, args, message, tiny_dirs, tmp_path):
     models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]
-    result = _cli(command, *models, "--prompts", str(tiny_dirs / "prompts.txt"), *args, "-o", str(tmp_path))
+    result = run_cli(command, *models, "--prompts", str(tiny_dirs / "prompts.txt"), *args, "-o", str(tmp_path))
     assert result.exit_code == 1
     assert message in result.output and "Traceback" not in result.output
 
 
 def test_bench_online_writes_latency_percentiles(tiny_dirs, tmp_path):
     models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft"), "--dtype", "float32"]
-    result = _cli(
+    result = run_cli(
         "bench", *models, "--prompts", str(tiny_dirs / "prompts.txt"), "--max-new-tokens", "4", "--online",
         "--rate", "50", "--requests", "4", "--methods", "eqspec,exspec", "--batch-sizes", "2", "-o", str(tmp_path),
     )
@@ -232,15 +205,15 @@ def test_bench_online_writes_latency_percentiles(tiny_dirs, tmp_path):
     for run in online["results"]:
         assert run["requests"] == 4 and run["failed"] == 0
         assert run["latency_s"]["p50"] <= run["latency_s"]["p99"]
-    bad = _cli("bench", *models, "--prompts", str(tiny_dirs / "prompts.txt"), "--online", "--methods", "hf-generate",
-               "-o", str(tmp_path))
+    bad = run_cli("bench", *models, "--prompts", str(tiny_dirs / "prompts.txt"), "--online", "--methods", "hf-generate",
+                  "-o", str(tmp_path))
     assert bad.exit_code == 1 and "--online serves eqspec, exspec, autoregressive only" in bad.output
 
 
-def test_hf_assisted_drafts_exactly_k_tokens_per_round(tiny):
+def test_hf_assisted_drafts_exactly_k_tokens_per_round(bench_tiny):
     """transformers reads the draft length from the assistant's generation config, not from generate()'s
     arguments; left at its defaults it drafts up to 20 tokens per round and adapts, which is another method."""
-    pair, workload = tiny
+    pair, workload = bench_tiny
     workload = dataclasses.replace(workload, prompts=tuple(p for p in workload.prompts if len(p) >= 14))
     assert workload.prompts
     before = pair.draft.generation_config.to_dict()
@@ -258,8 +231,8 @@ def test_hf_assisted_drafts_exactly_k_tokens_per_round(tiny):
 
 
 @pytest.mark.parametrize("method", bench_runners.METHODS)
-def test_runners_show_a_bar_over_prompts(tiny, method, capsys):
-    pair, workload = tiny
+def test_runners_show_a_bar_over_prompts(bench_tiny, method, capsys):
+    pair, workload = bench_tiny
     batch_size = 1 if method in bench_runners.SINGLE_ROW else 2
     out = bench_runners.runner_for(method)(pair, workload, batch_size, progress=True)
     assert len(out.sequences) == len(workload.prompts)

@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from test_bench import _cli, tiny  # noqa: F401  (tiny is a fixture)
+from helpers import run_cli
 
 from batchspec.bench import SweepPlan, run_sweep
 from batchspec.bench.merge import merge_runs
@@ -15,9 +15,9 @@ from batchspec.bench.plots import _by_method
 
 
 @pytest.fixture(scope="module")
-def pieces(tiny, tmp_path_factory):  # noqa: F811
+def pieces(bench_tiny, tmp_path_factory):
     """Three runs sharing one reference: B = 1 at k = 3, B = 2 at k = 3, and eqspec at k = 2."""
-    pair, workload = tiny
+    pair, workload = bench_tiny
     root = tmp_path_factory.mktemp("pieces")
     run_sweep(pair, workload, SweepPlan(("eqspec", "hf-assisted"), (1,)), root / "b1", progress=False)
     for name in ("b2", "k2"):
@@ -87,12 +87,12 @@ def test_merge_refuses_audits_judged_differently(pieces, tmp_path):
 
 
 def test_bench_merge_command(pieces, tmp_path):
-    result = _cli("bench-merge", str(pieces / "b1"), str(pieces / "k2"), "-o", str(tmp_path))
+    result = run_cli("bench-merge", str(pieces / "b1"), str(pieces / "k2"), "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "Merged 4 cells from 2 runs" in result.output and "| eqspec | draft | 2 | 2 |" in result.output
     empty = tmp_path / "empty"
     empty.mkdir()
-    bad = _cli("bench-merge", str(pieces / "b1"), str(empty), "-o", str(tmp_path / "out"))
+    bad = run_cli("bench-merge", str(pieces / "b1"), str(empty), "-o", str(tmp_path / "out"))
     assert bad.exit_code == 1 and "holds no results.json" in bad.output and "Traceback" not in bad.output
-    missing = _cli("bench-merge", str(tmp_path / "nowhere"), "-o", str(tmp_path / "out"))
+    missing = run_cli("bench-merge", str(tmp_path / "nowhere"), "-o", str(tmp_path / "out"))
     assert missing.exit_code == 2 and "does not exist" in missing.output

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_presets import FakeDequantizer, FakeFetcher, save_tiny_model, split_source
+from fabricated import FakeDequantizer, FakeFetcher, save_tiny_model, split_source
 from typer.testing import CliRunner
 
 from batchspec.cli import app, fetch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_bench import _cli, tiny_dirs  # noqa: F401  (module-scoped fixture)
+from helpers import run_cli
 
 from batchspec.bench.costs import ForwardCost, measure_forward_costs, speculation_costs
 
@@ -49,7 +49,7 @@ def test_measured_costs_cover_every_batch_size_and_width(bundles):
 
 def test_costs_command_writes_json_and_table(tiny_dirs, tmp_path):  # noqa: F811
     models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]  # --dtype auto
-    result = _cli(
+    result = run_cli(
         "costs", *models, "--batch-sizes", "1,2", "--draft-lengths", "3", "--context", "8", "--repeats", "1",
         "--mean-accepted-length", "2.5", "-o", str(tmp_path),
     )
@@ -59,5 +59,5 @@ def test_costs_command_writes_json_and_table(tiny_dirs, tmp_path):  # noqa: F811
     assert report["dtype"] == "float32" and "(float32, " in result.stdout
     assert all(s["predicted_speedup"] > 0 for s in report["speculation"])
     assert "| 2 | 3 |" in result.stdout
-    bad = _cli("costs", *models, "--draft-lengths", "3,x", "-o", str(tmp_path))
+    bad = run_cli("costs", *models, "--draft-lengths", "3,x", "-o", str(tmp_path))
     assert bad.exit_code == 1 and "--draft-lengths must be comma-separated integers" in bad.output

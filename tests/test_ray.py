@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_real_model_prep import cached_or_skip
+from helpers import cached_or_skip
 from typer.testing import CliRunner
 
 import batchspec

@@ -15,15 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from helpers import cached_or_skip
 from prometheus_client.parser import text_string_to_metric_families
-from test_real_model_prep import cached_or_skip
 from typer.testing import CliRunner
 
 import batchspec
 from batchspec.cli import app
 from batchspec.data import format_prompts, load_prompts
 from batchspec.models import loading
-from batchspec.server import ServedModels, ServerConfig, create_app, serve_in_thread
+from batchspec.server import ServerConfig, create_app, serve_in_thread
 
 torch = pytest.importorskip("torch")
 
@@ -105,8 +105,7 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
                            num_draft_tokens=config.num_draft_tokens).sequences[0]
         for ids in prompts
     ]
-    models = ServedModels(smollm2.target, smollm2.draft, smollm2.tokenizer, smollm2.name)
-    with serve_in_thread(create_app(models, config)) as server:
+    with serve_in_thread(create_app(smollm2, config)) as server:
 
         def complete(index: int) -> list[int]:
             body = {"model": "smollm2", "prompt": prompts[index % len(prompts)], "max_tokens": SERVED_TOKENS,

@@ -9,32 +9,15 @@ environment variable set) the presets CI obtains must be there. Populate the cac
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
+from helpers import cached_or_skip
 
 from batchspec.data import format_prompts, load_prompts
 from batchspec.models import loading, presets
 
 torch = pytest.importorskip("torch")
-
-
-# Obtained by ``scripts/setup.sh test`` before pytest runs; qwen2.5-coder (1.6 GB of wheels, minutes of
-# conversion) is only tested where a developer has fetched it.
-CI_PRESETS = ("smollm2",)
-
-
-def cached_or_skip(name: str) -> presets.PresetPaths:
-    """The cached preset's paths; skip when it is not cached, but fail in CI for the presets CI obtains."""
-    paths = presets.cached_preset(name)
-    if paths is None:
-        cache = presets.default_cache_dir()
-        message = f"preset {name} is not in the cache {cache}; run: batchspec fetch --preset {name}"
-        if os.environ.get("CI") and name in CI_PRESETS:
-            pytest.fail(message)
-        pytest.skip(message)
-    return paths
 
 
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))

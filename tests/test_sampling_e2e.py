@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import tiny_models
 import torch
-from conftest import reference_greedy
+from helpers import reference_greedy
 from scipy import stats
 
 import batchspec

@@ -14,112 +14,51 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import tiny_models
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from serving import (
+    TIMEOUT_S,
+    Served,
+    assert_error,
+    client,
+    free_port,
+    healthy,
+    loop_of,
+    plain_prompts,
+    post_raw,
+    recording_rounds,
+    wait_until,
+)
 
 import batchspec
-from batchspec.server import ServedModels, ServerConfig, create_app, serve_in_thread
+from batchspec.server import ServerConfig, create_app, serve_in_thread
 from batchspec.server.loadgen import OnlineWorkload, run_online_benchmark
 from batchspec.server.text import TextTracker
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant{% endif %}"
-)
-ROLE_WORDS = ("user", "assistant", "system")
-TIMEOUT_S = 60.0
-
-
-def word_tokenizer(eos_id: int) -> PreTrainedTokenizerFast:
-    """One word per token id (``w0`` … ``w95``), so decoding is injective; EOS, unk and the chat roles are
-    words of their own; a chat template that writes ``role content`` per message."""
-    words = [f"w{i}" for i in range(tiny_models.VOCAB_SIZE)]
-    free = iter(i for i in range(1, tiny_models.VOCAB_SIZE) if i != eos_id)
-    words[eos_id] = "</s>"
-    for word in ("<unk>", *ROLE_WORDS):
-        words[next(free)] = word
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-@dataclass
-class Tiny:
-    """The served models, their tokenizer, and ``batchspec.generate`` references (cached)."""
-
-    models: ServedModels
-    cache: dict
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerFast:
-        return self.models.tokenizer
-
-    def reference(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
-        key = (tuple(prompt), max_tokens)
-        if key not in self.cache:
-            result = batchspec.generate(
-                self.models.target, self.models.draft, [prompt], max_new_tokens=max_tokens, num_draft_tokens=4
-            )
-            reason = "stop" if result.finish_reasons[0] == "eos" else "length"
-            self.cache[key] = (result.sequences[0], reason)
-        return self.cache[key]
-
-    def text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def words(self, prompt: list[int]) -> str:
-        return " ".join(self.tokenizer.convert_ids_to_tokens(prompt))
-
-
-@pytest.fixture(scope="module")
-def tiny(llama) -> Tiny:
-    models_ = ServedModels(llama.target, llama.drafts["perturbed"], word_tokenizer(llama.eos_id), "tiny")
-    return Tiny(models_, {})
-
 
 @contextmanager
-def running(tiny: Tiny, **options) -> Iterator:
+def running(served: Served, **options) -> Iterator:
     config = ServerConfig(**{"max_batch_size": 4, "num_draft_tokens": 4, "check_invariants": True, **options})
-    with serve_in_thread(create_app(tiny.models, config)) as server:
+    with serve_in_thread(create_app(served.models, config)) as server:
         yield server
 
 
 @pytest.fixture(scope="module", params=["eqspec", "exspec"])
-def server(request, tiny):
-    with running(tiny, method=request.param, window_size=8 if request.param == "exspec" else None) as server:
+def server(request, served):
+    with running(served, method=request.param, window_size=8 if request.param == "exspec" else None) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def eqspec_server(tiny):
-    with running(tiny, method="eqspec") as server:
+def eqspec_server(served):
+    with running(served, method="eqspec") as server:
         yield server
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
-
-
-def loop_of(server):
-    return server.app.state.serving.loop
-
-
-def plain_prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts of ordinary words only (no EOS, no unk, no role words), 1 to 40 tokens."""
-    return [[t % 80 + 10 for t in p] for p in tiny_models.random_prompts(n, seed, max_len=40)]
 
 
 def chunk_ids(chunk) -> list[int]:
@@ -127,44 +66,37 @@ def chunk_ids(chunk) -> list[int]:
     return getattr(chunk.choices[0], "token_ids", None) or []
 
 
-def wait_until(condition, what: str, timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 # --------------------------------------------------------------------------------------------------
 # outputs equal batchspec.generate
 
 
-def test_completion_equals_generate(server, tiny):
+def test_completion_equals_generate(server, served):
     for prompt, max_tokens in zip(plain_prompts(3, seed=1), (40, 7, 60), strict=True):
-        tokens, reason = tiny.reference(prompt, max_tokens)
+        tokens, reason = served.reference(prompt, max_tokens)
         reply = client(server).completions.create(
-            model="tiny", prompt=tiny.words(prompt), max_tokens=max_tokens, extra_body={"return_token_ids": True}
+            model="tiny", prompt=served.words(prompt), max_tokens=max_tokens, extra_body={"return_token_ids": True}
         )
         choice = reply.choices[0]
         assert choice.token_ids == tokens
         assert choice.prompt_token_ids == prompt
-        assert choice.text == tiny.text(tokens)
+        assert choice.text == served.text(tokens)
         assert choice.finish_reason == reason
         assert reply.usage.completion_tokens == len(tokens) and reply.usage.prompt_tokens == len(prompt)
 
 
-def test_token_id_prompt_and_eos_finish(server, tiny):
+def test_token_id_prompt_and_eos_finish(server, served):
     prompts = tiny_models.random_prompts(30, seed=5, max_len=30)
-    finished = ((p, tiny.reference(p, 40)) for p in prompts)
+    finished = ((p, served.reference(p, 40)) for p in prompts)
     prompt, (tokens, reason) = next((p, r) for p, r in finished if r[1] == "stop")
     reply = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=40,
                                               extra_body={"return_token_ids": True})
-    assert reply.choices[0].token_ids == tokens and tokens[-1] == tiny.models.target.generation_config.eos_token_id
+    assert reply.choices[0].token_ids == tokens and tokens[-1] == served.models.target.generation_config.eos_token_id
     assert reply.choices[0].finish_reason == "stop"
 
 
-def test_streaming_equals_generate(server, tiny):
+def test_streaming_equals_generate(server, served):
     prompt = plain_prompts(1, seed=2)[0]
-    tokens, reason = tiny.reference(prompt, 50)
+    tokens, reason = served.reference(prompt, 50)
     stream = client(server).completions.create(
         model="tiny", prompt=prompt, max_tokens=50, stream=True,
         stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
@@ -172,30 +104,30 @@ def test_streaming_equals_generate(server, tiny):
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     ids = [t for c in chunks if c.choices for t in chunk_ids(c)]
-    assert ids == tokens and text == tiny.text(tokens)
+    assert ids == tokens and text == served.text(tokens)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
     assert chunks[-1].usage.completion_tokens == len(tokens)
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1, "the answer arrived in one piece"
 
 
-def test_chat_equals_generate_on_the_templated_prompt(server, tiny):
+def test_chat_equals_generate_on_the_templated_prompt(server, served):
     messages = [{"role": "system", "content": "w20 w21"}, {"role": "user", "content": "w30 w31 w32 w33"}]
-    ids = tiny.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    tokens, reason = tiny.reference(ids, 30)
+    ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    tokens, reason = served.reference(ids, 30)
     reply = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=30)
-    assert reply.choices[0].message.content == tiny.text(tokens)
+    assert reply.choices[0].message.content == served.text(tokens)
     assert reply.choices[0].finish_reason == reason and reply.usage.prompt_tokens == len(ids)
     stream = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=30, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tiny.text(tokens)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == served.text(tokens)
     assert chunks[-1].choices[0].finish_reason == reason
 
 
-def test_sixteen_concurrent_clients_get_their_own_outputs(server, tiny):
+def test_sixteen_concurrent_clients_get_their_own_outputs(server, served):
     prompts = plain_prompts(16, seed=7)
     budgets = [10 + 7 * i % 50 for i in range(16)]
-    expected = [tiny.reference(p, m)[0] for p, m in zip(prompts, budgets, strict=True)]
+    expected = [served.reference(p, m)[0] for p, m in zip(prompts, budgets, strict=True)]
     rounds_before = dict(loop_of(server).engine.stats.rows_per_round_histogram)
 
     def ask(i: int) -> list[int]:
@@ -220,13 +152,13 @@ def test_sixteen_concurrent_clients_get_their_own_outputs(server, tiny):
     assert loop_of(server).engine.stats.recomputed_columns == 0, "admission made running rows re-read their KV"
 
 
-def test_long_prompts_are_read_in_chunks_while_others_decode(tiny):
+def test_long_prompts_are_read_in_chunks_while_others_decode(served):
     """With 5 prompt columns per round, prompts that arrive while a request decodes are read over several rounds
     between its rounds; every answer stays exact and the running row never re-reads its KV."""
     prompts = [p + p for p in plain_prompts(6, seed=41) if len(p) > 10]  # 22 to 80 tokens: several chunks each
     first, budget = plain_prompts(1, seed=42)[0], 300
-    expected = [tiny.reference(p, 12)[0] for p in prompts]
-    with running(tiny, method="eqspec", prefill_chunk=5) as server, ThreadPoolExecutor(len(prompts)) as pool:
+    expected = [served.reference(p, 12)[0] for p in prompts]
+    with running(served, method="eqspec", prefill_chunk=5) as server, ThreadPoolExecutor(len(prompts)) as pool:
         stream = client(server).completions.create(
             model="tiny", prompt=first, max_tokens=budget, stream=True, extra_body={"return_token_ids": True}
         )
@@ -244,15 +176,15 @@ def test_long_prompts_are_read_in_chunks_while_others_decode(tiny):
         streamed = [t for c in [head, *chunks] if c.choices for t in chunk_ids(c)]
         stats = loop_of(server).engine.stats
     assert got == expected
-    assert streamed == tiny.reference(first, budget)[0]
+    assert streamed == served.reference(first, budget)[0]
     assert stats.prefill_chunks - chunks_before > len(prompts), "prompts should have been read in several chunks"
     assert stats.recomputed_columns == 0
 
 
-def test_stop_string_cuts_text_and_tokens(server, tiny):
+def test_stop_string_cuts_text_and_tokens(server, served):
     prompt = plain_prompts(1, seed=11)[0]
-    tokens, _ = tiny.reference(prompt, 40)
-    full = tiny.text(tokens)
+    tokens, _ = served.reference(prompt, 40)
+    full = served.text(tokens)
     stop = " ".join(full.split()[5:7])
     cut = full.index(stop)
     reply = client(server).completions.create(
@@ -260,8 +192,8 @@ def test_stop_string_cuts_text_and_tokens(server, tiny):
     )
     assert reply.choices[0].text == full[:cut] and reply.choices[0].finish_reason == "stop"
     length = len(reply.choices[0].token_ids)
-    assert reply.choices[0].token_ids == tokens[:length] and stop in tiny.text(tokens[:length])
-    assert stop not in tiny.text(tokens[: length - 1])
+    assert reply.choices[0].token_ids == tokens[:length] and stop in served.text(tokens[:length])
+    assert stop not in served.text(tokens[: length - 1])
     stream = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=40, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == full[:cut]
 
@@ -284,21 +216,6 @@ def test_text_tracker_holds_back_partial_stop_strings():
 # cancellation, failures, bad input, overload
 
 
-@contextmanager
-def recording_rounds(loop, monkeypatch, delay_s: float = 0.0) -> Iterator[list]:
-    """Wrap the engine's ``step``: remember every row it ran, optionally slowing every round down."""
-    seen: list = []
-    original = loop.engine.step
-
-    def step(rows):
-        seen.extend(rows)
-        time.sleep(delay_s)
-        original(rows)
-
-    monkeypatch.setattr(loop.engine, "step", step)
-    yield seen
-
-
 def open_stream(url: str, prompt: list[int], max_tokens: int) -> tuple[http.client.HTTPConnection, object]:
     host, port = url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
@@ -313,11 +230,11 @@ def cancelled_count(loop) -> float:
     return loop.metrics.registry.get_sample_value("batchspec_cancelled_requests_total")
 
 
-def test_client_killed_mid_stream_frees_its_row(server, tiny, monkeypatch):
+def test_client_killed_mid_stream_frees_its_row(server, served, monkeypatch):
     loop = loop_of(server)
     victim = plain_prompts(1, seed=13)[0]
     others = plain_prompts(4, seed=17)
-    expected = [tiny.reference(p, 30)[0] for p in others]
+    expected = [served.reference(p, 30)[0] for p in others]
     cancelled_before = cancelled_count(loop)
     with recording_rounds(loop, monkeypatch, delay_s=0.01) as seen, ThreadPoolExecutor(4) as pool:
         connection, response = open_stream(server.url, victim, 400)
@@ -334,7 +251,7 @@ def test_client_killed_mid_stream_frees_its_row(server, tiny, monkeypatch):
     assert cancelled_count(loop) == cancelled_before + 1
 
 
-def test_failing_round_gives_500_and_serving_goes_on(eqspec_server, tiny, monkeypatch):
+def test_failing_round_gives_500_and_serving_goes_on(eqspec_server, served, monkeypatch):
     loop = loop_of(eqspec_server)
     poison = [11, 12, 13, 14, 15, 16]
     original = loop.engine.step
@@ -355,24 +272,9 @@ def test_failing_round_gives_500_and_serving_goes_on(eqspec_server, tiny, monkey
     for prompt in healthy:
         reply = client(eqspec_server).completions.create(model="tiny", prompt=prompt, max_tokens=25,
                                                          extra_body={"return_token_ids": True})
-        assert reply.choices[0].token_ids == tiny.reference(prompt, 25)[0]
+        assert reply.choices[0].token_ids == served.reference(prompt, 25)[0]
     assert httpx.get(f"{eqspec_server.url}/health").json()["status"] == "ok"
     assert loop.status().running == 0
-
-
-def post_raw(server, body: bytes | str, path: str = "/v1/completions") -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json"},
-                      timeout=TIMEOUT_S)
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> None:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    if code is not None:
-        assert error["code"] == code, error
 
 
 def test_bad_requests_get_400_with_openai_errors(eqspec_server):
@@ -407,17 +309,17 @@ def test_context_overflow_gets_400(eqspec_server):
     assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] <= 3
 
 
-def test_seeded_sampling_equals_generate_while_mixed_with_greedy(server, tiny):
+def test_seeded_sampling_equals_generate_while_mixed_with_greedy(server, served):
     prompts = plain_prompts(8, seed=37)
     settings = [{"temperature": 0.8, "top_p": 0.9, "seed": 100 + i} if i % 2 else {} for i in range(8)]
     sampled = {"temperature": 1.3, "top_k": 20, "seed": 5}
 
     def expected(prompt, options) -> list[int]:
         if not options:
-            return tiny.reference(prompt, 20)[0]
+            return served.reference(prompt, 20)[0]
         top_p, top_k = options.get("top_p"), options.get("top_k")
         return batchspec.generate(
-            tiny.models.target, tiny.models.draft, [prompt], max_new_tokens=20, num_draft_tokens=4,
+            served.models.target, served.models.draft, [prompt], max_new_tokens=20, num_draft_tokens=4,
             temperature=options["temperature"], top_p=top_p, top_k=top_k, seed=options["seed"],
         ).sequences[0]
 
@@ -445,9 +347,9 @@ def test_sampling_fields_are_checked(eqspec_server):
         assert_error(post_raw(eqspec_server, json.dumps(body)), 400, param=param)
 
 
-def test_full_queue_gets_429_with_retry_after(tiny, monkeypatch):
+def test_full_queue_gets_429_with_retry_after(served, monkeypatch):
     gate = threading.Event()
-    with running(tiny, method="eqspec", max_batch_size=1, max_queue=1) as server, ThreadPoolExecutor(2) as pool:
+    with running(served, method="eqspec", max_batch_size=1, max_queue=1) as server, ThreadPoolExecutor(2) as pool:
         loop = loop_of(server)
         original = loop.engine.step
         monkeypatch.setattr(loop.engine, "step", lambda rows: (gate.wait(TIMEOUT_S), original(rows)))
@@ -467,7 +369,7 @@ def test_full_queue_gets_429_with_retry_after(tiny, monkeypatch):
         for future, prompt in ((first, prompts[0]), (second, prompts[1])):
             answer = future.result(TIMEOUT_S)
             assert answer.status_code == 200
-            assert answer.json()["choices"][0]["token_ids"] == tiny.reference(prompt, 12)[0]
+            assert answer.json()["choices"][0]["token_ids"] == served.reference(prompt, 12)[0]
 
 
 def test_models_health_and_metrics(eqspec_server):
@@ -492,12 +394,12 @@ def test_models_health_and_metrics(eqspec_server):
 # online benchmark and the serve command
 
 
-def test_online_benchmark_reports_each_method(tiny):
+def test_online_benchmark_reports_each_method(served):
     prompts = plain_prompts(6, seed=29)
     workload = OnlineWorkload(prompts, rate=40.0, requests=6, max_tokens=16, seed=1)
-    result = run_online_benchmark(workload, models=tiny.models, methods=("eqspec", "exspec"), batch_size=2,
+    result = run_online_benchmark(workload, models=served.models, methods=("eqspec", "exspec"), batch_size=2,
                                   num_draft_tokens=3, warmup=0)
-    expected_tokens = sum(len(tiny.reference(p, 16)[0]) for p in prompts)
+    expected_tokens = sum(len(served.reference(p, 16)[0]) for p in prompts)
     assert [r.method for r in result.results] == ["eqspec", "exspec"]
     for method in result.results:
         assert method.failed == 0 and method.requests == 6
@@ -526,34 +428,18 @@ def test_serve_command_help_and_errors(tmp_path):
     assert missing.exit_code == 1 and "Error: " in missing.output and "does not exist" in missing.output
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tiny, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("served")
-    dirs = {"target": root / "target", "draft": root / "draft"}
-    for role, model in (("target", tiny.models.target), ("draft", tiny.models.draft)):
-        model.save_pretrained(dirs[role])
-        tiny.tokenizer.save_pretrained(dirs[role])
-    return dirs
-
-
-def test_sigterm_drains_the_request_in_flight_and_exits_0(model_dirs, tiny):
+def test_sigterm_drains_the_request_in_flight_and_exits_0(served_dirs, served):
     port = free_port()
     command = [
         sys.executable, "-c", "import typer; from batchspec.cli.serve import serve_command; typer.run(serve_command)",
-        "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]),  # --dtype auto
+        "--target", str(served_dirs["target"]), "--draft", str(served_dirs["draft"]),  # --dtype auto
         "--port", str(port), "--served-model-name", "tiny", "--max-batch-size", "2", "--log-level", "warning",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: process.poll() is not None or _healthy(url), "the server to start", timeout=120)
+        wait_until(lambda: process.poll() is not None or healthy(url), "the server to start", timeout=120)
         assert process.poll() is None, process.communicate()[1]
         connection, response = open_stream(url, plain_prompts(1, seed=31)[0], 300)
         assert response.readline().startswith(b"data: ")
@@ -571,8 +457,3 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0(model_dirs, tiny):
     assert f"Serving tiny (float32) on http://127.0.0.1:{port}/v1" in stderr
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -1,7 +1,7 @@
 """The server on a network: API key, TLS, CORS, the Host check, body and prompt limits, timeouts, connection cap,
 shutdown timeout, bounded metrics and sampling values at the edge. All traffic on 127.0.0.1, every wait bounded.
 
-The ``tiny`` and ``model_dirs`` fixtures come from ``test_server`` (imported, hence ruff's F401/F811 are off here).
+The ``served`` and ``served_dirs`` fixtures come from ``test_server`` (imported, hence ruff's F401/F811 are off here).
 """
 
 from __future__ import annotations
@@ -25,24 +25,23 @@ import httpx
 import openai
 import pytest
 import tiny_models
-from test_server import (
+from serving import (
     TIMEOUT_S,
-    Tiny,
-    _healthy,
+    Served,
     assert_error,
     client,
     free_port,
+    healthy,
     loop_of,
-    model_dirs,
     plain_prompts,
     post_raw,
     recording_rounds,
-    tiny,
     wait_until,
 )
 
 import batchspec
-from batchspec.server import ServedModels, ServerConfig, create_app, serve_in_thread
+from batchspec.models import ModelPair
+from batchspec.server import ServerConfig, create_app, serve_in_thread
 from batchspec.server.limits import RequestLimits
 from batchspec.server.runner import HttpOptions
 from batchspec.server.security import LOOPBACK_NAMES, SecurityConfig, host_name, is_loopback
@@ -85,17 +84,17 @@ def assert_raw_error(raw: bytes, status: int, code: str) -> None:
     assert error["code"] == code and error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
-def serving(tiny: Tiny, *, http: HttpOptions | None = None, **options):
+def serving(served: Served, *, http: HttpOptions | None = None, **options):
     config = ServerConfig(**{"max_batch_size": 4, "num_draft_tokens": 4, **options})
-    return serve_in_thread(create_app(tiny.models, config), http=http or HttpOptions())
+    return serve_in_thread(create_app(served.models, config), http=http or HttpOptions())
 
 
 # --------------------------------------------------------------------------------------------------
 # who may use the server
 
 
-def test_api_key_guards_everything_but_health(tiny):
-    with serving(tiny, security=SecurityConfig(api_key=KEY)) as server:
+def test_api_key_guards_everything_but_health(served):
+    with serving(served, security=SecurityConfig(api_key=KEY)) as server:
         for path in ("/v1/models", "/metrics", "/docs", "/no/such/path"):
             refused = httpx.get(f"{server.url}{path}", timeout=TIMEOUT_S)
             assert_error(refused, 401, code="invalid_api_key")
@@ -112,7 +111,7 @@ def test_api_key_guards_everything_but_health(tiny):
         prompt = plain_prompts(1, seed=41)[0]
         reply = keyed.completions.create(model="tiny", prompt=prompt, max_tokens=9,
                                          extra_body={"return_token_ids": True})
-        assert reply.choices[0].token_ids == tiny.reference(prompt, 9)[0]
+        assert reply.choices[0].token_ids == served.reference(prompt, 9)[0]
         text = httpx.get(f"{server.url}/metrics", headers=authorized, timeout=TIMEOUT_S).text
         assert 'batchspec_requests_total{endpoint="/v1/models",status="401"}' in text
 
@@ -141,10 +140,10 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
     return keyfile, certfile
 
 
-def test_https_with_a_self_signed_certificate(tiny, tmp_path):
+def test_https_with_a_self_signed_certificate(served, tmp_path):
     keyfile, certfile = self_signed_certificate(tmp_path)
     http = HttpOptions(ssl_keyfile=str(keyfile), ssl_certfile=str(certfile))
-    with serving(tiny, http=http) as server:
+    with serving(served, http=http) as server:
         assert server.url.startswith("https://127.0.0.1:")
         trust = ssl.create_default_context(cafile=str(certfile))
         assert httpx.get(f"{server.url}/health", verify=trust, timeout=TIMEOUT_S).json()["status"] == "ok"
@@ -159,9 +158,9 @@ def test_https_with_a_self_signed_certificate(tiny, tmp_path):
         HttpOptions(ssl_keyfile=str(tmp_path / "nope.pem"), ssl_certfile=str(certfile))
 
 
-def test_cors_for_allowed_origins_only(tiny):
+def test_cors_for_allowed_origins_only(served):
     origin = "https://app.example.com"
-    with serving(tiny, security=SecurityConfig(api_key=KEY, allowed_origins=(origin,))) as server:
+    with serving(served, security=SecurityConfig(api_key=KEY, allowed_origins=(origin,))) as server:
         preflight = httpx.options(f"{server.url}/v1/chat/completions", timeout=TIMEOUT_S, headers={
             "Origin": origin, "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization, content-type",
@@ -181,8 +180,8 @@ def test_cors_for_allowed_origins_only(tiny):
         SecurityConfig(allowed_origins=("app.example.com",))
 
 
-def test_loopback_server_refuses_foreign_host_names(tiny):
-    with serving(tiny) as server:
+def test_loopback_server_refuses_foreign_host_names(served):
+    with serving(served) as server:
         for host in ("localhost", "localhost:8000", "127.0.0.1:1", "[::1]:8000", "LOCALHOST."):
             assert httpx.get(f"{server.url}/health", headers={"Host": host}, timeout=TIMEOUT_S).status_code == 200
         for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost:abc"):
@@ -232,8 +231,8 @@ def test_serve_command_options_and_their_errors(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_body_server(tiny):
-    with serving(tiny, limits=RequestLimits(max_body_bytes=16384, read_timeout_s=1.0)) as server:
+def small_body_server(served):
+    with serving(served, limits=RequestLimits(max_body_bytes=16384, read_timeout_s=1.0)) as server:
         yield server
 
 
@@ -284,9 +283,9 @@ class GatedTokenizer:
         return self.inner(*args, **kwargs)
 
 
-def test_tokenizing_does_not_hold_up_other_clients(tiny):
-    gated = GatedTokenizer(tiny.tokenizer)
-    models = ServedModels(tiny.models.target, tiny.models.draft, gated, "tiny")
+def test_tokenizing_does_not_hold_up_other_clients(served):
+    gated = GatedTokenizer(served.tokenizer)
+    models = ModelPair(served.models.target, served.models.draft, gated, "tiny", "float64")
     with serve_in_thread(create_app(models, ServerConfig(max_batch_size=2))) as server, ThreadPoolExecutor(1) as pool:
         held = pool.submit(post_raw, server, json.dumps({"prompt": "w10 w11 w12", "max_tokens": 3}))
         assert gated.entered.wait(TIMEOUT_S)
@@ -310,8 +309,8 @@ def resident_bytes() -> int:
     return int(fields["VmRSS"].split()[0]) * 1024
 
 
-def test_health_answers_while_big_bodies_are_refused_and_memory_comes_back(tiny):
-    with serving(tiny) as server:
+def test_health_answers_while_big_bodies_are_refused_and_memory_comes_back(served):
+    with serving(served) as server:
         huge = json.dumps({"prompt": "w10 " * 750_000}).encode()  # 3 MB: under the body limit, too long a prompt
         assert_error(post_raw(server, huge), 400, param="prompt", code="context_length_exceeded")
         before = resident_bytes()
@@ -341,9 +340,9 @@ def test_health_answers_while_big_bodies_are_refused_and_memory_comes_back(tiny)
 # timeouts, budgets, connections, shutdown
 
 
-def test_request_timeout_ends_slow_requests_with_504(tiny, monkeypatch):
+def test_request_timeout_ends_slow_requests_with_504(served, monkeypatch):
     prompt = plain_prompts(1, seed=43)[0]
-    with serving(tiny, limits=RequestLimits(request_timeout_s=0.5)) as server:
+    with serving(served, limits=RequestLimits(request_timeout_s=0.5)) as server:
         loop = loop_of(server)
         with recording_rounds(loop, monkeypatch, delay_s=0.2):
             body = {"prompt": prompt, "max_tokens": 400}
@@ -355,21 +354,21 @@ def test_request_timeout_ends_slow_requests_with_504(tiny, monkeypatch):
             wait_until(lambda: loop.status().running == 0, "the timed-out rows to leave")
         monkeypatch.undo()
         reply = post_raw(server, json.dumps({"prompt": prompt, "max_tokens": 6, "return_token_ids": True}))
-        assert reply.json()["choices"][0]["token_ids"] == tiny.reference(prompt, 6)[0]
+        assert reply.json()["choices"][0]["token_ids"] == served.reference(prompt, 6)[0]
 
 
-def test_default_max_tokens_is_finite_and_capped_by_the_context(tiny):
+def test_default_max_tokens_is_finite_and_capped_by_the_context(served):
     prompt = plain_prompts(1, seed=47)[0]
-    with serving(tiny, limits=RequestLimits(default_max_tokens=7)) as server:
+    with serving(served, limits=RequestLimits(default_max_tokens=7)) as server:
         reply = post_raw(server, json.dumps({"prompt": prompt, "return_token_ids": True})).json()
-        assert reply["choices"][0]["token_ids"] == tiny.reference(prompt, 7)[0]
+        assert reply["choices"][0]["token_ids"] == served.reference(prompt, 7)[0]
         long_prompt = [10] * (tiny_models.MAX_POSITIONS - 2)
         assert post_raw(server, json.dumps({"prompt": long_prompt})).json()["usage"]["completion_tokens"] <= 2
     assert ServerConfig().limits.default_max_tokens == 512
 
 
-def test_connections_beyond_the_cap_get_503(tiny):
-    with serving(tiny, http=HttpOptions(max_connections=4)) as server:
+def test_connections_beyond_the_cap_get_503(served):
+    with serving(served, http=HttpOptions(max_connections=4)) as server:
         idle = [socket.create_connection(address(server), timeout=TIMEOUT_S) for _ in range(4)]
         try:
             wait_until(lambda: len(server.server.server_state.connections) >= 4, "the idle connections")
@@ -381,10 +380,10 @@ def test_connections_beyond_the_cap_get_503(tiny):
         assert httpx.get(f"{server.url}/health", timeout=TIMEOUT_S).status_code == 200
 
 
-def test_shutdown_timeout_ends_requests_in_flight_with_503(tiny, monkeypatch):
+def test_shutdown_timeout_ends_requests_in_flight_with_503(served, monkeypatch):
     gate = threading.Event()
     gate.set()
-    with serving(tiny, shutdown_timeout_s=1.0) as server, ThreadPoolExecutor(2) as pool:
+    with serving(served, shutdown_timeout_s=1.0) as server, ThreadPoolExecutor(2) as pool:
         loop = loop_of(server)
         original = loop.engine.step
         monkeypatch.setattr(loop.engine, "step", lambda rows: (gate.wait(TIMEOUT_S), original(rows)))
@@ -416,11 +415,11 @@ def open_stream_on(server, prompt: list[int]):
     return connection, response
 
 
-def test_sigterm_with_shutdown_timeout_cuts_off_a_half_sent_body(model_dirs):
+def test_sigterm_with_shutdown_timeout_cuts_off_a_half_sent_body(served_dirs):
     port = free_port()
     command = [
         sys.executable, "-c", "import typer; from batchspec.cli.serve import serve_command; typer.run(serve_command)",
-        "--target", str(model_dirs["target"]), "--draft", str(model_dirs["draft"]), "--dtype", "float32",
+        "--target", str(served_dirs["target"]), "--draft", str(served_dirs["draft"]), "--dtype", "float32",
         "--port", str(port), "--served-model-name", "tiny", "--log-level", "warning", "--shutdown-timeout", "1",
         "--read-timeout", "600",
     ]
@@ -428,7 +427,7 @@ def test_sigterm_with_shutdown_timeout_cuts_off_a_half_sent_body(model_dirs):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: process.poll() is not None or _healthy(url), "the server to start", timeout=120)
+        wait_until(lambda: process.poll() is not None or healthy(url), "the server to start", timeout=120)
         assert process.poll() is None, process.communicate()[1]
         assert httpx.get(f"{url}/v1/models", timeout=TIMEOUT_S).status_code == 401
         keyed = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT_S)
@@ -436,7 +435,7 @@ def test_sigterm_with_shutdown_timeout_cuts_off_a_half_sent_body(model_dirs):
         with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
             sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {KEY}"
                           "\r\nContent-Length: 100\r\n\r\n{").encode())
-            assert _healthy(url)  # answered after the half-sent request's head was read
+            assert healthy(url)  # answered after the half-sent request's head was read
             process.send_signal(signal.SIGTERM)
             assert_raw_error(read_until_closed(sock), 503, "shutting_down")
         assert process.wait(30) == 0  # read timeout 600 s: only the 1 s shutdown timeout ends that request
@@ -451,8 +450,8 @@ def test_sigterm_with_shutdown_timeout_cuts_off_a_half_sent_body(model_dirs):
 # metrics and sampling values
 
 
-def test_metrics_stay_bounded_whatever_paths_clients_send(tiny):
-    with serving(tiny) as server:
+def test_metrics_stay_bounded_whatever_paths_clients_send(served):
+    with serving(served) as server:
         client(server).completions.create(model="tiny", prompt="w10 w12", max_tokens=2)
         httpx.get(f"{server.url}/no-such-path-0", timeout=TIMEOUT_S)
         before = len(httpx.get(f"{server.url}/metrics", timeout=TIMEOUT_S).content)
@@ -469,17 +468,17 @@ def test_metrics_stay_bounded_whatever_paths_clients_send(tiny):
     assert "process_resident_memory_bytes" in text
 
 
-def test_sampling_values_at_the_edge_never_fail_a_round(tiny):
+def test_sampling_values_at_the_edge_never_fail_a_round(served):
     prompt = plain_prompts(1, seed=59)[0]
-    greedy = tiny.reference(prompt, 12)[0]
-    with serving(tiny, method="eqspec") as server:
+    greedy = served.reference(prompt, 12)[0]
+    with serving(served, method="eqspec") as server:
         for options in ({"temperature": 5e-324}, {"temperature": 1e-300, "top_p": 5e-324},
                         {"temperature": 1e-12, "top_k": 10**12}, {"temperature": 2.0, "top_p": 1e-300}):
             body = {"prompt": prompt, "max_tokens": 12, "seed": 3, "return_token_ids": True, **options}
             reply = post_raw(server, json.dumps(body))
             assert reply.status_code == 200, (options, reply.text)
             expected = batchspec.generate(
-                tiny.models.target, tiny.models.draft, [prompt], max_new_tokens=12, num_draft_tokens=4, seed=3,
+                served.models.target, served.models.draft, [prompt], max_new_tokens=12, num_draft_tokens=4, seed=3,
                 temperature=options["temperature"], top_p=options.get("top_p"), top_k=options.get("top_k"),
             ).sequences[0]
             assert reply.json()["choices"][0]["token_ids"] == expected, options
@@ -497,10 +496,10 @@ def test_sampling_values_at_the_edge_never_fail_a_round(tiny):
 # the locust load test
 
 
-def test_locustfile_checks_every_answer_against_its_reference(tiny):
+def test_locustfile_checks_every_answer_against_its_reference(served):
     if importlib.util.find_spec("locust") is None:  # not imported here: importing locust monkey-patches with gevent
         pytest.skip("locust is not installed (pip install -e '.[load]')")
-    with serving(tiny, security=SecurityConfig(api_key=KEY)) as server:
+    with serving(served, security=SecurityConfig(api_key=KEY)) as server:
         command = [
             sys.executable, "-m", "locust", "-f", str(REPO / "scripts" / "locustfile.py"), "--host", server.url,
             "--headless", "--users", "4", "--spawn-rate", "4", "--run-time", "300s", "--only-summary",
@@ -514,6 +513,6 @@ def test_locustfile_checks_every_answer_against_its_reference(tiny):
     assert "references: 8 requests answered one at a time" in output
     assert "batchspec load test: 16 answers, 0 failures (0 differ from their reference)" in output
     assert "server RSS start" in output
-    served = sum(float(line.split()[1]) for line in metrics.splitlines()
-                 if line.startswith("batchspec_requests_total") and 'status="200"' in line and "/v1/" in line)
-    assert served >= 8 + 16
+    answered = sum(float(line.split()[1]) for line in metrics.splitlines()
+                   if line.startswith("batchspec_requests_total") and 'status="200"' in line and "/v1/" in line)
+    assert answered >= 8 + 16

@@ -11,6 +11,6 @@
 from batchspec.bench.audit import AuditReport, run_audit
 from batchspec.bench.runners import METHODS
 from batchspec.bench.sweep import SweepPlan, SweepResult, run_sweep
-from batchspec.bench.workload import ModelPair, Workload
+from batchspec.bench.workload import Workload
 
-__all__ = ["METHODS", "AuditReport", "ModelPair", "SweepPlan", "SweepResult", "Workload", "run_audit", "run_sweep"]
+__all__ = ["METHODS", "AuditReport", "SweepPlan", "SweepResult", "Workload", "run_audit", "run_sweep"]

@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 
 from batchspec.bench.reference import Reference, first_divergence, load_or_compute_reference, match_summary
 from batchspec.bench.runners import draft_length, plan_cells, runner_for, runs
-from batchspec.bench.workload import ModelPair, Workload
+from batchspec.bench.workload import Workload
+from batchspec.models.pair import ModelPair
 
 NEAR_TIE_ULPS = 4.0
 NEAR_TIE_RULE = (

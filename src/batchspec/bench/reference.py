@@ -15,7 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from batchspec.bench.runners import cut_after_eos, greedy_generate_kwargs
-from batchspec.bench.workload import ModelPair, Workload
+from batchspec.bench.workload import Workload
+from batchspec.models.pair import ModelPair
 
 
 @dataclass

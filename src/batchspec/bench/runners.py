@@ -20,9 +20,10 @@ import torch
 from tqdm.auto import tqdm
 
 from batchspec.api import generate
-from batchspec.bench.workload import ModelPair, Workload
+from batchspec.bench.workload import Workload
 from batchspec.config import AUTO, Method, ProposerKind
 from batchspec.metrics import GenerationStats
+from batchspec.models.pair import ModelPair
 
 BATCHSPEC_METHODS = tuple(m.value for m in Method)
 SPECULATIVE = (Method.EQSPEC.value, Method.EXSPEC.value)

@@ -13,8 +13,9 @@ from batchspec.bench.plots import write_plots
 from batchspec.bench.reference import MatchSummary, Reference, load_or_compute_reference
 from batchspec.bench.report import write_results
 from batchspec.bench.runners import Where, needs_draft, plan_cells, runner_for, runs
-from batchspec.bench.workload import ModelPair, Workload
+from batchspec.bench.workload import Workload
 from batchspec.config import PROPOSERS, ProposerKind
+from batchspec.models.pair import ModelPair
 
 
 @dataclass(frozen=True)

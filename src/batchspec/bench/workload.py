@@ -8,20 +8,10 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from batchspec.config import AUTO
-
-
-@dataclass(frozen=True)
-class ModelPair:
-    """A loaded target and draft (None: methods that need a draft cannot run) and the name reports use."""
-
-    name: str
-    target: Any
-    draft: Any | None
 
 
 @dataclass(frozen=True)

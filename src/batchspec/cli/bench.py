@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from batchspec.bench import METHODS, ModelPair, SweepPlan, Workload, run_audit, run_sweep
+from batchspec.bench import METHODS, SweepPlan, Workload, run_audit, run_sweep
 from batchspec.bench.audit import NEAR_TIE_ULPS, AuditReport, NearTieRule
 from batchspec.bench.merge import merge_runs
 from batchspec.bench.report import markdown_table
@@ -22,7 +22,6 @@ from batchspec.cli.common import (
     Kernels,
     KernelsOption,
     LimitOption,
-    LoadedModels,
     MaxNewTokensOption,
     Method,
     ModelChoice,
@@ -34,12 +33,12 @@ from batchspec.cli.common import (
     encode_prompts,
     load_models,
     load_prompt_records,
-    precision,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.config import PROPOSERS
 from batchspec.engine import resolve_special_ids
 from batchspec.models.kernels import kernels_in_use
+from batchspec.models.pair import ModelPair
 
 ALL_METHODS = ",".join(METHODS)
 MethodsOption = Annotated[
@@ -103,15 +102,15 @@ def parse_proposers(text: str) -> tuple[str, ...]:
 
 
 def build_workload(
-    loaded: LoadedModels, prompts: PromptChoice, max_new_tokens: int, num_draft_tokens: int | str
-) -> tuple[ModelPair, Workload]:
-    """The loaded pair and the encoded prompts with the target's EOS ids and pad id (as the engine resolves
-    them, so that the peers stop where batchspec does)."""
+    loaded: ModelPair, prompts: PromptChoice, max_new_tokens: int, num_draft_tokens: int | str
+) -> Workload:
+    """The encoded prompts with the target's EOS ids and pad id (as the engine resolves them, so that the peers
+    stop where batchspec does)."""
     token_ids = encode_prompts(load_prompt_records(prompts), loaded.tokenizer, prompts)
     eos_ids, pad = resolve_special_ids(loaded.target, None, loaded.tokenizer.pad_token_id)
-    workload = Workload(
+    return Workload(
         model=loaded.name,
-        dtype=loaded.dtype.value,
+        dtype=loaded.dtype,
         prompt_source=prompts.source,
         prompts=tuple(tuple(p) for p in token_ids),
         max_new_tokens=max_new_tokens,
@@ -120,13 +119,12 @@ def build_workload(
         pad_token_id=pad,
         kernels=kernels_in_use(loaded.target),
     )
-    return ModelPair(loaded.name, loaded.target, loaded.draft), workload
 
 
 def load_for_methods(
     preset, target, draft, dtype, cache_dir, methods: tuple[str, ...], proposers: tuple[str, ...] = ("draft",),
     kernels: Kernels = Kernels.AUTO,
-) -> LoadedModels:
+) -> ModelPair:
     """The models the cells need: a draft only when some method (with some proposer) runs one."""
     drafting = any(needs_draft(m, p) for m, p, _ in plan_cells(methods, proposers, (1,)))
     method, proposer = (Method.EQSPEC, None) if drafting else (Method.AUTOREGRESSIVE, None)
@@ -135,7 +133,7 @@ def load_for_methods(
     )
     choice.check_for(method, proposer)
     loaded = load_models(choice, method, proposer)
-    typer.echo(f"Loaded {loaded.name} ({precision(loaded)}) in {loaded.seconds:.1f} s", err=True)
+    typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
     return loaded
 
 
@@ -180,7 +178,7 @@ def bench_command(
             online_methods = _online_methods(methods)
             prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
             loaded = load_for_methods(preset, target, draft, dtype, cache_dir, online_methods, kernels=kernels)
-            pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
+            workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
             result = _run_online(loaded, workload, online_methods, parse_batch_sizes(batch_sizes)[0], rate, requests)
             output.mkdir(parents=True, exist_ok=True)
             (output / "online.json").write_text(result.to_json() + "\n")
@@ -196,8 +194,8 @@ def bench_command(
         loaded = load_for_methods(
             preset, target, draft, dtype, cache_dir, plan.methods, plan.proposers, kernels=kernels
         )
-        pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
-        result = run_sweep(pair, workload, plan, output)
+        workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
+        result = run_sweep(loaded, workload, plan, output)
     typer.echo(
         f"Bench of {workload.model} ({workload.dtype}), {len(workload.prompts)} prompts, "
         f"{workload.max_new_tokens} new tokens"
@@ -222,16 +220,13 @@ def _online_methods(text: str) -> tuple[str, ...]:
     return methods
 
 
-def _run_online(loaded: LoadedModels, workload: Workload, methods, batch_size: int, rate: float, requests: int):
+def _run_online(loaded: ModelPair, workload: Workload, methods, batch_size: int, rate: float, requests: int):
     from batchspec.server.loadgen import OnlineWorkload, run_online_benchmark
-    from batchspec.server.settings import ServedModels
-
-    served = ServedModels(target=loaded.target, draft=loaded.draft, tokenizer=loaded.tokenizer, name=loaded.name)
     online = OnlineWorkload(
         prompts=workload.prompts, rate=rate, requests=requests, max_tokens=workload.max_new_tokens
     )
     return run_online_benchmark(
-        online, models=served, methods=methods, batch_size=batch_size, num_draft_tokens=workload.num_draft_tokens
+        online, models=loaded, methods=methods, batch_size=batch_size, num_draft_tokens=workload.num_draft_tokens
     )
 
 
@@ -281,8 +276,8 @@ def audit_command(
         loaded = load_for_methods(
             preset, target, draft, dtype, cache_dir, method_list, proposer_list, kernels=kernels
         )
-        pair, workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
-        report = run_audit(pair, workload, method_list, sizes, proposers=proposer_list, rule=rule, out_dir=output)
+        workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
+        report = run_audit(loaded, workload, method_list, sizes, proposers=proposer_list, rule=rule, out_dir=output)
     print_audit(report)
     if not report.passed:
         raise typer.Exit(2)

@@ -19,6 +19,7 @@ import typer
 from batchspec.config import AUTO, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.metrics import STAGES
+from batchspec.models.pair import ModelPair
 from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir, get_preset
 
 __all__ = ["Method", "ProposerKind"]
@@ -250,26 +251,6 @@ class ModelChoice:
         return self.target or f"{self.resolved_preset}:target"
 
 
-@dataclass
-class LoadedModels:
-    """Loaded models: ``draft`` is None when only the target was needed; ``dtype`` the one they were loaded in
-    (resolved, never ``auto``); ``seconds`` spent loading."""
-
-    name: str
-    target: Any
-    draft: Any | None
-    tokenizer: Any
-    dtype: DType
-    seconds: float
-
-
-def precision(loaded: LoadedModels) -> str:
-    """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``."""
-    from batchspec.models.kernels import kernels_in_use
-
-    return f"{loaded.dtype.value}, {kernels_in_use(loaded.target)} kernels"
-
-
 @contextmanager
 def quiet_weight_loading() -> Iterator[None]:
     """Hide transformers' per-load progress bars (loading a cached model takes seconds)."""
@@ -300,32 +281,32 @@ def presets_used(choice: ModelChoice, method: Method, proposer: ProposerKind | N
 
 def load_models(
     choice: ModelChoice, method: Method, proposer: ProposerKind | None = None, progress: bool = True
-) -> LoadedModels:
-    """Load the chosen models (the target alone when no draft model drafts); a preset is obtained into the cache
-    first if needed (download + conversion).
+) -> ModelPair:
+    """Load the chosen models (the target alone when no draft model drafts: ``draft`` is None); a preset is
+    obtained into the cache first if needed (download + conversion); ``seconds`` counts that too.
 
     Raises ValueError before any generation when target and draft do not share one tokenizer.
     """
     from batchspec.models.loading import load_model, load_pair, resolve_dtype
     from batchspec.models.presets import obtain_preset
 
-    dtype = DType(resolve_dtype(choice.dtype.value))
+    dtype = resolve_dtype(choice.dtype.value)
     started = time.perf_counter()
     for name in presets_used(choice, method, proposer):
         obtain_preset(name, choice.cache_dir, progress=progress)
     with quiet_weight_loading():
         if choice.target_only(method, proposer):
             target, tokenizer = load_model(
-                choice.target_spec, dtype.value, cache_dir=choice.cache_dir, kernels=choice.kernels.value
+                choice.target_spec, dtype, cache_dir=choice.cache_dir, kernels=choice.kernels.value
             )
             name, draft = choice.target or choice.resolved_preset, None
         else:
             pair = load_pair(
-                choice.resolved_preset, choice.target, choice.draft, dtype.value,
+                choice.resolved_preset, choice.target, choice.draft, dtype,
                 cache_dir=choice.cache_dir, kernels=choice.kernels.value,
             )
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
-    return LoadedModels(name, target, draft, tokenizer, dtype, time.perf_counter() - started)
+    return ModelPair(target, draft, tokenizer, name, dtype, time.perf_counter() - started)
 
 
 @dataclass(frozen=True)

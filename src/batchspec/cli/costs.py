@@ -26,7 +26,6 @@ from batchspec.cli.common import (
     KernelsOption,
     PresetOption,
     TargetOption,
-    precision,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.models.kernels import kernels_in_use
@@ -72,7 +71,7 @@ def costs_command(
     output.mkdir(parents=True, exist_ok=True)
     report = {
         "model": loaded.name,
-        "dtype": loaded.dtype.value,
+        "dtype": loaded.dtype,
         "kernels": kernels_in_use(loaded.target),
         "torch_threads": torch.get_num_threads(),
         "context": context,
@@ -80,7 +79,7 @@ def costs_command(
         "speculation": [s.to_dict() for s in summary],
     }
     (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
-    typer.echo(f"{loaded.name} ({precision(loaded)}, {torch.get_num_threads()} threads), {context} cached columns")
+    typer.echo(f"{loaded.name} ({loaded.precision}, {torch.get_num_threads()} threads), {context} cached columns")
     typer.echo("| B | k | c_t(B,1) s | c_t(B,k+1) s | c_d(B,1) s | round s | break-even E | speedup | c_d needed s |")
     typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:

@@ -40,7 +40,6 @@ from batchspec.cli.common import (
     encode_prompts,
     load_models,
     load_prompt_records,
-    precision,
     summary_lines,
 )
 from batchspec.cli.errors import user_errors
@@ -195,7 +194,7 @@ def generate_command(
             return
         loaded = load_models(models, method, proposer)
         proposer = models.proposer_for(method, proposer)
-        typer.echo(f"Loaded {loaded.name} ({precision(loaded)}) in {loaded.seconds:.1f} s", err=True)
+        typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompt_choice)
         result = generate(
             loaded.target,
@@ -221,7 +220,7 @@ def generate_command(
     drafting = "" if proposer is None else f", {proposer.value} proposer, k={num_draft_tokens}"
     sampling = sampling_summary(temperature, top_k, top_p, seed)
     typer.echo(
-        f"Summary: {loaded.name} ({precision(loaded)}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
+        f"Summary: {loaded.name} ({loaded.precision}), {method.value}, batch size {batch_size}{drafting}, {sampling}"
     )
     for line in summary_lines(result.stats, result.finish_reasons, method):
         typer.echo(f"  {line}")

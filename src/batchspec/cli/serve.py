@@ -24,7 +24,6 @@ from batchspec.cli.common import (
     ProposerOption,
     TargetOption,
     load_models,
-    precision,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_READ_TIMEOUT_S, RequestLimits
@@ -224,7 +223,7 @@ def serve_command(
     on the CPU), up to near-ties (the two best tokens within a few rounding steps) in bfloat16 or float16.
     SIGTERM or Ctrl-C gives the requests in flight --shutdown-timeout seconds to finish, then exits.
     """
-    from batchspec.server import ServedModels, ServerConfig, create_app, serve_forever
+    from batchspec.server import ServerConfig, create_app, serve_forever
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     network = NetworkOptions(
@@ -245,9 +244,8 @@ def serve_command(
             shutdown_timeout_s=shutdown_timeout, limits=limits, security=security,
         )
         loaded = load_models(choice, method, proposer)
-        typer.echo(f"Loaded {loaded.name} ({precision(loaded)}) in {loaded.seconds:.1f} s", err=True)
-        models = ServedModels(loaded.target, loaded.draft, loaded.tokenizer, loaded.name)
-        app = create_app(models, config)
+        typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
+        app = create_app(loaded, config)
         served = config.served_model_name or loaded.name
-        typer.echo(f"Serving {served} ({loaded.dtype.value}) on {http.scheme}://{host}:{port}/v1", err=True)
+        typer.echo(f"Serving {served} ({loaded.dtype}) on {http.scheme}://{host}:{port}/v1", err=True)
         serve_forever(app, host, port, log_level=log_level.value, http=http)

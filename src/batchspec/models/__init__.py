@@ -1,13 +1,7 @@
-"""Models: support checks, the per-batch runner, presets and loading."""
+"""Models: support checks, the per-batch runner, presets, loading and the loaded pair (:class:`ModelPair`)."""
 
-from batchspec.models.loading import (
-    LoadedPair,
-    check_compatible,
-    load_model,
-    load_pair,
-    resolve_dtype,
-    use_kernels,
-)
+from batchspec.models.loading import check_compatible, load_model, load_pair, resolve_dtype, use_kernels
+from batchspec.models.pair import ModelPair
 from batchspec.models.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -21,7 +15,7 @@ from batchspec.models.presets import (
 __all__ = [
     "DEFAULT_PRESET",
     "PRESETS",
-    "LoadedPair",
+    "ModelPair",
     "PresetError",
     "PresetPaths",
     "cached_preset",

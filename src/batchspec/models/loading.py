@@ -21,11 +21,12 @@ target's own; half precision only when asked for (or on a GPU, for models moved 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import time
 from pathlib import Path
 from typing import Any, Literal
 
 from batchspec.models.kernels import can_pack, pack_linears
+from batchspec.models.pair import ModelPair
 from batchspec.models.presets import (
     DEFAULT_PRESET,
     PRESETS,
@@ -43,18 +44,6 @@ DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 Kernels = Literal["auto", "packed", "default"]
 KERNELS: tuple[str, ...] = ("auto", "packed", "default")
 LOAD_DEVICE = "cpu"
-
-
-@dataclass
-class LoadedPair:
-    """A target and a draft model in eval mode, the tokenizer they share, a name for reports and the
-    dtype both were loaded in (resolved: never ``"auto"``)."""
-
-    target: Any
-    draft: Any
-    tokenizer: Any
-    name: str
-    dtype: str
 
 
 def resolve_dtype(dtype: str = "auto", device: Any = LOAD_DEVICE) -> str:
@@ -268,7 +257,7 @@ def load_pair(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     kernels: Kernels = "auto",
-) -> LoadedPair:
+) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
     on the CPU kernels ``kernels`` (see :func:`use_kernels`).
 
@@ -285,10 +274,12 @@ def load_pair(
         draft = draft or f"{preset}:draft"
     assert target is not None and draft is not None
     dtype = resolve_dtype(dtype)
+    started = time.perf_counter()
     loads = {"cache_dir": cache_dir, "progress": progress, "kernels": kernels}
     target_model, target_tokenizer = load_model(target, dtype, **loads)
     draft_model, draft_tokenizer = load_model(draft, dtype, **loads)
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
-    return LoadedPair(target=target_model, draft=draft_model, tokenizer=target_tokenizer, name=name, dtype=dtype)
+    seconds = time.perf_counter() - started
+    return ModelPair(target_model, draft_model, target_tokenizer, name, dtype, seconds)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchspec.config import SpecConfig
 from batchspec.engine import build_engine
+from batchspec.models.pair import ModelPair
 from batchspec.models.support import vocab_size
 from batchspec.schedulers import make_scheduler
 from batchspec.server.errors import APIError
@@ -43,7 +44,7 @@ from batchspec.server.protocol import (
     ModelList,
     SamplingFields,
 )
-from batchspec.server.settings import ServedModels, ServerConfig
+from batchspec.server.settings import ServerConfig
 from batchspec.server.validation import validation_error
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class ServingState:
                            param="model", code="model_not_found")
 
 
-def build_state(models: ServedModels, config: ServerConfig) -> ServingState:
+def build_state(models: ModelPair, config: ServerConfig) -> ServingState:
     """The engine, its loop and the metrics for ``models`` (checked like ``batchspec.generate`` checks them)."""
     spec = SpecConfig(
         method=config.method, batch_size=config.max_batch_size, num_draft_tokens=config.num_draft_tokens,
@@ -111,7 +112,7 @@ class Front:
         self.inflight.begin_shutdown(self.shutdown_timeout_s)
 
 
-def create_app(models: ServedModels, config: ServerConfig) -> FastAPI:
+def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
     """The application serving ``models``; its engine loop runs while the application runs (lifespan)."""
     state = build_state(models, config)
     front = Front(

@@ -21,9 +21,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from batchspec.models.pair import ModelPair
 from batchspec.server.app import create_app
 from batchspec.server.runner import serve_in_thread
-from batchspec.server.settings import ServedModels, ServerConfig
+from batchspec.server.settings import ServerConfig
 
 MAX_REQUESTS = 10_000
 DEFAULT_TIMEOUT_S = 600.0
@@ -139,7 +140,7 @@ class OnlineBenchmarkResult:
 def run_online_benchmark(
     workload: OnlineWorkload,
     *,
-    models: ServedModels | None = None,
+    models: ModelPair | None = None,
     url: str | None = None,
     methods: Sequence[str] = ("eqspec", "exspec"),
     batch_size: int = 8,

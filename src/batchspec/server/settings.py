@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from batchspec.config import AUTO, METHODS, PROPOSERS
 from batchspec.server.limits import RequestLimits
@@ -72,12 +71,3 @@ class ServerConfig:
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
 
-
-@dataclass(frozen=True)
-class ServedModels:
-    """Loaded models: ``draft`` may be None only for the autoregressive method; ``name`` is what clients see."""
-
-    target: Any
-    draft: Any | None
-    tokenizer: Any
-    name: str

@@ -1,0 +1,40 @@
+"""The one type for a loaded target and draft: what the CLI, the benchmarks and the server work with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchspec.models.kernels import kernels_in_use
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """A target and a draft model in eval mode and the tokenizer they share.
+
+    Attributes:
+        target: the model whose greedy output is reproduced.
+        draft: the draft model, or None when only the target was loaded (methods or proposers that need a
+            draft model then cannot run).
+        tokenizer: the target's tokenizer (the draft shares it).
+        name: what reports and the served ``/v1/models`` list call the pair.
+        dtype: the name of the dtype both were loaded in (``"float32"``, ``"bfloat16"``, ...), resolved: never
+            ``"auto"`` (see :func:`batchspec.models.resolve_dtype`).
+        seconds: time spent loading them (0.0 when not measured).
+    """
+
+    target: Any
+    draft: Any | None
+    tokenizer: Any
+    name: str
+    dtype: str
+    seconds: float = 0.0
+
+    @property
+    def precision(self) -> str:
+        """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``."""
+        return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            raise ValueError("dtype must be the one the models were loaded in, not 'auto' (see resolve_dtype)")
