@@ -9,7 +9,6 @@ environment variable set) the presets CI obtains must be there. Populate the cac
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from helpers import cached_or_skip
@@ -21,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
-def test_cached_preset_loads_offline_and_fast(name, monkeypatch):
+def test_cached_preset_loads_offline(name, monkeypatch):
     paths = cached_or_skip(name)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
@@ -29,9 +28,7 @@ def test_cached_preset_loads_offline_and_fast(name, monkeypatch):
         raise AssertionError("a cached preset must not be fetched again")
 
     monkeypatch.setattr(presets, "obtain_gguf", no_download)
-    started = time.perf_counter()
     pair = loading.load_pair(name, progress=False)
-    assert time.perf_counter() - started < 60
     assert pair.name == name
     assert not pair.target.training and not pair.draft.training
     assert pair.target.dtype == pair.draft.dtype == torch.float32  # the default dtype (auto) on the CPU
