@@ -27,10 +27,10 @@ from batchspec.verifier import verify_greedy
 
 
 def brute_force_lookup(text: list[int], n_min: int, n_max: int) -> int | None:
-    """The token after the most recent earlier occurrence of the longest suffix n-gram, by scanning."""
+    """The token after the earliest occurrence of the longest suffix n-gram that occurred before, by scanning."""
     for n in range(min(n_max, len(text) - 1), n_min - 1, -1):
         suffix = text[len(text) - n :]
-        for end in range(len(text) - 2, n - 2, -1):
+        for end in range(n - 1, len(text) - 1):
             if text[end - n + 1 : end + 1] == suffix:
                 return text[end + 1]
     return None
@@ -60,6 +60,9 @@ def test_the_docstring_example():
     index = NgramIndex(1, 3)
     index.extend(list("abcdxabc"))
     assert index.chain(4) == list("dxab")
+    earliest = NgramIndex(1, 3)
+    earliest.extend(list("abxabyab"))
+    assert earliest.chain(1) == ["x"]
 
 
 # ---- greedy equivalence ---------------------------------------------------------------------------------

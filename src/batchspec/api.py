@@ -48,7 +48,7 @@ def generate(
     proposer: str | None = None,
     max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS,
     ngram_min: int = 1,
-    ngram_max: int = 3,
+    ngram_max: int = 5,
     eos_token_id: int | Seq[int] | None = None,
     pad_token_id: int | None = None,
     window_size: int | None = None,

@@ -68,7 +68,7 @@ class SpecConfig:
     max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS
     proposer: ProposerKind | None = None
     ngram_min: int = 1
-    ngram_max: int = 3
+    ngram_max: int = 5
     eos_token_ids: tuple[int, ...] | None = None
     pad_token_id: int | None = None
     window_size: int | None = None

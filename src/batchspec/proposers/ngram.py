@@ -1,7 +1,7 @@
 """Prompt lookup: drafts copied from earlier in a row's own text (prompt and output), with no draft model.
 
 The draft for the next position is found by the row's longest suffix n-gram (``n_max`` down to ``n_min`` tokens)
-that occurred before: the token that followed its most recent earlier occurrence. Each further draft is looked up
+that occurred before: the token that followed its earliest occurrence. Each further draft is looked up
 again with the drafts so far appended, so that the draft at an output position depends only on the text before
 it (within a repeated span this continues the copy). That makes a lookup the same function of the prefix whether
 a position is drafted early or late in a round, which keeps a seeded sample independent of the draft length and
@@ -9,10 +9,17 @@ the batch (see :mod:`batchspec.verifier`).
 
 Example (``n_max = 3``): the text ``a b c d x a b c`` ends in ``a b c``, which occurred at positions 0–2, followed
 by ``d``: the draft is ``d``; with it appended the text ends in ``b c d``, followed earlier by ``x``: the next draft
-is ``x``; then ``c d x`` → ``a``, and so on.
+is ``x``; then ``c d x`` → ``a``, and so on. In ``a b x a b y a b`` the suffix ``a b`` occurred twice: the draft is
+``x``, from the earliest.
 
-:class:`NgramIndex` keeps, per row, the most recent end of every n-gram whose next token is known, updated as the
-row's text grows (``O(n_max)`` per token), so a lookup is a few dictionary reads whatever the context length.
+Why the earliest: what a row repeats is mostly its prompt (an answer restating a signature and docstring, a summary
+quoting its article), and the earliest occurrence of an n-gram is where that source text is; a later occurrence is
+more often a short phrase the output happened to share, which breaks the copy. On the first 8 HumanEval answers
+of ``qwen2.5-coder`` (replayed on the reference outputs, up to 10 drafts a round) the earliest occurrence with
+``n_max = 5`` needs 62 rounds for 512 tokens, the most recent occurrence with ``n_max = 3`` 80.
+
+:class:`NgramIndex` keeps, per row, the first end of every n-gram whose next token is known, updated as the row's
+text grows (``O(n_max)`` per token), so a lookup is a few dictionary reads whatever the context length.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from batchspec.proposers import Proposal
 from batchspec.sampling import RoundSampling
 from batchspec.state import BatchState, Sequence
 
-DEFAULT_MAX_NGRAM = 3
+DEFAULT_MAX_NGRAM = 5
 DEFAULT_MIN_NGRAM = 1
 
 
@@ -36,7 +43,7 @@ class NgramIndex:
 
     Attributes:
         tokens: the text indexed so far (the row's prompt, then its output).
-        ends: n-gram → index of its last token in its most recent occurrence that has a next token.
+        ends: n-gram → index of its last token in its earliest occurrence that has a next token.
     """
 
     n_min: int
@@ -75,7 +82,7 @@ class LookupCursor:
         text = _Joined(self.index.tokens, self.drafts)
         for n in range(min(self.index.n_max, len(text) - 1), self.index.n_min - 1, -1):
             key = text.tail(n)
-            end = self.recent.get(key, self.index.ends.get(key))
+            end = self.index.ends.get(key, self.recent.get(key))
             if end is not None:
                 return text[end + 1]
         return None
@@ -87,9 +94,10 @@ class LookupCursor:
 
 
 def _record(ends: dict, text, last: int, n_min: int, n_max: int) -> None:
-    """Note every n-gram ending at index ``last`` of ``text`` (whose next token is about to be known)."""
+    """Note every n-gram ending at index ``last`` of ``text`` (whose next token is about to be known), unless it
+    occurred before."""
     for n in range(n_min, min(n_max, last + 1) + 1):
-        ends[tuple(text[last - n + 1 : last + 1])] = last
+        ends.setdefault(tuple(text[last - n + 1 : last + 1]), last)
 
 
 class _Joined:
