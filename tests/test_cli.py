@@ -117,7 +117,7 @@ def test_unknown_option_is_one_line():
 def test_target_without_draft_needs_a_draft_for_the_draft_proposer(tiny_pair):
     result = run("generate", "--target", str(tiny_pair["target"]), "--prompts", str(tiny_pair["prompts"]),
                  "--proposer", "draft")
-    assert_one_line_error(result, 1, "--target needs --draft as well for --proposer draft")
+    assert_one_line_error(result, 1, "--target needs --draft as well for --proposer hybrid")
 
 
 def test_target_alone_speculates_with_prompt_lookup(tiny_pair):
@@ -158,7 +158,7 @@ def test_output_jsonl_fields_contents_and_summary(tiny_pair, tmp_path, reference
         expected_reason = "eos" if row["token_ids"] and row["token_ids"][-1] == eos else "length"
         assert row["finish_reason"] == expected_reason
     assert sum(row["num_tokens"] for row in rows) > 0
-    for fragment in ("Summary: ", "(float32, packed kernels), eqspec, batch size 2, draft proposer, k=3",
+    for fragment in ("Summary: ", "(float32, packed kernels), eqspec, batch size 2, hybrid proposer, k=3",
                      "sequences        4", "tokens/s",
                      "acceptance rate", "mean accepted", "draft ", "verify ", "realign ", "other "):
         assert fragment in result.stdout, fragment
@@ -190,7 +190,7 @@ def test_exspec_matches_the_targets_greedy_output(tiny_pair, tmp_path, reference
     result = run(*tiny_args(tiny_pair, "--method", "exspec", "--batch-size", "2", "--max-new-tokens", "6",
                             "--dtype", "float32", "--output", str(out)))
     assert result.exit_code == 0, result.output
-    assert "exspec, batch size 2, draft proposer, k=auto, greedy" in result.stdout
+    assert "exspec, batch size 2, hybrid proposer, k=auto, greedy" in result.stdout
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["target"])
     target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float32).eval()
     eos = target.generation_config.eos_token_id
@@ -218,7 +218,7 @@ def test_sampling_settings_are_summarised(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--limit", "1", "--temperature", "0.7",
                             "--top-p", "0.9", "--seed", "3"))
     assert result.exit_code == 0, result.output
-    assert "eqspec, batch size 8, draft proposer, k=auto, temperature 0.7, top-p 0.9, seed 3" in result.stdout
+    assert "eqspec, batch size 8, hybrid proposer, k=auto, temperature 0.7, top-p 0.9, seed 3" in result.stdout
 
 
 @pytest.mark.parametrize("extra", [("--top-k", "5"), ("--seed", "1"), ("--top-p", "0.5", "--seed", "1")])

@@ -89,7 +89,11 @@ def _case_id(c: Case) -> str:
 
 
 def _run(bs, bundle, draft, prompts, **kw):
+    """``batchspec.generate`` with the draft model proposing (these tests exercise its cache and the realignment of
+    both caches; the lookup and hybrid proposers have their own matrix in ``test_proposers.py``)."""
     kw.setdefault("check_invariants", True)
+    if draft is not None:
+        kw.setdefault("proposer", "draft")
     return bs.generate(bundle.target, draft, prompts, **kw)
 
 

@@ -61,6 +61,7 @@ def _case_id(c: Case) -> str:
 def _run(bs, bundle, draft_kind, prompts, **kw):
     kw.setdefault("check_invariants", True)
     kw.setdefault("method", X)
+    kw.setdefault("proposer", "draft")  # the draft model's cache in the window; lookups: test_proposers.py
     return bs.generate(bundle.target, bundle.drafts[draft_kind], prompts, **kw)
 
 

@@ -216,7 +216,7 @@ def seq_prompts(n: int = 8, seed: int = 5) -> list[list[int]]:
 
 
 def run_seq(models: Models, prompts, *, draft: str = "perturbed", **kw) -> batchspec.GenerationResult:
-    kw = {"max_new_tokens": SEQ_MAX_NEW, "eos_token_id": SEQ_EOS, "check_invariants": True, **kw}
+    kw = {"max_new_tokens": SEQ_MAX_NEW, "eos_token_id": SEQ_EOS, "check_invariants": True, "proposer": "draft", **kw}
     model = None if kw.get("proposer") == "ngram" else getattr(models, draft)
     return batchspec.generate(models.target, model, prompts, **kw)
 

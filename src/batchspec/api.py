@@ -89,7 +89,7 @@ def generate(
             acceptance and the measured costs, down to plain steps where speculation does not pay.
         proposer: ``"draft"`` (the draft model), ``"ngram"`` (prompt lookup in each row's own prompt and output:
             no draft model), or ``"hybrid"`` (lookup where it finds a match, the draft model elsewhere); default
-            ``"draft"`` when a draft is given, else ``"ngram"``.
+            ``"hybrid"`` when a draft is given, else ``"ngram"``.
         max_draft_tokens: the longest proposal ``"auto"`` may choose.
         ngram_min, ngram_max: the shortest and longest suffix prompt lookup matches.
         eos_token_id: id or ids that end a sequence; default ``target.generation_config.eos_token_id``.

@@ -46,7 +46,7 @@ class SpecConfig:
             (:mod:`batchspec.controller`).
         max_draft_tokens: the longest proposal ``"auto"`` may choose.
         proposer: ``"draft"`` (the draft model), ``"ngram"`` (prompt lookup, no draft model) or ``"hybrid"``
-            (lookup where it finds a match, the draft model elsewhere); None: ``"draft"`` when a draft model is
+            (lookup where it finds a match, the draft model elsewhere); None: ``"hybrid"`` when a draft model is
             given, else ``"ngram"`` (filled in by :func:`batchspec.engine.build_engine`).
         ngram_min, ngram_max: the shortest and longest suffix prompt lookup matches.
         eos_token_ids: tokens that end a sequence (empty: only the budget ends it; None: the target's default,

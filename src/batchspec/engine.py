@@ -162,7 +162,7 @@ class Engine:
 def build_engine(target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig) -> Engine:
     """The engine for ``config`` on this pair: checks the models, fills in the EOS and pad defaults from the
     target's generation config (the one place they are resolved) and makes the stats and the timer."""
-    proposer = config.proposer or (ProposerKind.DRAFT if draft is not None else ProposerKind.NGRAM)
+    proposer = config.proposer or (ProposerKind.HYBRID if draft is not None else ProposerKind.NGRAM)
     config = replace(config, proposer=proposer)
     check_pair(target, draft if config.uses_draft_model else None)
     if config.uses_draft_model and draft is None:

@@ -158,7 +158,7 @@ ProposerOption = Annotated[
     typer.Option(
         "--proposer",
         help="Who drafts: draft (the draft model), ngram (prompt lookup in each prompt and its output: no draft "
-        "model is loaded) or hybrid (lookup where it finds a match, the draft model elsewhere). Default: draft, "
+        "model is loaded) or hybrid (lookup where it finds a match, the draft model elsewhere). Default: hybrid, "
         "or ngram when only --target is given.",
     ),
 ]
@@ -222,13 +222,14 @@ class ModelChoice:
         return self.preset
 
     def proposer_for(self, method: Method, proposer: ProposerKind | None) -> ProposerKind | None:
-        """The proposer that runs: None for autoregressive decoding, the one asked for, else the draft model when
-        one is named or a preset gives one, else prompt lookup (``--target`` alone)."""
+        """The proposer that runs: None for autoregressive decoding, the one asked for, else hybrid (lookup, and the
+        draft model where it finds nothing) when a draft is named or a preset gives one, else prompt lookup
+        (``--target`` alone)."""
         if method is Method.AUTOREGRESSIVE:
             return None
         if proposer is not None:
             return proposer
-        return ProposerKind.DRAFT if self.draft or self.resolved_preset else ProposerKind.NGRAM
+        return ProposerKind.HYBRID if self.draft or self.resolved_preset else ProposerKind.NGRAM
 
     def target_only(self, method: Method, proposer: ProposerKind | None = None) -> bool:
         """Whether only the target is loaded: no draft model drafts (autoregressive, or prompt lookup)."""

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -43,6 +40,13 @@ from batchspec.cli.common import (
     summary_lines,
 )
 from batchspec.cli.errors import user_errors
+from batchspec.cli.output import (
+    check_sampling_options,
+    collect_results,
+    print_texts,
+    sampling_summary,
+    write_jsonl,
+)
 from batchspec.cli.ray_generate import (
     ActorsOption,
     RayAddressOption,
@@ -51,7 +55,6 @@ from batchspec.cli.ray_generate import (
     ThreadsPerActorOption,
     run_generate_on_ray,
 )
-from batchspec.data import PromptRecord
 from batchspec.ray import GenerationSettings
 
 OutputOption = Annotated[
@@ -62,77 +65,6 @@ OutputOption = Annotated[
         "instead of printing the generated texts.",
     ),
 ]
-
-
-@dataclass(frozen=True)
-class GeneratedText:
-    """One prompt's result as written to ``--output``: the new tokens, their text and why they ended."""
-
-    index: int
-    prompt: str
-    text: str
-    token_ids: list[int]
-    num_tokens: int
-    finish_reason: str
-
-    def __post_init__(self) -> None:
-        if self.num_tokens != len(self.token_ids):
-            raise ValueError(f"num_tokens {self.num_tokens} differs from {len(self.token_ids)} token ids")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
-
-
-def collect_results(records: list[PromptRecord], result: Any, tokenizer: Any) -> list[GeneratedText]:
-    """Pair each prompt record with its generated tokens, decoded without special tokens."""
-    return [
-        GeneratedText(
-            index=index,
-            prompt=record.text,
-            text=tokenizer.decode(tokens, skip_special_tokens=True),
-            token_ids=list(tokens),
-            num_tokens=len(tokens),
-            finish_reason=reason,
-        )
-        for index, (record, tokens, reason) in enumerate(
-            zip(records, result.sequences, result.finish_reasons, strict=True)
-        )
-    ]
-
-
-def write_jsonl(path: Path, results: list[GeneratedText]) -> None:
-    path.write_text("".join(r.to_json() + "\n" for r in results), encoding="utf-8")
-
-
-def print_texts(records: list[PromptRecord], results: list[GeneratedText]) -> None:
-    for record, result in zip(records, results, strict=True):
-        header = f"=== [{result.index}] {record.id} ({result.finish_reason}, {result.num_tokens} tokens) ==="
-        typer.echo(header)
-        typer.echo(result.text)
-        typer.echo()
-
-
-def check_sampling_options(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> None:
-    """Refuse sampling settings that greedy decoding (temperature 0) would silently ignore."""
-    if not math.isfinite(temperature):
-        raise ValueError(f"--temperature must be a finite number; got {temperature}")
-    given = [name for name, value in (("--top-k", top_k), ("--top-p", top_p), ("--seed", seed)) if value is not None]
-    if temperature == 0 and given:
-        raise ValueError(f"{', '.join(given)} only apply when sampling: add --temperature above 0")
-    if top_p is not None and top_p == 0:
-        raise ValueError("--top-p must be above 0 (1 keeps every token)")
-    if seed is not None and not 0 <= seed < 2**63:
-        raise ValueError(f"--seed must be in [0, 2**63); got {seed}")
-
-
-def sampling_summary(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> str:
-    """``greedy`` or e.g. ``temperature 0.7, top-k 5, seed 3``."""
-    if temperature == 0:
-        return "greedy"
-    parts = [f"temperature {temperature:g}"]
-    parts += [f"{name} {value:g}" for name, value in (("top-k", top_k), ("top-p", top_p), ("seed", seed))
-              if value is not None]
-    return ", ".join(parts)
 
 
 def generate_command(

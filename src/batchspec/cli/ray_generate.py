@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from batchspec.cli.common import Method, ModelChoice, ProposerKind, presets_used, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
+from batchspec.cli.output import GeneratedText, print_texts, sampling_summary, write_jsonl
 from batchspec.data import PromptRecord
 from batchspec.metrics import GenerationStats
 from batchspec.models.presets import obtain_preset
@@ -218,7 +219,6 @@ def run_generate_on_ray(
     choice: RayChoice, output: Path | None,
 ) -> None:
     """``batchspec generate --ray``: generate on Ray, then print or write the results and the summary."""
-    from batchspec.cli.generate import GeneratedText, print_texts, sampling_summary, write_jsonl
 
     run = _reporting_actor_failures(generate_on_ray, records, models, settings, seed, choice)
     results = [

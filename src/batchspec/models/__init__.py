@@ -1,4 +1,4 @@
-"""Models: support checks, the per-batch runner, presets, loading and the loaded pair (:class:`ModelPair`)."""
+"""Models, loading only: support checks, presets, loading, CPU kernels and the loaded pair (:class:`ModelPair`)."""
 
 from batchspec.models.loading import check_compatible, load_model, load_pair, resolve_dtype, use_kernels
 from batchspec.models.pair import ModelPair

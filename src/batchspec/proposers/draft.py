@@ -10,7 +10,8 @@ import torch
 from batchspec.controller import Reach
 from batchspec.forward import forward_columns
 from batchspec.proposers import Proposal, point_masses
-from batchspec.proposers.ngram import LookupCursor, NgramProposer
+from batchspec.proposers.lookup import LookupCursor
+from batchspec.proposers.ngram import NgramProposer
 from batchspec.sampling import RoundSampling, Stream, sample_draft, warp_rows
 from batchspec.state import BatchState, Sequence
 
@@ -26,7 +27,7 @@ class DraftModelProposer:
     and its cache as it was: it catches up when it next runs.
 
     With ``lookup`` (the hybrid proposer) every position is first looked up in the row's own text
-    (:mod:`batchspec.proposers.ngram`) and the draft model fills only the positions where the lookup finds
+    (:mod:`batchspec.proposers.lookup`) and the draft model fills only the positions where the lookup finds
     nothing; a step at which every row has a lookup draft runs no draft forward (its tokens are fed at the next
     forward), so the draft's cache stays right for every row. Lookup drafts of sampling rows have a one-hot ``q``.
     """
