@@ -117,7 +117,7 @@ def test_unknown_option_is_one_line():
 def test_target_without_draft_needs_a_draft_for_the_draft_proposer(tiny_pair):
     result = run("generate", "--target", str(tiny_pair["target"]), "--prompts", str(tiny_pair["prompts"]),
                  "--proposer", "draft")
-    assert_one_line_error(result, 1, "--target needs --draft as well for --proposer hybrid")
+    assert_one_line_error(result, 1, "--target needs --draft as well for --proposer draft")
 
 
 def test_target_alone_speculates_with_prompt_lookup(tiny_pair):
@@ -264,7 +264,7 @@ def test_model_choice_names_the_presets_to_obtain():
     assert not ModelChoice(target="/t", draft="/d").target_only(Method.AUTOREGRESSIVE)
     assert ModelChoice(preset="smollm2").target_only(Method.EQSPEC, ProposerKind.NGRAM)
     assert presets_used(ModelChoice(preset="smollm2"), Method.EQSPEC, ProposerKind.NGRAM) == ["smollm2"]
-    assert ModelChoice(preset="smollm2").proposer_for(Method.EXSPEC, None) is ProposerKind.DRAFT
+    assert ModelChoice(preset="smollm2").proposer_for(Method.EXSPEC, None) is ProposerKind.HYBRID
     assert ModelChoice(dtype="float32").dtype.value == "float32"
     assert ModelChoice().dtype.value == "auto"
     with pytest.raises(ValueError, match="Unsupported dtype 'int8'"):
