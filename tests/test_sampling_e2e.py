@@ -363,7 +363,9 @@ def test_rows_with_different_settings_share_rounds(seq_models):
         SamplingParams(temperature=0.5, top_p=0.7),
     ] * 2
     seeds = derive_row_seeds(7, len(prompts))
-    config = SpecConfig(batch_size=8, num_draft_tokens=3, eos_token_ids=tuple(SEQ_EOS), check_invariants=True)
+    config = SpecConfig(
+        batch_size=8, num_draft_tokens=3, eos_token_ids=tuple(SEQ_EOS), check_invariants=True, proposer="draft"
+    )
     decoder = build_engine(seq_models.target, seq_models.perturbed, config)
     rows = [
         Sequence(i, p, SEQ_MAX_NEW, sampling=s, seed=seed)
