@@ -170,9 +170,12 @@ def stat_run(models: Models, case: StatCase) -> tuple[float, float]:
 
 @pytest.mark.parametrize("case", list(STAT_CASES))
 def test_first_two_tokens_follow_the_target(case, stat_models):
+    """The first two tokens follow the target's joint distribution. Drafts are accepted partially, except where
+    the planner may rightly decline to draft: with ``"auto"`` a draft model as large as the target never pays."""
     pvalue, acceptance = stat_run(stat_models, STAT_CASES[case])
     assert pvalue > PASS_P, (case, pvalue)
-    if STAT_CASES[case].method != "autoregressive":
+    declines = STAT_CASES[case].num_draft_tokens == "auto" and STAT_CASES[case].proposer == "draft"
+    if STAT_CASES[case].method != "autoregressive" and not declines:
         assert 0.05 < acceptance < 0.95, f"drafts should be accepted partially: {acceptance}"
 
 

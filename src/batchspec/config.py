@@ -58,7 +58,8 @@ class SpecConfig:
         check_invariants: verify the batch invariants (I1, I2, token streams, cache lengths) every round.
         timing: measure per-stage seconds (prefill/draft/verify/realign/other); wall time is always measured.
         prefill_chunk: while other rows decode, read at most this many columns of new prompts per round (chunked
-            prefill, for serving); None reads every prompt in one piece.
+            prefill, for serving); ``"auto"``: as many as take about one decode round to read (measured as it
+            runs, :class:`batchspec.prefill.ChunkBudget`); None reads every prompt in one piece.
     """
 
     method: Method = Method.EQSPEC
@@ -75,7 +76,7 @@ class SpecConfig:
     sort_by_length: bool = True
     check_invariants: bool = False
     timing: bool = True
-    prefill_chunk: int | None = None
+    prefill_chunk: int | str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -100,7 +101,9 @@ class SpecConfig:
             _require_int("pad_token_id", self.pad_token_id, minimum=0)
         for eos in self.eos_token_ids or ():
             _require_int("eos_token_id", eos, minimum=0)
-        if self.prefill_chunk is not None:
+        if self.prefill_chunk is not None and self.prefill_chunk != AUTO:
+            if isinstance(self.prefill_chunk, str):
+                raise ValueError(f"prefill_chunk must be an integer >= 1, 'auto' or None; got {self.prefill_chunk!r}")
             _require_int("prefill_chunk", self.prefill_chunk, minimum=1)
         if self.window_size is not None:
             _require_int("window_size", self.window_size, minimum=1)

@@ -12,11 +12,14 @@ Terms (per round over ``B`` rows, ``K`` the longest proposal):
 ``K = 0`` is a plain step of the target (no draft forward at all for greedy rows), so speculation is used only
 where it is expected to pay. A row's ``a`` is its recent share of accepted drafts (exponentially weighted), pulled
 toward the engine-wide share while it has few observations; lookup drafts and draft-model drafts are counted
-apart. The cost coefficients are fitted per batch size to every round's measured seconds (ridge regression
-towards a prior: the verification grows by a tenth of a plain step per extra column, a draft forward costs the
-draft's share of the two models' parameters). While the draft is idle its rows' counts fade toward the engine-wide
-prior, which itself fades toward an optimistic 0.6, so that acceptance is probed again now and then; lookup drafts
-need no probe, since a plain step checks the first lookup of every row for free.
+apart. The cost coefficients are fitted per batch size to every round's measured seconds by ridge regression
+towards a prior that follows the fitted plain step ``c_0``: an extra column costs ``c_0 min(1, B / KNEE_TOKENS)``
+(a forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the weights dominates, and grows
+in proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but ``c_t(8, 6) = 3.5 c_t(8, 1)``),
+a draft forward the draft's share of the two models' parameters times ``c_0``. Slopes that no round has tested yet thus
+scale with the measured plain step rather than with a guess. While the draft is idle its rows' counts fade toward
+the engine-wide prior, which itself fades toward an optimistic 0.6, so that acceptance is probed again now and then;
+lookup drafts need no probe, since a plain step checks the first lookup of every row for free.
 
 Example: B = 1, ``a = 0.8`` and cost(K) = 0.25 + 0.05 K + 0.09 K s: K = 0 gives 1 / 0.25 = 4.0 tokens/s; K = 3 with a
 draft model gives (1 + .8 + .64 + .51) / 0.67 = 4.4; K = 3 with lookups only (s = 0) gives 2.95 / 0.40 = 7.4.
@@ -35,7 +38,7 @@ IDLE_DECAY = 0.97  # per idle round: how fast unobserved counts fade toward thei
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide share in a row's estimate
 COST_DECAY = 0.95
 RIDGE = 0.5
-VERIFY_GROWTH_PRIOR = 0.1
+KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
 
 
 @dataclass
@@ -67,21 +70,32 @@ class RowAcceptance:
 
 @dataclass
 class CostFit:
-    """``seconds ≈ theta · [1, K, s]`` for one batch size, fitted to decayed observations by ridge regression."""
+    """``seconds ≈ theta · [1, K, s]`` for one batch size, fitted to decayed observations by ridge regression
+    toward ``shape * c_0``, ``c_0`` the fitted intercept. ``start`` is the first guess of ``c_0``: the nearest
+    batch size's, else the first observed round's seconds divided by what ``shape`` predicts for it (None: no
+    round yet, when only the ratios of costs matter). Slopes are never negative."""
 
-    prior: torch.Tensor  # [3]
+    shape: torch.Tensor  # [3], shape[0] == 1
+    start: float | None = None
     gram: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 3, dtype=torch.float64))
     moment: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
 
     def observe(self, k: int, steps: int, seconds: float) -> None:
         x = torch.tensor([1.0, k, steps], dtype=torch.float64)
+        if self.start is None:
+            self.start = seconds / float(self.shape @ x)
         self.gram = COST_DECAY * self.gram + torch.outer(x, x)
         self.moment = COST_DECAY * self.moment + x * seconds
 
     @property
     def theta(self) -> torch.Tensor:  # [3]
+        """Two solves: the first fixes the intercept ``c_0`` the prior is scaled to, the second the slopes."""
         scale = RIDGE * torch.eye(3, dtype=torch.float64)
-        return torch.linalg.solve(self.gram + scale, self.moment + scale @ self.prior)
+        c0 = 1.0 if self.start is None else self.start
+        for _ in range(2):
+            theta = torch.linalg.solve(self.gram + scale, self.moment + scale @ (self.shape * c0))
+            c0 = max(float(theta[0]), 1e-9)
+        return torch.cat([torch.tensor([c0], dtype=torch.float64), theta[1:].clamp(min=0)])
 
     def predict(self, k: int, steps: int) -> float:
         return float(self.theta @ torch.tensor([1.0, k, steps], dtype=torch.float64))
@@ -189,7 +203,7 @@ class AdaptiveLength:
         if not model_tested:
             self.engine.model.fade(IDLE_DECAY)
         self.drafting = record.forwards > 0
-        self._fit(len(rows), record).observe(record.k, record.forwards, record.seconds)
+        self._fit(len(rows)).observe(record.k, record.forwards, record.seconds)
 
     def _shares(self, row) -> tuple[float, float]:
         engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
@@ -199,18 +213,12 @@ class AdaptiveLength:
             row.acceptance.model.estimate(engine_model, PRIOR_WEIGHT),
         )
 
-    def _fit(self, rows: int, first: RoundRecord | None = None) -> CostFit:
-        """The cost fit of ``rows`` rows: a copy of the nearest batch size's for a new one, or a prior scaled to
-        the first observed round."""
+    def _fit(self, rows: int) -> CostFit:
+        """The cost fit of ``rows`` rows, started from the nearest batch size's plain step."""
         if rows not in self.fits:
-            if self.fits:
-                nearest = self.fits[min(self.fits, key=lambda b: abs(b - rows))]
-                self.fits[rows] = CostFit(nearest.theta.clone())
-            else:
-                shape = torch.tensor([1.0, VERIFY_GROWTH_PRIOR, self.draft_ratio], dtype=torch.float64)
-                scale = 1.0 if first is None else first.seconds / (1 + VERIFY_GROWTH_PRIOR * first.k
-                                                                  + self.draft_ratio * first.forwards)
-                self.fits[rows] = CostFit(shape * scale)
+            shape = torch.tensor([1.0, min(1.0, rows / KNEE_TOKENS), self.draft_ratio], dtype=torch.float64)
+            start = float(self.fits[min(self.fits, key=lambda b: abs(b - rows))].theta[0]) if self.fits else None
+            self.fits[rows] = CostFit(shape, start)
         return self.fits[rows]
 
 

@@ -23,7 +23,7 @@ from batchspec.forward import forward_columns
 from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.models.support import check_pair
-from batchspec.prefill import Reader, catch_up
+from batchspec.prefill import ChunkBudget, Reader, catch_up
 from batchspec.proposers import NoDraftProposer, Proposal, Proposer, point_masses
 from batchspec.proposers.draft import DraftModelProposer
 from batchspec.proposers.ngram import NgramProposer
@@ -47,6 +47,7 @@ class Engine:
         self.proposer = _proposer(draft, config)
         self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
         self.planner = _planner(target, draft if self.proposer.uses_draft_model else None, config)
+        self.chunks = ChunkBudget(config.prefill_chunk)
 
     def step(self, rows: list[Sequence]) -> None:
         """One round over ``rows`` (unfinished, at most ``batch_size``): read what prompts it may, then decode
@@ -71,7 +72,9 @@ class Engine:
             verdict = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
             self.accept(batch, proposal, verdict)
-            self.planner.observe(rows, _record(proposal, verdict, reach, sampling, time.perf_counter() - started))
+            seconds = time.perf_counter() - started
+            self.planner.observe(rows, _record(proposal, verdict, reach, sampling, seconds))
+            self.chunks.decoded(seconds)
         if self.config.check_invariants:
             for row in rows:
                 if not row.finished:
@@ -83,11 +86,14 @@ class Engine:
         unread = [row for row in rows if not row.ready]
         if unread:
             group = [row for row in unread if row.kv is not None] or unread
-            limit = self.config.prefill_chunk if len(unread) < len(rows) else None
+            limit = self.chunks.limit(len(group)) if len(unread) < len(rows) else None
             readers = [Reader(self.target)]
             if self.proposer.uses_draft_model and self.planner.drafting:
                 readers.append(Reader(self.draft, draft=True))
+            held = sum(_target_cached(row) for row in group)
+            started = time.perf_counter()
             self._catch_up(group, readers, limit)
+            self.chunks.read(sum(_target_cached(row) for row in group) - held, time.perf_counter() - started)
         return [row for row in rows if row.ready]
 
     def sync_draft(self, rows: list[Sequence]) -> None:
@@ -224,6 +230,10 @@ def _record(proposal: Proposal, verdict: Verdict, reach: Reach, sampling, second
         for n, token, got, plain in zip(lengths, first, gained, greedy, strict=True)
     ]
     return RoundRecord(lengths, accepted, looked, shadow, proposal.k, proposal.draft_forwards, seconds)
+
+
+def _target_cached(row: Sequence) -> int:
+    return 0 if row.kv is None else row.kv.target_cached
 
 
 def _parameters(model: torch.nn.Module) -> int:

@@ -14,6 +14,10 @@ their own and read first:
 
 Both feed columns up to, not including, each row's pending token, through the decoder only (no logits).
 
+How many columns a chunk reads is a :class:`ChunkBudget`: a fixed number, or ``"auto"``: as many as take about
+as long to read as one decode round of the running rows, from the seconds measured so far, so that a running
+stream waits about two rounds (the chunk, then its own round) whatever prompt arrives.
+
 Example, ``limit = 4``: rows ``a`` (7 tokens) and ``b`` (3 tokens) are laid out ``[a a a a a a a]`` and
 ``[_ _ _ _ b b b]``; the first chunk reads columns 0–3 (``b`` has none of its own there), the second columns 4–5;
 then both hold every column but their last, and are ready.
@@ -25,10 +29,51 @@ from dataclasses import dataclass
 
 import torch
 
+from batchspec.config import AUTO
 from batchspec.forward import read_columns
 from batchspec.kv_cache import BatchKVCache
 from batchspec.realign import assemble, plan_layout
 from batchspec.state import BatchState, KVLocation, Sequence
+
+FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
+MIN_AUTO_CHUNK = 8
+TIMING_DECAY = 0.5  # weight of earlier measurements in the running estimates
+
+
+class ChunkBudget:
+    """Columns of new prompts a round may read while other rows decode: ``setting`` columns, all (None), or
+    (``"auto"``) the columns that take about as long to read as a decode round, from running estimates of the
+    seconds a decode round and a read prompt token take.
+
+    Example: decode rounds of 0.06 s and 2.5 ms per prompt token read: one new row reads 24 columns per round;
+    two new rows read 12 each.
+    """
+
+    def __init__(self, setting: int | str | None) -> None:
+        self.setting = setting
+        self.round_s: float | None = None
+        self.token_s: float | None = None
+
+    def limit(self, rows: int) -> int | None:
+        """Columns ``rows`` new rows may read this round (None: all)."""
+        if self.setting != AUTO:
+            return self.setting
+        if self.round_s is None or self.token_s is None:
+            return FIRST_AUTO_CHUNK
+        return max(MIN_AUTO_CHUNK, round(self.round_s / (self.token_s * rows)))
+
+    def decoded(self, seconds: float) -> None:
+        """A decode round took ``seconds``."""
+        self.round_s = _mix(self.round_s, seconds)
+
+    def read(self, tokens: int, seconds: float) -> None:
+        """Reading ``tokens`` prompt tokens (over all rows and models) took ``seconds``."""
+        if tokens > 0:
+            self.token_s = _mix(self.token_s, seconds / tokens)
+
+
+def _mix(estimate: float | None, value: float) -> float:
+    return value if estimate is None else TIMING_DECAY * estimate + (1 - TIMING_DECAY) * value
 
 
 @dataclass(frozen=True)

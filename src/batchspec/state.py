@@ -115,15 +115,19 @@ class Sequence:
         self.kv = None
 
     def check_location(self) -> None:
-        """Raise ``AssertionError`` unless the row's KV location matches its tokens and the caches."""
+        """Raise ``AssertionError`` unless the row's KV location matches its tokens and the caches. A row whose
+        prompt is still being read in chunks (no output yet) may hold fewer target columns than a ready row."""
         kv = self.kv
         assert kv is not None, f"row {self.index} has no KV location"
         assert 0 <= kv.row < kv.slab.size, f"row {self.index}: slab row {kv.row} out of range"
-        assert kv.target_cached == self.content_len - 1, f"row {self.index}: target KV misses columns"
+        if self.output:
+            assert kv.target_cached == self.content_len - 1, f"row {self.index}: target KV misses columns"
+        assert 0 <= kv.target_cached <= self.content_len - 1, f"row {self.index}: target KV covers {kv.target_cached}"
         assert 0 <= kv.draft_cached <= self.content_len - 1, f"row {self.index}: draft KV covers {kv.draft_cached}"
         stored = kv.slab.tokens[kv.row, kv.start : kv.start + self.content_len].tolist()
         assert stored == self.prompt + self.output, f"row {self.index}: stored tokens out of sync"
-        assert kv.slab.target.length >= kv.start + kv.target_cached, f"row {self.index}: target KV too short"
+        if kv.target_cached:  # a row whose first chunk ended before its first token holds none yet
+            assert kv.slab.target.length >= kv.start + kv.target_cached, f"row {self.index}: target KV too short"
         if kv.slab.draft is not None and kv.draft_cached:
             assert kv.slab.draft.length >= kv.start + kv.draft_cached, f"row {self.index}: draft KV too short"
 

@@ -131,8 +131,8 @@ MaxNewTokensOption = Annotated[
     int,
     typer.Option("--max-new-tokens", metavar="N", min=0, help="New tokens per prompt at most."),
 ]
-def parse_draft_tokens(value: str) -> int | str:
-    """``"auto"`` or an integer >= 1 (typer callback of ``--num-draft-tokens``)."""
+def parse_auto_or_count(value: str) -> int | str:
+    """``"auto"`` or an integer >= 1 (typer callback of ``--num-draft-tokens`` and ``--prefill-chunk``)."""
     if value == AUTO:
         return AUTO
     try:
@@ -147,7 +147,7 @@ def parse_draft_tokens(value: str) -> int | str:
 NumDraftTokensOption = Annotated[
     str,
     typer.Option(
-        "--num-draft-tokens", "-k", metavar="K|auto", callback=parse_draft_tokens,
+        "--num-draft-tokens", "-k", metavar="K|auto", callback=parse_auto_or_count,
         help="Drafts per row and round (each row's capped by its own budget), or 'auto': chosen every round for "
         "the most expected tokens per second from the rows' recent acceptance and the measured costs, down to "
         "plain steps where speculation does not pay.",

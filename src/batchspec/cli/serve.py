@@ -24,6 +24,7 @@ from batchspec.cli.common import (
     ProposerOption,
     TargetOption,
     load_models,
+    parse_auto_or_count,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_READ_TIMEOUT_S, RequestLimits
@@ -72,11 +73,12 @@ ServedNameOption = Annotated[
 ]
 LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", help="Server log verbosity.")]
 PrefillChunkOption = Annotated[
-    int,
+    str,
     typer.Option(
-        "--prefill-chunk", metavar="N", min=1,
+        "--prefill-chunk", metavar="N|auto", callback=parse_auto_or_count,
         help="Columns of new prompts read per round while other requests decode (chunked prefill): a long prompt "
-        "then delays the running streams a bounded amount per round.",
+        "then delays the running streams a bounded amount per round. auto (default): as many columns as take "
+        "about one decode round to read (measured while serving), so a stream waits about two rounds at most.",
     ),
 ]
 TimingOption = Annotated[

@@ -10,7 +10,7 @@ from batchspec.server.security import SecurityConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = AUTO
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
@@ -35,7 +35,8 @@ class ServerConfig:
         security: API key, CORS origins and the Host names answered.
         timing: split round time into stages for ``/metrics`` (cheap: on a GPU one device synchronisation a round).
         prefill_chunk: columns of new prompts read per round while other requests decode (chunked prefill: a long
-            prompt delays the running streams a bounded amount per round); None reads each prompt in one piece.
+            prompt delays the running streams a bounded amount per round); ``"auto"`` (default): as many as take
+            about one decode round to read; None reads each prompt in one piece.
     """
 
     method: str = "eqspec"
@@ -50,7 +51,7 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     timing: bool = True
-    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK
+    prefill_chunk: int | str | None = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,8 +67,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
         if self.window_size is not None and self.window_size < self.max_batch_size:
             raise ValueError(f"window_size must be >= max_batch_size ({self.max_batch_size}); got {self.window_size}")
-        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be an integer >= 1 or None; got {self.prefill_chunk!r}")
+        chunk = self.prefill_chunk
+        if chunk is not None and chunk != AUTO and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ValueError(f"prefill_chunk must be an integer >= 1, 'auto' or None; got {chunk!r}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
 
