@@ -6,18 +6,23 @@ Terms (per round over ``B`` rows, ``K`` the longest proposal):
     E_i(m)  = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_m   tokens row i expects from m drafts (a_j: chance that its j-th
                                                       draft is accepted once the ones before it were)
     cost(K) = c_0 + c_v K + c_d s(K)                 seconds of the round: a fixed part, the verification's
-                                                      growth per extra column, and s(K) draft forwards
+                                                      growth per extra column, and s(K) draft forwards of c_d
     K*      = argmax_K  sum_i E_i(min(K, reach_i)) / cost(K)
 
 ``K = 0`` is a plain step of the target (no draft forward at all for greedy rows), so speculation is used only
 where it is expected to pay. A row's ``a`` is its recent share of accepted drafts (exponentially weighted), pulled
 toward the engine-wide share while it has few observations; lookup drafts and draft-model drafts are counted
-apart. The cost coefficients are fitted per batch size to every round's measured seconds by ridge regression
-towards a prior that follows the fitted plain step ``c_0``: an extra column costs ``c_0 min(1, B / KNEE_TOKENS)``
-(a forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the weights dominates, and grows
-in proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but ``c_t(8, 6) = 3.5 c_t(8, 1)``),
-a draft forward the draft's share of the two models' parameters times ``c_0``. Slopes that no round has tested yet thus
-scale with the measured plain step rather than with a guess. While the draft is idle its rows' counts fade toward
+apart. Per batch size, ``c_0`` and ``c_v`` are fitted to every round's measured seconds outside the draft by ridge
+regression towards a prior that follows the fitted plain step ``c_0``: an extra column costs
+``c_0 min(1, B / KNEE_TOKENS)`` (a forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the
+weights dominates, and grows in proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but
+``c_t(8, 6) = 3.5 c_t(8, 1)``), so a width no round has tested yet is priced from the measured plain step. ``c_d`` is
+the draft forwards' own measured seconds (a running mean), and until the draft has run at that batch size, the
+draft's share of the two models' parameters times ``c_0``.
+
+With prompt lookup and a draft model (hybrid), rows without a lookup would make every drafted position a draft
+forward for the whole batch; each round therefore also weighs proposing the lookups alone (rows without one take a
+plain step) and takes whichever is expected to be faster. While the draft is idle its rows' counts fade toward
 the engine-wide prior, which itself fades toward an optimistic 0.6, so that acceptance is probed again now and then;
 lookup drafts need no probe, since a plain step checks the first lookup of every row for free.
 
@@ -37,6 +42,7 @@ ENGINE_DECAY = 0.97
 IDLE_DECAY = 0.97  # per idle round: how fast unobserved counts fade toward their prior
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide share in a row's estimate
 COST_DECAY = 0.95
+DRAFT_DECAY = 0.8  # weight of the earlier draft-forward timings in their running mean
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
 
@@ -70,35 +76,45 @@ class RowAcceptance:
 
 @dataclass
 class CostFit:
-    """``seconds ≈ theta · [1, K, s]`` for one batch size, fitted to decayed observations by ridge regression
-    toward ``shape * c_0``, ``c_0`` the fitted intercept. ``start`` is the first guess of ``c_0``: the nearest
-    batch size's, else the first observed round's seconds divided by what ``shape`` predicts for it (None: no
-    round yet, when only the ratios of costs matter). Slopes are never negative."""
+    """Round seconds at one batch size: the target's part ``theta · [1, K]``, fitted to decayed observations by
+    ridge regression toward ``c_0 · [1, slope]`` (``c_0`` the fitted intercept; ``start`` its first guess: the
+    nearest batch size's, else the first round's; None before any round, when only ratios matter; the fitted slope
+    is never negative), and ``draft_s``, the measured seconds of one draft forward (``draft_share * c_0`` until the
+    draft has run)."""
 
-    shape: torch.Tensor  # [3], shape[0] == 1
+    slope: float
+    draft_share: float
     start: float | None = None
-    gram: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 3, dtype=torch.float64))
-    moment: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    draft_s: float | None = None
+    gram: torch.Tensor = field(default_factory=lambda: torch.zeros(2, 2, dtype=torch.float64))
+    moment: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
-    def observe(self, k: int, steps: int, seconds: float) -> None:
-        x = torch.tensor([1.0, k, steps], dtype=torch.float64)
+    def observe(self, k: int, forwards: int, seconds: float, draft_seconds: float) -> None:
+        target = seconds - draft_seconds
         if self.start is None:
-            self.start = seconds / float(self.shape @ x)
+            self.start = target / (1 + self.slope * k)
+        x = torch.tensor([1.0, k], dtype=torch.float64)
         self.gram = COST_DECAY * self.gram + torch.outer(x, x)
-        self.moment = COST_DECAY * self.moment + x * seconds
+        self.moment = COST_DECAY * self.moment + x * target
+        if forwards:
+            each = draft_seconds / forwards
+            self.draft_s = each if self.draft_s is None else DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * each
 
     @property
-    def theta(self) -> torch.Tensor:  # [3]
-        """Two solves: the first fixes the intercept ``c_0`` the prior is scaled to, the second the slopes."""
-        scale = RIDGE * torch.eye(3, dtype=torch.float64)
+    def theta(self) -> tuple[float, float]:
+        """``(c_0, c_v)`` by two solves: the first fixes the intercept the prior is scaled to, the second the slope."""
+        ridge = RIDGE * torch.eye(2, dtype=torch.float64)
+        shape = torch.tensor([1.0, self.slope], dtype=torch.float64)
         c0 = 1.0 if self.start is None else self.start
         for _ in range(2):
-            theta = torch.linalg.solve(self.gram + scale, self.moment + scale @ (self.shape * c0))
+            theta = torch.linalg.solve(self.gram + ridge, self.moment + ridge @ (shape * c0))
             c0 = max(float(theta[0]), 1e-9)
-        return torch.cat([torch.tensor([c0], dtype=torch.float64), theta[1:].clamp(min=0)])
+        return c0, max(float(theta[1]), 0.0)
 
     def predict(self, k: int, steps: int) -> float:
-        return float(self.theta @ torch.tensor([1.0, k, steps], dtype=torch.float64))
+        c0, slope = self.theta
+        draft = self.draft_share * c0 if self.draft_s is None else self.draft_s
+        return c0 + slope * k + draft * steps
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,7 @@ class RoundRecord:
         shadow: per row that proposed nothing, whether its first lookup draft equals the token it gained
             (None: no lookup draft).
         k, forwards: the round's longest proposal and the draft forwards it ran.
-        seconds: the round's decode time.
+        seconds: the round's decode time, of which ``draft_seconds`` were spent proposing.
     """
 
     lengths: list[int]
@@ -140,6 +156,7 @@ class RoundRecord:
     k: int
     forwards: int
     seconds: float
+    draft_seconds: float = 0.0
 
 
 class FixedLength:
@@ -169,19 +186,23 @@ class AdaptiveLength:
         self.fits: dict[int, CostFit] = {}
 
     def lengths(self, rows, reach: Reach, sampled: bool) -> list[int]:
-        caps = [reach.available(i, min(self.max_k, row.remaining - 1)) for i, row in enumerate(rows)]
+        limits = [min(self.max_k, row.remaining - 1) for row in rows]
+        variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
+        if reach.model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
+            variants.append([min(limit, looked) for limit, looked in zip(limits, reach.lookups, strict=True)])
         shares = [self._shares(row) for row in rows]
         fit = self._fit(len(rows))
-        best, best_rate = 0, 0.0
-        for k in range(max(caps, default=0) + 1):
-            expected = sum(
-                _expected(min(k, cap), looked, shares_i, reach.model)
-                for cap, looked, shares_i in zip(caps, reach.lookups, shares, strict=True)
-            )
-            rate = expected / max(fit.predict(k, _draft_steps(k, caps, reach, sampled)), 1e-6)
-            if rate > best_rate * (1 + 1e-6):
-                best, best_rate = k, rate
-        return [min(best, cap) for cap in caps]
+        best, best_rate = [0] * len(rows), 0.0
+        for caps in variants:
+            for k in range(max(caps, default=0) + 1):
+                expected = sum(
+                    _expected(min(k, cap), looked, shares_i, reach.model)
+                    for cap, looked, shares_i in zip(caps, reach.lookups, shares, strict=True)
+                )
+                rate = expected / max(fit.predict(k, _draft_steps(k, caps, reach, sampled)), 1e-6)
+                if rate > best_rate * (1 + 1e-6):
+                    best, best_rate = [min(k, cap) for cap in caps], rate
+        return best
 
     def observe(self, rows, record: RoundRecord) -> None:
         """Account a round: acceptance per row and source, and its cost."""
@@ -203,7 +224,7 @@ class AdaptiveLength:
         if not model_tested:
             self.engine.model.fade(IDLE_DECAY)
         self.drafting = record.forwards > 0
-        self._fit(len(rows)).observe(record.k, record.forwards, record.seconds)
+        self._fit(len(rows)).observe(record.k, record.forwards, record.seconds, record.draft_seconds)
 
     def _shares(self, row) -> tuple[float, float]:
         engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
@@ -216,9 +237,8 @@ class AdaptiveLength:
     def _fit(self, rows: int) -> CostFit:
         """The cost fit of ``rows`` rows, started from the nearest batch size's plain step."""
         if rows not in self.fits:
-            shape = torch.tensor([1.0, min(1.0, rows / KNEE_TOKENS), self.draft_ratio], dtype=torch.float64)
-            start = float(self.fits[min(self.fits, key=lambda b: abs(b - rows))].theta[0]) if self.fits else None
-            self.fits[rows] = CostFit(shape, start)
+            start = self.fits[min(self.fits, key=lambda b: abs(b - rows))].theta[0] if self.fits else None
+            self.fits[rows] = CostFit(min(1.0, rows / KNEE_TOKENS), self.draft_ratio, start)
         return self.fits[rows]
 
 

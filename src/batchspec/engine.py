@@ -59,21 +59,23 @@ class Engine:
     def decode(self, rows: list[Sequence]) -> None:
         sampling = self.round_sampling(rows)
         reach = self.proposer.reach(rows, self.planner.limit)
-        lengths = torch.tensor(self.planner.lengths(rows, reach, sampling is not None), dtype=torch.long)
-        lengths = lengths.to(self.device)  # [B]
-        if self.proposer.uses_draft_model and (bool(lengths.any()) or sampling is not None):
+        planned = self.planner.lengths(rows, reach, sampling is not None)
+        lengths = torch.tensor(planned, dtype=torch.long).to(self.device)  # [B]
+        if self.proposer.uses_draft_model and _model_drafts(planned, reach, sampling):
             self.sync_draft(rows)
         started = time.perf_counter()
         with self.timer.stage("realign"):
             batch = self.realign(rows)
         with self.timer.stage("draft"):
+            proposing = time.perf_counter()
             proposal = self.proposer.propose(batch, lengths, sampling)
+            proposing = time.perf_counter() - proposing
         with self.timer.stage("verify"):
             verdict = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
             self.accept(batch, proposal, verdict)
             seconds = time.perf_counter() - started
-            self.planner.observe(rows, _record(proposal, verdict, reach, sampling, seconds))
+            self.planner.observe(rows, _record(proposal, verdict, reach, sampling, seconds, proposing))
             self.chunks.decoded(seconds)
         if self.config.check_invariants:
             for row in rows:
@@ -218,7 +220,9 @@ def _planner(target: torch.nn.Module, draft: torch.nn.Module | None, config: Spe
     return AdaptiveLength(config.max_draft_tokens, ratio)
 
 
-def _record(proposal: Proposal, verdict: Verdict, reach: Reach, sampling, seconds: float) -> RoundRecord:
+def _record(
+    proposal: Proposal, verdict: Verdict, reach: Reach, sampling, seconds: float, proposing: float
+) -> RoundRecord:
     """What the planner learns from a round (lookup drafts checked for free in rows that proposed nothing)."""
     lengths, accepted = proposal.lengths.tolist(), verdict.accepted.tolist()
     looked = [[False] * (proposal.k + 1)] * len(lengths) if proposal.looked is None else proposal.looked.tolist()
@@ -229,7 +233,13 @@ def _record(proposal: Proposal, verdict: Verdict, reach: Reach, sampling, second
         None if n or token is None or not plain else token == got
         for n, token, got, plain in zip(lengths, first, gained, greedy, strict=True)
     ]
-    return RoundRecord(lengths, accepted, looked, shadow, proposal.k, proposal.draft_forwards, seconds)
+    return RoundRecord(lengths, accepted, looked, shadow, proposal.k, proposal.draft_forwards, seconds, proposing)
+
+
+def _model_drafts(lengths: list[int], reach: Reach, sampling: RoundSampling | None) -> bool:
+    """Whether the draft model may run this round: a row drafts past its lookups, or a row samples (its bonus
+    position is drafted)."""
+    return sampling is not None or any(n > looked for n, looked in zip(lengths, reach.lookups, strict=True))
 
 
 def _target_cached(row: Sequence) -> int:

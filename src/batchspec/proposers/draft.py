@@ -52,10 +52,11 @@ class DraftModelProposer:
             return Proposal(tokens=tokens, lengths=lengths)
         cursors = None if self.lookup is None else [self.lookup.index(row).cursor() for row in batch.rows]
         looked = torch.zeros_like(tokens, dtype=torch.bool)  # [B, k+1]: drafts found by lookup
+        needed = _needed(lengths, sampling if sampled else None, steps)  # [B, steps]
         q, fed, forwards = None, None, 0
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
         for j in range(steps):
-            found = self._look_up(cursors, tokens, looked, j)
+            found = self._look_up(cursors, tokens, looked, j) or bool((looked[:, j] | ~needed[:, j]).all())
             if not found:
                 model, q = self._model_step(batch, inputs, tokens.shape, q, j, sampling if sampled else None)
                 tokens[:, j] = torch.where(looked[:, j], tokens[:, j], model)  # lookup drafts go first
@@ -109,6 +110,19 @@ class DraftModelProposer:
         if proposal.draft_fed is None:
             return batch.draft_cached
         return batch.content + accepted.clamp(max=proposal.draft_fed)
+
+
+def _needed(lengths: torch.Tensor, sampling: RoundSampling | None, steps: int) -> torch.Tensor:
+    """``[B, steps]`` positions whose draft a row uses: its first ``lengths[i]``, and for a sampling row the bonus
+    position after them. Where every row's needed draft was looked up, the draft model skips that step.
+
+    Example: lengths ``[2, 0]``, row 1 samples, 3 steps → ``[[T, T, F], [T, F, F]]``.
+    """
+    columns = torch.arange(steps, device=lengths.device)[None, :]  # [1, steps]
+    needed = columns < lengths[:, None]  # [B, steps]
+    if sampling is not None:
+        needed |= (columns == lengths[:, None]) & sampling.sampled[:, None]
+    return needed
 
 
 def _q_dtype(logits_dtype: torch.dtype) -> torch.dtype:
