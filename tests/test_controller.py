@@ -108,3 +108,26 @@ def test_auto_prefill_chunk_takes_about_one_decode_round():
     assert budget.limit(8) == MIN_AUTO_CHUNK
     budget.read(tokens=24, seconds=0.12)  # reading got slower (longer context): smaller chunks
     assert budget.limit(1) < 24
+
+
+@pytest.mark.parametrize(("lag", "budget", "drafts"), [(0, 16, True), (1999, 16, False), (1999, 2000, True)])
+def test_an_idle_draft_pays_its_catch_up_before_it_drafts(lag, budget, drafts):
+    """B = 1, a draft forward at 0.1 plain steps, 60% acceptance: drafting pays, unless the draft must first read
+    a 2,000-token prompt (1 ms a column, from the target's measured 10 ms and the draft's 10% share) for a row
+    with 16 tokens left; with 2,000 tokens left the catch-up is spread thin enough to pay again."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
+    planner.read(1000, 10.0, draft=False)
+    row = Sequence(0, [1] * 2000, budget)
+    planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
+    lengths = planner.lengths([row], Reach([0], model=True, lag=[lag]), False)
+    assert (lengths[0] > 0) == drafts, lengths
+
+
+def test_the_draft_measured_reading_replaces_the_prior():
+    """Once the draft has read columns itself, its own seconds per column price the catch-up."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
+    planner.read(1000, 10.0, draft=False)
+    row = Sequence(0, [1] * 2000, 16)
+    planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
+    planner.read(1000, 0.01, draft=True)  # 10 us a column: 2,000 columns cost 20 ms
+    assert planner.lengths([row], Reach([0], model=True, lag=[1999]), False)[0] > 0

@@ -21,6 +21,8 @@ import pytest
 import tiny_models
 import torch
 from helpers import reference_greedy
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 import batchspec
@@ -387,3 +389,87 @@ def test_rows_with_different_settings_share_rounds(seq_models):
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         )
         assert row.output == alone.sequences[0], params
+
+
+# ---- any schedule: planner choices, arrivals, chunked prefill --------------------------------------------
+
+
+class Arrivals:
+    """Driver hooks that queue rows a few at a time, as a server's requests arrive between rounds."""
+
+    def __init__(self, rows: list[Sequence], batches: list[int]) -> None:
+        self.pending, self.batches = list(rows), list(batches)
+
+    def admit(self, scheduler) -> bool:
+        for _ in range(self.batches.pop(0) if self.batches else len(self.pending)):
+            if self.pending:
+                scheduler.add(self.pending.pop(0))
+        return bool(self.pending) or scheduler.waiting + scheduler.running > 0
+
+    def ran(self, rows, finished) -> None:
+        return None
+
+    def failed(self, rows, error: Exception) -> None:
+        raise error
+
+
+class DrawnLengths:
+    """Stands in for the adaptive planner: every round's lengths are drawn (within what each row can propose), so
+    the test covers choices a planner could make under any timing, including "lookups alone" rounds."""
+
+    def __init__(self, planner, draw) -> None:
+        self.planner, self.draw = planner, draw
+
+    def __call__(self, rows, reach, sampled: bool) -> list[int]:
+        limits = [min(self.planner.max_k, row.remaining - 1) for row in rows]
+        k = self.draw(st.integers(0, max(limits, default=0)))
+        if reach.model and any(reach.lookups) and self.draw(st.booleans()):
+            return [min(k, limit, looked) for limit, looked in zip(limits, reach.lookups, strict=True)]
+        return [reach.available(i, min(k, limit)) for i, limit in enumerate(limits)]
+
+
+SCHEDULE_PROMPTS = [p + p[:6] + p if i % 3 else p for i, p in enumerate(seq_prompts(6, seed=9))]
+
+
+@pytest.fixture(scope="module")
+def schedule_references(seq_models) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """Per proposer: each prompt decoded alone, seeded-sampled and greedy."""
+    refs = {}
+    for proposer in ("draft", "ngram", "hybrid"):
+        kw = {"method": "eqspec", "batch_size": 1, "num_draft_tokens": 3, "proposer": proposer}
+        sampled = run_seq(seq_models, SCHEDULE_PROMPTS, seed=7, **SEQ_SAMPLING, **kw).sequences
+        refs[proposer] = (sampled, run_seq(seq_models, SCHEDULE_PROMPTS, **kw).sequences)
+    return refs
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    proposer=st.sampled_from(["draft", "ngram", "hybrid"]),
+    method=st.sampled_from(["eqspec", "exspec"]),
+    batch_size=st.integers(1, 4),
+    chunk=st.sampled_from([None, 3, 8]),
+    greedy=st.sets(st.integers(0, len(SCHEDULE_PROMPTS) - 1), max_size=3),
+    arrivals=st.lists(st.integers(0, 3), max_size=12),
+    data=st.data(),
+)
+def test_seeded_tokens_do_not_depend_on_the_schedule(
+    proposer, method, batch_size, chunk, greedy, arrivals, data, seq_models, schedule_references
+):
+    """Whatever lengths each round takes, however rows arrive and share rounds with greedy rows, and however their
+    prompts are chunked, every seeded row gets the tokens it gets alone (and every greedy row its greedy tokens)."""
+    config = SpecConfig(
+        method=method, batch_size=batch_size, num_draft_tokens="auto", proposer=proposer, prefill_chunk=chunk,
+        eos_token_ids=tuple(SEQ_EOS), check_invariants=True,
+    )
+    decoder = build_engine(seq_models.target, None if proposer == "ngram" else seq_models.perturbed, config)
+    decoder.planner.lengths = DrawnLengths(decoder.planner, data.draw)
+    seeds = derive_row_seeds(7, len(SCHEDULE_PROMPTS))
+    rows = [
+        Sequence(i, p, SEQ_MAX_NEW, sampling=SamplingParams() if i in greedy else SamplingParams(**SEQ_SAMPLING),
+                 seed=seed)
+        for i, (p, seed) in enumerate(zip(SCHEDULE_PROMPTS, seeds, strict=True))
+    ]
+    with torch.inference_mode():
+        drive(decoder, make_scheduler(decoder.config), Arrivals(rows, arrivals))
+    sampled, plain = schedule_references[proposer]
+    assert [row.output for row in rows] == [plain[i] if i in greedy else sampled[i] for i in range(len(rows))]

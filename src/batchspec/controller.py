@@ -20,6 +20,12 @@ weights dominates, and grows in proportion to the tokens beyond: on 2 CPU cores 
 the draft forwards' own measured seconds (a running mean), and until the draft has run at that batch size, the
 draft's share of the two models' parameters times ``c_0``.
 
+A draft model that has been idle lags: rows that joined or gained lookup tokens while it did not run hold columns
+its cache lacks, and its first forward must read them all (on long prompts, many seconds). That catch-up is priced
+too, at the measured seconds per column the draft reads (until it has read any, the draft's share of the
+parameters times the target's measured seconds per prompt column), spread over the rounds the rows have left, since
+a draft that has caught up stays caught up while it runs.
+
 With prompt lookup and a draft model (hybrid), rows without a lookup would make every drafted position a draft
 forward for the whole batch; each round therefore also weighs proposing the lookups alone (rows without one take a
 plain step) and takes whichever is expected to be faster. While the draft is idle its rows' counts fade toward
@@ -43,6 +49,7 @@ IDLE_DECAY = 0.97  # per idle round: how fast unobserved counts fade toward thei
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide share in a row's estimate
 COST_DECAY = 0.95
 DRAFT_DECAY = 0.8  # weight of the earlier draft-forward timings in their running mean
+READ_DECAY = 0.5  # weight of the earlier prompt-reading timings in their running mean
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
 
@@ -125,11 +132,13 @@ class Reach:
         lookups: per row, lookup drafts found in a row (0 without prompt lookup).
         model: a draft model proposes the positions after the lookups (draft and hybrid proposers).
         first: per row, its first lookup draft (None: none), checked for free when the row proposes nothing.
+        lag: per row, columns before its pending token that the draft model's cache lacks (None: none).
     """
 
     lookups: list[int]
     model: bool
     first: list[int | None] | None = None
+    lag: list[int] | None = None
 
     def available(self, row: int, cap: int) -> int:
         """Drafts row ``row`` can propose within ``cap``."""
@@ -173,6 +182,9 @@ class FixedLength:
     def observe(self, rows, record: RoundRecord) -> None:
         return None
 
+    def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
+        return None
+
 
 class AdaptiveLength:
     """Chooses each round's ``K`` for the highest expected tokens per second (see the module docstring)."""
@@ -184,6 +196,7 @@ class AdaptiveLength:
         self.draft_ratio = draft_ratio
         self.engine = RowAcceptance()
         self.fits: dict[int, CostFit] = {}
+        self.read_s: dict[bool, float] = {}  # seconds per prompt column read, by the draft (True) or the target
 
     def lengths(self, rows, reach: Reach, sampled: bool) -> list[int]:
         limits = [min(self.max_k, row.remaining - 1) for row in rows]
@@ -192,6 +205,8 @@ class AdaptiveLength:
             variants.append([min(limit, looked) for limit, looked in zip(limits, reach.lookups, strict=True)])
         shares = [self._shares(row) for row in rows]
         fit = self._fit(len(rows))
+        lag = self._catch_up_s(reach)
+        left = sum(row.remaining for row in rows)
         best, best_rate = [0] * len(rows), 0.0
         for caps in variants:
             for k in range(max(caps, default=0) + 1):
@@ -199,7 +214,9 @@ class AdaptiveLength:
                     _expected(min(k, cap), looked, shares_i, reach.model)
                     for cap, looked, shares_i in zip(caps, reach.lookups, shares, strict=True)
                 )
-                rate = expected / max(fit.predict(k, _draft_steps(k, caps, reach, sampled)), 1e-6)
+                steps = _draft_steps(k, caps, reach, sampled)
+                catch_up = lag * expected / left if steps and left else 0.0  # spread over the rounds left
+                rate = expected / max(fit.predict(k, steps) + catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = [min(k, cap) for cap in caps], rate
         return best
@@ -225,6 +242,20 @@ class AdaptiveLength:
             self.engine.model.fade(IDLE_DECAY)
         self.drafting = record.forwards > 0
         self._fit(len(rows)).observe(record.k, record.forwards, record.seconds, record.draft_seconds)
+
+    def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
+        """Reading prompt columns (``tokens`` of them, over all rows) took one model ``seconds``."""
+        if tokens > 0:
+            each = seconds / tokens
+            before = self.read_s.get(draft)
+            self.read_s[draft] = each if before is None else READ_DECAY * before + (1 - READ_DECAY) * each
+
+    def _catch_up_s(self, reach: Reach) -> float:
+        """Seconds the draft model needs to read the columns it lacks beyond the ones every round re-reads."""
+        if not reach.model or not reach.lag:
+            return 0.0
+        per_column = self.read_s.get(True, self.draft_ratio * self.read_s.get(False, 0.0))
+        return per_column * sum(max(0, lag - self.max_k - 1) for lag in reach.lag)
 
     def _shares(self, row) -> tuple[float, float]:
         engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)

@@ -107,9 +107,11 @@ class Engine:
 
     def _catch_up(self, rows: list[Sequence], readers: list[Reader], limit: int | None) -> None:
         with self.timer.stage("prefill"):
-            recomputed = catch_up(rows, readers, limit=limit, filler=self.config.pad_token_id, layers=self.layers)
+            reading = catch_up(rows, readers, limit=limit, filler=self.config.pad_token_id, layers=self.layers)
         self.stats.prefill_chunks += 1
-        self.stats.recomputed_columns += recomputed
+        self.stats.recomputed_columns += reading.recomputed
+        for draft, tokens in reading.tokens.items():
+            self.planner.read(tokens, reading.seconds[draft], draft=draft)
 
     def realign(self, rows: list[Sequence]) -> BatchState:
         """Lay the rows out for this round, reusing their slab when they are in lockstep (see ``realign.py``)."""

@@ -25,7 +25,8 @@ then both hold every column but their last, and are ready.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,6 +90,21 @@ class Reader:
         return cache
 
 
+@dataclass
+class Reading:
+    """What one :func:`catch_up` did.
+
+    Attributes:
+        recomputed: target columns read that rows already held.
+        tokens: per model (``draft`` True / False), token positions it read (rows x columns, padding included).
+        seconds: per model, the seconds its reading took.
+    """
+
+    recomputed: int = 0
+    tokens: dict[bool, int] = field(default_factory=dict)
+    seconds: dict[bool, float] = field(default_factory=dict)
+
+
 def catch_up(
     rows: list[Sequence],
     readers: list[Reader],
@@ -96,19 +112,23 @@ def catch_up(
     limit: int | None,
     filler: int,
     layers: tuple[int, int | None],
-) -> int:
+) -> Reading:
     """Lay ``rows`` out on their own and let every reader read at most ``limit`` (None: all) of the columns its
-    cache lacks before the pending tokens; returns the target columns read that rows already held."""
+    cache lacks before the pending tokens."""
     device = rows[0].kv.slab.tokens.device if rows[0].kv else _device(readers)
     layout = plan_layout(rows, device, draft_slack=None)
     batch = assemble(layout, rows, filler=filler, layers=layers)
+    reading = Reading(recomputed=layout.recomputed)
     for reader in readers:
         cache = reader.cache(batch)
         end = batch.width - 1 if limit is None else min(batch.width - 1, cache.length + limit)
         if end > cache.length:
+            started = time.perf_counter()
             read_columns(reader.model, batch, cache, batch.tokens[:, cache.length : end])
+            reading.seconds[reader.draft] = time.perf_counter() - started
+            reading.tokens[reader.draft] = batch.size * (end - cache.length)
     _locate(batch, draft_read=any(reader.draft for reader in readers))
-    return layout.recomputed
+    return reading
 
 
 def _locate(batch: BatchState, *, draft_read: bool) -> None:

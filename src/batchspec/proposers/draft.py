@@ -39,9 +39,10 @@ class DraftModelProposer:
         self.lookup = lookup
 
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
+        lag = [row.content_len - 1 - (row.kv.draft_cached if row.kv else 0) for row in rows]
         if self.lookup is None:
-            return Reach(lookups=[0] * len(rows), model=True)
-        return replace(self.lookup.reach(rows, limit), model=True)
+            return Reach(lookups=[0] * len(rows), model=True, lag=lag)
+        return replace(self.lookup.reach(rows, limit), model=True, lag=lag)
 
     def propose(self, batch: BatchState, lengths: torch.Tensor, sampling: RoundSampling | None) -> Proposal:
         k = int(lengths.max()) if lengths.numel() else 0
