@@ -85,7 +85,8 @@ class Run:
     budget: int = 0
     issued: int = 0
     answered: int = 0
-    mismatches: int = 0
+    mismatches: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SAMPLING, 0))
+    warm_rss: int = 0
     references: dict[Case, list[int]] = field(default_factory=dict)
     ttft_s: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
@@ -148,6 +149,7 @@ def _references(environment: Environment, **_) -> None:
         for case in cases:
             RUN.references[case] = _ask(session, case, stream=False)[0]
     print(f"references: {len(cases)} requests answered one at a time", flush=True)
+    RUN.warm_rss = _resident_bytes()
     gevent.spawn(_watch_memory)
 
 
@@ -181,12 +183,12 @@ class ServeUser(User):
             request_type="POST", name=case.name(stream), response_time=(time.perf_counter() - started) * 1000,
             response_length=len(ids), exception=error, context={},
         )
-        self._count(error)
+        self._count(case, error)
 
-    def _count(self, error: Exception | None) -> None:
+    def _count(self, case: Case, error: Exception | None) -> None:
         with RUN.lock:
             RUN.answered += 1
-            RUN.mismatches += isinstance(error, AnswerDiffers)
+            RUN.mismatches[case.sampling] += isinstance(error, AnswerDiffers)
             done = RUN.answered >= RUN.budget
         if done:
             self.environment.runner.quit()
@@ -217,11 +219,13 @@ def _summary(environment: Environment, **_) -> None:
     total = environment.stats.total
     latency = " ".join(f"p{int(q * 100)} {total.get_response_time_percentile(q) / 1000:.2f} s" for q in (.5, .9, .99))
     ttft = " ".join(f"p{int(q * 100)} {_percentile(RUN.ttft_s, q):.2f} s" for q in (.5, .9, .99))
-    mib = [value / 2**20 for value in (RUN.rss[0], max(RUN.rss), RUN.rss[-1])]
+    mib = [value / 2**20 for value in (RUN.rss[0], RUN.warm_rss, max(RUN.rss), RUN.rss[-1])]
+    kinds = ", ".join(f"{kind} {count}" for kind, count in RUN.mismatches.items())
     if RUN.answered < RUN.budget:
         print(f"batchspec load test: stopped after {RUN.answered} of {RUN.budget} answers", flush=True)
         environment.process_exit_code = 1
     print(f"batchspec load test: {RUN.answered} answers, {total.num_failures} failures "
-          f"({RUN.mismatches} differ from their reference)\n"
+          f"({sum(RUN.mismatches.values())} differ from their reference: {kinds})\n"
           f"  latency {latency}; time to first token (streams) {ttft}\n"
-          f"  server RSS start {mib[0]:.0f} MiB, peak {mib[1]:.0f} MiB, end {mib[2]:.0f} MiB", flush=True)
+          f"  server RSS start {mib[0]:.0f} MiB, after the references {mib[1]:.0f} MiB, peak {mib[2]:.0f} MiB, "
+          f"end {mib[3]:.0f} MiB", flush=True)

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from batchspec.controller import AdaptiveLength, Reach, RoundRecord
-from batchspec.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget
+from batchspec.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
 from batchspec.state import Sequence
 
 
@@ -131,3 +131,11 @@ def test_the_draft_measured_reading_replaces_the_prior():
     planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
     planner.read(1000, 0.01, draft=True)  # 10 us a column: 2,000 columns cost 20 ms
     assert planner.lengths([row], Reach([0], model=True, lag=[1999]), False)[0] > 0
+
+
+def test_length_groups_bound_each_rows_padding():
+    rows = [Sequence(i, [1] * (n + 1), 8) for i, n in enumerate([43, 208, 51, 68, 57, 52])]
+    groups = length_groups(rows, spread=16)
+    assert [[row.content_len - 1 for row in group] for group in groups] == [[208], [68, 57, 52], [51, 43]]
+    assert [[row.content_len - 1 for row in group] for group in length_groups(rows, spread=200)] == [
+        [208, 68, 57, 52, 51, 43]]

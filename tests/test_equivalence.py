@@ -18,6 +18,7 @@ from helpers import Checks, forward_log, make_prompts_for, reference_greedy, rep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import batchspec.prefill as prefill
 from batchspec.kv_cache import GROWTH, BatchKVCache
 
 
@@ -369,6 +370,27 @@ def test_long_prompts_beyond_initial_cache_capacity(target, method, bs, bundles)
     prompts[1][100] = bundle.pad_id
     prompts[2][-1] = bundle.eos_id
     _run_checked(bs, bundle, bundle.drafts["perturbed"], prompts, method=method, batch_size=3, max_new=40, k=8)
+
+
+@pytest.mark.parametrize("method", [E, X, A])
+def test_prompts_of_different_lengths_are_read_in_length_groups(method, bs, llama, monkeypatch):
+    """Prompts of 3-5 and 39-41 tokens are read in two groups, not padded to 41 in one forward, and the output
+    stays the reference's."""
+    read: list[tuple[int, int]] = []
+    read_columns = prefill.read_columns
+
+    def spy(model, batch, cache, inputs):
+        if model is llama.target:
+            read.append(tuple(inputs.shape))
+        return read_columns(model, batch, cache, inputs)
+
+    monkeypatch.setattr(prefill, "read_columns", spy)
+    prompts = [
+        make_prompts_for(llama, 1, seed=80 + i, min_len=n, max_len=n, specials=False)[0]
+        for i, n in enumerate((3, 40, 5, 41, 4, 39))
+    ]
+    _run_checked(bs, llama, llama.drafts["perturbed"], prompts, method=method, batch_size=6, max_new=9, k=3)
+    assert sorted(read) == [(3, 4), (3, 40)], read
 
 
 @pytest.mark.parametrize(("method", "draft_kind", "batch_size"), [(E, "perturbed", 1), (X, "identical", 3)])

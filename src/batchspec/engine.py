@@ -23,7 +23,7 @@ from batchspec.forward import forward_columns
 from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.models.support import check_pair
-from batchspec.prefill import ChunkBudget, Reader, catch_up
+from batchspec.prefill import ChunkBudget, Reader, catch_up, length_groups
 from batchspec.proposers import NoDraftProposer, Proposal, Proposer, point_masses
 from batchspec.proposers.draft import DraftModelProposer
 from batchspec.proposers.ngram import NgramProposer
@@ -84,7 +84,8 @@ class Engine:
 
     def prefill(self, rows: list[Sequence]) -> list[Sequence]:
         """Read the prompts of rows that are not ready (a prompt read in chunks first, at most
-        ``config.prefill_chunk`` columns while other rows decode); returns the rows ready to decode, in order."""
+        ``config.prefill_chunk`` columns while other rows decode; read whole, rows of similar length together);
+        returns the rows ready to decode, in order."""
         unread = [row for row in rows if not row.ready]
         if unread:
             group = [row for row in unread if row.kv is not None] or unread
@@ -94,7 +95,8 @@ class Engine:
                 readers.append(Reader(self.draft, draft=True))
             held = sum(_target_cached(row) for row in group)
             started = time.perf_counter()
-            self._catch_up(group, readers, limit)
+            for part in [group] if limit is not None else length_groups(group):
+                self._catch_up(part, readers, limit)
             self.chunks.read(sum(_target_cached(row) for row in group) - held, time.perf_counter() - started)
         return [row for row in rows if row.ready]
 
