@@ -190,8 +190,8 @@ class ServeUser(User):
             RUN.answered += 1
             RUN.mismatches[case.sampling] += isinstance(error, AnswerDiffers)
             done = RUN.answered >= RUN.budget
-        if done:
-            self.environment.runner.quit()
+        if done:  # quit from a greenlet of its own: quitting stops every user, this one too
+            gevent.spawn(self.environment.runner.quit)
 
 
 class AnswerDiffers(Exception):

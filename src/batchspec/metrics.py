@@ -31,7 +31,8 @@ class GenerationStats:
 
     ``recomputed_columns`` counts target KV columns that rows already held and were fed again (a batch forward
     starts at the column its least-read row needs); the engine reads prompts apart so that it stays 0.
-    ``prefill_chunks`` counts forwards that read prompts (several per prompt when it is read in chunks).
+    ``prefill_chunks`` counts prompt readings (one per group of similar-length prompts read whole, several per
+    prompt read in chunks).
     """
 
     generated_tokens: int = 0
