@@ -442,10 +442,11 @@ def schedule_references(seq_models) -> dict[str, tuple[list[list[int]], list[lis
     return refs
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     proposer=st.sampled_from(["draft", "ngram", "hybrid"]),
     method=st.sampled_from(["eqspec", "exspec"]),
+    online=st.booleans(),
     batch_size=st.integers(1, 4),
     chunk=st.sampled_from([None, 3, 8]),
     greedy=st.sets(st.integers(0, len(SCHEDULE_PROMPTS) - 1), max_size=3),
@@ -453,10 +454,11 @@ def schedule_references(seq_models) -> dict[str, tuple[list[list[int]], list[lis
     data=st.data(),
 )
 def test_seeded_tokens_do_not_depend_on_the_schedule(
-    proposer, method, batch_size, chunk, greedy, arrivals, data, seq_models, schedule_references
+    proposer, method, online, batch_size, chunk, greedy, arrivals, data, seq_models, schedule_references
 ):
-    """Whatever lengths each round takes, however rows arrive and share rounds with greedy rows, and however their
-    prompts are chunked, every seeded row gets the tokens it gets alone (and every greedy row its greedy tokens)."""
+    """Whatever lengths each round takes, however rows arrive and share rounds with greedy rows, however their
+    prompts are chunked, and with the offline or the server's scheduler, every seeded row gets the tokens it gets alone
+    (and every greedy row its greedy tokens)."""
     config = SpecConfig(
         method=method, batch_size=batch_size, num_draft_tokens="auto", proposer=proposer, prefill_chunk=chunk,
         eos_token_ids=tuple(SEQ_EOS), check_invariants=True,
@@ -470,6 +472,6 @@ def test_seeded_tokens_do_not_depend_on_the_schedule(
         for i, (p, seed) in enumerate(zip(SCHEDULE_PROMPTS, seeds, strict=True))
     ]
     with torch.inference_mode():
-        drive(decoder, make_scheduler(decoder.config), Arrivals(rows, arrivals))
+        drive(decoder, make_scheduler(decoder.config, online=online), Arrivals(rows, arrivals))
     sampled, plain = schedule_references[proposer]
     assert [row.output for row in rows] == [plain[i] if i in greedy else sampled[i] for i in range(len(rows))]
