@@ -24,7 +24,7 @@ from batchspec.engine import build_engine
 from batchspec.models import load_pair
 from batchspec.sampling import SamplingParams, derive_row_seeds
 from batchspec.schedulers import make_scheduler
-from batchspec.schedulers.drive import drive
+from batchspec.schedulers.drive import Offline, drive
 from batchspec.state import Sequence
 
 PROMPTS = (  # the first four prompts of scripts/locustfile.py
@@ -37,22 +37,17 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95)
 TOKENS = 32
 
 
-class Arrivals:
+class Arrivals(Offline):
     """Driver hooks: before each round every waiting request arrives with probability 0.3 (up to 8 at once)."""
 
     def __init__(self, rows: list[Sequence], rng: random.Random) -> None:
+        super().__init__(lambda finished: None)
         self.pending, self.rng = list(rows), rng
 
     def admit(self, scheduler) -> bool:
         while self.pending and scheduler.running + scheduler.waiting < 8 and self.rng.random() < 0.3:
             scheduler.add(self.pending.pop(0))
-        return bool(self.pending) or scheduler.waiting + scheduler.running > 0
-
-    def ran(self, rows, finished) -> None:
-        return None
-
-    def failed(self, rows, error: Exception) -> None:
-        raise error
+        return bool(self.pending) or super().admit(scheduler)
 
 
 def catalogue(tokenizer) -> list[tuple[str, list[int], int]]:

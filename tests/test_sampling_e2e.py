@@ -394,23 +394,18 @@ def test_rows_with_different_settings_share_rounds(seq_models):
 # ---- any schedule: planner choices, arrivals, chunked prefill --------------------------------------------
 
 
-class Arrivals:
+class Arrivals(Offline):
     """Driver hooks that queue rows a few at a time, as a server's requests arrive between rounds."""
 
     def __init__(self, rows: list[Sequence], batches: list[int]) -> None:
+        super().__init__(lambda finished: None)
         self.pending, self.batches = list(rows), list(batches)
 
     def admit(self, scheduler) -> bool:
         for _ in range(self.batches.pop(0) if self.batches else len(self.pending)):
             if self.pending:
                 scheduler.add(self.pending.pop(0))
-        return bool(self.pending) or scheduler.waiting + scheduler.running > 0
-
-    def ran(self, rows, finished) -> None:
-        return None
-
-    def failed(self, rows, error: Exception) -> None:
-        raise error
+        return bool(self.pending) or super().admit(scheduler)
 
 
 class DrawnLengths:
