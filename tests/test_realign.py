@@ -8,13 +8,15 @@ its real columns up to the cached length, whatever its old slab, start, acceptan
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.kv_cache import BatchKVCache, Slab
-from batchspec.realign import assemble, compact, plan_layout
+from batchspec.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, plan_layout
 from batchspec.state import BatchState, KVLocation, Sequence
 
 CPU = torch.device("cpu")
@@ -99,6 +101,45 @@ def test_worked_example_from_the_docstring():
     batch = assemble(layout, [row0, row1], filler=0, layers=(1, 1))
     assert batch.tokens.tolist() == [[1, 2, 3, 11, 12, 13], [4, 5, 6, 7, 8, 14]]
     assert batch.slab.target is not slab.target
+
+
+def test_draft_catch_up_worked_example_from_its_docstring():
+    """Catching up row 1 raises the columns the batch keeps, so row 2 lags as well."""
+    rows = [Sequence(i, list(range(n)), 8) for i, n in enumerate([10, 10, 4])]
+    make_slab(rows, starts=[0, 0, 6], lags=[0, 0, 0], draft_lags=[0, 6, 3])
+    assert [row.kv.draft_cached for row in rows] == [9, 3, 0]
+    assert plan_layout(rows, CPU, draft_slack=1).lagging == (1,)
+    assert draft_catch_up(rows, draft_slack=1) == (1, 2)
+
+
+@st.composite
+def idle_draft_rows(draw):
+    """Rows of one slab whose draft holds anything from none to all of their columns (they joined or took
+    lookups while the draft was idle)."""
+    n = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(1, 30), min_size=n, max_size=n))
+    rows = [Sequence(i, [100 * i + j for j in range(c)], max_new_tokens=8) for i, c in enumerate(lengths)]
+    draft_lags = [draw(st.integers(0, c - 1)) for c in lengths]
+    make_slab(rows, [max(lengths) - c for c in lengths], [0] * n, draft_lags)
+    return rows
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(rows=idle_draft_rows(), slack=st.sampled_from([1, DRAFT_SLACK, 16]))
+def test_after_draft_catch_up_no_row_lags(rows, slack):
+    """Once the rows ``draft_catch_up`` names hold all their columns, the layout has no lagging row, so the draft's
+    first forward (which feeds the columns after ``draft_len`` for every row) reads every row's missing columns.
+    The rows lagging before are among them; the others keep the KV they have."""
+    before = plan_layout(rows, CPU, draft_slack=slack).lagging
+    chosen = draft_catch_up(rows, draft_slack=slack)
+    assert set(before) <= set(chosen)
+    held = [row.kv.draft_cached for row in rows]
+    for i in chosen:
+        rows[i].kv = replace(rows[i].kv, draft_cached=rows[i].content_len - 1)
+    assert plan_layout(rows, CPU, draft_slack=slack).lagging == ()
+    assert [row.kv.draft_cached for i, row in enumerate(rows) if i not in chosen] == [
+        h for i, h in enumerate(held) if i not in chosen
+    ]
 
 
 def test_lockstep_rows_reuse_their_slab_without_a_copy():

@@ -30,6 +30,8 @@ import batchspec.engine as engine
 import batchspec.verifier as verifier
 from batchspec.config import SpecConfig
 from batchspec.engine import build_engine
+from batchspec.prefill import Reader, catch_up
+from batchspec.realign import plan_layout
 from batchspec.sampling import SamplingParams, derive_row_seeds, warp
 from batchspec.schedulers import make_scheduler
 from batchspec.schedulers.drive import Offline, drive
@@ -409,11 +411,20 @@ class Arrivals(Offline):
 
 
 class DrawnLengths:
-    """Stands in for the adaptive planner: every round's lengths are drawn (within what each row can propose), so
-    the test covers choices a planner could make under any timing, including "lookups alone" rounds."""
+    """Stands in for the adaptive planner: every round's lengths are drawn (within what each row can propose), and
+    whether the draft reads new prompts, so the test covers choices a planner could make under any timing,
+    including "lookups alone" rounds and rows joining while the draft is idle."""
 
     def __init__(self, planner, draw) -> None:
         self.planner, self.draw = planner, draw
+        self.observe = planner.observe
+        planner.observe = self.observed
+
+    def observed(self, rows, record) -> None:
+        """The planner learns from the round, and whether new prompts are read by the draft too is drawn: rows
+        then join with a draft that holds none, part or all of their prompt."""
+        self.observe(rows, record)
+        self.planner.drafting = self.draw(st.booleans())
 
     def __call__(self, rows, reach, sampled: bool) -> list[int]:
         limits = [min(self.planner.max_k, row.remaining - 1) for row in rows]
@@ -470,3 +481,37 @@ def test_seeded_tokens_do_not_depend_on_the_schedule(
         drive(decoder, make_scheduler(decoder.config, online=online), Arrivals(rows, arrivals))
     sampled, plain = schedule_references[proposer]
     assert [row.output for row in rows] == [plain[i] if i in greedy else sampled[i] for i in range(len(rows))]
+
+
+def test_rows_a_draft_catch_up_leaves_behind_are_caught_up_too(seq_models):
+    """The state a load test reached: row 0 decodes with its draft up to date, row 1 joined while the draft read
+    only 10 of its 29 prompt columns, row 2 (a short prompt) while it read none. Catching up row 1 alone makes the
+    batch keep all 29 draft columns, past where row 2 starts, so row 2's draft would attend to columns it never
+    read and draw from a wrong q: seeded rows then changed their tokens. Each row gets the tokens it gets alone."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, SEQ_VOCAB) for _ in range(n)] for n in (30, 30, 8)]
+    seeds = derive_row_seeds(7, len(prompts))
+    alone = [
+        run_seq(seq_models, [p], batch_size=1, seed=[s], **SEQ_SAMPLING).sequences[0]
+        for p, s in zip(prompts, seeds, strict=True)
+    ]
+    config = SpecConfig(
+        batch_size=3, num_draft_tokens=2, max_new_tokens=SEQ_MAX_NEW, eos_token_ids=tuple(SEQ_EOS), proposer="draft",
+        check_invariants=True,
+    )
+    decoder = build_engine(seq_models.target, seq_models.perturbed, config)
+    rows = [
+        Sequence(i, p, SEQ_MAX_NEW, sampling=SamplingParams(**SEQ_SAMPLING), seed=s)
+        for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
+    ]
+    target, draft = Reader(seq_models.target), Reader(seq_models.perturbed, draft=True)
+    read = dict(filler=0, layers=decoder.layers)
+    with torch.inference_mode():
+        catch_up(rows[:1], [target, draft], limit=None, **read)
+        catch_up(rows[1:], [target], limit=None, **read)
+        catch_up(rows[1:2], [draft], limit=10, **read)
+        assert [row.kv.draft_cached for row in rows] == [29, 10, 0]
+        assert plan_layout(rows, torch.device("cpu")).lagging == (1,)  # row 2 lags only once row 1 caught up
+        while unfinished := [row for row in rows if not row.finished]:
+            decoder.step(unfinished)
+    assert [row.output for row in rows] == alone

@@ -27,7 +27,7 @@ from batchspec.prefill import ChunkBudget, Reader, catch_up, length_groups
 from batchspec.proposers import NoDraftProposer, Proposal, Proposer, point_masses
 from batchspec.proposers.draft import DraftModelProposer
 from batchspec.proposers.ngram import NgramProposer
-from batchspec.realign import assemble, plan_layout
+from batchspec.realign import assemble, draft_catch_up, plan_layout
 from batchspec.sampling import RoundSampling, RowParams, RowRandom, warp_rows
 from batchspec.state import BatchState, KVLocation, Sequence
 from batchspec.verifier import Verdict, verify_greedy, verify_sampling
@@ -102,8 +102,8 @@ class Engine:
 
     def sync_draft(self, rows: list[Sequence]) -> None:
         """Before the draft runs: rows whose draft lags so far that the others would re-read much (they joined
-        while the draft was idle) read what they lack, apart."""
-        lagging = plan_layout(rows, self.device).lagging
+        while the draft was idle) read what they lack, apart (see :func:`~batchspec.realign.draft_catch_up`)."""
+        lagging = draft_catch_up(rows)
         if lagging:
             self._catch_up([rows[i] for i in lagging], [Reader(self.draft, draft=True)], None)
 

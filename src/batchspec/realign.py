@@ -121,7 +121,7 @@ def plan_layout(rows: list[Sequence], device: torch.device, *, draft_slack: int 
         target_len=target_len,
         draft_len=draft_len,
         draft_cached=_tensor(kept, device),
-        lagging=tuple(i for i, (p, k) in enumerate(zip(pad, kept, strict=True)) if p + k < draft_len),
+        lagging=_lagging(pad, draft, draft_len),
         recomputed=recomputed,
         sources=sources,
         fresh=fresh,
@@ -145,6 +145,35 @@ def _draft_length(pad: list[int], draft: list[int], slack: int | None) -> int:
 
     budget = slack * len(pad)
     return min(next(length for length in ends if _reread(pad, draft, length) <= budget), held)
+
+
+def draft_catch_up(rows: list[Sequence], *, draft_slack: int = DRAFT_SLACK) -> tuple[int, ...]:
+    """The rows whose draft must read what it lacks before the draft runs, so that none of ``rows`` lags then.
+
+    A row that catches up holds every column but its pending one, which can raise the columns the batch keeps
+    (:func:`_draft_length`) past what another row holds: that row lags in turn. So rows are added until the layout
+    of the caught-up rows has no lagging row.
+
+    Example, slack 1, rows of content ``[10, 10, 4]`` (pad ``[0, 0, 6]``) holding ``[9, 3, 0]`` draft columns: the
+    batch keeps 6 columns (keeping 3 would make row 0 re-read 6 of them), so row 1 lags. Caught up, it holds 9;
+    now keeping 6 would make rows 0 and 1 re-read 3 each, so the batch keeps 9, and row 2 (its columns start at
+    6, it holds none) lags too: the answer is ``(1, 2)``.
+    """
+    content = [row.content_len for row in rows]
+    width = max(content, default=0)
+    pad = [width - c for c in content]
+    held = [row.kv.draft_cached if row.kv else 0 for row in rows]
+    chosen: set[int] = set()
+    while lagging := _lagging(pad, held, _draft_length(pad, held, draft_slack)):
+        for i in lagging:
+            held[i] = content[i] - 1
+        chosen.update(lagging)
+    return tuple(sorted(chosen))
+
+
+def _lagging(pad: list[int], held: list[int], length: int) -> tuple[int, ...]:
+    """Rows whose draft columns (``held[i]`` from their first real one) end before the ``length`` the batch keeps."""
+    return tuple(i for i, (p, h) in enumerate(zip(pad, held, strict=True)) if p + max(0, min(h, length - p)) < length)
 
 
 def _reread(pad: list[int], held: list[int], length: int) -> int:

@@ -59,6 +59,8 @@ class DraftModelProposer:
         for j in range(steps):
             found = self._look_up(cursors, tokens, looked, j) or bool((looked[:, j] | ~needed[:, j]).all())
             if not found:
+                if forwards == 0:
+                    _check_caught_up(batch)
                 model, q = self._model_step(batch, inputs, tokens.shape, q, j, sampling if sampled else None)
                 tokens[:, j] = torch.where(looked[:, j], tokens[:, j], model)  # lookup drafts go first
                 inputs, fed, forwards = tokens[:, j : j + 1], j, forwards + 1
@@ -111,6 +113,13 @@ class DraftModelProposer:
         if proposal.draft_fed is None:
             return batch.draft_cached
         return batch.content + accepted.clamp(max=proposal.draft_fed)
+
+
+def _check_caught_up(batch: BatchState) -> None:
+    """The draft's first forward of a round feeds the columns after ``draft_len`` for every row: a row whose draft
+    holds fewer (it lags) would attend to columns it never read."""
+    lagging = (batch.pad + batch.draft_cached < batch.draft_len).nonzero().squeeze(1).tolist()  # rows
+    assert not lagging, f"rows {lagging} lag behind the draft's {batch.draft_len} columns; catch them up first"
 
 
 def _needed(lengths: torch.Tensor, sampling: RoundSampling | None, steps: int) -> torch.Tensor:
