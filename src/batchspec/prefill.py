@@ -13,7 +13,8 @@ their own and read first:
   is compute-bound, and a padded column costs as much as a real one, so eight prompts of 43 to 208 tokens read as
   one batch would compute 1,664 columns for 590 real ones;
 * **draft catch-up** — before the draft runs, rows whose draft cache lags further than the batch's slack (they
-  joined while the draft was idle) read the missing columns.
+  joined while the draft was idle) read the missing columns, and so do rows that lag only once those have caught
+  up (:func:`~batchspec.realign.draft_catch_up`).
 
 Both feed columns up to, not including, each row's pending token, through the decoder only (no logits).
 
