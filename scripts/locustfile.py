@@ -6,7 +6,9 @@ seeded}) is sent once, alone and without streaming: those answers are the refere
 streamed or not, must equal its reference; a difference counts as a failure (and locust exits with status 1).
 The run stops after ``--requests`` answers (exit status 0 without failures), or earlier at ``--run-time`` (which
 counts the references too) or on Ctrl-C, with exit status 1. The summary adds time-to-first-token percentiles
-of the streams and the server's resident memory (from its ``/metrics``) at the start, at the peak and at the end.
+of the streams and the server's resident memory (from its ``/metrics``) at the start, after the references, at
+the peak, at the end, and after each quarter of the answers (memory that keeps rising quarter after quarter points
+to a leak).
 
     batchspec serve --preset smollm2 --dtype float32 --max-batch-size 8 &
     locust -f scripts/locustfile.py --host http://127.0.0.1:8000 --headless --users 8 --spawn-rate 8 \\
@@ -89,7 +91,7 @@ class Run:
     warm_rss: int = 0
     references: dict[Case, list[int]] = field(default_factory=dict)
     ttft_s: list[float] = field(default_factory=list)
-    rss: list[int] = field(default_factory=list)
+    rss: list[tuple[int, int]] = field(default_factory=list)  # (answers so far, resident bytes), every poll
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -132,7 +134,7 @@ def _resident_bytes() -> int:
 def _watch_memory() -> None:
     while True:
         gevent.sleep(MEMORY_POLL_S)
-        RUN.rss.append(_resident_bytes())
+        RUN.rss.append((RUN.answered, _resident_bytes()))
 
 
 @events.test_start.add_listener
@@ -143,7 +145,7 @@ def _references(environment: Environment, **_) -> None:
     RUN.max_tokens, RUN.budget = options.max_tokens, options.requests
     RUN.model = options.model or requests.get(f"{RUN.url}/v1/models", headers=RUN.headers, timeout=30).json()[
         "data"][0]["id"]
-    RUN.rss.append(_resident_bytes())
+    RUN.rss.append((0, _resident_bytes()))
     cases = [Case(p, e, s) for p in range(min(options.prompts, len(PROMPTS))) for e in ENDPOINTS for s in SAMPLING]
     with requests.Session() as session:
         for case in cases:
@@ -215,11 +217,12 @@ def _percentile(values: list[float], q: float) -> float:
 def _summary(environment: Environment, **_) -> None:
     if not RUN.rss:
         return
-    RUN.rss.append(_resident_bytes())
+    RUN.rss.append((RUN.answered, _resident_bytes()))
     total = environment.stats.total
     latency = " ".join(f"p{int(q * 100)} {total.get_response_time_percentile(q) / 1000:.2f} s" for q in (.5, .9, .99))
     ttft = " ".join(f"p{int(q * 100)} {_percentile(RUN.ttft_s, q):.2f} s" for q in (.5, .9, .99))
-    mib = [value / 2**20 for value in (RUN.rss[0], RUN.warm_rss, max(RUN.rss), RUN.rss[-1])]
+    resident = [value for _, value in RUN.rss]
+    mib = [value / 2**20 for value in (resident[0], RUN.warm_rss, max(resident), resident[-1])]
     kinds = ", ".join(f"{kind} {count}" for kind, count in RUN.mismatches.items())
     if RUN.answered < RUN.budget:
         print(f"batchspec load test: stopped after {RUN.answered} of {RUN.budget} answers", flush=True)
@@ -228,4 +231,11 @@ def _summary(environment: Environment, **_) -> None:
           f"({sum(RUN.mismatches.values())} differ from their reference: {kinds})\n"
           f"  latency {latency}; time to first token (streams) {ttft}\n"
           f"  server RSS start {mib[0]:.0f} MiB, after the references {mib[1]:.0f} MiB, peak {mib[2]:.0f} MiB, "
-          f"end {mib[3]:.0f} MiB", flush=True)
+          f"end {mib[3]:.0f} MiB; after each quarter of the answers {_quarters()}", flush=True)
+
+
+def _quarters() -> str:
+    """The server's RSS at the first poll after each quarter of the answers (``-`` for a quarter not reached)."""
+    marks = [RUN.budget * quarter / 4 for quarter in range(1, 5)]
+    found = [next((value for answered, value in RUN.rss if answered >= mark), None) for mark in marks]
+    return " / ".join("-" if value is None else f"{value / 2**20:,.0f}" for value in found) + " MiB"

@@ -11,6 +11,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -513,6 +514,7 @@ def test_locustfile_checks_every_answer_against_its_reference(served):
     assert "references: 8 requests answered one at a time" in output
     assert "batchspec load test: 16 answers, 0 failures (0 differ from their reference: greedy 0, seeded 0)" in output
     assert "server RSS start" in output and "after the references" in output
+    assert re.search(r"after each quarter of the answers [\d,]+ / [\d,]+ / [\d,]+ / [\d,]+ MiB", output), output[-2000:]
     answered = sum(float(line.split()[1]) for line in metrics.splitlines()
                    if line.startswith("batchspec_requests_total") and 'status="200"' in line and "/v1/" in line)
     assert answered >= 8 + 16
