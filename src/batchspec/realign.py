@@ -98,15 +98,13 @@ def plan_layout(rows: list[Sequence], device: torch.device, *, draft_slack: int 
 
     ``draft_slack`` None keeps only the draft columns every row holds (for a batch that is to catch up).
     """
-    content = [row.content_len for row in rows]
+    content, pad = _padding(rows)
     width = max(content)
-    pad = [width - c for c in content]
     target = [row.kv.target_cached if row.kv else 0 for row in rows]
-    draft = [row.kv.draft_cached if row.kv else 0 for row in rows]
+    draft = _draft_held(rows)
     target_len = min(p + t for p, t in zip(pad, target, strict=True))
     recomputed = _reread(pad, target, target_len)
     draft_len = _draft_length(pad, draft, draft_slack)
-    kept = [max(0, min(d, draft_len - p)) for p, d in zip(pad, draft, strict=True)]
     sources, fresh = _sources(rows, pad, device)
     lockstep = (
         len(sources) == 1
@@ -120,7 +118,7 @@ def plan_layout(rows: list[Sequence], device: torch.device, *, draft_slack: int 
         width=width,
         target_len=target_len,
         draft_len=draft_len,
-        draft_cached=_tensor(kept, device),
+        draft_cached=_tensor(_kept(pad, draft, draft_len), device),
         lagging=_lagging(pad, draft, draft_len),
         recomputed=recomputed,
         sources=sources,
@@ -159,10 +157,8 @@ def draft_catch_up(rows: list[Sequence], *, draft_slack: int = DRAFT_SLACK) -> t
     now keeping 6 would make rows 0 and 1 re-read 3 each, so the batch keeps 9, and row 2 (its columns start at
     6, it holds none) lags too: the answer is ``(1, 2)``.
     """
-    content = [row.content_len for row in rows]
-    width = max(content, default=0)
-    pad = [width - c for c in content]
-    held = [row.kv.draft_cached if row.kv else 0 for row in rows]
+    content, pad = _padding(rows)
+    held = _draft_held(rows)
     chosen: set[int] = set()
     while lagging := _lagging(pad, held, _draft_length(pad, held, draft_slack)):
         for i in lagging:
@@ -171,9 +167,27 @@ def draft_catch_up(rows: list[Sequence], *, draft_slack: int = DRAFT_SLACK) -> t
     return tuple(sorted(chosen))
 
 
+def _padding(rows: list[Sequence]) -> tuple[list[int], list[int]]:
+    """Each row's content length and its left padding in a batch as wide as the longest."""
+    content = [row.content_len for row in rows]
+    width = max(content, default=0)
+    return content, [width - c for c in content]
+
+
+def _draft_held(rows: list[Sequence]) -> list[int]:
+    """The draft columns each row holds from its first real one (none without KV)."""
+    return [row.kv.draft_cached if row.kv else 0 for row in rows]
+
+
+def _kept(pad: list[int], held: list[int], length: int) -> list[int]:
+    """Columns each row keeps of a cache cut to ``length``: those it holds (``held[i]`` from its first real one,
+    at column ``pad[i]``) that lie before ``length``."""
+    return [max(0, min(h, length - p)) for p, h in zip(pad, held, strict=True)]
+
+
 def _lagging(pad: list[int], held: list[int], length: int) -> tuple[int, ...]:
-    """Rows whose draft columns (``held[i]`` from their first real one) end before the ``length`` the batch keeps."""
-    return tuple(i for i, (p, h) in enumerate(zip(pad, held, strict=True)) if p + max(0, min(h, length - p)) < length)
+    """Rows whose draft columns end before the ``length`` the batch keeps."""
+    return tuple(i for i, (p, k) in enumerate(zip(pad, _kept(pad, held, length), strict=True)) if p + k < length)
 
 
 def _reread(pad: list[int], held: list[int], length: int) -> int:
