@@ -66,7 +66,7 @@ def reference_greedy(target, prompt: list[int], max_new_tokens: int, eos_token_i
         pad = target.generation_config.pad_token_id
         if pad is None:
             pad = eos[0] if eos else 0
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=target.device)
         out = target.generate(
             ids,
             attention_mask=torch.ones_like(ids),

@@ -18,8 +18,8 @@ from helpers import Checks, forward_log, make_prompts_for, reference_greedy, rep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import batchspec.prefill as prefill
 from batchspec.kv_cache import GROWTH, BatchKVCache
+from batchspec.runner import ModelRunner
 
 
 class Case(NamedTuple):
@@ -377,14 +377,14 @@ def test_prompts_of_different_lengths_are_read_in_length_groups(method, bs, llam
     """Prompts of 3-5 and 39-41 tokens are read in two groups, not padded to 41 in one forward, and the output
     stays the reference's."""
     read: list[tuple[int, int]] = []
-    read_columns = prefill.read_columns
+    read_columns = ModelRunner.read
 
-    def spy(model, batch, cache, inputs):
+    def spy(runner, model, batch, cache, inputs):
         if model is llama.target:
             read.append(tuple(inputs.shape))
-        return read_columns(model, batch, cache, inputs)
+        return read_columns(runner, model, batch, cache, inputs)
 
-    monkeypatch.setattr(prefill, "read_columns", spy)
+    monkeypatch.setattr(ModelRunner, "read", spy)
     prompts = [
         make_prompts_for(llama, 1, seed=80 + i, min_len=n, max_len=n, specials=False)[0]
         for i, n in enumerate((3, 40, 5, 41, 4, 39))

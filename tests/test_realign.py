@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 
 from batchspec.kv_cache import BatchKVCache, Slab
 from batchspec.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, plan_layout
-from batchspec.state import BatchState, KVLocation, Sequence
+from batchspec.runner import ModelRunner
+from batchspec.state import BatchState, HostColumns, KVLocation, Sequence
 
 CPU = torch.device("cpu")
+RUNNER = ModelRunner(CPU)
 
 
 def fake_cache(starts: list[int], columns: int, indices: list[int]) -> BatchKVCache:
@@ -67,12 +69,12 @@ def scattered_rows(draw):
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(scattered_rows())
 def test_gathered_batch_holds_each_unpadded_row(rows):
-    layout = plan_layout(rows, CPU)
-    batch = assemble(layout, rows, filler=0, layers=(1, 1))
+    layout = plan_layout(rows)
+    batch = assemble(layout, rows, RUNNER, filler=0, layers=(1, 1))
     batch.check()  # I1, I2, every row's token stream, cache lengths within the width
-    assert int(layout.pad.min()) == 0, "the longest row sets the width and has no padding"
+    assert min(layout.pad) == 0, "the longest row sets the width and has no padding"
     for i, row in enumerate(rows):
-        pad = int(layout.pad[i])
+        pad = layout.pad[i]
         cached = 0 if row.kv is None else row.kv.target_cached
         draft_held = 0 if row.kv is None else row.kv.draft_cached
         assert layout.target_len <= pad + cached
@@ -94,11 +96,11 @@ def test_worked_example_from_the_docstring():
     row0 = Sequence(0, [1, 2, 3], 8, output=[11, 12, 13])
     row1 = Sequence(1, [4, 5, 6, 7, 8], 8, output=[14])
     slab = make_slab([row0, row1], starts=[2, 0], lags=[0, 0], draft_lags=[0, 0])
-    layout = plan_layout([row0, row1], CPU)
-    assert layout.width == 6 and layout.pad.tolist() == [0, 0]
-    assert [s.shift.tolist() for s in layout.sources] == [[-2, 0]]
+    layout = plan_layout([row0, row1])
+    assert layout.width == 6 and layout.pad == [0, 0]
+    assert [s.shift for s in layout.sources] == [[-2, 0]]
     assert layout.reuse is None and not layout.padded
-    batch = assemble(layout, [row0, row1], filler=0, layers=(1, 1))
+    batch = assemble(layout, [row0, row1], RUNNER, filler=0, layers=(1, 1))
     assert batch.tokens.tolist() == [[1, 2, 3, 11, 12, 13], [4, 5, 6, 7, 8, 14]]
     assert batch.slab.target is not slab.target
 
@@ -108,7 +110,7 @@ def test_draft_catch_up_worked_example_from_its_docstring():
     rows = [Sequence(i, list(range(n)), 8) for i, n in enumerate([10, 10, 4])]
     make_slab(rows, starts=[0, 0, 6], lags=[0, 0, 0], draft_lags=[0, 6, 3])
     assert [row.kv.draft_cached for row in rows] == [9, 3, 0]
-    assert plan_layout(rows, CPU, draft_slack=1).lagging == (1,)
+    assert plan_layout(rows, draft_slack=1).lagging == (1,)
     assert draft_catch_up(rows, draft_slack=1) == (1, 2)
 
 
@@ -130,13 +132,13 @@ def test_after_draft_catch_up_no_row_lags(rows, slack):
     """Once the rows ``draft_catch_up`` names hold all their columns, the layout has no lagging row, so the draft's
     first forward (which feeds the columns after ``draft_len`` for every row) reads every row's missing columns.
     The rows lagging before are among them; the others keep the KV they have."""
-    before = plan_layout(rows, CPU, draft_slack=slack).lagging
+    before = plan_layout(rows, draft_slack=slack).lagging
     chosen = draft_catch_up(rows, draft_slack=slack)
     assert set(before) <= set(chosen)
     held = [row.kv.draft_cached for row in rows]
     for i in chosen:
         rows[i].kv = replace(rows[i].kv, draft_cached=rows[i].content_len - 1)
-    assert plan_layout(rows, CPU, draft_slack=slack).lagging == ()
+    assert plan_layout(rows, draft_slack=slack).lagging == ()
     assert [row.kv.draft_cached for i, row in enumerate(rows) if i not in chosen] == [
         h for i, h in enumerate(held) if i not in chosen
     ]
@@ -146,9 +148,9 @@ def test_lockstep_rows_reuse_their_slab_without_a_copy():
     rows = [Sequence(i, [7] * 4, 8, output=[1, 2]) for i in range(3)]
     slab = make_slab(rows, starts=[0, 0, 0], lags=[0, 0, 0], draft_lags=[1, 1, 1])
     storage = slab.target.storage
-    layout = plan_layout(rows, CPU)
+    layout = plan_layout(rows)
     assert layout.reuse is slab
-    batch = assemble(layout, rows, filler=0, layers=(1, 1))
+    batch = assemble(layout, rows, RUNNER, filler=0, layers=(1, 1))
     assert batch.slab.target.storage is storage, "lockstep must not copy the cache"
     assert batch.slab.target.length == 5 and batch.slab.draft.length == 4
     batch.check()
@@ -159,7 +161,7 @@ def test_reordered_or_partial_slab_is_gathered(order):
     rows = [Sequence(i, [7] * 4, 8) for i in range(3)]
     make_slab(rows, starts=[0, 0, 0], lags=[0, 0, 0], draft_lags=[0, 0, 0])
     picked = [rows[i] for i in order]
-    layout = plan_layout(picked, CPU)
+    layout = plan_layout(picked)
     assert layout.reuse is None and not layout.padded
 
 
@@ -167,21 +169,24 @@ def test_new_rows_without_kv_start_from_zero_cache():
     old = Sequence(0, [3, 4, 5, 6], 8)
     make_slab([old], starts=[1], lags=[0], draft_lags=[0])
     new = Sequence(1, [9, 9], 8)
-    layout = plan_layout([old, new], CPU)
+    layout = plan_layout([old, new])
     assert layout.fresh == (1,) and layout.padded
     assert layout.target_len == 2  # the new row's padding: the old row re-reads the rest
     assert layout.recomputed == 1  # the old row held 3 target columns and keeps 2
-    batch = assemble(layout, [old, new], filler=0, layers=(1, None))
+    batch = assemble(layout, [old, new], RUNNER, filler=0, layers=(1, None))
     assert batch.slab.draft is None
     batch.check()
 
 
 def test_check_catches_broken_invariants():
     rows = [Sequence(0, [5, 6, 7], 4), Sequence(1, [8], 4)]
-    batch = assemble(plan_layout(rows, CPU), rows, filler=0, layers=(1, 1))
+    batch = assemble(plan_layout(rows), rows, RUNNER, filler=0, layers=(1, 1))
     batch.check()
+    broken = HostColumns(pad=[0, 1], content=batch.host.content, draft_cached=batch.host.draft_cached)
     with pytest.raises(AssertionError, match="I1 broken"):
-        BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab, batch.draft_cached).check()
+        BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab, batch.draft_cached, broken).check()
+    with pytest.raises(AssertionError, match="differs from the host's"):
+        BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab, batch.draft_cached, batch.host).check()
     batch.slab.tokens[1, 2] = 9
     with pytest.raises(AssertionError, match="token stream out of sync"):
         batch.check()

@@ -312,10 +312,14 @@ def test_derive_row_seeds_rejects_bad_input(seed, n, match):
 
 def test_round_sampling_marks_the_rows_that_sample():
     settings = [SamplingParams(), SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_k=3)]
-    sampling = RoundSampling(params=RowParams.of(settings), rand=batch_random(15, rows=3))
+    rows = dict(rows=(1, 2), index=torch.tensor([1, 2]))
+    sampling = RoundSampling(params=RowParams.of(settings), rand=batch_random(15, rows=3), **rows)
     assert sampling.sampled.tolist() == [False, True, True] and sampling.any_sampled
+    assert sampling.greedy_rows(3) == [True, False, False]
     with pytest.raises(ValueError, match="one setting and one seed per row"):
-        RoundSampling(params=RowParams.of(settings), rand=batch_random(15, rows=2))
+        RoundSampling(params=RowParams.of(settings), rand=batch_random(15, rows=2), **rows)
+    with pytest.raises(ValueError, match="on the host and on the device alike"):
+        RoundSampling(params=RowParams.of(settings), rand=batch_random(15, rows=3), rows=(1,), index=rows["index"])
 
 
 def test_rows_of_one_batch_are_warped_by_their_own_settings():
@@ -329,7 +333,7 @@ def test_rows_of_one_batch_are_warped_by_their_own_settings():
     logits = random_logits(len(settings), 3, 40)  # [B, k+1, V]
     together = warp_rows(logits, RowParams.of(settings))  # [B, k+1, V]
     for i, params in enumerate(settings):
-        assert torch.allclose(together[i], warp(logits[i], params), atol=1e-12), params
+        assert torch.equal(together[i], warp(logits[i], params)), params  # bit for bit: rows never mix
 
 
 # ---- inverse-CDF draws ------------------------------------------------------------------------------------

@@ -507,11 +507,11 @@ def test_rows_a_draft_catch_up_leaves_behind_are_caught_up_too(seq_models):
     target, draft = Reader(seq_models.target), Reader(seq_models.perturbed, draft=True)
     read = dict(filler=0, layers=decoder.layers)
     with torch.inference_mode():
-        catch_up(rows[:1], [target, draft], limit=None, **read)
-        catch_up(rows[1:], [target], limit=None, **read)
-        catch_up(rows[1:2], [draft], limit=10, **read)
+        catch_up(rows[:1], [target, draft], decoder.runner, limit=None, **read)
+        catch_up(rows[1:], [target], decoder.runner, limit=None, **read)
+        catch_up(rows[1:2], [draft], decoder.runner, limit=10, **read)
         assert [row.kv.draft_cached for row in rows] == [29, 10, 0]
-        assert plan_layout(rows, torch.device("cpu")).lagging == (1,)  # row 2 lags only once row 1 caught up
+        assert plan_layout(rows).lagging == (1,)  # row 2 lags only once row 1 caught up
         while unfinished := [row for row in rows if not row.finished]:
             decoder.step(unfinished)
     assert [row.output for row in rows] == alone

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 PRIOR_ACCEPTANCE = 0.6
 ROW_DECAY = 0.7  # weight of a row's earlier rounds when a round is observed
 ENGINE_DECAY = 0.97
@@ -87,36 +85,46 @@ class CostFit:
     ridge regression toward ``c_0 · [1, slope]`` (``c_0`` the fitted intercept; ``start`` its first guess: the
     nearest batch size's, else the first round's; None before any round, when only ratios matter; the fitted slope
     is never negative), and ``draft_s``, the measured seconds of one draft forward (``draft_share * c_0`` until the
-    draft has run)."""
+    draft has run).
+
+    The fit is plain float arithmetic (a 2 x 2 system), solved once per observed round and kept: the planner
+    prices every candidate ``K`` of every round from it, so it must cost the host next to nothing.
+    """
 
     slope: float
     draft_share: float
     start: float | None = None
     draft_s: float | None = None
-    gram: torch.Tensor = field(default_factory=lambda: torch.zeros(2, 2, dtype=torch.float64))
-    moment: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    gram: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed sums of 1, K, K^2
+    moment: tuple[float, float] = (0.0, 0.0)  # decayed sums of t, K t
+    theta: tuple[float, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.theta = self._solve()
 
     def observe(self, k: int, forwards: int, seconds: float, draft_seconds: float) -> None:
         target = seconds - draft_seconds
         if self.start is None:
             self.start = target / (1 + self.slope * k)
-        x = torch.tensor([1.0, k], dtype=torch.float64)
-        self.gram = COST_DECAY * self.gram + torch.outer(x, x)
-        self.moment = COST_DECAY * self.moment + x * target
+        ones, ks, squares = self.gram
+        self.gram = (COST_DECAY * ones + 1, COST_DECAY * ks + k, COST_DECAY * squares + k * k)
+        self.moment = (COST_DECAY * self.moment[0] + target, COST_DECAY * self.moment[1] + k * target)
         if forwards:
             each = draft_seconds / forwards
             self.draft_s = each if self.draft_s is None else DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * each
+        self.theta = self._solve()
 
-    @property
-    def theta(self) -> tuple[float, float]:
+    def _solve(self) -> tuple[float, float]:
         """``(c_0, c_v)`` by two solves: the first fixes the intercept the prior is scaled to, the second the slope."""
-        ridge = RIDGE * torch.eye(2, dtype=torch.float64)
-        shape = torch.tensor([1.0, self.slope], dtype=torch.float64)
+        ones, ks, squares = self.gram
+        a, b, d = ones + RIDGE, ks, squares + RIDGE  # the system's matrix [[a, b], [b, d]]
         c0 = 1.0 if self.start is None else self.start
+        c_v = 0.0
         for _ in range(2):
-            theta = torch.linalg.solve(self.gram + ridge, self.moment + ridge @ (shape * c0))
-            c0 = max(float(theta[0]), 1e-9)
-        return c0, max(float(theta[1]), 0.0)
+            r0, r1 = self.moment[0] + RIDGE * c0, self.moment[1] + RIDGE * self.slope * c0
+            det = a * d - b * b
+            c0, c_v = max((d * r0 - b * r1) / det, 1e-9), (a * r1 - b * r0) / det
+        return c0, max(c_v, 0.0)
 
     def predict(self, k: int, steps: int) -> float:
         c0, slope = self.theta
@@ -151,7 +159,7 @@ class RoundRecord:
 
     Attributes:
         lengths, accepted: per row, drafts proposed and accepted.
-        looked: per row, which proposed positions were lookup drafts.
+        looked_up: per row, which proposed positions were lookup drafts.
         shadow: per row that proposed nothing, whether its first lookup draft equals the token it gained
             (None: no lookup draft).
         k, forwards: the round's longest proposal and the draft forwards it ran.
@@ -160,7 +168,7 @@ class RoundRecord:
 
     lengths: list[int]
     accepted: list[int]
-    looked: list[list[bool]]
+    looked_up: list[list[bool]]
     shadow: list[bool | None]
     k: int
     forwards: int
@@ -202,20 +210,20 @@ class AdaptiveLength:
         limits = [min(self.max_k, row.remaining - 1) for row in rows]
         variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
         if reach.model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
-            variants.append([min(limit, looked) for limit, looked in zip(limits, reach.lookups, strict=True)])
+            variants.append([min(limit, found) for limit, found in zip(limits, reach.lookups, strict=True)])
         shares = [self._shares(row) for row in rows]
         fit = self._fit(len(rows))
-        lag = self._catch_up_s(reach)
+        catch_up_s = self._catch_up_s(reach)
         left = sum(row.remaining for row in rows)
         best, best_rate = [0] * len(rows), 0.0
         for caps in variants:
             for k in range(max(caps, default=0) + 1):
                 expected = sum(
-                    _expected(min(k, cap), looked, shares_i, reach.model)
-                    for cap, looked, shares_i in zip(caps, reach.lookups, shares, strict=True)
+                    _expected(min(k, cap), found, shares_i, reach.model)
+                    for cap, found, shares_i in zip(caps, reach.lookups, shares, strict=True)
                 )
                 steps = _draft_steps(k, caps, reach, sampled)
-                catch_up = lag * expected / left if steps and left else 0.0  # spread over the rounds left
+                catch_up = catch_up_s * expected / left if steps and left else 0.0  # spread over the rounds left
                 rate = expected / max(fit.predict(k, steps) + catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = [min(k, cap) for cap in caps], rate
@@ -224,10 +232,10 @@ class AdaptiveLength:
     def observe(self, rows, record: RoundRecord) -> None:
         """Account a round: acceptance per row and source, and its cost."""
         model_tested = False
-        for row, n, a, looked, shadow in zip(
-            rows, record.lengths, record.accepted, record.looked, record.shadow, strict=True
+        for row, n, a, looked_up, shadow in zip(
+            rows, record.lengths, record.accepted, record.looked_up, record.shadow, strict=True
         ):
-            counts = _tests(n, a, looked)
+            counts = _tests(n, a, looked_up)
             if shadow is not None:
                 counts["lookup"] = (counts["lookup"][0] + int(shadow), counts["lookup"][1] + 1)
             for source in ("model", "lookup"):
@@ -273,14 +281,14 @@ class AdaptiveLength:
         return self.fits[rows]
 
 
-def _expected(m: int, looked: int, shares: tuple[float, float], model: bool) -> float:
+def _expected(m: int, found: int, shares: tuple[float, float], model: bool) -> float:
     """``E(m)``: the row's expected tokens from ``m`` drafts, lookups first (share ``shares[0]``), then the draft
     model's (``shares[1]``)."""
     total, chance = 1.0, 1.0
     for j in range(1, m + 1):
-        if j > looked and not model:
+        if j > found and not model:
             break
-        chance *= shares[0] if j <= looked else shares[1]
+        chance *= shares[0] if j <= found else shares[1]
         total += chance
     return total
 
@@ -289,16 +297,16 @@ def _draft_steps(k: int, caps: list[int], reach: Reach, sampled: bool) -> int:
     """Draft forwards a round of longest proposal ``k`` runs."""
     if not reach.model:
         return 0
-    needs_model = any(min(k, cap) > looked for cap, looked in zip(caps, reach.lookups, strict=True))
+    needs_model = any(min(k, cap) > found for cap, found in zip(caps, reach.lookups, strict=True))
     return (k if needs_model else 0) + int(sampled)
 
 
-def _tests(n: int, a: int, looked: list[bool]) -> dict[str, tuple[int, int]]:
+def _tests(n: int, a: int, looked_up: list[bool]) -> dict[str, tuple[int, int]]:
     """``{source: (accepted, tested)}`` of one row: drafts ``1 .. a`` were accepted and draft ``a + 1`` (if it was
     proposed) rejected; each counts for the source that proposed it."""
     counts = {"model": (0, 0), "lookup": (0, 0)}
     for j in range(min(a + 1, n)):
-        source = "lookup" if looked[j] else "model"
+        source = "lookup" if looked_up[j] else "model"
         accepted, tested = counts[source]
         counts[source] = (accepted + int(j < a), tested + 1)
     return counts

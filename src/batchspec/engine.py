@@ -19,7 +19,6 @@ import torch
 
 from batchspec.config import ProposerKind, SpecConfig
 from batchspec.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
-from batchspec.forward import forward_columns
 from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.models.support import check_pair
@@ -28,6 +27,7 @@ from batchspec.proposers import NoDraftProposer, Proposal, Proposer, point_masse
 from batchspec.proposers.draft import DraftModelProposer
 from batchspec.proposers.ngram import NgramProposer
 from batchspec.realign import assemble, draft_catch_up, plan_layout
+from batchspec.runner import Floats, ModelRunner
 from batchspec.sampling import RoundSampling, RowParams, RowRandom, warp_rows
 from batchspec.state import BatchState, KVLocation, Sequence
 from batchspec.verifier import Verdict, verify_greedy, verify_sampling
@@ -42,6 +42,7 @@ class Engine:
         self.config = config
         self.stats = GenerationStats()
         self.device = next(target.parameters()).device
+        self.runner = ModelRunner(self.device)
         self.timer = StageTimer(self.stats, enabled=config.timing, device=self.device)
         self.eos = frozenset(config.eos_token_ids)
         self.proposer = _proposer(draft, config)
@@ -57,25 +58,26 @@ class Engine:
             self.decode(ready)
 
     def decode(self, rows: list[Sequence]) -> None:
-        sampling = self.round_sampling(rows)
+        """One round: plan on the host, propose and verify on the device, and read the verdict back once."""
         reach = self.proposer.reach(rows, self.planner.limit)
-        planned = self.planner.lengths(rows, reach, sampling is not None)
-        lengths = torch.tensor(planned, dtype=torch.long).to(self.device)  # [B]
-        if self.proposer.uses_draft_model and _model_drafts(planned, reach, sampling):
+        lengths = self.planner.lengths(rows, reach, any(not row.sampling.greedy for row in rows))
+        if self.proposer.uses_draft_model and _model_drafts(lengths, reach, rows):
             self.sync_draft(rows)
         started = time.perf_counter()
         with self.timer.stage("realign"):
             batch = self.realign(rows)
+            sampling = self.round_sampling(rows)
         with self.timer.stage("draft"):
-            proposing = time.perf_counter()
-            proposal = self.proposer.propose(batch, lengths, sampling)
-            proposing = time.perf_counter() - proposing
+            proposing = self.runner.mark(), None
+            proposal = self.proposer.propose(batch, lengths, sampling, self.runner)
+            proposing = proposing[0], self.runner.mark()
         with self.timer.stage("verify"):
             verdict = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
-            self.accept(batch, proposal, verdict)
-            seconds = time.perf_counter() - started
-            self.planner.observe(rows, _record(proposal, verdict, reach, sampling, seconds, proposing))
+            accepted, gained = self.accept(batch, proposal, verdict)
+            seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
+            record = _record(proposal, accepted, gained, reach, sampling, seconds, self.runner.seconds(*proposing))
+            self.planner.observe(rows, record)
             self.chunks.decoded(seconds)
         if self.config.check_invariants:
             for row in rows:
@@ -108,8 +110,9 @@ class Engine:
             self._catch_up([rows[i] for i in lagging], [Reader(self.draft, draft=True)], None)
 
     def _catch_up(self, rows: list[Sequence], readers: list[Reader], limit: int | None) -> None:
+        read = dict(limit=limit, filler=self.config.pad_token_id, layers=self.layers)
         with self.timer.stage("prefill"):
-            reading = catch_up(rows, readers, limit=limit, filler=self.config.pad_token_id, layers=self.layers)
+            reading = catch_up(rows, readers, self.runner, **read)
         self.stats.prefill_chunks += 1
         self.stats.recomputed_columns += reading.recomputed
         for draft, tokens in reading.tokens.items():
@@ -117,9 +120,9 @@ class Engine:
 
     def realign(self, rows: list[Sequence]) -> BatchState:
         """Lay the rows out for this round, reusing their slab when they are in lockstep (see ``realign.py``)."""
-        layout = plan_layout(rows, self.device)
+        layout = plan_layout(rows)
         with self.timer.gathering(active=layout.reuse is None):
-            batch = assemble(layout, rows, filler=self.config.pad_token_id, layers=self.layers)
+            batch = assemble(layout, rows, self.runner, filler=self.config.pad_token_id, layers=self.layers)
         self.stats.record_layout(
             size=len(rows), padded=layout.padded, copied=layout.reuse is None, recomputed=layout.recomputed
         )
@@ -128,13 +131,23 @@ class Engine:
         return batch
 
     def round_sampling(self, rows: list[Sequence]) -> RoundSampling | None:
-        """Each row's sampling settings, seed and output offset; None when every row is greedy."""
+        """Each row's sampling settings, seed and output offset (staged in one copy); None when every row is
+        greedy."""
         if all(row.sampling.greedy for row in rows):
             return None
-        seeds = torch.tensor([row.seed for row in rows], dtype=torch.long, device=self.device)  # [B]
-        offsets = torch.tensor([len(row.output) for row in rows], dtype=torch.long, device=self.device)  # [B]
-        params = RowParams.of([row.sampling for row in rows], device=self.device)
-        return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets))
+        settings = [row.sampling for row in rows]
+        columns = RowParams.columns(settings)
+        sampled = tuple(i for i, row in enumerate(rows) if not row.sampling.greedy)
+        seeds, offsets, top_k, index, temperature, top_p = self.runner.stage(
+            [row.seed for row in rows],
+            [len(row.output) for row in rows],
+            columns["top_k"],
+            list(sampled),
+            Floats(columns["temperature"]),
+            Floats(columns["top_p"]),
+        )
+        params = RowParams(temperature, top_k, top_p, **RowParams.flags(settings))
+        return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets), rows=sampled, index=index)
 
     def verify(self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None) -> Verdict:
         """Target forward over the pending token followed by the drafts ``d_1 .. d_k``; greedy acceptance, and for
@@ -142,33 +155,37 @@ class Engine:
         cache = batch.slab.target
         k = proposal.k
         inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens[:, :k]], dim=1)  # [B, 1 + k]
-        target_logits = forward_columns(self.target, batch, cache, inputs, logits_to_keep=k + 1)  # [B, k+1, V]
+        target_logits = self.runner.logits(self.target, batch, cache, inputs, keep=k + 1)  # [B, k+1, V]
         verdict = verify_greedy(proposal.tokens[:, :k], target_logits, proposal.lengths)
         if sampling is None:
             return verdict
-        rows = sampling.sampled.nonzero().squeeze(1)  # [s]
+        rows = sampling.index  # [s]
         p = warp_rows(target_logits[rows], sampling.params.select(rows))  # [s, k+1, V] float64
         q = point_masses(proposal.tokens[rows], p.shape[-1]) if proposal.q is None else proposal.q[rows]
         bonus = None if proposal.bonus_drafted is None else proposal.bonus_drafted[rows]
         if bonus is None:
             bonus = torch.zeros_like(rows, dtype=torch.bool)
-        rand = RowRandom(sampling.rand.seeds[rows], sampling.rand.offsets[rows])
+        rand = sampling.rand.select(rows)
         sampled = verify_sampling(proposal.tokens[rows], q, p, rand, proposal.lengths[rows], bonus)
         return Verdict(
             accepted=verdict.accepted.index_copy(0, rows, sampled.accepted),
             tokens=verdict.tokens.index_copy(0, rows, sampled.tokens),
         )
 
-    def accept(self, batch: BatchState, proposal: Proposal, verdict: Verdict) -> None:
-        """Append each row's gained tokens (cut at EOS or budget) and record where its KV now lives."""
+    def accept(self, batch: BatchState, proposal: Proposal, verdict: Verdict) -> tuple[list[int], list[list[int]]]:
+        """Read the verdict back (the round's one device→host read), append each row's gained tokens (cut at EOS or
+        budget) and record where its KV now lives. Returns, per row, the drafts accepted and the tokens gained."""
+        read = self.runner.fetch(verdict.accepted, verdict.tokens)  # [B][1 + k+1]: the sync
+        accepted = [values[0] for values in read]
+        gained = [values[1 : values[0] + 2] for values in read]
         slab = Slab(torch.cat([batch.tokens, verdict.tokens], dim=1), batch.slab.target, batch.slab.draft)
-        draft_cached = self.proposer.cached_after(batch, proposal, verdict.accepted).tolist()
-        rows = zip(batch.rows, verdict.gained.tolist(), verdict.tokens.tolist(), batch.pad.tolist(), strict=True)
-        for i, (row, gained, tokens, pad) in enumerate(rows):
-            self.stats.generated_tokens += row.append(tokens[:gained], self.eos)
+        draft_cached = self.proposer.cached_after(batch, proposal, accepted)
+        for i, (row, tokens, pad) in enumerate(zip(batch.rows, gained, batch.host.pad, strict=True)):
+            self.stats.generated_tokens += row.append(tokens, self.eos)
             if not row.finished:
                 row.kv = KVLocation(slab, i, start=pad, target_cached=row.content_len - 1, draft_cached=draft_cached[i])
-        self.stats.record_round(verdict.accepted.tolist(), proposal.lengths.tolist())
+        self.stats.record_round(accepted, proposal.host.lengths)
+        return accepted, gained
 
 
 def build_engine(target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig) -> Engine:
@@ -225,25 +242,31 @@ def _planner(target: torch.nn.Module, draft: torch.nn.Module | None, config: Spe
 
 
 def _record(
-    proposal: Proposal, verdict: Verdict, reach: Reach, sampling, seconds: float, proposing: float
+    proposal: Proposal,
+    accepted: list[int],
+    gained: list[list[int]],
+    reach: Reach,
+    sampling: RoundSampling | None,
+    seconds: float,
+    proposing: float,
 ) -> RoundRecord:
     """What the planner learns from a round (lookup drafts checked for free in rows that proposed nothing)."""
-    lengths, accepted = proposal.lengths.tolist(), verdict.accepted.tolist()
-    looked = [[False] * (proposal.k + 1)] * len(lengths) if proposal.looked is None else proposal.looked.tolist()
+    lengths = proposal.host.lengths
+    looked_up = proposal.host.looked_up or [[False] * (proposal.k + 1)] * len(lengths)
     first = reach.first or [None] * len(lengths)
-    gained = verdict.tokens[:, 0].tolist()
-    greedy = [True] * len(lengths) if sampling is None else (~sampling.sampled).tolist()
+    greedy = [True] * len(lengths) if sampling is None else sampling.greedy_rows(len(lengths))
     shadow = [
-        None if n or token is None or not plain else token == got
+        None if n or token is None or not plain else token == got[0]
         for n, token, got, plain in zip(lengths, first, gained, greedy, strict=True)
     ]
-    return RoundRecord(lengths, accepted, looked, shadow, proposal.k, proposal.draft_forwards, seconds, proposing)
+    return RoundRecord(lengths, accepted, looked_up, shadow, proposal.k, proposal.draft_forwards, seconds, proposing)
 
 
-def _model_drafts(lengths: list[int], reach: Reach, sampling: RoundSampling | None) -> bool:
+def _model_drafts(lengths: list[int], reach: Reach, rows: list[Sequence]) -> bool:
     """Whether the draft model may run this round: a row drafts past its lookups, or a row samples (its bonus
     position is drafted)."""
-    return sampling is not None or any(n > looked for n, looked in zip(lengths, reach.lookups, strict=True))
+    sampling = any(not row.sampling.greedy for row in rows)
+    return sampling or any(n > found for n, found in zip(lengths, reach.lookups, strict=True))
 
 
 def _target_cached(row: Sequence) -> int:

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from batchspec.config import AUTO
-from batchspec.forward import read_columns
 from batchspec.kv_cache import BatchKVCache
 from batchspec.realign import assemble, plan_layout
+from batchspec.runner import ModelRunner
 from batchspec.state import BatchState, KVLocation, Sequence
 
 FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
@@ -135,23 +135,25 @@ class Reading:
 def catch_up(
     rows: list[Sequence],
     readers: list[Reader],
+    runner: ModelRunner,
     *,
     limit: int | None,
     filler: int,
     layers: tuple[int, int | None],
 ) -> Reading:
     """Lay ``rows`` out on their own and let every reader read at most ``limit`` (None: all) of the columns its
-    cache lacks before the pending tokens."""
-    device = rows[0].kv.slab.tokens.device if rows[0].kv else _device(readers)
-    layout = plan_layout(rows, device, draft_slack=None)
-    batch = assemble(layout, rows, filler=filler, layers=layers)
+    cache lacks before the pending tokens. Each model's reading is timed to the end of its work on the device
+    (on CUDA, one synchronisation per model read)."""
+    layout = plan_layout(rows, draft_slack=None)
+    batch = assemble(layout, rows, runner, filler=filler, layers=layers)
     reading = Reading(recomputed=layout.recomputed)
     for reader in readers:
         cache = reader.cache(batch)
         end = batch.width - 1 if limit is None else min(batch.width - 1, cache.length + limit)
         if end > cache.length:
             started = time.perf_counter()
-            read_columns(reader.model, batch, cache, batch.tokens[:, cache.length : end])
+            runner.read(reader.model, batch, cache, batch.tokens[:, cache.length : end])
+            runner.wait()
             reading.seconds[reader.draft] = time.perf_counter() - started
             reading.tokens[reader.draft] = batch.size * (end - cache.length)
     _locate(batch, draft_read=any(reader.draft for reader in readers))
@@ -160,11 +162,8 @@ def catch_up(
 
 def _locate(batch: BatchState, *, draft_read: bool) -> None:
     """Record where each row's tokens and KV now are, and how many columns each cache holds for it."""
-    target = (batch.target_len - batch.pad).clamp(min=0).tolist()  # [B]
-    draft = (batch.draft_len - batch.pad).clamp(min=0) if draft_read else batch.draft_cached  # [B]
-    for i, (row, pad) in enumerate(zip(batch.rows, batch.pad.tolist(), strict=True)):
-        row.kv = KVLocation(batch.slab, i, start=pad, target_cached=target[i], draft_cached=int(draft[i]))
-
-
-def _device(readers: list[Reader]) -> torch.device:
-    return next(readers[0].model.parameters()).device
+    pads = batch.host.pad
+    target = [max(0, batch.target_len - pad) for pad in pads]
+    draft = [max(0, batch.draft_len - pad) for pad in pads] if draft_read else batch.host.draft_cached
+    for i, (row, pad) in enumerate(zip(batch.rows, pads, strict=True)):
+        row.kv = KVLocation(batch.slab, i, start=pad, target_cached=target[i], draft_cached=draft[i])

@@ -37,37 +37,43 @@ from dataclasses import dataclass, replace
 import torch
 
 from batchspec.kv_cache import GROWTH, BatchKVCache, Slab
-from batchspec.state import BatchState, Sequence
+from batchspec.runner import ModelRunner
+from batchspec.state import BatchState, HostColumns, Sequence
 
 DRAFT_SLACK = 4
 
 
 @dataclass(frozen=True)
 class SourceRows:
-    """The rows of the new batch that come from one slab. Shapes use ``b`` for their number.
+    """The rows of the new batch that come from one slab (host lists of one entry per such row).
 
     Attributes:
         slab: where they are now.
-        dest: ``[b]`` their rows in the new batch.
-        src: ``[b]`` their rows in ``slab``.
-        shift: ``[b]`` new column minus old column (``delta``).
+        dest: their rows in the new batch.
+        src: their rows in ``slab``.
+        shift: new column minus old column (``delta``).
     """
 
     slab: Slab
-    dest: torch.Tensor  # [b]
-    src: torch.Tensor  # [b]
-    shift: torch.Tensor  # [b]
+    dest: list[int]
+    src: list[int]
+    shift: list[int]
+
+    @property
+    def in_order(self) -> bool:
+        """All of the slab's rows, in its order."""
+        return self.src == list(range(self.slab.size))
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The plan for one round's batch.
+    """The plan for one round's batch, made on the host (lists of one entry per row).
 
     Attributes:
-        pad, content: ``[B]`` new padding and content lengths (I1: ``pad + content == width``).
+        pad, content: new padding and content lengths (I1: ``pad + content == width``).
         width: the new padded width ``L``.
         target_len, draft_len: cache columns the batch keeps (``<= L - 1``); the models re-read the columns after.
-        draft_cached: ``[B]`` draft columns valid from each row's first real token in the new layout.
+        draft_cached: draft columns valid from each row's first real token in the new layout.
         lagging: rows whose draft holds fewer columns than the batch keeps (see :func:`_draft_length`).
         recomputed: target columns that rows already held and will read again (``target_len`` cuts them off).
         sources: the rows that come from existing slabs, one entry per slab.
@@ -75,12 +81,12 @@ class Layout:
         reuse: the slab to run on as it is (lockstep), or None when tokens and caches are gathered.
     """
 
-    pad: torch.Tensor  # [B]
-    content: torch.Tensor  # [B]
+    pad: list[int]
+    content: list[int]
     width: int
     target_len: int
     draft_len: int
-    draft_cached: torch.Tensor  # [B]
+    draft_cached: list[int]
     lagging: tuple[int, ...]
     recomputed: int
     sources: tuple[SourceRows, ...]
@@ -90,10 +96,10 @@ class Layout:
     @property
     def padded(self) -> bool:
         """Rows of different lengths share the batch: an unpad–append–repad realignment."""
-        return bool(self.pad.any())
+        return any(self.pad)
 
 
-def plan_layout(rows: list[Sequence], device: torch.device, *, draft_slack: int | None = DRAFT_SLACK) -> Layout:
+def plan_layout(rows: list[Sequence], *, draft_slack: int | None = DRAFT_SLACK) -> Layout:
     """Where each of ``rows`` goes in the next batch, and how many cached columns each model keeps.
 
     ``draft_slack`` None keeps only the draft columns every row holds (for a batch that is to catch up).
@@ -105,20 +111,15 @@ def plan_layout(rows: list[Sequence], device: torch.device, *, draft_slack: int 
     target_len = min(p + t for p, t in zip(pad, target, strict=True))
     recomputed = _reread(pad, target, target_len)
     draft_len = _draft_length(pad, draft, draft_slack)
-    sources, fresh = _sources(rows, pad, device)
-    lockstep = (
-        len(sources) == 1
-        and not fresh
-        and sources[0].src.tolist() == list(range(sources[0].slab.size))
-        and not bool(sources[0].shift.any())
-    )
+    sources, fresh = _sources(rows, pad)
+    lockstep = len(sources) == 1 and not fresh and sources[0].in_order and not any(sources[0].shift)
     return Layout(
-        pad=_tensor(pad, device),
-        content=_tensor(content, device),
+        pad=pad,
+        content=content,
         width=width,
         target_len=target_len,
         draft_len=draft_len,
-        draft_cached=_tensor(_kept(pad, draft, draft_len), device),
+        draft_cached=_kept(pad, draft, draft_len),
         lagging=_lagging(pad, draft, draft_len),
         recomputed=recomputed,
         sources=sources,
@@ -196,9 +197,7 @@ def _reread(pad: list[int], held: list[int], length: int) -> int:
     return sum(max(0, min(h, p + h - length)) for p, h in zip(pad, held, strict=True))
 
 
-def _sources(
-    rows: list[Sequence], pad: list[int], device: torch.device
-) -> tuple[tuple[SourceRows, ...], tuple[int, ...]]:
+def _sources(rows: list[Sequence], pad: list[int]) -> tuple[tuple[SourceRows, ...], tuple[int, ...]]:
     """The rows grouped by the slab they are in, with their shifts; and the rows without KV."""
     grouped: dict[int, tuple[Slab, list[int], list[int], list[int]]] = {}
     fresh = []
@@ -210,78 +209,89 @@ def _sources(
         dest.append(i)
         src.append(row.kv.row)
         shift.append(pad[i] - row.kv.start)
-    sources = tuple(
-        SourceRows(s, _tensor(d, device), _tensor(r, device), _tensor(sh, device)) for s, d, r, sh in grouped.values()
-    )
+    sources = tuple(SourceRows(s, d, r, sh) for s, d, r, sh in grouped.values())
     return sources, tuple(fresh)
 
 
-def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+@dataclass(frozen=True)
+class _Staged:
+    """The device copies of one source's ``dest``, ``src`` and ``shift`` (``[b]`` each)."""
+
+    source: SourceRows
+    dest: torch.Tensor  # [b]
+    src: torch.Tensor  # [b]
+    shift: torch.Tensor  # [b]
 
 
-def assemble(layout: Layout, rows: list[Sequence], *, filler: int, layers: tuple[int, int | None]) -> BatchState:
+def assemble(
+    layout: Layout, rows: list[Sequence], runner: ModelRunner, *, filler: int, layers: tuple[int, int | None]
+) -> BatchState:
     """Build the batch of ``layout``: reuse a lockstep slab, or gather tokens and both caches into a new one.
+    The layout's numbers reach the device in one staged copy.
 
     ``layers`` is the number of decoder layers of the target and of the draft (None without a draft).
     """
+    with_draft = layers[1] is not None and (layout.reuse is None or layout.reuse.draft is not None)
+    draft_cached = layout.draft_cached if with_draft else [0] * len(rows)
+    host = HostColumns(pad=layout.pad, content=layout.content, draft_cached=draft_cached)
+    fresh = [rows[i].prompt + rows[i].output for i in layout.fresh]
+    per_source = [column for source in layout.sources for column in (source.dest, source.src, source.shift)]
+    pad, content, cached, *staged = runner.stage(host.pad, host.content, host.draft_cached, *per_source, *fresh)
     if layout.reuse is not None:
         slab = layout.reuse
         slab.target.crop(layout.target_len)
         if slab.draft is not None:
             slab.draft.crop(layout.draft_len)
         slab = Slab(slab.tokens[:, : layout.width], slab.target, slab.draft)
-        return BatchState(rows, layout.pad, layout.content, slab, _draft_cached(layout, slab))
+        return BatchState(rows, pad, content, slab, cached, host)
+    sources = [_Staged(source, *staged[3 * j : 3 * j + 3]) for j, source in enumerate(layout.sources)]
+    fresh_tokens = staged[3 * len(sources) :]
     target_layers, draft_layers = layers
     draft = None
     if draft_layers is not None:
-        draft = _gather_cache(layout, lambda s: s.draft, draft_layers, layout.draft_len)
-    target = _gather_cache(layout, lambda s: s.target, target_layers, layout.target_len)
-    slab = Slab(tokens=_gather_tokens(layout, rows, filler), target=target, draft=draft)
-    return BatchState(rows, layout.pad, layout.content, slab, _draft_cached(layout, slab))
+        draft = _gather_cache(sources, pad, lambda s: s.draft, draft_layers, layout.draft_len)
+    target = _gather_cache(sources, pad, lambda s: s.target, target_layers, layout.target_len)
+    tokens = _gather_tokens(layout, sources, fresh_tokens, pad, filler)
+    return BatchState(rows, pad, content, Slab(tokens=tokens, target=target, draft=draft), cached, host)
 
 
-def _draft_cached(layout: Layout, slab: Slab) -> torch.Tensor:
-    """``[B]`` draft columns each row holds in ``slab`` (none without a draft model)."""
-    return layout.draft_cached if slab.draft is not None else torch.zeros_like(layout.draft_cached)
+def _gather_tokens(
+    layout: Layout, sources: list[_Staged], fresh: list[torch.Tensor], pad: torch.Tensor, filler: int
+) -> torch.Tensor:
+    """``[B, L]`` token matrix of the new layout; ``fresh`` holds the tokens of each row without KV."""
+    size, width = len(layout.pad), layout.width
+    tokens = torch.full((size, width), filler, dtype=torch.long, device=pad.device)
+    cols = torch.arange(width, device=pad.device)
+    for staged in sources:
+        old = staged.source.slab.tokens.index_select(0, staged.src)  # [b, C]
+        index = (cols[None, :] - staged.shift[:, None]).clamp(0, old.shape[1] - 1)  # [b, L]
+        tokens[staged.dest] = old.gather(1, index)
+    for i, row in zip(layout.fresh, fresh, strict=True):
+        tokens[i, layout.pad[i] :] = row
+    return tokens.masked_fill(cols[None, :] < pad[:, None], filler)
 
 
-def _gather_tokens(layout: Layout, rows: list[Sequence], filler: int) -> torch.Tensor:
-    """``[B, L]`` token matrix of the new layout."""
-    size, width = len(rows), layout.width
-    device = layout.pad.device
-    tokens = torch.full((size, width), filler, dtype=torch.long, device=device)
-    cols = torch.arange(width, device=device)
-    for source in layout.sources:
-        old = source.slab.tokens.index_select(0, source.src)  # [b, C]
-        index = (cols[None, :] - source.shift[:, None]).clamp(0, old.shape[1] - 1)  # [b, L]
-        tokens[source.dest] = old.gather(1, index)
-    for i in layout.fresh:
-        tokens[i, int(layout.pad[i]) :] = torch.tensor(rows[i].prompt + rows[i].output, device=device)
-    return tokens.masked_fill(cols[None, :] < layout.pad[:, None], filler)
-
-
-def _gather_cache(layout: Layout, pick, num_layers: int, length: int) -> BatchKVCache:
+def _gather_cache(sources: list[_Staged], pad: torch.Tensor, pick, num_layers: int, length: int) -> BatchKVCache:
     """A cache holding ``length`` columns of the new layout, gathered from each source slab's cache."""
-    stores = [(source, pick(source.slab)) for source in layout.sources]
-    stores = [(source, cache) for source, cache in stores if cache is not None and cache.storage is not None]
+    stores = [(staged, pick(staged.source.slab)) for staged in sources]
+    stores = [(staged, cache) for staged, cache in stores if cache is not None and cache.storage is not None]
     if length == 0 or not stores:
         return BatchKVCache(num_layers)
     first = stores[0][1].storage
     n, two, _, heads, _, dim = first.shape
-    size = layout.pad.numel()
+    size = pad.numel()
     storage = first.new_zeros((n, two, size, heads, length + GROWTH, dim))  # [N, 2, B, H, capacity, D]
-    cols = torch.arange(length, device=layout.pad.device)
-    for source, cache in stores:
+    cols = torch.arange(length, device=pad.device)
+    for staged, cache in stores:
         old = cache.storage[:, :, :, :, : cache.length]  # [N, 2, Bs, H, old, D]
-        if source.src.tolist() != list(range(old.shape[2])):
-            old = old.index_select(2, source.src)  # [N, 2, b, H, old, D]
-        index = (cols[None, :] - source.shift[:, None]).clamp(0, old.shape[4] - 1)  # [b, length]
+        if not staged.source.in_order:
+            old = old.index_select(2, staged.src)  # [N, 2, b, H, old, D]
+        index = (cols[None, :] - staged.shift[:, None]).clamp(0, old.shape[4] - 1)  # [b, length]
         index = index[None, None, :, None, :, None].expand(n, two, -1, heads, length, dim)
-        if source.dest.numel() == size:
+        if len(staged.source.dest) == size:
             torch.gather(old, 4, index, out=storage[:, :, :, :, :length])
         else:
-            storage[:, :, source.dest, :, :length] = old.gather(4, index)
+            storage[:, :, staged.dest, :, :length] = old.gather(4, index)
     return BatchKVCache(num_layers, storage, length)
 
 

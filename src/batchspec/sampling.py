@@ -90,62 +90,95 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RowParams:
-    """Per-row sampling settings of a batch, as tensors (rows of one round may all differ).
+    """Per-row sampling settings of a batch, as tensors (rows of one round may all differ), and what the host
+    knows of them, so that warping never reads the device back.
 
     Attributes:
         temperature: ``[B]`` float64; 0 is greedy.
         top_k: ``[B]`` int64; 0 keeps every token.
         top_p: ``[B]`` float64; 1 keeps every token.
+        top_k_max: the largest ``top_k`` of any row (0: no row limits its tokens by count).
+        nucleus: some row has ``top_p < 1``.
     """
 
     temperature: torch.Tensor  # [B]
     top_k: torch.Tensor  # [B]
     top_p: torch.Tensor  # [B]
+    top_k_max: int
+    nucleus: bool
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> RowParams:
+        columns = cls.columns(params)
+
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            temperature=column([p.temperature for p in params], torch.float64),
-            top_k=column([p.top_k or 0 for p in params], torch.long),
-            top_p=column([1.0 if p.top_p is None else p.top_p for p in params], torch.float64),
+            temperature=column(columns["temperature"], torch.float64),
+            top_k=column(columns["top_k"], torch.long),
+            top_p=column(columns["top_p"], torch.float64),
+            **cls.flags(params),
         )
+
+    @staticmethod
+    def columns(params: Sequence[SamplingParams]) -> dict[str, list]:
+        """The host lists behind the tensors: ``temperature``, ``top_k`` (0 for none), ``top_p`` (1.0 for none)."""
+        return {
+            "temperature": [float(p.temperature) for p in params],
+            "top_k": [p.top_k or 0 for p in params],
+            "top_p": [1.0 if p.top_p is None else float(p.top_p) for p in params],
+        }
+
+    @staticmethod
+    def flags(params: Sequence[SamplingParams]) -> dict[str, int | bool]:
+        """``top_k_max`` and ``nucleus`` of ``params``."""
+        top_k = [p.top_k or 0 for p in params if not p.greedy]
+        return {
+            "top_k_max": max(top_k, default=0),
+            "nucleus": any(p.top_p is not None and p.top_p < 1 for p in params if not p.greedy),
+        }
 
     @property
     def greedy(self) -> torch.Tensor:  # [B] bool
         return self.temperature == 0
 
     def select(self, index: torch.Tensor) -> RowParams:
-        """The settings of rows ``index`` ``[b]``."""
-        return RowParams(self.temperature[index], self.top_k[index], self.top_p[index])
+        """The settings of rows ``index`` ``[b]`` (the host flags stay those of the whole batch)."""
+        return RowParams(
+            self.temperature[index], self.top_k[index], self.top_p[index], self.top_k_max, self.nucleus
+        )
 
 
 def warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """``[B, ..., V]`` float64 probabilities from logits ``[B, ..., V]``, row ``i`` warped by ``params`` row ``i``:
-    temperature, then top-k, then top-p; greedy rows get the one-hot distribution at their argmax."""
+    temperature, then top-k, then top-p; greedy rows get the one-hot distribution at their argmax. A row's result
+    does not depend on the other rows: top-k and top-p (and their renormalisation) touch only the rows that ask
+    for them."""
     scores = logits.to(torch.float64)  # [B, ..., V]
+    vocab = scores.shape[-1]
     shape = (-1,) + (1,) * (scores.dim() - 1)  # broadcasts a [B] setting over [B, ..., V]
     greedy = params.greedy.reshape(shape)
     temperature = torch.where(params.greedy, 1.0, params.temperature).reshape(shape)
     shifted = scores - scores.amax(dim=-1, keepdim=True)  # [B, ..., V], <= 0: a tiny temperature never makes +inf
     probs = torch.softmax(shifted / temperature, dim=-1)  # [B, ..., V]
     top_k = params.top_k.reshape(shape)
-    if bool(((top_k > 0) & (top_k < scores.shape[-1])).any()):
-        probs = _renormalise(probs * _top_k_mask(scores, top_k))
+    if params.top_k_max > 0:
+        limited = (top_k > 0) & (top_k < vocab)  # [B, 1.., 1]
+        kept = _top_k_mask(scores, torch.where(limited, top_k, 1), min(params.top_k_max, vocab))
+        probs = torch.where(limited, _renormalise(probs * kept), probs)
     top_p = params.top_p.reshape(shape)
-    if bool((top_p < 1).any()):
-        probs = _renormalise(probs * (_nucleus(probs, top_p) | (top_p >= 1)))
+    if params.nucleus:
+        probs = torch.where(top_p < 1, _renormalise(probs * _nucleus(probs, top_p)), probs)
     one_hot = torch.zeros_like(scores).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
 
 
-def _top_k_mask(scores: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """``[B, ..., V]`` mask of each row's ``top_k`` largest scores (ties with the k-th kept; 0 keeps all)."""
-    vocab = scores.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [B, 1.., 1]
-    largest = scores.topk(int(k.max()), dim=-1).values  # [B, ..., kmax]
+def _top_k_mask(scores: torch.Tensor, top_k: torch.Tensor, largest_k: int) -> torch.Tensor:
+    """``[B, ..., V]`` mask of each row's ``top_k`` largest scores (ties with the k-th kept); ``top_k`` ``[B, 1..]``
+    is in ``1 .. largest_k``."""
+    largest = scores.topk(largest_k, dim=-1).values  # [B, ..., largest_k]
+    k = top_k.clamp(max=largest_k)  # [B, 1.., 1]
     kth = largest.gather(-1, (k - 1).expand(*largest.shape[:-1], 1))  # [B, ..., 1]
     return scores >= kth
 
@@ -186,7 +219,12 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: Stream) -> to
         raise ValueError(f"need seeds [B] and positions [B, m], got {list(seeds.shape)} and {list(positions.shape)}")
     if bool((positions < 0).any()):
         raise ValueError("positions must be >= 0")
-    counters = positions * len(Stream) + int(Stream(stream))  # [B, m]
+    return _uniforms(seeds, positions, Stream(stream))
+
+
+def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: Stream) -> torch.Tensor:
+    """:func:`uniforms` without the checks (which read the device): for positions the host knows are valid."""
+    counters = positions * len(Stream) + int(stream)  # [B, m]
     bits = mix64(mix64(seeds)[:, None] ^ mix64(counters))  # [B, m]
     return _shift_right(bits, 11).to(torch.float64) * 2.0**-53
 
@@ -213,8 +251,13 @@ class RowRandom:
         return self.offsets[:, None] + torch.arange(m, device=self.offsets.device)
 
     def uniforms(self, stream: Stream, m: int) -> torch.Tensor:
-        """``[B, m]`` uniforms of ``stream`` for the row's next ``m`` positions."""
-        return uniforms(self.seeds, self.positions(m), stream)
+        """``[B, m]`` uniforms of ``stream`` for the row's next ``m`` positions (offsets are output lengths,
+        never negative, so nothing is checked on the device)."""
+        return _uniforms(self.seeds, self.positions(m), stream)
+
+    def select(self, index: torch.Tensor) -> RowRandom:
+        """The seeds and offsets of rows ``index`` ``[b]``."""
+        return RowRandom(self.seeds[index], self.offsets[index])
 
 
 @dataclass(frozen=True)
@@ -224,14 +267,20 @@ class RoundSampling:
     Attributes:
         params: ``[B]`` per-row settings (greedy rows have temperature 0).
         rand: the rows' seeds and output offsets.
+        rows: the rows that sample (temperature > 0), as the host knows them.
+        index: ``[s]`` the same rows on the device.
     """
 
     params: RowParams
     rand: RowRandom
+    rows: tuple[int, ...]
+    index: torch.Tensor  # [s]
 
     def __post_init__(self) -> None:
         if self.params.temperature.shape != self.rand.seeds.shape:
             raise ValueError("RoundSampling needs one setting and one seed per row")
+        if self.index.shape != (len(self.rows),):
+            raise ValueError("RoundSampling needs the sampling rows on the host and on the device alike")
 
     @property
     def sampled(self) -> torch.Tensor:  # [B] bool
@@ -240,7 +289,12 @@ class RoundSampling:
 
     @property
     def any_sampled(self) -> bool:
-        return bool(self.sampled.any())
+        return bool(self.rows)
+
+    def greedy_rows(self, size: int) -> list[bool]:
+        """Per row of the round, whether it is greedy (host)."""
+        sampling = set(self.rows)
+        return [i not in sampling for i in range(size)]
 
 
 def derive_row_seeds(seed: int | Sequence[int] | None, n_prompts: int) -> list[int]:

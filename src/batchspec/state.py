@@ -132,6 +132,20 @@ class Sequence:
             assert kv.slab.draft.length >= kv.start + kv.draft_cached, f"row {self.index}: draft KV too short"
 
 
+@dataclass(frozen=True)
+class HostColumns:
+    """What the host knows of a batch's layout, as lists (the device tensors of :class:`BatchState` hold the same
+    numbers): reading them needs no device→host copy.
+
+    Attributes:
+        pad, content, draft_cached: per row, as in :class:`BatchState`.
+    """
+
+    pad: list[int]
+    content: list[int]
+    draft_cached: list[int]
+
+
 @dataclass
 class BatchState:
     """The rows decoded together in one round, laid out in ``slab``.
@@ -145,6 +159,7 @@ class BatchState:
         draft_cached: ``[B]`` draft KV columns valid from each row's first real token. Rows in step with the
             batch have ``draft_len - pad``; a row whose draft lags further (it joined while the draft was idle)
             has fewer, and is caught up before the draft runs again (see :mod:`batchspec.prefill`).
+        host: ``pad``, ``content`` and ``draft_cached`` as host lists.
     """
 
     rows: list[Sequence]
@@ -152,6 +167,7 @@ class BatchState:
     content: torch.Tensor  # [B]
     slab: Slab
     draft_cached: torch.Tensor  # [B]
+    host: HostColumns
 
     @property
     def size(self) -> int:
@@ -191,6 +207,9 @@ class BatchState:
         """Raise ``AssertionError`` unless I1, I2, every row's token stream and the cache lengths agree."""
         width = self.width
         assert self.tokens.shape == (self.size, width), "tokens shape does not match the rows"
+        assert self.pad.tolist() == self.host.pad, f"pad {self.pad.tolist()} differs from the host's {self.host.pad}"
+        assert self.content.tolist() == self.host.content, "content differs from the host's"
+        assert self.draft_cached.tolist() == self.host.draft_cached, "draft_cached differs from the host's"
         assert bool((self.pad >= 0).all()), f"negative padding: {self.pad.tolist()}"
         assert bool((self.pad + self.content == width).all()), (
             f"I1 broken: pad {self.pad.tolist()} + content {self.content.tolist()} != {width}"

@@ -26,8 +26,23 @@ from typing import Protocol
 import torch
 
 from batchspec.controller import Reach
+from batchspec.runner import ModelRunner
 from batchspec.sampling import RoundSampling
 from batchspec.state import BatchState, Sequence
+
+
+@dataclass(frozen=True)
+class ProposalHost:
+    """What the host knows of a proposal without reading the device.
+
+    Attributes:
+        lengths: per row, drafts proposed (0 .. k), as :attr:`Proposal.lengths`.
+        looked_up: per row, for each of the ``k + 1`` positions, whether its draft came from prompt lookup (None:
+            no draft did).
+    """
+
+    lengths: list[int]
+    looked_up: list[list[bool]] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,22 +54,22 @@ class Proposal:
             ``tokens[i, lengths[i]]`` is its draft for the bonus position where ``bonus_drafted[i]``. The target
             scores ``tokens[:, :k]``; other entries are filler.
         lengths: ``[B]`` drafts each row proposes (0 .. k).
+        host: the lengths and the lookup positions as host lists.
         q: ``[B, k+1, V]`` the draft distributions the drafts of sampling rows were drawn from; None when every
             draft is a point mass (a lookup), :func:`point_masses`. float32, or float64 for a float64 draft.
         bonus_drafted: ``[B]`` rows with a draft for their bonus position (None: no row has one).
         draft_fed: drafts ``d_1 .. d_n`` whose KV the draft model's cache holds after proposing (its last forward
             read ``d_n``); None when the draft model did not run this round.
         draft_forwards: forwards the draft model ran this round.
-        looked: ``[B, k+1]`` which drafts were found by prompt lookup (None: none were).
     """
 
     tokens: torch.Tensor  # [B, k+1]
     lengths: torch.Tensor  # [B]
+    host: ProposalHost
     q: torch.Tensor | None = None  # [B, k+1, V]
     bonus_drafted: torch.Tensor | None = None  # [B]
     draft_fed: int | None = None
     draft_forwards: int = 0
-    looked: torch.Tensor | None = None  # [B, k+1]
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.lengths.shape != self.tokens.shape[:1]:
@@ -65,11 +80,6 @@ class Proposal:
     def k(self) -> int:
         """Drafts the target scores per row (the longest row's length)."""
         return self.tokens.shape[1] - 1
-
-    @property
-    def proposed(self) -> int:
-        """Drafts proposed in all rows."""
-        return int(self.lengths.sum())
 
 
 def point_masses(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -86,13 +96,16 @@ class Proposer(Protocol):
         """How far each row could draft this round (up to ``limit``); cheap, used to choose the lengths."""
         ...
 
-    def propose(self, batch: BatchState, lengths: torch.Tensor, sampling: RoundSampling | None) -> Proposal:
-        """Up to ``lengths[i]`` drafts for row ``i`` (argmax for greedy rows, sampled with ``q`` for the others)."""
+    def propose(
+        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+    ) -> Proposal:
+        """Up to ``lengths[i]`` drafts for row ``i`` (argmax for greedy rows, sampled with ``q`` for the others),
+        without reading the device back."""
         ...
 
-    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: torch.Tensor) -> torch.Tensor:
-        """``[B]`` draft-cache columns valid from each row's first real token once ``accepted[i]`` drafts
-        of ``proposal`` are kept."""
+    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
+        """Per row, draft-cache columns valid from its first real token once ``accepted[i]`` drafts of
+        ``proposal`` are kept."""
         ...
 
 
@@ -104,8 +117,11 @@ class NoDraftProposer:
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         return Reach(lookups=[0] * len(rows), model=False)
 
-    def propose(self, batch: BatchState, lengths: torch.Tensor, sampling: RoundSampling | None) -> Proposal:
-        return Proposal(tokens=batch.tokens.new_zeros((batch.size, 1)), lengths=torch.zeros_like(lengths))
+    def propose(
+        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+    ) -> Proposal:
+        tokens = batch.tokens.new_zeros((batch.size, 1))  # [B, 1]
+        return Proposal(tokens, lengths=tokens[:, 0], host=ProposalHost(lengths=[0] * batch.size))
 
-    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: torch.Tensor) -> torch.Tensor:
-        return batch.draft_cached
+    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
+        return batch.host.draft_cached

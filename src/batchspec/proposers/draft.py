@@ -8,10 +8,9 @@ from dataclasses import replace
 import torch
 
 from batchspec.controller import Reach
-from batchspec.forward import forward_columns
-from batchspec.proposers import Proposal, point_masses
-from batchspec.proposers.lookup import LookupCursor
+from batchspec.proposers import Proposal, ProposalHost, point_masses
 from batchspec.proposers.ngram import NgramProposer
+from batchspec.runner import ModelRunner
 from batchspec.sampling import RoundSampling, Stream, sample_draft, warp_rows
 from batchspec.state import BatchState, Sequence
 
@@ -26,10 +25,11 @@ class DraftModelProposer:
     rows draw theirs at the step after their last draft). A round in which no row drafts leaves the draft idle
     and its cache as it was: it catches up when it next runs.
 
-    With ``lookup`` (the hybrid proposer) every position is first looked up in the row's own text
-    (:mod:`batchspec.proposers.lookup`) and the draft model fills only the positions where the lookup finds
-    nothing; a step at which every row has a lookup draft runs no draft forward (its tokens are fed at the next
-    forward), so the draft's cache stays right for every row. Lookup drafts of sampling rows have a one-hot ``q``.
+    With ``lookup`` (the hybrid proposer) each row's drafts start with its lookup chain
+    (:mod:`batchspec.proposers.lookup`) and the draft model drafts the positions after it; a step at which every
+    row that needs a draft has a lookup draft runs no draft forward (its tokens are fed at the next forward), so
+    the draft's cache stays right for every row. Lookup drafts of sampling rows have a one-hot ``q``. Which step
+    runs a forward is decided on the host, from the chains and the lengths: the loop never reads the device.
     """
 
     uses_draft_model = True
@@ -44,53 +44,47 @@ class DraftModelProposer:
             return Reach(lookups=[0] * len(rows), model=True, lag=lag)
         return replace(self.lookup.reach(rows, limit), model=True, lag=lag)
 
-    def propose(self, batch: BatchState, lengths: torch.Tensor, sampling: RoundSampling | None) -> Proposal:
-        k = int(lengths.max()) if lengths.numel() else 0
+    def propose(
+        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+    ) -> Proposal:
+        k = max(lengths, default=0)
         sampled = sampling is not None and sampling.any_sampled
         steps = k + int(sampled)
-        tokens = batch.tokens.new_zeros((batch.size, k + 1))  # [B, k+1]
+        lookups = _RoundLookups(self.lookup, batch.rows, k, sampling.rows if sampled else ())
+        tokens, looked, staged_lengths = runner.stage(lookups.values, lookups.looked_up, lengths)  # [B, k+1] x2, [B]
+        looked = looked.bool()
+        host = ProposalHost(lengths=lengths, looked_up=None if self.lookup is None else lookups.looked_up)
         if steps == 0:
-            return Proposal(tokens=tokens, lengths=lengths)
-        cursors = None if self.lookup is None else [self.lookup.index(row).cursor() for row in batch.rows]
-        looked = torch.zeros_like(tokens, dtype=torch.bool)  # [B, k+1]: drafts found by lookup
-        needed = _needed(lengths, sampling if sampled else None, steps)  # [B, steps]
-        q, fed, forwards = None, None, 0
+            return Proposal(tokens, staged_lengths, host)
+        needed = _needed(lengths, sampling.rows if sampled else (), steps)
+        q, runs = None, []
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
         for j in range(steps):
-            found = self._look_up(cursors, tokens, looked, j) or bool((looked[:, j] | ~needed[:, j]).all())
-            if not found:
-                if forwards == 0:
-                    _check_caught_up(batch)
-                model, q = self._model_step(batch, inputs, tokens.shape, q, j, sampling if sampled else None)
-                tokens[:, j] = torch.where(looked[:, j], tokens[:, j], model)  # lookup drafts go first
-                inputs, fed, forwards = tokens[:, j : j + 1], j, forwards + 1
-            else:
+            if lookups.stepwise:
+                _write_column(tokens, looked, j, lookups.at(j), runner)
+            if all(lookups.looked_up[i][j] or not needed[i][j] for i in range(batch.size)):
                 inputs = torch.cat([inputs, tokens[:, j : j + 1]], dim=1)
-            if cursors is not None:
-                for cursor, token in zip(cursors, tokens[:, j].tolist(), strict=True):
-                    cursor.push(token)
-        kept = dict(draft_fed=fed, draft_forwards=forwards, looked=looked if cursors is not None else None)
+                lookups.push(j, tokens, needed)
+                continue
+            if not runs:
+                _check_caught_up(batch)
+            drafted, q = self._model_step(batch, inputs, runner, tokens.shape, q, j, sampling if sampled else None)
+            tokens[:, j] = torch.where(looked[:, j], tokens[:, j], drafted)  # lookup drafts go first
+            inputs = tokens[:, j : j + 1]
+            runs.append(j)
+            lookups.push(j, tokens, needed)
+        kept = dict(draft_fed=max(runs, default=None), draft_forwards=len(runs))
         if not sampled:
-            return Proposal(tokens=tokens, lengths=lengths, **kept)
+            return Proposal(tokens, staged_lengths, host, **kept)
         if q is not None:
-            q[looked] = point_masses(tokens[looked][:, None], q.shape[-1]).squeeze(1).to(q.dtype)
-        return Proposal(tokens, lengths, q=q, bonus_drafted=sampling.sampled, **kept)
-
-    @staticmethod
-    def _look_up(cursors: list[LookupCursor] | None, tokens: torch.Tensor, looked: torch.Tensor, j: int) -> bool:
-        """Write the lookup drafts for step ``j`` into ``tokens``; True when every row has one."""
-        if cursors is None:
-            return False
-        for i, cursor in enumerate(cursors):
-            token = cursor.next()
-            if token is not None:
-                tokens[i, j], looked[i, j] = token, True
-        return bool(looked[:, j].all())
+            _point_masses_at_lookups(q, tokens, lookups.looked_up, sampling.rows, runner)
+        return Proposal(tokens, staged_lengths, host, q=q, bonus_drafted=sampling.sampled, **kept)
 
     def _model_step(
         self,
         batch: BatchState,
         inputs: torch.Tensor,
+        runner: ModelRunner,
         shape: torch.Size,
         q: torch.Tensor | None,
         j: int,
@@ -98,41 +92,108 @@ class DraftModelProposer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft forward over ``inputs``: ``[B]`` its argmax, or for sampling rows a draw from their ``q_j``,
         and ``q`` ``[B, k+1, V]`` with ``q_j`` filled in (None when no row samples)."""
-        logits = forward_columns(self.model, batch, batch.slab.draft, inputs, logits_to_keep=1)[:, -1]  # [B, V]
-        model = logits.argmax(dim=-1)  # [B]
+        logits = runner.logits(self.model, batch, batch.slab.draft, inputs, keep=1)[:, -1]  # [B, V]
+        drafted = logits.argmax(dim=-1)  # [B]
         if sampling is not None:
-            rows = sampling.sampled.nonzero().squeeze(1)  # [s]
+            rows = sampling.index  # [s]
             q_j = warp_rows(logits[rows], sampling.params.select(rows)).to(_q_dtype(logits.dtype))  # [s, V]
             if q is None:
                 q = q_j.new_zeros((*shape, q_j.shape[-1]))  # [B, k+1, V]
             q[rows, j] = q_j
-            model[rows] = sample_draft(q_j, sampling.rand.uniforms(Stream.DRAFT, j + 1)[rows, j])
-        return model, q
+            drafted[rows] = sample_draft(q_j, sampling.rand.select(rows).uniforms(Stream.DRAFT, j + 1)[:, j])
+        return drafted, q
 
-    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: torch.Tensor) -> torch.Tensor:
+    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
         if proposal.draft_fed is None:
-            return batch.draft_cached
-        return batch.content + accepted.clamp(max=proposal.draft_fed)
+            return batch.host.draft_cached
+        return [c + min(a, proposal.draft_fed) for c, a in zip(batch.host.content, accepted, strict=True)]
 
 
 def _check_caught_up(batch: BatchState) -> None:
     """The draft's first forward of a round feeds the columns after ``draft_len`` for every row: a row whose draft
     holds fewer (it lags) would attend to columns it never read."""
-    lagging = (batch.pad + batch.draft_cached < batch.draft_len).nonzero().squeeze(1).tolist()  # rows
+    columns = zip(batch.host.pad, batch.host.draft_cached, strict=True)
+    lagging = [i for i, (pad, held) in enumerate(columns) if pad + held < batch.draft_len]
     assert not lagging, f"rows {lagging} lag behind the draft's {batch.draft_len} columns; catch them up first"
 
 
-def _needed(lengths: torch.Tensor, sampling: RoundSampling | None, steps: int) -> torch.Tensor:
-    """``[B, steps]`` positions whose draft a row uses: its first ``lengths[i]``, and for a sampling row the bonus
+def _needed(lengths: list[int], sampling: tuple[int, ...], steps: int) -> list[list[bool]]:
+    """Per row, the positions whose draft it uses: its first ``lengths[i]``, and for a sampling row the bonus
     position after them. Where every row's needed draft was looked up, the draft model skips that step.
 
     Example: lengths ``[2, 0]``, row 1 samples, 3 steps → ``[[T, T, F], [T, F, F]]``.
     """
-    columns = torch.arange(steps, device=lengths.device)[None, :]  # [1, steps]
-    needed = columns < lengths[:, None]  # [B, steps]
-    if sampling is not None:
-        needed |= (columns == lengths[:, None]) & sampling.sampled[:, None]
-    return needed
+    sampled = set(sampling)
+    return [[j < n or (i in sampled and j == n) for j in range(steps)] for i, n in enumerate(lengths)]
+
+
+class _RoundLookups:
+    """Which positions of one round are looked up (with lookup, the hybrid proposer), and their drafts.
+
+    A greedy row takes its lookup chain (known before the round) and the draft model drafts the positions after
+    it: its tokens are the target's whatever is proposed. A sampling row's tokens depend on each position's ``q``,
+    so the lookup at a position must depend only on the text before it (see :mod:`batchspec.proposers.lookup`):
+    after the draft model drafts for such a row, its lookup continues from the drafted token. That needs the token
+    on the host: in rounds with sampling rows, each draft-model step but the last reads ``[B]`` tokens back (the
+    only reads of a round besides the verdict). Otherwise every lookup is known before the round (``stepwise``
+    False) and staged at once.
+    """
+
+    def __init__(self, lookup: NgramProposer | None, rows: list[Sequence], k: int, sampling: tuple[int, ...]) -> None:
+        steps = k + int(bool(sampling))
+        chains = [lookup.index(row).chain(steps) if lookup else [] for row in rows]
+        self.cursors = {i: lookup.index(rows[i]).cursor() for i in sampling} if lookup else {}
+        self.stepwise = bool(self.cursors)
+        self.chains = chains
+        self.values = [[0] * (k + 1) for _ in rows]  # [B, k+1] lookup drafts (0: none)
+        self.looked_up = [[False] * (k + 1) for _ in rows]  # [B, k+1]
+        for i, chain in enumerate(chains):
+            if i not in self.cursors:
+                self.values[i][: len(chain)] = chain
+                self.looked_up[i][: len(chain)] = [True] * len(chain)
+
+    def at(self, j: int) -> list[tuple[int, int]]:
+        """Look up position ``j`` of the sampling rows; returns their ``(row, draft)`` found."""
+        found = []
+        for i, cursor in self.cursors.items():
+            token = cursor.next()
+            if token is not None:
+                self.values[i][j], self.looked_up[i][j] = token, True
+                found.append((i, token))
+        return found
+
+    def push(self, j: int, tokens: torch.Tensor, needed: list[list[bool]]) -> None:
+        """Step ``j``'s drafts are chosen (``tokens`` ``[B, k+1]``): the sampling rows' lookups go on from them. The
+        drafted tokens are read only for rows that need a later position (a row's later lookups matter only
+        there)."""
+        drafted = [i for i in self.cursors if not self.looked_up[i][j] and any(needed[i][j + 1 :])]
+        if drafted:
+            values = tokens[drafted, j].tolist()  # a read: the drafted tokens the lookups continue from
+            for i, token in zip(drafted, values, strict=True):
+                self.values[i][j] = token
+        for i, cursor in self.cursors.items():
+            cursor.push(self.values[i][j])
+
+
+def _write_column(tokens: torch.Tensor, looked: torch.Tensor, j: int, found: list[tuple[int, int]], runner) -> None:
+    """Put the lookup drafts ``found`` (``(row, draft)``) of step ``j`` into ``tokens`` and ``looked``."""
+    if not found:
+        return
+    rows, drafts = runner.stage([i for i, _ in found], [t for _, t in found])  # [n], [n]
+    tokens[rows, j] = drafts
+    looked[rows, j] = True
+
+
+def _point_masses_at_lookups(
+    q: torch.Tensor, tokens: torch.Tensor, looked_up: list[list[bool]], rows: tuple[int, ...], runner: ModelRunner
+) -> None:
+    """Give the lookup drafts of sampling rows a one-hot ``q`` (``q`` ``[B, k+1, V]``, in place)."""
+    places = [(i, j) for i in rows for j, looked in enumerate(looked_up[i]) if looked]
+    if not places:
+        return
+    at_rows, at_columns = runner.stage([i for i, _ in places], [j for _, j in places])  # [n], [n]
+    drafts = tokens[at_rows, at_columns]  # [n]
+    q[at_rows, at_columns] = point_masses(drafts[:, None], q.shape[-1]).squeeze(1).to(q.dtype)
 
 
 def _q_dtype(logits_dtype: torch.dtype) -> torch.dtype:

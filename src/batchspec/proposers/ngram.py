@@ -3,11 +3,10 @@ draft model; sampling rows get a one-hot ``q`` at every lookup draft."""
 
 from __future__ import annotations
 
-import torch
-
 from batchspec.controller import Reach
-from batchspec.proposers import Proposal
+from batchspec.proposers import Proposal, ProposalHost
 from batchspec.proposers.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
+from batchspec.runner import ModelRunner
 from batchspec.sampling import RoundSampling
 from batchspec.state import BatchState, Sequence
 
@@ -39,26 +38,30 @@ class NgramProposer:
         chains = self.chains(rows, limit)
         return Reach(lookups=[len(c) for c in chains], model=False, first=[c[0] if c else None for c in chains])
 
-    def propose(self, batch: BatchState, lengths: torch.Tensor, sampling: RoundSampling | None) -> Proposal:
-        chains = self.chains(batch.rows, int(lengths.max()) + 1 if lengths.numel() else 1)
-        return lookup_proposal(batch, chains, lengths, sampling)
+    def propose(
+        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+    ) -> Proposal:
+        chains = self.chains(batch.rows, max(lengths, default=0) + 1)
+        return lookup_proposal(chains, lengths, sampling, runner)
 
-    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: torch.Tensor) -> torch.Tensor:
-        return batch.draft_cached
+    def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
+        return batch.host.draft_cached
 
 
 def lookup_proposal(
-    batch: BatchState, chains: list[list[int]], lengths: torch.Tensor, sampling: RoundSampling | None
+    chains: list[list[int]], lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
 ) -> Proposal:
-    """A proposal of each row's chain, cut at its length; the next chain entry is its bonus-position draft."""
-    found = torch.tensor([len(c) for c in chains], dtype=torch.long, device=lengths.device)  # [B]
-    lengths = torch.minimum(lengths, found)
-    k = int(lengths.max()) if lengths.numel() else 0
-    tokens = batch.tokens.new_zeros((batch.size, k + 1))  # [B, k+1]
-    looked = torch.zeros_like(tokens, dtype=torch.bool)  # [B, k+1]
-    for i, chain in enumerate(chains):
-        drafted = chain[: k + 1]
-        tokens[i, : len(drafted)] = torch.tensor(drafted, dtype=torch.long)
-        looked[i, : len(drafted)] = True
-    bonus = None if sampling is None else found > lengths
-    return Proposal(tokens, lengths, bonus_drafted=bonus, looked=looked)
+    """A proposal of each row's chain, cut at its length; the next chain entry is its bonus-position draft.
+
+    Example: chains ``[[5, 6, 7], []]``, lengths ``[2, 2]`` → lengths ``[2, 0]``, tokens ``[[5, 6, 7], [0, 0, 0]]``,
+    and a sampling row 0 has a bonus-position draft (7), row 1 none.
+    """
+    lengths = [min(n, len(chain)) for n, chain in zip(lengths, chains, strict=True)]
+    k = max(lengths, default=0)
+    drafted = [chain[: k + 1] for chain in chains]
+    matrix = [chain + [0] * (k + 1 - len(chain)) for chain in drafted]  # [B, k+1]
+    looked_up = [[j < len(chain) for j in range(k + 1)] for chain in drafted]
+    bonus = [int(len(chain) > n) for chain, n in zip(chains, lengths, strict=True)]
+    tokens, staged_lengths, staged_bonus = runner.stage(matrix, lengths, bonus)
+    host = ProposalHost(lengths=lengths, looked_up=looked_up)
+    return Proposal(tokens, staged_lengths, host, bonus_drafted=None if sampling is None else staged_bonus.bool())

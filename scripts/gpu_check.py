@@ -1,0 +1,231 @@
+"""What a developer with a GPU runs: equivalence, syncs per round, costs and throughput of batchspec on CUDA.
+
+Models are built from configs with random weights (nothing is downloaded): tiny Llama / Qwen2 pairs in float32 for
+exactness, and Qwen2.5-7B / Qwen2.5-0.5B shapes in bfloat16 for costs (random weights accept ~no drafts, so those
+figures are of cost, not of acceptance). Each part prints a JSON object and writes it under ``--out``.
+
+    python scripts/gpu_check.py equivalence     # tiny models, every method x proposer x k vs transformers' generate
+    python scripts/gpu_check.py syncs           # device synchronisations per decode round, per configuration
+    python scripts/gpu_check.py costs           # forward seconds of the 7B/0.5B shapes inside batchspec's runner
+    python scripts/gpu_check.py throughput      # tokens/s vs transformers' generate (dynamic and static-cache compiled)
+    python scripts/gpu_check.py all --out docs/results/DATE-gpu
+
+``--device cpu --small`` runs every part on the CPU with small shapes (a smoke test of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from host_reads import HostReads  # noqa: E402
+
+import batchspec  # noqa: E402
+from batchspec.engine import Engine  # noqa: E402
+from batchspec.kv_cache import BatchKVCache, Slab  # noqa: E402
+from batchspec.runner import ModelRunner  # noqa: E402
+from batchspec.state import BatchState, HostColumns  # noqa: E402
+
+CONFIGS = [(m, p, k) for m in ("eqspec", "exspec") for p in ("draft", "ngram", "hybrid") for k in ("auto", 4)]
+QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064)
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=152064)
+SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1024)
+
+
+def tiny(kind: str, seed: int, device: str) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    shape = dict(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, initializer_range=0.3, tie_word_embeddings=False)
+    model = (LlamaForCausalLM(LlamaConfig(**shape)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**shape)))
+    return model.to(device, torch.float32).eval()
+
+
+def shaped(shape: dict, seed: int, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = Qwen2Config(**shape, tie_word_embeddings=False, max_position_embeddings=4096)
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+def prompts(n: int, vocab: int, low: int, high: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=generator).tolist()
+    body = [torch.randint(2, vocab, (length,), generator=generator).tolist() for length in lengths]
+    return [p[: len(p) // 2] * 2 for p in body]  # repeated halves: prompt lookup finds drafts
+
+
+def reference(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def equivalence(args) -> dict:
+    results = {}
+    for kind in ("llama", "qwen2"):
+        target, draft = tiny(kind, 0, args.device), tiny(kind, 1, args.device)
+        rows = prompts(16, 96, 4, 40, seed=7)
+        refs = [reference(target, p, 40) for p in rows]
+        for method, proposer, k in CONFIGS:
+            out = batchspec.generate(target, None if proposer == "ngram" else draft, rows, method=method,
+                                     proposer=proposer, num_draft_tokens=k, max_new_tokens=40, eos_token_id=[],
+                                     batch_size=8 if method == "eqspec" else 3)
+            equal = sum(a == b for a, b in zip(out.sequences, refs, strict=True))
+            results[f"{kind}/{method}/{proposer}/k={k}"] = f"{equal}/16"
+        seeded = [batchspec.generate(target, draft, rows, method=m, batch_size=b, num_draft_tokens=k,
+                                     temperature=0.9, seed=11, max_new_tokens=40, eos_token_id=[]).sequences
+                  for m, b, k in (("eqspec", 8, "auto"), ("exspec", 3, 2))]
+        results[f"{kind}/seeded eqspec B=8 vs exspec B=3 k=2"] = (
+            f"{sum(a == b for a, b in zip(*seeded, strict=True))}/16")
+    return results
+
+
+def syncs(args) -> dict:
+    """Synchronisations per decode round: torch's sync detector on CUDA (each warning is one); elsewhere the
+    round's device reads (:class:`host_reads.HostReads`), which are synchronisations on a GPU."""
+    target, draft = tiny("llama", 0, args.device), tiny("llama", 1, args.device)
+    rows = prompts(8, 96, 10, 30, seed=3)
+    results = {}
+    for method, proposer, temperature in [("autoregressive", None, 0.0)] + [
+        ("eqspec", p, t) for p in ("draft", "ngram", "hybrid") for t in (0.0, 1.0)
+    ]:
+        rounds = []
+        decode = Engine.decode
+
+        def counted(engine, batch_rows, decode=decode, rounds=rounds):
+            with warnings.catch_warnings(record=True) as caught, HostReads() as reads:
+                warnings.simplefilter("always")
+                decode(engine, batch_rows)
+            cuda = engine.device.type == "cuda"
+            rounds.append(sum("synchroniz" in str(w.message) for w in caught) if cuda else reads.count)
+
+        Engine.decode = counted
+        if args.device.startswith("cuda"):
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            batchspec.generate(target, None if proposer in (None, "ngram") else draft, rows, method=method,
+                               proposer=proposer, num_draft_tokens=4, max_new_tokens=24, temperature=temperature,
+                               seed=1, eos_token_id=[], batch_size=8)
+        finally:
+            Engine.decode = decode
+            if args.device.startswith("cuda"):
+                torch.cuda.set_sync_debug_mode("default")
+        name = f"{method}/{proposer}/{'sampling' if temperature else 'greedy'}"
+        results[name] = {"rounds": len(rounds), "syncs_per_round_max": max(rounds), "mean": sum(rounds) / len(rounds)}
+    return results
+
+
+def _batch(size: int, width: int, cache: BatchKVCache, device: str) -> BatchState:
+    host = HostColumns(pad=[0] * size, content=[width] * size, draft_cached=[0] * size)
+    zeros = torch.zeros(size, dtype=torch.long, device=device)
+    tokens = torch.randint(2, 1000, (size, width), device=device)
+    return BatchState([], zeros, zeros + width, Slab(tokens, cache, None), zeros, host)
+
+
+def forward_seconds(model, runner: ModelRunner, size: int, context: int, tokens: int, repeats: int) -> float:
+    """Seconds of one forward of ``tokens`` new columns per row after ``context`` cached ones, by CUDA events."""
+    cache = BatchKVCache.for_model(model)
+    batch = _batch(size, context + tokens, cache, runner.device.type)
+    with torch.inference_mode():
+        runner.read(model, batch, cache, batch.tokens[:, :context])
+        times = []
+        for _ in range(repeats + 2):
+            cache.crop(context)
+            start = runner.mark()
+            runner.logits(model, batch, cache, batch.tokens[:, context:], keep=tokens)
+            end = runner.mark()
+            runner.wait()
+            times.append(runner.seconds(start, end))
+    return sorted(times[2:])[len(times[2:]) // 2]
+
+
+def costs(args) -> dict:
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    runner = ModelRunner(torch.device(args.device))
+    results = {}
+    for name, shape in (("target-7B", QWEN_7B), ("draft-0.5B", QWEN_05B)):
+        model = shaped(SMALL if args.small else shape, 0, args.device, dtype)
+        for size in (1, 8, 32):
+            for tokens in (1, 5):
+                seconds = forward_seconds(model, runner, size, 150, tokens, repeats=5 if args.small else 20)
+                results[f"{name} B={size} tokens={tokens} ms"] = round(1000 * seconds, 3)
+        del model
+    results["draft/target step B=8"] = round(
+        results["draft-0.5B B=8 tokens=1 ms"] / results["target-7B B=8 tokens=1 ms"], 3)
+    results["verify 5 tokens / 1 token, target B=8"] = round(
+        results["target-7B B=8 tokens=5 ms"] / results["target-7B B=8 tokens=1 ms"], 3)
+    return results
+
+
+PEERS = (("transformers generate", {}), ("transformers static compiled", {"cache_implementation": "static"}))
+
+
+def throughput(args) -> dict:
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    target = shaped(SMALL if args.small else QWEN_7B, 0, args.device, dtype)
+    draft = shaped(SMALL if args.small else QWEN_05B, 1, args.device, dtype)
+    new = 16 if args.small else 128
+    results = {}
+    for size in (1, 8, 32):
+        rows = prompts(size, 1000, 100, 200, seed=size)
+        cells = {
+            "batchspec autoregressive": dict(method="autoregressive"),
+            "batchspec default": dict(),
+            "batchspec eqspec draft k=4": dict(proposer="draft", num_draft_tokens=4),
+        }
+        for name, options in cells.items():
+            started = time.perf_counter()
+            out = batchspec.generate(target, draft, rows, batch_size=size, max_new_tokens=new, eos_token_id=[],
+                                     **options)
+            seconds = time.perf_counter() - started
+            results[f"B={size} {name} tokens/s"] = round(sum(map(len, out.sequences)) / seconds, 1)
+        for name, extra in PEERS:
+            ids = torch.tensor([[0] * (max(map(len, rows)) - len(p)) + p for p in rows], device=args.device)
+            mask = torch.tensor([[0] * (ids.shape[1] - len(p)) + [1] * len(p) for p in rows], device=args.device)
+            call = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                        **extra)
+            first = time.perf_counter()
+            target.generate(ids, **call)
+            results[f"B={size} {name} first call s"] = round(time.perf_counter() - first, 2)
+            started = time.perf_counter()
+            target.generate(ids, **call)
+            results[f"B={size} {name} tokens/s"] = round(size * new / (time.perf_counter() - started), 1)
+    return results
+
+
+PARTS = {"equivalence": equivalence, "syncs": syncs, "costs": costs, "throughput": throughput}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=[*PARTS, "all"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="small shapes (a smoke test on any device)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for PART.json files")
+    args = parser.parse_args()
+    device = {"device": args.device, "name": torch.cuda.get_device_name(args.device)
+              if args.device.startswith("cuda") else "cpu", "torch": torch.__version__}
+    for part in PARTS if args.part == "all" else [args.part]:
+        result = {"part": part, **device, "results": PARTS[part](args)}
+        print(json.dumps(result, indent=1), flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{part}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The model runner: everything between the engine's host-side decisions and the device.
+
+It owns
+
+* every forward of the target and the draft: feeding columns of a batch's padded layout into one of the batch's KV
+  caches (:meth:`ModelRunner.logits`, and :meth:`ModelRunner.read` for the KV only), with the attention mask and
+  position ids built on the device from the batch's pad lengths (invariants I1/I2 of :mod:`batchspec.state`);
+* the staging of host numbers a round needs on the device (:meth:`ModelRunner.stage`: one host buffer, pinned on
+  CUDA, and one host→device copy per call, which does not wait for the device);
+* the round's one device→host read (:meth:`ModelRunner.fetch`), the only place the host waits for the device
+  while rows decode;
+* device-side timing (:meth:`ModelRunner.mark` / :meth:`ModelRunner.seconds`): CUDA events on a GPU, read after
+  the round's read has synchronised, the wall clock on the CPU.
+
+The host already knows everything that steers a round (each row's length, pad, proposal length, lookups and
+sampling settings), so proposers and the verifier are tensor code that never reads the device back; only the
+verdict (accepted counts and tokens) comes back, once.
+
+Worked example of the attention mask of a forward (``pad = [0, 2]``, the cache holds 3 columns, 2 new ones)::
+
+    key column       0 1 2 3 4
+    row 0, query 3   1 1 1 1 0     causal: a query sees its own column and the ones before
+    row 0, query 4   1 1 1 1 1
+    row 1, query 3   0 0 1 1 0     row 1's padding (columns 0, 1) is never seen
+    row 1, query 4   0 0 1 1 1
+"""
+
+from __future__ import annotations
+
+import inspect
+import struct
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from batchspec.kv_cache import BatchKVCache
+from batchspec.state import BatchState
+
+
+@dataclass(frozen=True)
+class Floats:
+    """A column of floats for :meth:`ModelRunner.stage` (staged as float64)."""
+
+    values: Seq[float]
+
+
+class ModelRunner:
+    """Runs forwards, staging and the round's read on one device (that of the models it is given)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def logits(
+        self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor, *, keep: int
+    ) -> torch.Tensor:
+        """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
+        the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real."""
+        return model(**_inputs(model, batch, cache, input_ids), logits_to_keep=keep).logits
+
+    def read(self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> None:
+        """Feed ``input_ids`` ``[B, q]`` like :meth:`logits`, for their KV only: the decoder runs, the output layer
+        (``[B, q, V]`` logits, the largest matrix product of a prefill) does not."""
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        if decoder is None:
+            self.logits(model, batch, cache, input_ids, keep=1)
+            return
+        decoder(**_inputs(decoder, batch, cache, input_ids))
+
+    def stage(self, *columns: Seq[int] | Seq[Seq[int]] | Floats) -> tuple[torch.Tensor, ...]:
+        """Device tensors of host ``columns``, in one host buffer and one copy: int64 for a list ``[n]`` or a
+        rectangular list of lists ``[n, m]``, float64 for :class:`Floats` ``[n]`` (carried as their bits). On CUDA
+        the buffer is pinned and the copy does not block the host; torch's host allocator keeps the buffer until
+        the copy is done.
+
+        Example: ``stage([0, 2], [[5, 6], [7, 8]], Floats([0.5]))`` → ``tensor([0, 2])``,
+        ``tensor([[5, 6], [7, 8]])``, ``tensor([0.5], dtype=torch.float64)``.
+        """
+        flat: list[int] = []
+        shapes: list[tuple[tuple[int, ...], bool]] = []  # (shape, float64)
+        for column in columns:
+            if isinstance(column, Floats):
+                flat.extend(_bits(value) for value in column.values)
+                shapes.append(((len(column.values),), True))
+            elif column and isinstance(column[0], Seq):
+                width = len(column[0])
+                assert all(len(row) == width for row in column), "a staged matrix must be rectangular"
+                for row in column:
+                    flat.extend(row)
+                shapes.append(((len(column), width), False))
+            else:
+                flat.extend(column)
+                shapes.append(((len(column),), False))
+        host = torch.tensor(flat, dtype=torch.long)
+        if self.cuda:
+            host = host.pin_memory()
+        device = host.to(self.device, non_blocking=True)
+        parts = device.split([_numel(shape) for shape, _ in shapes])
+        return tuple(
+            part.view(torch.float64) if floats else part.view(shape)
+            for part, (shape, floats) in zip(parts, shapes, strict=True)
+        )
+
+    def fetch(self, *tensors: torch.Tensor) -> list[list[int]]:
+        """The round's one device→host read: ``tensors`` (each ``[B]`` or ``[B, m]``, integer) side by side, as
+        one list of ints per row. This is where the host waits for the device (a synchronisation on CUDA).
+
+        Example: ``fetch(tensor([1, 0]), tensor([[7, 8], [9, 4]]))`` → ``[[1, 7, 8], [0, 9, 4]]``.
+        """
+        parts = [t.reshape(t.shape[0], -1).long() for t in tensors]
+        return torch.cat(parts, dim=1).tolist()  # the sync
+
+    def wait(self) -> None:
+        """Wait for the device to finish what it was given (a synchronisation on CUDA, nothing elsewhere): used
+        after reading a prompt, so that its host-clock time is the device's."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def mark(self) -> float | torch.cuda.Event:
+        """A point in the device's time: a recorded CUDA event on a GPU (no wait), the wall clock elsewhere."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+        """Seconds between two :meth:`mark` points; on CUDA, call it after :meth:`fetch` (the events are done by
+        then, so reading them does not wait)."""
+        if not self.cuda:
+            return end - start
+        return start.elapsed_time(end) / 1000
+
+
+def _bits(value: float) -> int:
+    """The int64 with the bits of float64 ``value``."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> dict:
+    start = cache.length
+    end = start + input_ids.shape[1]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": _mask(model, batch, start, end),
+        "position_ids": batch.position_ids(start, end),
+        _cache_keyword(model): cache,
+        "use_cache": True,
+    }
+
+
+def _mask(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> torch.Tensor:
+    """The attention mask of queries at columns ``start .. end-1`` over keys ``0 .. end-1``.
+
+    For the ``sdpa`` and ``eager`` attention implementations it is the 4D mask transformers would build itself
+    (``[B, 1, q, end]``: boolean for sdpa, additive for eager), which it then uses as is: building it here reads
+    nothing back from the device (transformers checks whether a 2D mask has padding, a synchronisation). Other
+    implementations get the 2D padding mask ``[B, end]``.
+    """
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return batch.attention_mask(end)
+    keys = torch.arange(end, device=batch.device)  # [end]
+    queries = torch.arange(start, end, device=batch.device)  # [q]
+    causal = keys[None, :] <= queries[:, None]  # [q, end]
+    visible = causal[None, :, :] & (keys[None, None, :] >= batch.pad[:, None, None])  # [B, q, end]
+    visible = visible[:, None]  # [B, 1, q, end]
+    if implementation == "sdpa":
+        return visible
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(visible.shape, dtype=dtype, device=batch.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The name a model's forward takes its KV cache by: ``cache`` in transformers versions that renamed it,
+    ``past_key_values`` before."""
+    kind = type(model)
+    if kind not in _CACHE_KEYWORDS:
+        parameters = inspect.signature(model.forward).parameters
+        _CACHE_KEYWORDS[kind] = "cache" if "cache" in parameters else "past_key_values"
+    return _CACHE_KEYWORDS[kind]
