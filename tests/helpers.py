@@ -216,6 +216,15 @@ class ForwardCall:
     seconds: float
 
 
+def attended_columns(mask: torch.Tensor) -> tuple[int, ...]:
+    """Per row, the columns its last input attends to: from a 2D padding mask ``[B, C]``, or from the 4D mask
+    ``[B, 1, q, C]`` the model runner builds (boolean for sdpa, additive with 0 for a seen column for eager)."""
+    if mask.dim() == 2:
+        return tuple(mask.sum(dim=1).tolist())
+    seen = mask[:, 0, -1] if mask.dtype == torch.bool else mask[:, 0, -1] == 0  # [B, C]
+    return tuple(seen.sum(dim=1).tolist())
+
+
 @contextmanager
 def forward_log(model) -> Iterator[list[ForwardCall]]:
     """Every forward call of ``model`` while inside, timed by hooks around the module's own forward."""
@@ -227,8 +236,7 @@ def forward_log(model) -> Iterator[list[ForwardCall]]:
 
     def after(module, args, kwargs, output) -> None:
         seconds = time.perf_counter() - started.pop()
-        mask = kwargs["attention_mask"]  # [B, C]
-        calls.append(ForwardCall(int(mask.shape[0]), tuple(mask.sum(dim=1).tolist()), seconds))
+        calls.append(ForwardCall(kwargs["input_ids"].shape[0], attended_columns(kwargs["attention_mask"]), seconds))
 
     handles = [
         model.register_forward_pre_hook(before, with_kwargs=True),
