@@ -467,6 +467,7 @@ def test_locustfile_checks_every_answer_against_its_reference(served):
             sys.executable, "-m", "locust", "-f", str(REPO / "scripts" / "locustfile.py"), "--host", server.url,
             "--headless", "--users", "4", "--spawn-rate", "4", "--run-time", "300s", "--only-summary",
             "--requests", "16", "--max-tokens", "12", "--prompts", "2", "--model", "tiny",
+            "--abusive", "2", "--abusive-body-bytes", "200000",
         ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "BATCHSPEC_API_KEY": KEY})
@@ -476,6 +477,8 @@ def test_locustfile_checks_every_answer_against_its_reference(served):
     assert "references: 8 requests answered one at a time" in output
     assert "batchspec load test: 16 answers, 0 failures (0 differ from their reference: greedy 0, seeded 0)" in output
     assert "server RSS start" in output and "after the references" in output
+    assert re.search(r"abusive clients: [1-9]\d* actions \(.*\), 0 unexpected; /health slowest \d+ ms", output), (
+        output[-2000:])
     assert re.search(r"after each quarter of the answers [\d,]+ / [\d,]+ / [\d,]+ / [\d,]+ MiB", output), output[-2000:]
     answered = sum(float(line.split()[1]) for line in metrics.splitlines()
                    if line.startswith("batchspec_requests_total") and 'status="200"' in line and "/v1/" in line)

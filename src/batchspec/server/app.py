@@ -2,8 +2,9 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as server-sent events with ``stream: true``),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, behind the middleware of
-:mod:`~batchspec.server.middleware`. Request bodies are parsed, validated and tokenized in a small thread pool, off
-the event loop (:class:`~batchspec.server.prompts.PromptReader`), so that no body stalls other clients. The engine
+:mod:`~batchspec.server.middleware`. Request bodies are parsed, validated and tokenized in small thread pools, off
+the event loop (:class:`~batchspec.server.prompts.PromptReader`), so that no body stalls other clients; small
+bodies have a pool of their own, so that they never wait behind large ones. The engine
 loop starts with the application and, on shutdown, finishes the requests it holds (those still running when the
 shutdown timeout ends have been cancelled by then) before its thread ends.
 """
@@ -15,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -46,6 +47,7 @@ from batchspec.server.validation import validation_error
 logger = logging.getLogger(__name__)
 
 PREPARE_WORKERS = 2
+QUICK_BODY_BYTES = 64 * 1024
 
 
 @dataclass
@@ -103,28 +105,38 @@ def prompt_reader(models: ModelPair, state: ServingState) -> PromptReader:
 
 @dataclass
 class Front:
-    """What the routes use besides the engine: the requests in flight, the prompt reader, and the small pool that
-    runs it off the event loop (so a large or intricate body delays no other client)."""
+    """What the routes use besides the engine: the requests in flight, the prompt reader, and the two small pools
+    that run it off the event loop, one for bodies of at most :data:`QUICK_BODY_BYTES` and one for the others (so
+    that a large or intricate body delays no other client, and a small request waits behind no large one)."""
 
     inflight: InFlight
     reader: PromptReader
-    pool: ThreadPoolExecutor
     shutdown_timeout_s: float
+    pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("batchspec-prepare"))
+    quick_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("batchspec-prepare-quick"))
 
     async def prepare(self, read: Callable[[bytes], Any], raw: bytes) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, partial(read, raw))
+        pool = self.quick_pool if len(raw) <= QUICK_BODY_BYTES else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, partial(read, raw))
+
+    def close(self) -> None:
+        for pool in (self.pool, self.quick_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def begin_shutdown(self) -> None:
         """Called when the HTTP server starts shutting down: requests in flight get ``shutdown_timeout_s``."""
         self.inflight.begin_shutdown(self.shutdown_timeout_s)
 
 
+def _pool(name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix=name)
+
+
 def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
     """The application serving ``models``; its engine loop runs while the application runs (lifespan)."""
     state = build_state(models, config)
     front = Front(
-        InFlight(config.limits.request_timeout_s), prompt_reader(models, state),
-        ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="batchspec-prepare"), config.shutdown_timeout_s,
+        InFlight(config.limits.request_timeout_s), prompt_reader(models, state), config.shutdown_timeout_s,
     )
 
     @asynccontextmanager
@@ -133,7 +145,7 @@ def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
         logger.info("serving %s with %s, batch size %d", state.model_name, config.method, config.max_batch_size)
         yield
         logger.info("draining the engine loop")
-        front.pool.shutdown(wait=False, cancel_futures=True)
+        front.close()
         await asyncio.to_thread(state.loop.stop, config.shutdown_timeout_s)
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
