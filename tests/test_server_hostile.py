@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerFast
 
 from batchspec.models import ModelPair
 from batchspec.server import ServerConfig, create_app, serve_in_thread
+from batchspec.server.app import QUICK_BODY_BYTES
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.limits import RequestLimits
 from batchspec.server.runner import HttpOptions
@@ -206,6 +207,28 @@ def test_bodies_are_parsed_off_the_event_loop(served, monkeypatch):
         assert health_seconds(server) < 2
         gate.set()
         assert waiting.result(TIMEOUT_S).status_code == 200
+
+
+def test_small_requests_wait_behind_no_large_body(served, monkeypatch):
+    gate, held = threading.Event(), threading.Semaphore(0)
+    original = BodyBounds.parse
+
+    def slow_when_large(self, raw, model):
+        if len(raw) > QUICK_BODY_BYTES:
+            held.release()
+            gate.wait(TIMEOUT_S)
+        return original(self, raw, model)
+
+    large = json.dumps({"prompt": "w10 " * 20_000, "max_tokens": 1})  # 80 kB: too long a prompt
+    with serving(served) as server, ThreadPoolExecutor(3) as pool:
+        monkeypatch.setattr(BodyBounds, "parse", slow_when_large)
+        waiting = [pool.submit(post_raw, server, large) for _ in range(3)]  # both large-body threads held, one queued
+        assert held.acquire(timeout=TIMEOUT_S) and held.acquire(timeout=TIMEOUT_S)
+        small = httpx.post(f"{server.url}/v1/completions", json={"prompt": [10, 11], "max_tokens": 2}, timeout=10)
+        assert small.status_code == 200  # in the quick pool, while the large bodies are held
+        gate.set()
+        for reply in waiting:
+            assert_error(reply.result(TIMEOUT_S), 400, param="prompt", code="context_length_exceeded")
 
 
 def test_many_message_chats_are_refused_before_tokenizing(served):
