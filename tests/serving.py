@@ -1,9 +1,11 @@
 """Helpers for the server tests: the word tokenizer the tiny models are served with, the served models with their
-``batchspec.generate`` references, and small HTTP helpers (clients, raw posts, error checks, waiting, free ports).
+``batchspec.generate`` references, and small HTTP helpers (clients, raw posts and raw socket exchanges, error
+checks, waiting, free ports).
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -131,3 +133,37 @@ def healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def address(server) -> tuple[str, int]:
+    host, port = server.url.split("://")[1].split(":")
+    return host, int(port)
+
+
+def raw_exchange(server, data: bytes, timeout: float = TIMEOUT_S) -> bytes:
+    """Send ``data`` on a fresh connection and read until the server closes it."""
+    with socket.create_connection(address(server), timeout=timeout) as sock:
+        sock.sendall(data)
+        return read_until_closed(sock)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def assert_raw_error(raw: bytes, status: int, code: str) -> None:
+    got, headers, body = parse_response(raw)
+    assert got == status, raw[:300]
+    assert headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert error["code"] == code and error["message"] and set(error) == {"message", "type", "param", "code"}

@@ -29,13 +29,18 @@ import tiny_models
 from serving import (
     TIMEOUT_S,
     Served,
+    address,
     assert_error,
+    assert_raw_error,
     client,
     free_port,
     healthy,
     loop_of,
+    parse_response,
     plain_prompts,
     post_raw,
+    raw_exchange,
+    read_until_closed,
     recording_rounds,
     wait_until,
 )
@@ -49,40 +54,6 @@ from batchspec.server.security import LOOPBACK_NAMES, SecurityConfig, host_name,
 
 KEY = "sk-test-0123456789"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def address(server) -> tuple[str, int]:
-    host, port = server.url.split("://")[1].split(":")
-    return host, int(port)
-
-
-def raw_exchange(server, data: bytes, timeout: float = TIMEOUT_S) -> bytes:
-    """Send ``data`` on a fresh connection and read until the server closes it."""
-    with socket.create_connection(address(server), timeout=timeout) as sock:
-        sock.sendall(data)
-        return read_until_closed(sock)
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    received = b""
-    while chunk := sock.recv(65536):
-        received += chunk
-    return received
-
-
-def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
-
-
-def assert_raw_error(raw: bytes, status: int, code: str) -> None:
-    got, headers, body = parse_response(raw)
-    assert got == status, raw[:300]
-    assert headers["connection"] == "close"
-    error = json.loads(body)["error"]
-    assert error["code"] == code and error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
 def serving(served: Served, *, http: HttpOptions | None = None, **options):
@@ -210,8 +181,9 @@ def test_serve_command_options_and_their_errors(tmp_path):
     runner = CliRunner()
     usage = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
     for option in ("--api-key", "BATCHSPEC_API_KEY", "--allowed-origins", "--allowed-hosts", "--ssl-keyfile",
-                   "--ssl-certfile", "--max-body-bytes", "--read-timeout", "--keep-alive-timeout",
-                   "--max-connections", "--request-timeout", "--default-max-tokens", "--shutdown-timeout"):
+                   "--ssl-certfile", "--max-body-bytes", "--head-timeout", "--read-timeout", "--keep-alive-timeout",
+                   "--max-connections", "--max-idle-connections", "--max-messages", "--max-content-parts",
+                   "--request-timeout", "--default-max-tokens", "--shutdown-timeout"):
         assert option in usage.output, option
     pem = tmp_path / "cert.pem"
     pem.write_text("not used")
@@ -224,7 +196,9 @@ def test_serve_command_options_and_their_errors(tmp_path):
         failed = runner.invoke(app, ["serve", *arguments])
         assert failed.exit_code == 1 and failed.output.startswith("Error: ") and message in failed.output, failed.output
         assert failed.output.count("\n") == 1
-    assert runner.invoke(app, ["serve", "--max-body-bytes", "0"]).exit_code == 2
+    for option in ("--max-body-bytes", "--max-connections", "--max-idle-connections", "--max-messages",
+                   "--max-content-parts", "--head-timeout"):
+        assert runner.invoke(app, ["serve", option, "0"]).exit_code == 2, option
 
 
 # --------------------------------------------------------------------------------------------------
@@ -233,7 +207,8 @@ def test_serve_command_options_and_their_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_body_server(served):
-    with serving(served, limits=RequestLimits(max_body_bytes=16384, read_timeout_s=1.0)) as server:
+    limits = RequestLimits(max_body_bytes=16384, read_timeout_s=1.0)
+    with serving(served, limits=limits, http=HttpOptions(head_timeout_s=1.0, keep_alive_timeout_s=1)) as server:
         yield server
 
 
@@ -256,7 +231,7 @@ def test_body_over_the_limit_gets_413_before_it_is_read(small_body_server):
 def test_slow_head_and_slow_body_are_cut_off(small_body_server):
     host, port = address(small_body_server)
     started = time.monotonic()
-    assert raw_exchange(small_body_server, b"") == b""  # sent nothing: closed after the read timeout
+    assert raw_exchange(small_body_server, b"") == b""  # sent nothing: closed after the head timeout
     assert raw_exchange(small_body_server, f"GET /health HTTP/1.1\r\nHost: {host}\r\n".encode()) == b""
     assert time.monotonic() - started < TIMEOUT_S
     half_body = post_head(small_body_server, "Content-Length: 100\r\n") + b'{"prompt": '
@@ -366,19 +341,6 @@ def test_default_max_tokens_is_finite_and_capped_by_the_context(served):
         long_prompt = [10] * (tiny_models.MAX_POSITIONS - 2)
         assert post_raw(server, json.dumps({"prompt": long_prompt})).json()["usage"]["completion_tokens"] <= 2
     assert ServerConfig().limits.default_max_tokens == 512
-
-
-def test_connections_beyond_the_cap_get_503(served):
-    with serving(served, http=HttpOptions(max_connections=4)) as server:
-        idle = [socket.create_connection(address(server), timeout=TIMEOUT_S) for _ in range(4)]
-        try:
-            wait_until(lambda: len(server.server.server_state.connections) >= 4, "the idle connections")
-            assert httpx.get(f"{server.url}/health", timeout=TIMEOUT_S).status_code == 503
-        finally:
-            for sock in idle:
-                sock.close()
-        wait_until(lambda: len(server.server.server_state.connections) == 0, "the connections to close")
-        assert httpx.get(f"{server.url}/health", timeout=TIMEOUT_S).status_code == 200
 
 
 def test_shutdown_timeout_ends_requests_in_flight_with_503(served, monkeypatch):
@@ -505,6 +467,7 @@ def test_locustfile_checks_every_answer_against_its_reference(served):
             sys.executable, "-m", "locust", "-f", str(REPO / "scripts" / "locustfile.py"), "--host", server.url,
             "--headless", "--users", "4", "--spawn-rate", "4", "--run-time", "300s", "--only-summary",
             "--requests", "16", "--max-tokens", "12", "--prompts", "2", "--model", "tiny",
+            "--abusive", "2", "--abusive-body-bytes", "200000",
         ]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "BATCHSPEC_API_KEY": KEY})
@@ -514,6 +477,8 @@ def test_locustfile_checks_every_answer_against_its_reference(served):
     assert "references: 8 requests answered one at a time" in output
     assert "batchspec load test: 16 answers, 0 failures (0 differ from their reference: greedy 0, seeded 0)" in output
     assert "server RSS start" in output and "after the references" in output
+    assert re.search(r"abusive clients: [1-9]\d* actions \(.*\), 0 unexpected; /health slowest \d+ ms", output), (
+        output[-2000:])
     assert re.search(r"after each quarter of the answers [\d,]+ / [\d,]+ / [\d,]+ / [\d,]+ MiB", output), output[-2000:]
     answered = sum(float(line.split()[1]) for line in metrics.splitlines()
                    if line.startswith("batchspec_requests_total") and 'status="200"' in line and "/v1/" in line)

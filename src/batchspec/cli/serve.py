@@ -27,10 +27,19 @@ from batchspec.cli.common import (
     parse_auto_or_count,
 )
 from batchspec.cli.errors import user_errors
-from batchspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_READ_TIMEOUT_S, RequestLimits
-from batchspec.server.runner import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_CONNECTIONS, HttpOptions
+from batchspec.server.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONTENT_PARTS,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_READ_TIMEOUT_S,
+    RequestLimits,
+)
+from batchspec.server.runner import DEFAULT_KEEP_ALIVE_S, HttpOptions
 from batchspec.server.security import API_KEY_ENV, SecurityConfig
 from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PREFILL_CHUNK, DEFAULT_SHUTDOWN_TIMEOUT_S
+from batchspec.server.transport import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_IDLE
 
 
 class LogLevel(StrEnum):
@@ -115,10 +124,16 @@ SslCertfileOption = Annotated[
 MaxBodyBytesOption = Annotated[
     int, typer.Option("--max-body-bytes", metavar="N", min=1, help="Largest request body; a larger one gets 413.")
 ]
+HeadTimeoutOption = Annotated[
+    float,
+    typer.Option("--head-timeout", metavar="S", min=0.001,
+                 help="Seconds a client has to send a request's line and headers once connected (or once it starts "
+                 "its next request on a kept-alive connection); a slower one is disconnected."),
+]
 ReadTimeoutOption = Annotated[
     float,
     typer.Option("--read-timeout", metavar="S", min=0.001,
-                 help="Seconds a client has to send a request's headers, and then its body (408)."),
+                 help="Seconds a client has to send a request's body once its headers have arrived (408)."),
 ]
 KeepAliveOption = Annotated[
     int, typer.Option("--keep-alive-timeout", metavar="S", min=1, help="Seconds an idle connection stays open.")
@@ -126,7 +141,22 @@ KeepAliveOption = Annotated[
 MaxConnectionsOption = Annotated[
     int,
     typer.Option("--max-connections", metavar="N", min=1,
-                 help="Concurrent connections; a request beyond them gets 503."),
+                 help="Requests handled at once (streams included; idle connections and /health do not count); "
+                 "one more gets 503 server_busy with Retry-After."),
+]
+MaxIdleConnectionsOption = Annotated[
+    int,
+    typer.Option("--max-idle-connections", metavar="N", min=1,
+                 help="Connections kept open without a request in progress; a new one beyond them closes the "
+                 "connection idle longest."),
+]
+MaxMessagesOption = Annotated[
+    int, typer.Option("--max-messages", metavar="N", min=1, help="Messages of one chat request (400 beyond).")
+]
+MaxContentPartsOption = Annotated[
+    int,
+    typer.Option("--max-content-parts", metavar="N", min=1,
+                 help="Content parts of one chat request, all messages together (400 beyond)."),
 ]
 RequestTimeoutOption = Annotated[
     float | None,
@@ -156,9 +186,13 @@ class NetworkOptions:
     ssl_keyfile: Path | None
     ssl_certfile: Path | None
     max_body_bytes: int
+    head_timeout: float
     read_timeout: float
     keep_alive_timeout: int
     max_connections: int
+    max_idle_connections: int
+    max_messages: int
+    max_content_parts: int
     request_timeout: float | None
     default_max_tokens: int
 
@@ -172,12 +206,14 @@ class NetworkOptions:
         return RequestLimits(
             max_body_bytes=self.max_body_bytes, read_timeout_s=self.read_timeout,
             request_timeout_s=self.request_timeout, default_max_tokens=self.default_max_tokens,
+            max_connections=self.max_connections, max_messages=self.max_messages,
+            max_content_parts=self.max_content_parts,
         )
 
     def http(self) -> HttpOptions:
         keyfile, certfile = (str(p) if p is not None else None for p in (self.ssl_keyfile, self.ssl_certfile))
         return HttpOptions(ssl_keyfile=keyfile, ssl_certfile=certfile, keep_alive_timeout_s=self.keep_alive_timeout,
-                           max_connections=self.max_connections)
+                           head_timeout_s=self.head_timeout, max_idle_connections=self.max_idle_connections)
 
 
 def names(value: str | None) -> tuple[str, ...]:
@@ -210,9 +246,13 @@ def serve_command(
     ssl_keyfile: SslKeyfileOption = None,
     ssl_certfile: SslCertfileOption = None,
     max_body_bytes: MaxBodyBytesOption = DEFAULT_MAX_BODY_BYTES,
+    head_timeout: HeadTimeoutOption = DEFAULT_HEAD_TIMEOUT_S,
     read_timeout: ReadTimeoutOption = DEFAULT_READ_TIMEOUT_S,
     keep_alive_timeout: KeepAliveOption = DEFAULT_KEEP_ALIVE_S,
     max_connections: MaxConnectionsOption = DEFAULT_MAX_CONNECTIONS,
+    max_idle_connections: MaxIdleConnectionsOption = DEFAULT_MAX_IDLE,
+    max_messages: MaxMessagesOption = DEFAULT_MAX_MESSAGES,
+    max_content_parts: MaxContentPartsOption = DEFAULT_MAX_CONTENT_PARTS,
     request_timeout: RequestTimeoutOption = None,
     default_max_tokens: DefaultMaxTokensOption = DEFAULT_MAX_TOKENS,
     shutdown_timeout: ShutdownTimeoutOption = DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -229,8 +269,11 @@ def serve_command(
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     network = NetworkOptions(
-        host, api_key, allowed_origins, allowed_hosts, ssl_keyfile, ssl_certfile, max_body_bytes, read_timeout,
-        keep_alive_timeout, max_connections, request_timeout, default_max_tokens,
+        host=host, api_key=api_key, allowed_origins=allowed_origins, allowed_hosts=allowed_hosts,
+        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, max_body_bytes=max_body_bytes, head_timeout=head_timeout,
+        read_timeout=read_timeout, keep_alive_timeout=keep_alive_timeout, max_connections=max_connections,
+        max_idle_connections=max_idle_connections, max_messages=max_messages, max_content_parts=max_content_parts,
+        request_timeout=request_timeout, default_max_tokens=default_max_tokens,
     )
     with user_errors():
         http, limits, security = network.http(), network.limits(), network.security()

@@ -2,7 +2,9 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as server-sent events with ``stream: true``),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, behind the middleware of
-:mod:`~batchspec.server.middleware`. Prompts are tokenized in a small thread pool, off the event loop. The engine
+:mod:`~batchspec.server.middleware`. Request bodies are parsed, validated and tokenized in small thread pools, off
+the event loop (:class:`~batchspec.server.prompts.PromptReader`), so that no body stalls other clients; small
+bodies have a pool of their own, so that they never wait behind large ones. The engine
 loop starts with the application and, on shutdown, finishes the requests it holds (those still running when the
 shutdown timeout ends have been cancelled by then) before its thread ends.
 """
@@ -14,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -28,28 +30,24 @@ from batchspec.engine import build_engine
 from batchspec.models.pair import ModelPair
 from batchspec.models.support import vocab_size
 from batchspec.schedulers import make_scheduler
-from batchspec.server.errors import APIError
-from batchspec.server.events import GenerationParams
+from batchspec.server.bodies import BodyBounds
+from batchspec.server.chat import ChatEncoder
+from batchspec.server.errors import APIError, bad_request
 from batchspec.server.formats import ChatFormat, CompletionFormat, ReplyContext, ReplyFormat, new_request_id
 from batchspec.server.handlers import Reply, Tracker, answer, submit
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop
 from batchspec.server.metrics import CONTENT_TYPE, ServerMetrics, endpoint_label
 from batchspec.server.middleware import install_middleware
-from batchspec.server.prompts import ModelLimits, PromptSize, chat_params, completion_params
-from batchspec.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    SamplingFields,
-)
+from batchspec.server.prompts import ModelLimits, PromptReader, PromptSize
+from batchspec.server.protocol import ModelCard, ModelList, SamplingFields
 from batchspec.server.settings import ServerConfig
 from batchspec.server.validation import validation_error
 
 logger = logging.getLogger(__name__)
 
 PREPARE_WORKERS = 2
+QUICK_BODY_BYTES = 64 * 1024
 
 
 @dataclass
@@ -94,30 +92,51 @@ def context_length(target: Any, draft: Any | None) -> int:
     return min(int(m.config.get_text_config().max_position_embeddings) for m in models)
 
 
+def prompt_reader(models: ModelPair, state: ServingState) -> PromptReader:
+    """How the server reads requests for ``models``: bounds from the options and the model's context."""
+    limits, context = state.config.limits, state.limits.context_length
+    chat = ChatEncoder.of(models.tokenizer)
+    return PromptReader(
+        BodyBounds(context, limits.max_messages, limits.max_content_parts),
+        PromptSize.of(models.tokenizer, context, chat.cost), models.tokenizer, chat, state.limits,
+        limits.default_max_tokens, state.check_model,
+    )
+
+
 @dataclass
 class Front:
-    """What the routes use besides the engine: the requests in flight, the prompt-size bound, and the small pool
-    that tokenizes and renders chat templates off the event loop (so a large prompt delays no other client)."""
+    """What the routes use besides the engine: the requests in flight, the prompt reader, and the two small pools
+    that run it off the event loop, one for bodies of at most :data:`QUICK_BODY_BYTES` and one for the others (so
+    that a large or intricate body delays no other client, and a small request waits behind no large one)."""
 
     inflight: InFlight
-    prompt_size: PromptSize
-    pool: ThreadPoolExecutor
+    reader: PromptReader
     shutdown_timeout_s: float
+    pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("batchspec-prepare"))
+    quick_pool: ThreadPoolExecutor = field(default_factory=lambda: _pool("batchspec-prepare-quick"))
 
-    async def prepare(self, work: Callable[..., GenerationParams], *args: Any) -> GenerationParams:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, partial(work, *args))
+    async def prepare(self, read: Callable[[bytes], Any], raw: bytes) -> Any:
+        pool = self.quick_pool if len(raw) <= QUICK_BODY_BYTES else self.pool
+        return await asyncio.get_running_loop().run_in_executor(pool, partial(read, raw))
+
+    def close(self) -> None:
+        for pool in (self.pool, self.quick_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def begin_shutdown(self) -> None:
         """Called when the HTTP server starts shutting down: requests in flight get ``shutdown_timeout_s``."""
         self.inflight.begin_shutdown(self.shutdown_timeout_s)
 
 
+def _pool(name: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix=name)
+
+
 def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
     """The application serving ``models``; its engine loop runs while the application runs (lifespan)."""
     state = build_state(models, config)
     front = Front(
-        InFlight(config.limits.request_timeout_s), PromptSize.of(models.tokenizer, state.limits.context_length),
-        ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="batchspec-prepare"), config.shutdown_timeout_s,
+        InFlight(config.limits.request_timeout_s), prompt_reader(models, state), config.shutdown_timeout_s,
     )
 
     @asynccontextmanager
@@ -126,7 +145,7 @@ def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
         logger.info("serving %s with %s, batch size %d", state.model_name, config.method, config.max_batch_size)
         yield
         logger.info("draining the engine loop")
-        front.pool.shutdown(wait=False, cancel_futures=True)
+        front.close()
         await asyncio.to_thread(state.loop.stop, config.shutdown_timeout_s)
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
@@ -150,24 +169,27 @@ def _front(http: Request) -> Front:
     return http.app.state.front
 
 
-async def completions(body: CompletionRequest, http: Request) -> Response:
-    params = await _prepare(http, body, completion_params)
+async def completions(http: Request) -> Response:
+    front = _front(http)
+    body, params = await front.prepare(front.reader.completion, await _json_body(http))
     return await _serve(http, _state(http), params, CompletionFormat(), body)
 
 
-async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-    params = await _prepare(http, body, chat_params)
+async def chat_completions(http: Request) -> Response:
+    front = _front(http)
+    body, params = await front.prepare(front.reader.chat_completion, await _json_body(http))
     return await _serve(http, _state(http), params, ChatFormat(), body)
 
 
-async def _prepare(
-    http: Request, body: CompletionRequest | ChatCompletionRequest, work: Callable[..., GenerationParams]
-) -> GenerationParams:
-    """Check the model and the prompt's size, then tokenize (``work``) in the pool, off the event loop."""
-    state, front = _state(http), _front(http)
-    state.check_model(body.model)
-    front.prompt_size.check(body)
-    return await front.prepare(work, body, state.tokenizer, state.limits, state.config.limits.default_max_tokens)
+async def _json_body(http: Request) -> bytes:
+    """The request's body, read by the body guard; a 400 unless it is sent as JSON (a web page can send any other
+    content type to another origin without asking first)."""
+    media = (http.headers.get("content-type") or "").split(";")[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    if kind != "application" or not (subtype == "json" or subtype.endswith("+json")):
+        raise bad_request("the request body must be JSON, sent with 'Content-Type: application/json'",
+                          code="invalid_content_type")
+    return await http.body()
 
 
 async def _serve(http: Request, state: ServingState, params, fmt: ReplyFormat, body: SamplingFields) -> Response:
@@ -203,7 +225,7 @@ def _install_error_handlers(app: FastAPI, state: ServingState) -> None:
         return reply(http, error)
 
     async def on_invalid(http: Request, error: RequestValidationError) -> JSONResponse:
-        return reply(http, validation_error(error))
+        return reply(http, validation_error(error.errors()))
 
     async def on_http(http: Request, error: StarletteHTTPException) -> JSONResponse:
         return reply(http, APIError(error.status_code, str(error.detail), headers=dict(error.headers or {})))

@@ -1,5 +1,8 @@
-"""How much a request may ask of the server: body size, time to send the body, time to be answered, output length.
+"""How much requests may ask of the server: requests handled at once, body size and shape, time to send the body,
+time to be answered, output length.
 
+:class:`RequestCap` answers a request beyond ``max_connections`` handled at once with a 503 (``server_busy``,
+``Retry-After``); ``/health`` is always answered, and connections that have sent no request do not count.
 :class:`BodyGuard` reads every request body before the application sees it: a ``Content-Length`` beyond the limit
 is a 413 before any of the body is read, a body sent in chunks is a 413 as soon as its bytes pass the limit, a
 body that has not fully arrived within the read timeout is a 408, and one still arriving when shutdown's drain
@@ -19,6 +22,11 @@ from batchspec.server.security import Refuse, header
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_CONNECTIONS = 128
+DEFAULT_MAX_MESSAGES = 1024
+DEFAULT_MAX_CONTENT_PARTS = 1024
+BUSY_RETRY_AFTER_S = 1
+ALWAYS_ANSWERED = frozenset({"/health"})
 CLOSE = {"Connection": "close"}
 
 
@@ -28,19 +36,25 @@ class RequestLimits:
 
     Attributes:
         max_body_bytes: the largest request body accepted; a larger one is a 413.
-        read_timeout_s: seconds a client has to send a request's head, and then its body (else the connection is
-            closed; for the body, with a 408).
+        read_timeout_s: seconds a client has to send a request's body once its head has arrived (else a 408).
         request_timeout_s: seconds from arrival to the last token (None: no deadline); past it, a 504.
         default_max_tokens: the output budget of a request without ``max_tokens`` (capped by the context).
+        max_connections: requests handled at once, from their head to the end of their answer (streams
+            included); one more is a 503 ``server_busy``. ``/health`` is always answered and does not count.
+        max_messages: messages of one chat request; more is a 400 ``too_many_messages``.
+        max_content_parts: content parts of one chat request, all messages together; more is a 400.
     """
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     request_timeout_s: float | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_content_parts: int = DEFAULT_MAX_CONTENT_PARTS
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "default_max_tokens"):
+        for name in ("max_body_bytes", "default_max_tokens", "max_connections", "max_messages", "max_content_parts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
@@ -48,6 +62,34 @@ class RequestLimits:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds; got {value!r}")
+
+
+class RequestCap:
+    """ASGI middleware: at most ``limit`` HTTP requests handled at once; one more gets a 503 with ``Retry-After``
+    (and the connection is closed), except on :data:`ALWAYS_ANSWERED` paths, which are cheap and never counted."""
+
+    def __init__(self, app: ASGIApp, limit: int, refuse: Refuse) -> None:
+        self.app = app
+        self.limit = limit
+        self.refuse = refuse
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in ALWAYS_ANSWERED:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            error = APIError(
+                503, f"the server is handling as many requests as it accepts at once ({self.limit}); retry later",
+                code="server_busy", headers={"Retry-After": str(BUSY_RETRY_AFTER_S), **CLOSE},
+            )
+            await self.refuse(error, scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 class BodyGuard:

@@ -1,8 +1,10 @@
-"""The middleware in front of the routes, outermost first: the Host check, CORS, the API key, the body guard.
+"""The middleware in front of the routes, outermost first: the request cap, the Host check, CORS, the API key, the
+body guard.
 
-A request the Host check refuses never reaches CORS; a CORS preflight is answered before the API key is asked
-for (browsers send none with it); an unauthenticated client cannot make the server read a body. Every refusal
-is counted in ``batchspec_requests_total`` under its route template and status.
+A request beyond the cap costs nothing but its refusal; a request the Host check refuses never reaches CORS; a
+CORS preflight is answered before the API key is asked for (browsers send none with it); an unauthenticated
+client cannot make the server read a body. Every refusal is counted in ``batchspec_requests_total`` under its
+route template and status.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from batchspec.server.errors import APIError
-from batchspec.server.limits import BodyGuard
+from batchspec.server.limits import BodyGuard, RequestCap
 from batchspec.server.metrics import ServerMetrics, endpoint_label
 from batchspec.server.security import ApiKeyCheck, HostCheck, Refuse
 from batchspec.server.settings import ServerConfig
@@ -45,3 +47,4 @@ def install_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetric
                            allow_methods=CORS_METHODS, allow_headers=CORS_HEADERS)
     if security.allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=security.allowed_hosts, refuse=refuse)
+    app.add_middleware(RequestCap, limit=config.limits.max_connections, refuse=refuse)

@@ -1,17 +1,23 @@
-"""From a validated request body to :class:`~batchspec.server.events.GenerationParams`: tokenization, the chat
-template, and the checks against the model's context length and vocabulary (each a 400 naming the field)."""
+"""From a request body to :class:`~batchspec.server.events.GenerationParams`: parsing and validation, the checks
+against the model's context length and vocabulary (each a 400 naming the field), the chat template and
+tokenization."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from batchspec.sampling import SamplingParams
+from batchspec.server.bodies import BodyBounds
+from batchspec.server.chat import ChatEncoder, MessageCost
 from batchspec.server.errors import bad_request
 from batchspec.server.events import GenerationParams
 from batchspec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 CONTEXT_CODE = "context_length_exceeded"
+
+Request = TypeVar("Request", CompletionRequest, ChatCompletionRequest)
 
 
 @dataclass(frozen=True)
@@ -30,35 +36,83 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class PromptSize:
-    """A bound on a prompt's characters checked before tokenizing: no text longer than ``max_chars`` can fit
-    the context, because no token covers more characters than the vocabulary's longest entry (this assumes a
-    tokenizer that keeps every character, as the byte-level BPE and SentencePiece tokenizers of causal LMs do).
+    """A lower bound on a prompt's tokens, checked before tokenizing: no token covers more characters than the
+    vocabulary's longest entry, ``longest`` (this assumes a tokenizer that keeps every character, as the
+    byte-level BPE and SentencePiece tokenizers of causal LMs do), and the chat template adds at least
+    ``message_cost`` to every message but the first (the first may be rendered in a way of its own).
     """
 
-    max_chars: int
+    longest: int
     context_length: int
+    message_cost: MessageCost = MessageCost()
 
     @classmethod
-    def of(cls, tokenizer: Any, context_length: int) -> PromptSize:
+    def of(cls, tokenizer: Any, context_length: int, message_cost: MessageCost | None = None) -> PromptSize:
         longest = max([1, *(len(token) for token in tokenizer.get_vocab())])
-        return cls(context_length * longest, context_length)
+        return cls(longest, context_length, message_cost or MessageCost())
+
+    @property
+    def max_chars(self) -> int:
+        """Characters of text beyond which a completion prompt cannot fit the context."""
+        return self.context_length * self.longest
+
+    def least_tokens(self, chars: int, messages: int = 0) -> int:
+        """The fewest tokens ``chars`` characters of text in ``messages`` chat messages can take."""
+        templated = max(0, messages - 1)
+        text = chars + templated * self.message_cost.chars
+        return -(-text // self.longest) + templated * self.message_cost.special_tokens
 
     def check(self, request: CompletionRequest | ChatCompletionRequest) -> None:
         """A 400 (``context_length_exceeded``) for text that cannot fit; token-id prompts are checked later."""
         if isinstance(request, ChatCompletionRequest):
-            chars, param = sum(len(m.text()) for m in request.messages), "messages"
+            chars, messages, param = sum(len(m.text()) for m in request.messages), len(request.messages), "messages"
         else:
-            chars, param = (len(request.prompt) if isinstance(request.prompt, str) else 0), "prompt"
-        if chars > self.max_chars:
+            chars, messages, param = (len(request.prompt) if isinstance(request.prompt, str) else 0), 0, "prompt"
+        least = self.least_tokens(chars, messages)
+        if least >= self.context_length:
+            template = (f" and {max(0, messages - 1)} messages that the chat template gives at least "
+                        f"{self.message_cost.special_tokens} tokens each" if messages else "")
             raise bad_request(
-                f"the prompt has {chars} characters, more than the {self.max_chars} that could fit the model's "
-                f"context of {self.context_length} tokens", param=param, code=CONTEXT_CODE,
+                f"the prompt has at least {least} tokens ({chars} characters, none longer than {self.longest} "
+                f"per token{template}); the model's context is {self.context_length} tokens",
+                param=param, code=CONTEXT_CODE,
             )
+
+
+@dataclass(frozen=True)
+class PromptReader:
+    """A request from its body to :class:`GenerationParams`, all of it in the prompt pool, off the event loop:
+    the body parsed and validated within ``bounds``, the model checked (``check_model``), the prompt's size
+    bounded before it is tokenized, and the prompt tokenized (chat: by ``chat``, content as text)."""
+
+    bounds: BodyBounds
+    size: PromptSize
+    tokenizer: Any
+    chat: ChatEncoder
+    limits: ModelLimits
+    default_max_tokens: int
+    check_model: Callable[[str | None], None]
+
+    def completion(self, raw: bytes) -> tuple[CompletionRequest, GenerationParams]:
+        request = self._request(raw, CompletionRequest)
+        return request, completion_params(request, self.tokenizer, self.limits, self.default_max_tokens)
+
+    def chat_completion(self, raw: bytes) -> tuple[ChatCompletionRequest, GenerationParams]:
+        request = self._request(raw, ChatCompletionRequest)
+        return request, chat_params(request, self.chat, self.limits, self.default_max_tokens)
+
+    def _request(self, raw: bytes, model: type[Request]) -> Request:
+        request = self.bounds.parse(raw, model)
+        self.check_model(request.model)
+        self.size.check(request)
+        return request
 
 
 def completion_params(
     request: CompletionRequest, tokenizer: Any, limits: ModelLimits, default_max_tokens: int
 ) -> GenerationParams:
+    """Special-token strings in a text prompt are parsed as special tokens (the client writes the whole prompt,
+    and could send the same ids as a token-id prompt)."""
     if isinstance(request.prompt, str):
         ids = [int(t) for t in tokenizer(request.prompt, add_special_tokens=True)["input_ids"]]
     else:
@@ -67,26 +121,15 @@ def completion_params(
 
 
 def chat_params(
-    request: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits, default_max_tokens: int
+    request: ChatCompletionRequest, chat: ChatEncoder, limits: ModelLimits, default_max_tokens: int
 ) -> GenerationParams:
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     messages = [{"role": _role(m.role), "content": m.text()} for m in request.messages]
-    try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as error:
-        raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from error
-    return _params(_as_ids(encoded), Budget(request.token_budget, default_max_tokens), request, limits, "messages")
+    ids = chat.encode(messages)
+    return _params(ids, Budget(request.token_budget, default_max_tokens), request, limits, "messages")
 
 
 def _role(role: str) -> str:
     return "system" if role == "developer" else role
-
-
-def _as_ids(encoded: Any) -> list[int]:
-    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    return [int(token) for token in encoded]
 
 
 @dataclass(frozen=True)

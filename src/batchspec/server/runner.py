@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from batchspec.server.app import Front
-from batchspec.server.transport import timed_protocol
+from batchspec.server.transport import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_IDLE, timed_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ STARTUP_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 120.0
 SHUTDOWN_BACKSTOP_S = 5.0
 DEFAULT_KEEP_ALIVE_S = 5
-DEFAULT_MAX_CONNECTIONS = 128
 
 
 @dataclass(frozen=True)
@@ -42,13 +41,17 @@ class HttpOptions:
     Attributes:
         ssl_keyfile, ssl_certfile: serve HTTPS with this PEM key and certificate (both or neither).
         keep_alive_timeout_s: seconds an idle keep-alive connection stays open between requests.
-        max_connections: concurrent connections; a request beyond them gets uvicorn's 503 (``limit_concurrency``).
+        head_timeout_s: seconds a client has to send a request's line and headers, from the moment it connects
+            (or, on a kept-alive connection, from the first byte of its next request); else it is closed.
+        max_idle_connections: connections kept open without a request in progress; a new connection beyond them
+            closes the one idle longest. (The cap on requests handled at once is ``RequestLimits.max_connections``.)
     """
 
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_S
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
+    max_idle_connections: int = DEFAULT_MAX_IDLE
 
     def __post_init__(self) -> None:
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
@@ -56,8 +59,10 @@ class HttpOptions:
         for path in (self.ssl_keyfile, self.ssl_certfile):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{path} does not exist or is not a file")
-        if self.keep_alive_timeout_s < 1 or self.max_connections < 1:
-            raise ValueError("the keep-alive timeout and the connection limit must be >= 1")
+        if self.keep_alive_timeout_s < 1 or self.max_idle_connections < 1:
+            raise ValueError("the keep-alive timeout and the idle connection limit must be >= 1")
+        if not self.head_timeout_s > 0:
+            raise ValueError(f"the head timeout must be > 0 seconds; got {self.head_timeout_s!r}")
 
     @property
     def scheme(self) -> str:
@@ -80,9 +85,8 @@ def make_server(app: FastAPI, http: HttpOptions, log_level: str, **where: Any) -
     """A server for ``app`` (built by :func:`~batchspec.server.app.create_app`) at ``where`` (host and port)."""
     front: Front = app.state.front
     config = uvicorn.Config(
-        app, log_level=log_level, lifespan="on", http=timed_protocol(app.state.serving.config.limits.read_timeout_s),
+        app, log_level=log_level, lifespan="on", http=timed_protocol(http.head_timeout_s, http.max_idle_connections),
         ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile, timeout_keep_alive=http.keep_alive_timeout_s,
-        limit_concurrency=http.max_connections,
         timeout_graceful_shutdown=math.ceil(front.shutdown_timeout_s + SHUTDOWN_BACKSTOP_S), **where,
     )
     return DrainingServer(config, front)

@@ -1,23 +1,20 @@
-"""Request validation errors (bad JSON, unknown fields, wrong types, values out of range) as 400 responses."""
+"""Request validation errors (unknown fields, wrong types, values out of range) as 400 responses."""
 
 from __future__ import annotations
 
-from fastapi.exceptions import RequestValidationError
+from collections.abc import Sequence
 
 from batchspec.server.errors import APIError, bad_request
 
 MAX_REPORTED = 3
 
 
-def validation_error(error: RequestValidationError) -> APIError:
-    """A 400 naming the first offending field, with up to ``MAX_REPORTED`` problems in the message."""
-    problems = list(error.errors())
+def validation_error(problems: Sequence[dict]) -> APIError:
+    """A 400 naming the first offending field, with up to ``MAX_REPORTED`` problems in the message (``problems``
+    as pydantic's ``ValidationError.errors()`` or FastAPI's ``RequestValidationError.errors()`` lists them)."""
     if not problems:
         return bad_request("invalid request body")
     first = problems[0]
-    if first.get("type") == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error", first.get("msg", "malformed JSON"))
-        return bad_request(f"the request body is not valid JSON: {reason}", code="invalid_json")
     messages = list(dict.fromkeys(_describe(p) for p in problems))[:MAX_REPORTED]
     return bad_request("; ".join(messages), param=_param(first), code="invalid_value")
 

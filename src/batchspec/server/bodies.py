@@ -1,0 +1,153 @@
+"""Request bodies parsed and validated within bounds, in the prompt pool rather than on the event loop.
+
+A 4 MiB body can hold millions of JSON values, and CPython's C JSON parser and pydantic's validator each hold the
+interpreter lock for the whole of one call: on the event loop, or even in another thread, a body of many small
+values would stall ``/health`` and every stream for hundreds of milliseconds. So a body is parsed by the standard
+library's pure-Python scanner (strings are still read by the C ``scanstring``), which hands the interpreter lock
+to the event loop and the engine every :data:`YIELD_EVERY` values, and which stops at the first value past the
+body's budget: at most :attr:`BodyBounds.max_values` values, :attr:`BodyBounds.max_containers` arrays and objects,
+nested at most :data:`MAX_DEPTH` deep. The budget follows from the bounds (the context's worth of token ids, the
+messages and content parts allowed), so a hostile body costs a few tens of milliseconds of a pool thread, and a
+legitimate one is never refused by it. Chat requests may then hold at most ``max_messages`` messages and
+``max_content_parts`` content parts, checked before pydantic validates what is left, so validation too is short.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from json.decoder import JSONArray, JSONObject
+from json.scanner import py_make_scanner
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from batchspec.server.errors import APIError, bad_request
+from batchspec.server.validation import validation_error
+
+MAX_DEPTH = 16
+YIELD_EVERY = 128  # values read between two hand-overs of the interpreter lock (each about 0.2 ms of work)
+VALUES_PER_MESSAGE = 4  # the message object, role, content, name
+VALUES_PER_PART = 3  # the part object, type, text
+FIELD_VALUES = 256  # the sampling fields, stop strings, stream options, and room for a client's mistakes
+COMPLEX_CODE = "request_too_complex"
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class BodyBounds:
+    """How much structure one request body may have.
+
+    Attributes:
+        max_token_ids: the longest token-id prompt worth reading (the model's context length).
+        max_messages: messages of one chat request.
+        max_content_parts: content parts of one chat request, all its messages together.
+    """
+
+    max_token_ids: int
+    max_messages: int
+    max_content_parts: int
+
+    @property
+    def max_containers(self) -> int:
+        """Arrays and objects: the body, its messages and their content lists, the parts, the prompt, stop."""
+        return 2 * self.max_messages + self.max_content_parts + FIELD_VALUES
+
+    @property
+    def max_values(self) -> int:
+        return (self.max_token_ids + VALUES_PER_MESSAGE * self.max_messages + VALUES_PER_PART * self.max_content_parts
+                + FIELD_VALUES)
+
+    def describe(self) -> str:
+        return (f"a request may have at most {self.max_messages} messages, {self.max_content_parts} content parts "
+                f"and {self.max_token_ids} prompt token ids")
+
+    def parse(self, raw: bytes, model: type[Model]) -> Model:
+        """``raw`` as a ``model``; a 400 for malformed JSON, a body past the bounds, or an invalid field."""
+        data = load_json(raw, self)
+        if isinstance(data, dict) and "messages" in data:
+            self._check_chat(data["messages"])
+        try:
+            return model.model_validate(data)
+        except ValidationError as error:
+            raise validation_error(error.errors(include_url=False, include_input=False)) from None
+
+    def _check_chat(self, messages: Any) -> None:
+        if not isinstance(messages, list):
+            return
+        if len(messages) > self.max_messages:
+            raise bad_request(f"the request has {len(messages)} messages; at most {self.max_messages} are accepted",
+                              param="messages", code="too_many_messages")
+        parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if parts > self.max_content_parts:
+            raise bad_request(f"the messages have {parts} content parts; at most {self.max_content_parts} are "
+                              "accepted", param="messages", code="too_many_content_parts")
+
+
+def load_json(raw: bytes, bounds: BodyBounds) -> Any:
+    """The JSON value in ``raw``, read by :class:`BoundedDecoder`; a 400 if it is malformed or too complex."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        return BoundedDecoder(bounds).decode(text)
+    except TooComplex as error:
+        raise APIError(400, str(error), code=COMPLEX_CODE) from None
+    except json.JSONDecodeError as error:
+        raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    except ValueError as error:  # undecodable bytes, an integer of more digits than Python converts
+        raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+class TooComplex(Exception):
+    """The body has more values, containers or nesting than its bounds allow."""
+
+
+class BoundedDecoder(json.JSONDecoder):
+    """The standard library's pure-Python JSON scanner, counting what it reads against ``bounds``."""
+
+    def __init__(self, bounds: BodyBounds) -> None:
+        super().__init__()
+        self.bounds = bounds
+        self.values = 0
+        self.containers = 0
+        self.depth = 0
+        self.parse_object = self._object
+        self.parse_array = self._array
+        self.scan_once = py_make_scanner(self)
+
+    def _object(self, s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo):
+        with self._nested():
+            return JSONObject(s_and_end, strict, self._counted(scan_once), object_hook, object_pairs_hook, memo)
+
+    def _array(self, s_and_end, scan_once):
+        with self._nested():
+            return JSONArray(s_and_end, self._counted(scan_once))
+
+    def _counted(self, scan_once: Callable) -> Callable:
+        def counted(string: str, index: int):
+            self.values += 1
+            if self.values % YIELD_EVERY == 0:
+                time.sleep(0)  # other threads waiting for the lock get it now, not at the next switch interval
+            if self.values > self.bounds.max_values:
+                raise TooComplex(f"the request body has more than {self.bounds.max_values} JSON values "
+                                 f"({self.bounds.describe()})")
+            return scan_once(string, index)
+
+        return counted
+
+    @contextmanager
+    def _nested(self) -> Iterator[None]:
+        self.containers += 1
+        if self.containers > self.bounds.max_containers:
+            raise TooComplex(f"the request body has more than {self.bounds.max_containers} JSON arrays and objects "
+                             f"({self.bounds.describe()})")
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise TooComplex(f"the request body nests arrays and objects more than {MAX_DEPTH} deep")
+            yield
+        finally:
+            self.depth -= 1
