@@ -17,11 +17,12 @@ from typing import Annotated, Any
 import typer
 from tqdm.auto import tqdm
 
-from batchspec.cli.common import Method, ModelChoice, ProposerKind, presets_used, summary_lines
+from batchspec.cli.common import Method, ProposerKind, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
 from batchspec.cli.output import GeneratedText, print_texts, sampling_summary, write_jsonl
 from batchspec.data import PromptRecord
 from batchspec.metrics import GenerationStats
+from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.presets import obtain_preset
 from batchspec.ray import STATS_COLUMN, BatchspecPredictor, GenerationSettings, merge_batch_stats
 from batchspec.sampling import derive_row_seeds
@@ -196,8 +197,8 @@ def prompt_dataset(
 def _predictor_kwargs(models: ModelChoice, settings: GenerationSettings, choice: RayChoice) -> dict[str, Any]:
     cache_dir = None if models.cache_dir is None else str(models.cache_dir)
     return dict(
-        preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype.value,
-        kernels=models.kernels.value, cache_dir=cache_dir, num_threads=choice.threads, **vars(settings),
+        preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype,
+        kernels=models.kernels, cache_dir=cache_dir, num_threads=choice.threads, **vars(settings),
     )
 
 

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from batchspec.cli.common import (
+    BatchSizeOption,
     CacheDirOption,
     DraftOption,
     DType,
@@ -18,15 +19,15 @@ from batchspec.cli.common import (
     Kernels,
     KernelsOption,
     Method,
-    ModelChoice,
+    MethodOption,
     NumDraftTokensOption,
     PresetOption,
     ProposerOption,
     TargetOption,
-    load_models,
     parse_auto_or_count,
 )
 from batchspec.cli.errors import user_errors
+from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_READ_TIMEOUT_S, RequestLimits
 from batchspec.server.runner import DEFAULT_KEEP_ALIVE_S, DEFAULT_MAX_CONNECTIONS, HttpOptions
 from batchspec.server.security import API_KEY_ENV, SecurityConfig
@@ -44,18 +45,6 @@ HostOption = Annotated[
     str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on; the default accepts local clients only.")
 ]
 PortOption = Annotated[int, typer.Option("--port", metavar="PORT", min=1, max=65535, help="TCP port to listen on.")]
-ServeMethodOption = Annotated[
-    Method,
-    typer.Option(
-        "--method", "-m",
-        help="eqspec: one running batch realigned every round, predictable latency (recommended online); "
-        "exspec: a window of requests regrouped by length, more throughput but longer tail latency; "
-        "autoregressive: the target alone.",
-    ),
-]
-MaxBatchSizeOption = Annotated[
-    int, typer.Option("--max-batch-size", "-b", metavar="B", min=1, help="Requests decoded together per round.")
-]
 MaxQueueOption = Annotated[
     int,
     typer.Option(
@@ -191,9 +180,9 @@ def serve_command(
     draft: DraftOption = None,
     host: HostOption = DEFAULT_HOST,
     port: PortOption = DEFAULT_PORT,
-    method: ServeMethodOption = Method.EQSPEC,
+    method: MethodOption = Method.EQSPEC,
     proposer: ProposerOption = None,
-    max_batch_size: MaxBatchSizeOption = 8,
+    max_batch_size: BatchSizeOption = 8,
     max_queue: MaxQueueOption = 64,
     num_draft_tokens: NumDraftTokensOption = "auto",
     window_size: WindowSizeOption = None,
