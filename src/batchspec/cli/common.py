@@ -92,32 +92,6 @@ CacheDirOption = Annotated[
         f"else $XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec (now: {default_cache_dir()}).",
     ),
 ]
-PromptsOption = Annotated[
-    str,
-    typer.Option(
-        "--prompts", metavar="humaneval|PATH",
-        help="'humaneval' (164 problems), a SpecBench JSONL file (first turn of each question), "
-        'a JSONL file of {"prompt": ...} records, or a text file with one prompt per line.',
-    ),
-]
-LimitOption = Annotated[
-    int | None,
-    typer.Option("--limit", "-n", metavar="N", min=1, help="Use only the first N prompts."),
-]
-CategoryOption = Annotated[
-    str | None,
-    typer.Option(
-        "--category", metavar="NAME",
-        help="Only prompts of this category (SpecBench: writing, coding, math_reasoning, qa, ...).",
-    ),
-]
-ChatTemplateOption = Annotated[
-    bool,
-    typer.Option(
-        "--chat-template/--no-chat-template",
-        help="Wrap each prompt as a user message in the tokenizer's chat template (when it has one).",
-    ),
-]
 MethodOption = Annotated[
     Method,
     typer.Option(
@@ -128,13 +102,19 @@ MethodOption = Annotated[
         "is given).",
     ),
 ]
-BatchSizeOption = Annotated[
-    int,
-    typer.Option(
-        "--batch-size", "--max-batch-size", "-b", metavar="B", min=1,
-        help="Rows decoded together (serving: requests decoded together per round, at most).",
-    ),
-]
+
+
+def batch_size_option(name: str) -> Any:
+    """The batch size, one option named for what a command does with it: ``generate`` decodes batches of
+    ``--batch-size`` rows, ``serve`` a running batch of at most ``--max-batch-size`` requests."""
+    return typer.Option(
+        name, "-b", metavar="B", min=1,
+        help="Rows decoded together at most (serving: requests decoded together per round).",
+    )
+
+
+BatchSizeOption = Annotated[int, batch_size_option("--batch-size")]
+MaxBatchSizeOption = Annotated[int, batch_size_option("--max-batch-size")]
 MaxNewTokensOption = Annotated[
     int,
     typer.Option("--max-new-tokens", metavar="N", min=0, help="New tokens per prompt at most."),
@@ -242,10 +222,31 @@ def model_choice(
 
 
 def prompt_choice(
-    prompts: PromptsOption = "humaneval",
-    limit: LimitOption = None,
-    category: CategoryOption = None,
-    chat_template: ChatTemplateOption = True,
+    prompts: Annotated[
+        str,
+        typer.Option(
+            "--prompts", metavar="humaneval|PATH",
+            help="'humaneval' (164 problems), a SpecBench JSONL file (first turn of each question), "
+            'a JSONL file of {"prompt": ...} records, or a text file with one prompt per line.',
+        ),
+    ] = "humaneval",
+    limit: Annotated[
+        int | None, typer.Option("--limit", "-n", metavar="N", min=1, help="Use only the first N prompts.")
+    ] = None,
+    category: Annotated[
+        str | None,
+        typer.Option(
+            "--category", metavar="NAME",
+            help="Only prompts of this category (SpecBench: writing, coding, math_reasoning, qa, ...).",
+        ),
+    ] = None,
+    chat_template: Annotated[
+        bool,
+        typer.Option(
+            "--chat-template/--no-chat-template",
+            help="Wrap each prompt as a user message in the tokenizer's chat template (when it has one).",
+        ),
+    ] = True,
 ) -> PromptChoice:
     """The prompts of ``--prompts``, ``--limit``, ``--category`` and ``--chat-template``."""
     return PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)

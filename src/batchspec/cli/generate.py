@@ -36,14 +36,7 @@ from batchspec.cli.output import (
     sampling_summary,
     write_jsonl,
 )
-from batchspec.cli.ray_generate import (
-    ActorsOption,
-    RayAddressOption,
-    RayChoice,
-    RayOption,
-    ThreadsPerActorOption,
-    run_generate_on_ray,
-)
+from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.ray import GenerationSettings
 
@@ -57,10 +50,11 @@ OutputOption = Annotated[
 ]
 
 
-@with_options(models=model_choice, prompts=prompt_choice)
+@with_options(models=model_choice, prompts=prompt_choice, ray=ray_choice)
 def generate_command(
     models: ModelChoice,
     prompts: PromptChoice,
+    ray: RayChoice,
     method: MethodOption = Method.EQSPEC,
     proposer: ProposerOption = None,
     batch_size: BatchSizeOption = 8,
@@ -71,10 +65,6 @@ def generate_command(
     top_p: TopPOption = None,
     seed: SeedOption = None,
     output: OutputOption = None,
-    ray: RayOption = False,
-    ray_address: RayAddressOption = None,
-    actors: ActorsOption = None,
-    threads_per_actor: ThreadsPerActorOption = None,
 ) -> None:
     """Generate for a prompt set: greedy by default, and then every output is the target's own greedy output,
     exactly in float32 (--dtype auto, the default on the CPU) and up to near-ties (the two best tokens within a few
@@ -94,15 +84,14 @@ def generate_command(
         check_sampling_options(temperature, top_k, top_p, seed)
         records = load_prompt_records(prompts)
         check_output_path(output)
-        ray_choice = RayChoice(enabled=ray, address=ray_address, actors=actors, threads_per_actor=threads_per_actor)
-        if ray_choice.enabled:
+        if ray.enabled:
             drafting = models.proposer_for(method, proposer)
             settings = GenerationSettings(
                 method=method.value, batch_size=batch_size, max_new_tokens=max_new_tokens,
                 num_draft_tokens=num_draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                 chat_template=prompts.chat_template, proposer=None if drafting is None else drafting.value,
             )
-            run_generate_on_ray(records, models, settings, seed, ray_choice, output)
+            run_generate_on_ray(records, models, settings, seed, ray, output)
             return
         loaded = load_models(models, method, proposer)
         proposer = models.proposer_for(method, proposer)

@@ -29,35 +29,6 @@ from batchspec.sampling import derive_row_seeds
 
 EXSPEC_WINDOW_FACTOR = 4
 
-RayOption = Annotated[
-    bool,
-    typer.Option(
-        "--ray",
-        help="Generate on Ray Data: the prompts become a Dataset handed to --actors actors, each with its own "
-        "copy of the models (needs the ray extra: pip install 'batchspec[ray]').",
-    ),
-]
-RayAddressOption = Annotated[
-    str | None,
-    typer.Option(
-        "--ray-address", metavar="ADDR",
-        help="With --ray: the cluster to join ('auto' for one started by `ray start` here, or HOST:PORT); "
-        "default $RAY_ADDRESS, else a local cluster started for this run.",
-    ),
-]
-ActorsOption = Annotated[
-    int | None,
-    typer.Option("--actors", metavar="N", min=1, help="With --ray: actors generating at once (default 1)."),
-]
-ThreadsPerActorOption = Annotated[
-    int | None,
-    typer.Option(
-        "--threads-per-actor", metavar="T", min=1,
-        help="With --ray: torch threads and CPUs reserved per actor (default 1).",
-    ),
-]
-
-
 @dataclass(frozen=True)
 class RayChoice:
     """The ``--ray`` options: whether to use Ray, which cluster, and how many actors of how many threads."""
@@ -80,6 +51,39 @@ class RayChoice:
     @property
     def threads(self) -> int:
         return self.threads_per_actor or 1
+
+
+def ray_choice(
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Generate on Ray Data: the prompts become a Dataset handed to --actors actors, each with its own "
+            "copy of the models (needs the ray extra: pip install 'batchspec[ray]').",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address", metavar="ADDR",
+            help="With --ray: the cluster to join ('auto' for one started by `ray start` here, or HOST:PORT); "
+            "default $RAY_ADDRESS, else a local cluster started for this run.",
+        ),
+    ] = None,
+    actors: Annotated[
+        int | None,
+        typer.Option("--actors", metavar="N", min=1, help="With --ray: actors generating at once (default 1)."),
+    ] = None,
+    threads_per_actor: Annotated[
+        int | None,
+        typer.Option(
+            "--threads-per-actor", metavar="T", min=1,
+            help="With --ray: torch threads and CPUs reserved per actor (default 1).",
+        ),
+    ] = None,
+) -> RayChoice:
+    """The Ray options of ``generate``: ``--ray``, ``--ray-address``, ``--actors`` and ``--threads-per-actor``."""
+    return RayChoice(enabled=ray, address=ray_address, actors=actors, threads_per_actor=threads_per_actor)
 
 
 @dataclass
