@@ -134,7 +134,6 @@ class Checks:
     @staticmethod
     def result_matches(result, prompts, refs, max_new_tokens, eos_token_id) -> None:
         eos = set(_eos_tuple(eos_token_id))
-        assert isinstance(result.sequences, list)
         assert len(result.sequences) == len(prompts), "one sequence per prompt"
         assert len(result.finish_reasons) == len(prompts), "one finish reason per prompt"
         mismatches = []
@@ -186,7 +185,6 @@ class Checks:
             assert total <= st.draft_tokens_accepted + st.row_rounds  # a row gains its accepted drafts + 1 at most
         assert (st.rounds >= 1) == (total > 0) and st.rounds <= st.row_rounds
         parts = [getattr(st, f"{stage}_s") for stage in STAGES]
-        assert all(p >= 0.0 for p in parts), parts
         assert sum(parts) <= st.wall_s * (1 + 1e-9), f"the stages overlap: {parts} add up to more than {st.wall_s}"
 
     @staticmethod

@@ -12,8 +12,9 @@ from fabricated import FakeDequantizer, FakeFetcher, save_tiny_model, split_sour
 from typer.testing import CliRunner
 
 from batchspec.cli import app, fetch
-from batchspec.cli.common import Method, ModelChoice, ProposerKind, presets_used
+from batchspec.config import Method, ProposerKind
 from batchspec.models import loading, presets
+from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.presets import ModelSource, Preset
 
 torch = pytest.importorskip("torch")
@@ -265,8 +266,8 @@ def test_model_choice_names_the_presets_to_obtain():
     assert ModelChoice(preset="smollm2").target_only(Method.EQSPEC, ProposerKind.NGRAM)
     assert presets_used(ModelChoice(preset="smollm2"), Method.EQSPEC, ProposerKind.NGRAM) == ["smollm2"]
     assert ModelChoice(preset="smollm2").proposer_for(Method.EXSPEC, None) is ProposerKind.HYBRID
-    assert ModelChoice(dtype="float32").dtype.value == "float32"
-    assert ModelChoice().dtype.value == "auto"
+    assert ModelChoice(dtype="float32").dtype == "float32"
+    assert ModelChoice().dtype == "auto"
     with pytest.raises(ValueError, match="Unsupported dtype 'int8'"):
         ModelChoice(dtype="int8")
     with pytest.raises(ValueError, match="--draft needs --target as well"):

@@ -121,9 +121,9 @@ def test_corrupted_final_file_is_rebuilt(tmp_path):
     assert fetcher.calls == ["model-part1", "model-part2", "model-part3"]
 
 
-
 @pytest.fixture
-def test_presets(tmp_path, monkeypatch):
+def preset_store(tmp_path, monkeypatch):
+    """Two presets ("pair", and "derived" with a layer-subset draft) in place of the real ones; their wheels' store."""
     store = tmp_path / "store"
     target = split_source(store, "tgt", [b"target-a", b"target-b"])
     draft = split_source(store, "drf", [b"draft"])
@@ -136,9 +136,9 @@ def test_presets(tmp_path, monkeypatch):
     return store
 
 
-def test_obtain_preset_builds_then_reuses(tmp_path, test_presets):
+def test_obtain_preset_builds_then_reuses(tmp_path, preset_store):
     cache = tmp_path / "cache"
-    fetcher, dequantizer = FakeFetcher(test_presets), FakeDequantizer()
+    fetcher, dequantizer = FakeFetcher(preset_store), FakeDequantizer()
     paths = obtain_preset("pair", cache, progress=False, fetcher=fetcher, dequantizer=dequantizer)
     assert paths.target_dir == cache / "models" / "pair" / "target"
     assert paths.draft_dir == cache / "models" / "pair" / "draft"
@@ -147,26 +147,26 @@ def test_obtain_preset_builds_then_reuses(tmp_path, test_presets):
     assert marker["source_sha256"] == hashlib.sha256(b"target-atarget-b").hexdigest()
     assert leftovers(cache / "models" / "pair") == ["draft", "target"]
 
-    again_fetcher, again_dequantizer = FakeFetcher(test_presets), FakeDequantizer()
+    again_fetcher, again_dequantizer = FakeFetcher(preset_store), FakeDequantizer()
     again = obtain_preset("pair", cache, progress=False, fetcher=again_fetcher, dequantizer=again_dequantizer)
     assert again == paths
     assert again_fetcher.calls == [] and again_dequantizer.seen == []
 
 
-def test_incomplete_model_dir_is_rebuilt(tmp_path, test_presets):
+def test_incomplete_model_dir_is_rebuilt(tmp_path, preset_store):
     cache = tmp_path / "cache"
-    paths = obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(test_presets),
+    paths = obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(preset_store),
                           dequantizer=FakeDequantizer())
     (paths.draft_dir / COMPLETE_MARKER).unlink()
     (paths.draft_dir / "junk.bin").write_bytes(b"junk")
     dequantizer = FakeDequantizer()
-    obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(test_presets), dequantizer=dequantizer)
+    obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(preset_store), dequantizer=dequantizer)
     assert dequantizer.seen == [b"draft"]
     assert not (paths.draft_dir / "junk.bin").exists()
     assert (paths.draft_dir / COMPLETE_MARKER).is_file()
 
 
-def test_failed_conversion_leaves_no_model_dir(tmp_path, test_presets):
+def test_failed_conversion_leaves_no_model_dir(tmp_path, preset_store):
     cache = tmp_path / "cache"
 
     def broken(gguf: Path, out_dir: Path, progress: bool) -> None:
@@ -174,16 +174,16 @@ def test_failed_conversion_leaves_no_model_dir(tmp_path, test_presets):
         raise RuntimeError("conversion failed")
 
     with pytest.raises(RuntimeError, match="conversion failed"):
-        obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(test_presets), dequantizer=broken)
+        obtain_preset("pair", cache, progress=False, fetcher=FakeFetcher(preset_store), dequantizer=broken)
     assert leftovers(cache / "models" / "pair") == []
-    fetcher = FakeFetcher(test_presets)
+    fetcher = FakeFetcher(preset_store)
     obtain_preset("pair", cache, progress=False, fetcher=fetcher, dequantizer=FakeDequantizer())
     assert fetcher.calls == ["drf-part1"]
 
 
-def test_derived_draft_keeps_chosen_target_layers(tmp_path, test_presets):
+def test_derived_draft_keeps_chosen_target_layers(tmp_path, preset_store):
     cache = tmp_path / "cache"
-    paths = obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(test_presets),
+    paths = obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(preset_store),
                           dequantizer=FakeDequantizer())
     config = json.loads((paths.draft_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == 2
@@ -215,9 +215,9 @@ def test_layer_subset_validation():
         LayerSubsetDraft(())
 
 
-def test_load_pair_from_preset(tmp_path, test_presets):
+def test_load_pair_from_preset(tmp_path, preset_store):
     cache = tmp_path / "cache"
-    obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(test_presets),
+    obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(preset_store),
                   dequantizer=FakeDequantizer())
     pair = loading.load_pair("derived", cache_dir=cache, progress=False)
     assert isinstance(pair, ModelPair) and pair.name == "derived" and pair.seconds > 0
@@ -243,9 +243,9 @@ def test_cache_dir_environment(monkeypatch, tmp_path):
     assert presets.default_cache_dir() == tmp_path / "home" / ".cache" / "batchspec"
 
 
-def test_obtain_preset_uses_env_cache(tmp_path, test_presets, monkeypatch):
+def test_obtain_preset_uses_env_cache(tmp_path, preset_store, monkeypatch):
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "envcache"))
-    paths = obtain_preset("pair", progress=False, fetcher=FakeFetcher(test_presets),
+    paths = obtain_preset("pair", progress=False, fetcher=FakeFetcher(preset_store),
                           dequantizer=FakeDequantizer())
     assert paths.target_dir == tmp_path / "envcache" / "models" / "pair" / "target"
     assert (tmp_path / "envcache" / "gguf" / "tgt.gguf").is_file()

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from batchspec.config import MAX_AUTO_DRAFT_TOKENS, SpecConfig
 from batchspec.engine import Engine, build_engine
 from batchspec.metrics import GenerationStats
-from batchspec.models.support import vocab_size
+from batchspec.model_checks import vocab_size
 from batchspec.sampling import SamplingParams, derive_row_seeds
 from batchspec.schedulers import make_scheduler
 from batchspec.schedulers.drive import Offline, drive

@@ -21,7 +21,7 @@ from batchspec.config import ProposerKind, SpecConfig
 from batchspec.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
 from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
-from batchspec.models.support import check_pair
+from batchspec.model_checks import check_pair
 from batchspec.prefill import ChunkBudget, Reader, catch_up, length_groups
 from batchspec.proposers import NoDraftProposer, Proposal, Proposer, point_masses
 from batchspec.proposers.draft import DraftModelProposer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -125,28 +125,25 @@ class StageTimer:
         self._events = enabled and device.type == "cuda"
         self._pending: list[tuple[str, object, object]] = []
 
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        start = self._mark()
-        try:
-            yield
-        finally:
-            self._add(f"{name}_s", start, self._mark())
+    def stage(self, name: str) -> AbstractContextManager[None]:
+        """Adds the seconds of a ``with`` block to stage ``name`` (one of :data:`STAGES`)."""
+        return self._adding(f"{name}_s", self.enabled)
+
+    def gathering(self, *, active: bool) -> AbstractContextManager[None]:
+        """Adds to ``gather_s`` (inside the realign stage; not a stage of its own)."""
+        return self._adding("gather_s", self.enabled and active)
 
     @contextmanager
-    def gathering(self, *, active: bool) -> Iterator[None]:
-        """Adds to ``gather_s`` (inside the realign stage; not a stage of its own)."""
-        if not (self.enabled and active):
+    def _adding(self, attr: str, timed: bool) -> Iterator[None]:
+        """Adds the seconds of a ``with`` block to ``attr`` of the stats when ``timed``."""
+        if not timed:
             yield
             return
         start = self._mark()
         try:
             yield
         finally:
-            self._add("gather_s", start, self._mark())
+            self._add(attr, start, self._mark())
 
     @contextmanager
     def wall(self) -> Iterator[None]:

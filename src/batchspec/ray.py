@@ -41,8 +41,10 @@ from typing import Any
 import torch
 
 from batchspec.api import GenerationResult, generate
+from batchspec.config import Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts
 from batchspec.metrics import GenerationStats
+from batchspec.models.choice import ModelChoice, load_models
 
 PROMPT_COLUMN = "prompt"
 SEED_COLUMN = "seed"
@@ -101,9 +103,6 @@ class BatchspecPredictor:
         prompt_column: str = PROMPT_COLUMN,
         **settings: Any,
     ) -> None:
-        # imported here: the cli package imports this module for ``generate --ray``
-        from batchspec.cli.common import Method, ModelChoice, ProposerKind, load_models
-
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.settings = GenerationSettings(**settings)

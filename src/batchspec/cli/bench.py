@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -13,30 +14,20 @@ from batchspec.bench.merge import merge_runs
 from batchspec.bench.report import markdown_table
 from batchspec.bench.runners import draft_length, needs_draft, plan_cells
 from batchspec.cli.common import (
-    CacheDirOption,
-    CategoryOption,
-    ChatTemplateOption,
-    DraftOption,
-    DType,
-    DTypeOption,
-    Kernels,
-    KernelsOption,
-    LimitOption,
     MaxNewTokensOption,
     Method,
-    ModelChoice,
     NumDraftTokensOption,
-    PresetOption,
     PromptChoice,
-    PromptsOption,
-    TargetOption,
     encode_prompts,
-    load_models,
     load_prompt_records,
+    model_choice,
+    prompt_choice,
+    with_options,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.config import PROPOSERS
 from batchspec.engine import resolve_special_ids
+from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.kernels import kernels_in_use
 from batchspec.models.pair import ModelPair
 
@@ -101,9 +92,27 @@ def parse_proposers(text: str) -> tuple[str, ...]:
     return proposers
 
 
-def build_workload(
-    loaded: ModelPair, prompts: PromptChoice, max_new_tokens: int, num_draft_tokens: int | str
-) -> Workload:
+@dataclass(frozen=True)
+class Cells:
+    """What every cell of a sweep shares: the batch sizes and proposers it runs, the budget and the draft length."""
+
+    batch_sizes: tuple[int, ...]
+    proposers: tuple[str, ...]
+    max_new_tokens: int
+    num_draft_tokens: int | str
+
+
+def cells_choice(
+    batch_sizes: BatchSizesOption = "1,4,8",
+    proposers: ProposersOption = "draft",
+    max_new_tokens: MaxNewTokensOption = 128,
+    num_draft_tokens: NumDraftTokensOption = "auto",
+) -> Cells:
+    """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens`` and ``--num-draft-tokens``."""
+    return Cells(parse_batch_sizes(batch_sizes), parse_proposers(proposers), max_new_tokens, num_draft_tokens)
+
+
+def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Workload:
     """The encoded prompts with the target's EOS ids and pad id (as the engine resolves them, so that the peers
     stop where batchspec does)."""
     token_ids = encode_prompts(load_prompt_records(prompts), loaded.tokenizer, prompts)
@@ -113,8 +122,8 @@ def build_workload(
         dtype=loaded.dtype,
         prompt_source=prompts.source,
         prompts=tuple(tuple(p) for p in token_ids),
-        max_new_tokens=max_new_tokens,
-        num_draft_tokens=num_draft_tokens,
+        max_new_tokens=cells.max_new_tokens,
+        num_draft_tokens=cells.num_draft_tokens,
         eos_token_ids=eos_ids,
         pad_token_id=pad,
         kernels=kernels_in_use(loaded.target),
@@ -122,37 +131,33 @@ def build_workload(
 
 
 def load_for_methods(
-    preset, target, draft, dtype, cache_dir, methods: tuple[str, ...], proposers: tuple[str, ...] = ("draft",),
-    kernels: Kernels = Kernels.AUTO,
+    models: ModelChoice, methods: tuple[str, ...], proposers: tuple[str, ...] = ("draft",)
 ) -> ModelPair:
     """The models the cells need: a draft only when some method (with some proposer) runs one."""
     drafting = any(needs_draft(m, p) for m, p, _ in plan_cells(methods, proposers, (1,)))
-    method, proposer = (Method.EQSPEC, None) if drafting else (Method.AUTOREGRESSIVE, None)
-    choice = ModelChoice(
-        preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels
-    )
-    choice.check_for(method, proposer)
-    loaded = load_models(choice, method, proposer)
+    method = Method.EQSPEC if drafting else Method.AUTOREGRESSIVE
+    models.check_for(method)
+    loaded = load_models(models, method)
     typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
     return loaded
 
 
+def load_workload(
+    models: ModelChoice, prompts: PromptChoice, methods: tuple[str, ...], cells: Cells
+) -> tuple[ModelPair, Workload]:
+    """The models ``methods`` need and the workload of ``prompts`` (checked before any model is loaded)."""
+    load_prompt_records(prompts)
+    loaded = load_for_methods(models, methods, cells.proposers)
+    return loaded, build_workload(loaded, prompts, cells)
+
+
+@with_options(models=model_choice, prompts=prompt_choice, cells=cells_choice)
 def bench_command(
+    models: ModelChoice,
+    prompts: PromptChoice,
+    cells: Cells,
     output: OutputDirOption,
-    preset: PresetOption = None,
-    target: TargetOption = None,
-    draft: DraftOption = None,
-    prompts: PromptsOption = "humaneval",
-    limit: LimitOption = None,
-    category: CategoryOption = None,
-    chat_template: ChatTemplateOption = True,
     methods: MethodsOption = ALL_METHODS,
-    batch_sizes: BatchSizesOption = "1,4,8",
-    proposers: ProposersOption = "draft",
-    max_new_tokens: MaxNewTokensOption = 128,
-    num_draft_tokens: NumDraftTokensOption = "auto",
-    dtype: DTypeOption = DType.AUTO,
-    kernels: KernelsOption = Kernels.AUTO,
     compare: Annotated[
         bool, typer.Option("--compare/--no-compare", help="Measure exact/partial match against the reference.")
     ] = True,
@@ -165,7 +170,6 @@ def bench_command(
     ] = False,
     rate: Annotated[float, typer.Option("--rate", min=0.0, help="--online: mean requests per second.")] = 1.0,
     requests: Annotated[int, typer.Option("--requests", min=1, help="--online: requests to send.")] = 32,
-    cache_dir: CacheDirOption = None,
 ) -> None:
     """Measure throughput, time anatomy, grouping and equivalence of methods across batch sizes.
 
@@ -176,25 +180,15 @@ def bench_command(
     if online:
         with user_errors():
             online_methods = _online_methods(methods)
-            prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
-            loaded = load_for_methods(preset, target, draft, dtype, cache_dir, online_methods, kernels=kernels)
-            workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
-            result = _run_online(loaded, workload, online_methods, parse_batch_sizes(batch_sizes)[0], rate, requests)
+            loaded, workload = load_workload(models, prompts, online_methods, cells)
+            result = _run_online(loaded, workload, online_methods, cells.batch_sizes[0], rate, requests)
             output.mkdir(parents=True, exist_ok=True)
             (output / "online.json").write_text(result.to_json() + "\n")
         typer.echo(result.to_json())
         return
     with user_errors():
-        plan = SweepPlan(
-            parse_methods(methods), parse_batch_sizes(batch_sizes), compare=compare,
-            proposers=parse_proposers(proposers),
-        )
-        prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
-        load_prompt_records(prompt_choice)
-        loaded = load_for_methods(
-            preset, target, draft, dtype, cache_dir, plan.methods, plan.proposers, kernels=kernels
-        )
-        workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
+        plan = SweepPlan(parse_methods(methods), cells.batch_sizes, compare=compare, proposers=cells.proposers)
+        loaded, workload = load_workload(models, prompts, plan.methods, cells)
         result = run_sweep(loaded, workload, plan, output)
     typer.echo(
         f"Bench of {workload.model} ({workload.dtype}), {len(workload.prompts)} prompts, "
@@ -230,22 +224,13 @@ def _run_online(loaded: ModelPair, workload: Workload, methods, batch_size: int,
     )
 
 
+@with_options(models=model_choice, prompts=prompt_choice, cells=cells_choice)
 def audit_command(
+    models: ModelChoice,
+    prompts: PromptChoice,
+    cells: Cells,
     output: OutputDirOption,
-    preset: PresetOption = None,
-    target: TargetOption = None,
-    draft: DraftOption = None,
-    prompts: PromptsOption = "humaneval",
-    limit: LimitOption = None,
-    category: CategoryOption = None,
-    chat_template: ChatTemplateOption = True,
     methods: MethodsOption = "eqspec,exspec",
-    batch_sizes: BatchSizesOption = "1,4,8",
-    proposers: ProposersOption = "draft",
-    max_new_tokens: MaxNewTokensOption = 128,
-    num_draft_tokens: NumDraftTokensOption = "auto",
-    dtype: DTypeOption = DType.AUTO,
-    kernels: KernelsOption = Kernels.AUTO,
     near_tie_ulps: Annotated[
         float,
         typer.Option(
@@ -257,7 +242,6 @@ def audit_command(
             "logit|) - mantissa bits); bfloat16 has 7 mantissa bits, float16 10, float32 23.",
         ),
     ] = NEAR_TIE_ULPS,
-    cache_dir: CacheDirOption = None,
 ) -> None:
     """Check that methods reproduce the target's own greedy output (batch size 1, transformers' generate).
 
@@ -269,15 +253,11 @@ def audit_command(
     """
     with user_errors():
         rule = NearTieRule(near_tie_ulps)
-        method_list, sizes = parse_methods(methods), parse_batch_sizes(batch_sizes)
-        proposer_list = parse_proposers(proposers)
-        prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
-        load_prompt_records(prompt_choice)
-        loaded = load_for_methods(
-            preset, target, draft, dtype, cache_dir, method_list, proposer_list, kernels=kernels
+        method_list = parse_methods(methods)
+        loaded, workload = load_workload(models, prompts, method_list, cells)
+        report = run_audit(
+            loaded, workload, method_list, cells.batch_sizes, proposers=cells.proposers, rule=rule, out_dir=output
         )
-        workload = build_workload(loaded, prompt_choice, max_new_tokens, num_draft_tokens)
-        report = run_audit(loaded, workload, method_list, sizes, proposers=proposer_list, rule=rule, out_dir=output)
     print_audit(report)
     if not report.passed:
         raise typer.Exit(2)

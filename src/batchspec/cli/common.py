@@ -1,26 +1,29 @@
 """Options and helpers shared by the ``batchspec`` commands: choosing models, prompts and a method.
 
 Each option is an ``Annotated`` type so that every command spells it, documents it and validates it
-the same way. The helpers turn parsed options into loaded models, formatted prompts and a summary.
+the same way; options that go together (the models, the prompts) are one group that :func:`with_options` gives
+every command that takes them. The helpers turn parsed options into formatted prompts and a summary; which
+models to load and loading them is the library's (:mod:`batchspec.models.choice`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import wraps
+from inspect import Parameter, Signature, signature
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from batchspec.cli.errors import user_errors
 from batchspec.config import AUTO, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.metrics import STAGES
-from batchspec.models.pair import ModelPair
-from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir, get_preset
+from batchspec.models.choice import ModelChoice
+from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir
 
 __all__ = ["Method", "ProposerKind"]
 
@@ -89,48 +92,35 @@ CacheDirOption = Annotated[
         f"else $XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec (now: {default_cache_dir()}).",
     ),
 ]
-PromptsOption = Annotated[
-    str,
-    typer.Option(
-        "--prompts", metavar="humaneval|PATH",
-        help="'humaneval' (164 problems), a SpecBench JSONL file (first turn of each question), "
-        'a JSONL file of {"prompt": ...} records, or a text file with one prompt per line.',
-    ),
-]
-LimitOption = Annotated[
-    int | None,
-    typer.Option("--limit", "-n", metavar="N", min=1, help="Use only the first N prompts."),
-]
-CategoryOption = Annotated[
-    str | None,
-    typer.Option(
-        "--category", metavar="NAME",
-        help="Only prompts of this category (SpecBench: writing, coding, math_reasoning, qa, ...).",
-    ),
-]
-ChatTemplateOption = Annotated[
-    bool,
-    typer.Option(
-        "--chat-template/--no-chat-template",
-        help="Wrap each prompt as a user message in the tokenizer's chat template (when it has one).",
-    ),
-]
 MethodOption = Annotated[
     Method,
     typer.Option(
         "--method", "-m",
-        help="eqspec: speculative, the batch realigned after every round; exspec: speculative, batches "
-        "regrouped from a pool of sequences of equal length; autoregressive: the target alone, batched "
-        "(no draft is loaded when only --target is given).",
+        help="eqspec: speculative, the batch realigned after every round (serving: one running batch, predictable "
+        "latency); exspec: speculative, batches regrouped from a window of sequences by length (more throughput, "
+        "longer tail latency); autoregressive: the target alone, batched (no draft is loaded when only --target "
+        "is given).",
     ),
 ]
-BatchSizeOption = Annotated[
-    int, typer.Option("--batch-size", "-b", metavar="B", min=1, help="Rows decoded together.")
-]
+
+
+def batch_size_option(name: str) -> Any:
+    """The batch size, one option named for what a command does with it: ``generate`` decodes batches of
+    ``--batch-size`` rows, ``serve`` a running batch of at most ``--max-batch-size`` requests."""
+    return typer.Option(
+        name, "-b", metavar="B", min=1,
+        help="Rows decoded together at most (serving: requests decoded together per round).",
+    )
+
+
+BatchSizeOption = Annotated[int, batch_size_option("--batch-size")]
+MaxBatchSizeOption = Annotated[int, batch_size_option("--max-batch-size")]
 MaxNewTokensOption = Annotated[
     int,
     typer.Option("--max-new-tokens", metavar="N", min=0, help="New tokens per prompt at most."),
 ]
+
+
 def parse_auto_or_count(value: str) -> int | str:
     """``"auto"`` or an integer >= 1 (typer callback of ``--num-draft-tokens`` and ``--prefill-chunk``)."""
     if value == AUTO:
@@ -191,123 +181,75 @@ SeedOption = Annotated[
 ]
 
 
-@dataclass(frozen=True)
-class ModelChoice:
-    """Which models to load: a preset and/or explicit target and draft specs, in one dtype (``auto`` until loaded)."""
+def with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command groups of options before its own.
 
-    preset: str | None = None
-    target: str | None = None
-    draft: str | None = None
-    dtype: DType = DType.AUTO
-    cache_dir: Path | None = None
-    kernels: Kernels = Kernels.AUTO
-
-    def __post_init__(self) -> None:
-        if self.preset is not None:
-            get_preset(self.preset)
-        try:
-            object.__setattr__(self, "dtype", DType(self.dtype))
-        except ValueError:
-            raise ValueError(f"Unsupported dtype {self.dtype!r}; expected one of {', '.join(DType)}") from None
-        try:
-            object.__setattr__(self, "kernels", Kernels(self.kernels))
-        except ValueError:
-            raise ValueError(f"Unsupported kernels {self.kernels!r}; expected one of {', '.join(Kernels)}") from None
-
-    @property
-    def resolved_preset(self) -> str | None:
-        """The preset in use: the one named, else the default when no model is named at all."""
-        if self.preset is None and self.target is None and self.draft is None:
-            return DEFAULT_PRESET
-        return self.preset
-
-    def proposer_for(self, method: Method, proposer: ProposerKind | None) -> ProposerKind | None:
-        """The proposer that runs: None for autoregressive decoding, the one asked for, else hybrid (lookup, and the
-        draft model where it finds nothing) when a draft is named or a preset gives one, else prompt lookup
-        (``--target`` alone)."""
-        if method is Method.AUTOREGRESSIVE:
-            return None
-        if proposer is not None:
-            return proposer
-        return ProposerKind.HYBRID if self.draft or self.resolved_preset else ProposerKind.NGRAM
-
-    def target_only(self, method: Method, proposer: ProposerKind | None = None) -> bool:
-        """Whether only the target is loaded: no draft model drafts (autoregressive, or prompt lookup)."""
-        return self.proposer_for(method, proposer) in (None, ProposerKind.NGRAM) and not self.draft
-
-    def check_for(self, method: Method, proposer: ProposerKind | None = None) -> None:
-        """Raise ValueError unless ``method`` can run with these models (checked before loading any)."""
-        if self.draft and self.target is None and self.preset is None:
-            raise ValueError("--draft needs --target as well (or --preset NAME, whose target fills it in)")
-        if self.target_only(method, proposer) or self.resolved_preset is not None or self.draft:
-            return
-        raise ValueError(
-            f"--target needs --draft as well for --proposer {self.proposer_for(method, proposer).value} "
-            f"(or --preset NAME, whose draft fills it in; or --proposer ngram, which needs no draft model)"
-        )
-
-    @property
-    def target_spec(self) -> str:
-        """The target to load alone: the named one, else the preset's."""
-        return self.target or f"{self.resolved_preset}:target"
-
-
-@contextmanager
-def quiet_weight_loading() -> Iterator[None]:
-    """Hide transformers' per-load progress bars (loading a cached model takes seconds)."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def presets_used(choice: ModelChoice, method: Method, proposer: ProposerKind | None = None) -> list[str]:
-    """Names of the presets whose models ``choice`` loads, in order, each once."""
-    from batchspec.models.loading import parse_preset_spec
-
-    specs = [choice.target] if choice.target_only(method, proposer) else [choice.target, choice.draft]
-    preset = choice.resolved_preset
-    names = [] if preset is None or all(specs) else [preset]
-    for spec in specs:
-        parsed = parse_preset_spec(spec) if spec else None
-        if parsed is not None:
-            names.append(parsed[0])
-    return list(dict.fromkeys(names))
-
-
-def load_models(
-    choice: ModelChoice, method: Method, proposer: ProposerKind | None = None, progress: bool = True
-) -> ModelPair:
-    """Load the chosen models (the target alone when no draft model drafts: ``draft`` is None); a preset is
-    obtained into the cache first if needed (download + conversion); ``seconds`` counts that too.
-
-    Raises ValueError before any generation when target and draft do not share one tokenizer.
+    ``@with_options(models=model_choice)`` adds the parameters of ``model_choice`` to the command's options and calls
+    the command with ``models=model_choice(**their values)`` instead; a ValueError of the group's function is one
+    ``Error:`` line (:func:`user_errors`). typer reads the options from the signature this gives the command.
     """
-    from batchspec.models.loading import load_model, load_pair, resolve_dtype
-    from batchspec.models.presets import obtain_preset
 
-    dtype = resolve_dtype(choice.dtype.value)
-    started = time.perf_counter()
-    for name in presets_used(choice, method, proposer):
-        obtain_preset(name, choice.cache_dir, progress=progress)
-    with quiet_weight_loading():
-        if choice.target_only(method, proposer):
-            target, tokenizer = load_model(
-                choice.target_spec, dtype, cache_dir=choice.cache_dir, kernels=choice.kernels.value
-            )
-            name, draft = choice.target or choice.resolved_preset, None
-        else:
-            pair = load_pair(
-                choice.resolved_preset, choice.target, choice.draft, dtype,
-                cache_dir=choice.cache_dir, kernels=choice.kernels.value,
-            )
-            name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
-    return ModelPair(target, draft, tokenizer, name, dtype, time.perf_counter() - started)
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        grouped = {name: signature(build, eval_str=True).parameters for name, build in groups.items()}
+        own = [p for name, p in signature(command, eval_str=True).parameters.items() if name not in groups]
+        shared = [p for parameters in grouped.values() for p in parameters.values()]
+
+        @wraps(command)
+        def run(**options: Any) -> None:
+            with user_errors():
+                built = {
+                    name: groups[name](**{key: options.pop(key) for key in parameters})
+                    for name, parameters in grouped.items()
+                }
+            command(**options, **built)
+
+        run.__signature__ = Signature([p.replace(kind=Parameter.KEYWORD_ONLY) for p in shared + own])
+        return run
+
+    return decorate
+
+
+def model_choice(
+    preset: PresetOption = None,
+    target: TargetOption = None,
+    draft: DraftOption = None,
+    dtype: DTypeOption = DType.AUTO,
+    kernels: KernelsOption = Kernels.AUTO,
+    cache_dir: CacheDirOption = None,
+) -> ModelChoice:
+    """The models of ``--preset``, ``--target``, ``--draft``, ``--dtype``, ``--kernels`` and ``--cache-dir``."""
+    return ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels)
+
+
+def prompt_choice(
+    prompts: Annotated[
+        str,
+        typer.Option(
+            "--prompts", metavar="humaneval|PATH",
+            help="'humaneval' (164 problems), a SpecBench JSONL file (first turn of each question), "
+            'a JSONL file of {"prompt": ...} records, or a text file with one prompt per line.',
+        ),
+    ] = "humaneval",
+    limit: Annotated[
+        int | None, typer.Option("--limit", "-n", metavar="N", min=1, help="Use only the first N prompts.")
+    ] = None,
+    category: Annotated[
+        str | None,
+        typer.Option(
+            "--category", metavar="NAME",
+            help="Only prompts of this category (SpecBench: writing, coding, math_reasoning, qa, ...).",
+        ),
+    ] = None,
+    chat_template: Annotated[
+        bool,
+        typer.Option(
+            "--chat-template/--no-chat-template",
+            help="Wrap each prompt as a user message in the tokenizer's chat template (when it has one).",
+        ),
+    ] = True,
+) -> PromptChoice:
+    """The prompts of ``--prompts``, ``--limit``, ``--category`` and ``--chat-template``."""
+    return PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,9 @@ from batchspec.cli.bench import (
     parse_batch_sizes,
     parse_positive_ints,
 )
-from batchspec.cli.common import (
-    CacheDirOption,
-    DraftOption,
-    DType,
-    DTypeOption,
-    Kernels,
-    KernelsOption,
-    PresetOption,
-    TargetOption,
-)
+from batchspec.cli.common import model_choice, with_options
 from batchspec.cli.errors import user_errors
+from batchspec.models.choice import ModelChoice
 from batchspec.models.kernels import kernels_in_use
 
 DraftLengthsOption = Annotated[
@@ -35,15 +27,12 @@ DraftLengthsOption = Annotated[
 ]
 
 
+@with_options(models=model_choice)
 def costs_command(
+    models: ModelChoice,
     output: OutputDirOption,
-    preset: PresetOption = None,
-    target: TargetOption = None,
-    draft: DraftOption = None,
     batch_sizes: BatchSizesOption = "1,4,8",
     draft_lengths: DraftLengthsOption = "3,5",
-    dtype: DTypeOption = DType.AUTO,
-    kernels: KernelsOption = Kernels.AUTO,
     context: Annotated[int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")] = 128,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = 3,
     mean_accepted_length: Annotated[
@@ -54,7 +43,6 @@ def costs_command(
             "at which speculation breaks even.",
         ),
     ] = None,
-    cache_dir: CacheDirOption = None,
 ) -> None:
     """Time one target and one draft forward per batch size, and derive what speculation needs to pay off.
 
@@ -65,7 +53,7 @@ def costs_command(
     with user_errors():
         sizes = parse_batch_sizes(batch_sizes)
         lengths = parse_positive_ints(draft_lengths, "--draft-lengths")
-        loaded = load_for_methods(preset, target, draft, dtype, cache_dir, ("eqspec",), kernels=kernels)
+        loaded = load_for_methods(models, ("eqspec",))
         costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats)
         summary = speculation_costs(costs, mean_accepted_length)
     output.mkdir(parents=True, exist_ok=True)

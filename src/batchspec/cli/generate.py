@@ -10,34 +10,23 @@ import typer
 from batchspec.api import generate
 from batchspec.cli.common import (
     BatchSizeOption,
-    CacheDirOption,
-    CategoryOption,
-    ChatTemplateOption,
-    DraftOption,
-    DType,
-    DTypeOption,
-    Kernels,
-    KernelsOption,
-    LimitOption,
     MaxNewTokensOption,
     Method,
     MethodOption,
-    ModelChoice,
     NumDraftTokensOption,
-    PresetOption,
     PromptChoice,
-    PromptsOption,
     ProposerOption,
     SeedOption,
-    TargetOption,
     TemperatureOption,
     TopKOption,
     TopPOption,
     check_output_path,
     encode_prompts,
-    load_models,
     load_prompt_records,
+    model_choice,
+    prompt_choice,
     summary_lines,
+    with_options,
 )
 from batchspec.cli.errors import user_errors
 from batchspec.cli.output import (
@@ -47,14 +36,8 @@ from batchspec.cli.output import (
     sampling_summary,
     write_jsonl,
 )
-from batchspec.cli.ray_generate import (
-    ActorsOption,
-    RayAddressOption,
-    RayChoice,
-    RayOption,
-    ThreadsPerActorOption,
-    run_generate_on_ray,
-)
+from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
+from batchspec.models.choice import ModelChoice, load_models
 from batchspec.ray import GenerationSettings
 
 OutputOption = Annotated[
@@ -67,31 +50,21 @@ OutputOption = Annotated[
 ]
 
 
+@with_options(models=model_choice, prompts=prompt_choice, ray=ray_choice)
 def generate_command(
-    preset: PresetOption = None,
-    target: TargetOption = None,
-    draft: DraftOption = None,
-    prompts: PromptsOption = "humaneval",
-    limit: LimitOption = None,
-    category: CategoryOption = None,
-    chat_template: ChatTemplateOption = True,
+    models: ModelChoice,
+    prompts: PromptChoice,
+    ray: RayChoice,
     method: MethodOption = Method.EQSPEC,
     proposer: ProposerOption = None,
     batch_size: BatchSizeOption = 8,
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
-    dtype: DTypeOption = DType.AUTO,
-    kernels: KernelsOption = Kernels.AUTO,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
     seed: SeedOption = None,
     output: OutputOption = None,
-    cache_dir: CacheDirOption = None,
-    ray: RayOption = False,
-    ray_address: RayAddressOption = None,
-    actors: ActorsOption = None,
-    threads_per_actor: ThreadsPerActorOption = None,
 ) -> None:
     """Generate for a prompt set: greedy by default, and then every output is the target's own greedy output,
     exactly in float32 (--dtype auto, the default on the CPU) and up to near-ties (the two best tokens within a few
@@ -107,41 +80,28 @@ def generate_command(
     a local cluster or the one at --ray-address / $RAY_ADDRESS; the output is the same, in prompt order.
     """
     with user_errors():
-        models = ModelChoice(
-            preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels
-        )
         models.check_for(method, proposer)
         check_sampling_options(temperature, top_k, top_p, seed)
-        prompt_choice = PromptChoice(source=prompts, limit=limit, category=category, chat_template=chat_template)
-        records = load_prompt_records(prompt_choice)
+        records = load_prompt_records(prompts)
         check_output_path(output)
-        ray_choice = RayChoice(enabled=ray, address=ray_address, actors=actors, threads_per_actor=threads_per_actor)
-        if ray_choice.enabled:
+        if ray.enabled:
+            drafting = models.proposer_for(method, proposer)
             settings = GenerationSettings(
                 method=method.value, batch_size=batch_size, max_new_tokens=max_new_tokens,
                 num_draft_tokens=num_draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                chat_template=chat_template, proposer=getattr(models.proposer_for(method, proposer), "value", None),
+                chat_template=prompts.chat_template, proposer=None if drafting is None else drafting.value,
             )
-            run_generate_on_ray(records, models, settings, seed, ray_choice, output)
+            run_generate_on_ray(records, models, settings, seed, ray, output)
             return
         loaded = load_models(models, method, proposer)
         proposer = models.proposer_for(method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
-        token_ids = encode_prompts(records, loaded.tokenizer, prompt_choice)
+        token_ids = encode_prompts(records, loaded.tokenizer, prompts)
         result = generate(
-            loaded.target,
-            loaded.draft,
-            token_ids,
-            method=method.value,
-            proposer=None if proposer is None else proposer.value,
-            batch_size=batch_size,
-            max_new_tokens=max_new_tokens,
-            num_draft_tokens=num_draft_tokens,
-            progress=True,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
+            loaded.target, loaded.draft, token_ids, method=method.value,
+            proposer=None if proposer is None else proposer.value, batch_size=batch_size,
+            max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, progress=True,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         )
         results = collect_results(records, result, loaded.tokenizer)
         if output is None:

@@ -17,45 +17,17 @@ from typing import Annotated, Any
 import typer
 from tqdm.auto import tqdm
 
-from batchspec.cli.common import Method, ModelChoice, ProposerKind, presets_used, summary_lines
+from batchspec.cli.common import Method, ProposerKind, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
 from batchspec.cli.output import GeneratedText, print_texts, sampling_summary, write_jsonl
 from batchspec.data import PromptRecord
 from batchspec.metrics import GenerationStats
+from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.presets import obtain_preset
 from batchspec.ray import STATS_COLUMN, BatchspecPredictor, GenerationSettings, merge_batch_stats
 from batchspec.sampling import derive_row_seeds
 
 EXSPEC_WINDOW_FACTOR = 4
-
-RayOption = Annotated[
-    bool,
-    typer.Option(
-        "--ray",
-        help="Generate on Ray Data: the prompts become a Dataset handed to --actors actors, each with its own "
-        "copy of the models (needs the ray extra: pip install 'batchspec[ray]').",
-    ),
-]
-RayAddressOption = Annotated[
-    str | None,
-    typer.Option(
-        "--ray-address", metavar="ADDR",
-        help="With --ray: the cluster to join ('auto' for one started by `ray start` here, or HOST:PORT); "
-        "default $RAY_ADDRESS, else a local cluster started for this run.",
-    ),
-]
-ActorsOption = Annotated[
-    int | None,
-    typer.Option("--actors", metavar="N", min=1, help="With --ray: actors generating at once (default 1)."),
-]
-ThreadsPerActorOption = Annotated[
-    int | None,
-    typer.Option(
-        "--threads-per-actor", metavar="T", min=1,
-        help="With --ray: torch threads and CPUs reserved per actor (default 1).",
-    ),
-]
-
 
 @dataclass(frozen=True)
 class RayChoice:
@@ -79,6 +51,39 @@ class RayChoice:
     @property
     def threads(self) -> int:
         return self.threads_per_actor or 1
+
+
+def ray_choice(
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Generate on Ray Data: the prompts become a Dataset handed to --actors actors, each with its own "
+            "copy of the models (needs the ray extra: pip install 'batchspec[ray]').",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address", metavar="ADDR",
+            help="With --ray: the cluster to join ('auto' for one started by `ray start` here, or HOST:PORT); "
+            "default $RAY_ADDRESS, else a local cluster started for this run.",
+        ),
+    ] = None,
+    actors: Annotated[
+        int | None,
+        typer.Option("--actors", metavar="N", min=1, help="With --ray: actors generating at once (default 1)."),
+    ] = None,
+    threads_per_actor: Annotated[
+        int | None,
+        typer.Option(
+            "--threads-per-actor", metavar="T", min=1,
+            help="With --ray: torch threads and CPUs reserved per actor (default 1).",
+        ),
+    ] = None,
+) -> RayChoice:
+    """The Ray options of ``generate``: ``--ray``, ``--ray-address``, ``--actors`` and ``--threads-per-actor``."""
+    return RayChoice(enabled=ray, address=ray_address, actors=actors, threads_per_actor=threads_per_actor)
 
 
 @dataclass
@@ -196,8 +201,8 @@ def prompt_dataset(
 def _predictor_kwargs(models: ModelChoice, settings: GenerationSettings, choice: RayChoice) -> dict[str, Any]:
     cache_dir = None if models.cache_dir is None else str(models.cache_dir)
     return dict(
-        preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype.value,
-        kernels=models.kernels.value, cache_dir=cache_dir, num_threads=choice.threads, **vars(settings),
+        preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype,
+        kernels=models.kernels, cache_dir=cache_dir, num_threads=choice.threads, **vars(settings),
     )
 
 

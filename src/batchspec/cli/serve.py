@@ -11,22 +11,17 @@ from typing import Annotated
 import typer
 
 from batchspec.cli.common import (
-    CacheDirOption,
-    DraftOption,
-    DType,
-    DTypeOption,
-    Kernels,
-    KernelsOption,
+    MaxBatchSizeOption,
     Method,
-    ModelChoice,
+    MethodOption,
     NumDraftTokensOption,
-    PresetOption,
     ProposerOption,
-    TargetOption,
-    load_models,
+    model_choice,
     parse_auto_or_count,
+    with_options,
 )
 from batchspec.cli.errors import user_errors
+from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
@@ -53,18 +48,6 @@ HostOption = Annotated[
     str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on; the default accepts local clients only.")
 ]
 PortOption = Annotated[int, typer.Option("--port", metavar="PORT", min=1, max=65535, help="TCP port to listen on.")]
-ServeMethodOption = Annotated[
-    Method,
-    typer.Option(
-        "--method", "-m",
-        help="eqspec: one running batch realigned every round, predictable latency (recommended online); "
-        "exspec: a window of requests regrouped by length, more throughput but longer tail latency; "
-        "autoregressive: the target alone.",
-    ),
-]
-MaxBatchSizeOption = Annotated[
-    int, typer.Option("--max-batch-size", "-b", metavar="B", min=1, help="Requests decoded together per round.")
-]
 MaxQueueOption = Annotated[
     int,
     typer.Option(
@@ -221,13 +204,12 @@ def names(value: str | None) -> tuple[str, ...]:
     return tuple(item.strip() for item in (value or "").split(",") if item.strip())
 
 
+@with_options(models=model_choice)
 def serve_command(
-    preset: PresetOption = None,
-    target: TargetOption = None,
-    draft: DraftOption = None,
+    models: ModelChoice,
     host: HostOption = DEFAULT_HOST,
     port: PortOption = DEFAULT_PORT,
-    method: ServeMethodOption = Method.EQSPEC,
+    method: MethodOption = Method.EQSPEC,
     proposer: ProposerOption = None,
     max_batch_size: MaxBatchSizeOption = 8,
     max_queue: MaxQueueOption = 64,
@@ -235,10 +217,7 @@ def serve_command(
     window_size: WindowSizeOption = None,
     prefill_chunk: PrefillChunkOption = DEFAULT_PREFILL_CHUNK,
     timing: TimingOption = True,
-    dtype: DTypeOption = DType.AUTO,
-    kernels: KernelsOption = Kernels.AUTO,
     served_model_name: ServedNameOption = None,
-    cache_dir: CacheDirOption = None,
     log_level: LogLevelOption = LogLevel.INFO,
     api_key: ApiKeyOption = None,
     allowed_origins: AllowedOriginsOption = None,
@@ -277,18 +256,15 @@ def serve_command(
     )
     with user_errors():
         http, limits, security = network.http(), network.limits(), network.security()
-        choice = ModelChoice(
-            preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels
-        )
-        choice.check_for(method, proposer)
-        resolved = choice.proposer_for(method, proposer)
+        models.check_for(method, proposer)
+        resolved = models.proposer_for(method, proposer)
         config = ServerConfig(
             method=method.value, proposer=None if resolved is None else resolved.value,
             max_batch_size=max_batch_size, max_queue=max_queue, num_draft_tokens=num_draft_tokens,
             window_size=window_size, served_model_name=served_model_name, prefill_chunk=prefill_chunk, timing=timing,
             shutdown_timeout_s=shutdown_timeout, limits=limits, security=security,
         )
-        loaded = load_models(choice, method, proposer)
+        loaded = load_models(models, method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
         app = create_app(loaded, config)
         served = config.served_model_name or loaded.name

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from batchspec.model_checks import vocab_size
 from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.pair import ModelPair
 from batchspec.models.presets import (
@@ -46,6 +47,13 @@ KERNELS: tuple[str, ...] = ("auto", "packed", "default")
 LOAD_DEVICE = "cpu"
 
 
+def check_option(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` as a plain string when it is one of ``choices``, else a ValueError naming ``name``."""
+    if value not in choices:
+        raise ValueError(f"Unsupported {name} {value!r}; expected one of {', '.join(choices)}")
+    return str(value)
+
+
 def resolve_dtype(dtype: str = "auto", device: Any = LOAD_DEVICE) -> str:
     """The name of the dtype to load models in: ``dtype`` itself, or for ``"auto"`` the usual choice on ``device``.
 
@@ -54,8 +62,7 @@ def resolve_dtype(dtype: str = "auto", device: Any = LOAD_DEVICE) -> str:
     CUDA device it is ``"bfloat16"`` where the GPU supports it, else ``"float16"``. Half precision halves the
     memory; greedy output then equals the target's own up to near-ties (see :mod:`batchspec.bench.audit`).
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"Unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    dtype = check_option("dtype", dtype, DTYPES)
     if dtype != "auto":
         return dtype
     import torch
@@ -160,8 +167,7 @@ def load_model(
     defaults to :func:`batchspec.models.presets.default_cache_dir`. ``gguf_file`` names a GGUF file
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     """
-    if kernels not in KERNELS:
-        raise ValueError(f"Unsupported kernels {kernels!r}; expected one of {', '.join(KERNELS)}")
+    check_option("kernels", kernels, KERNELS)
     model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress)
     use_kernels(model, kernels)
     return model, tokenizer
@@ -175,8 +181,7 @@ def use_kernels(model: Any, kernels: Kernels = "auto") -> bool:
     arithmetic in another summation order); ``"auto"`` leaves other models alone, ``"packed"`` raises for them.
     ``"default"`` keeps PyTorch's own kernels.
     """
-    if kernels not in KERNELS:
-        raise ValueError(f"Unsupported kernels {kernels!r}; expected one of {', '.join(KERNELS)}")
+    check_option("kernels", kernels, KERNELS)
     if kernels == "default":
         return False
     if not can_pack(model):
@@ -210,14 +215,6 @@ def _load_any(
     if _looks_like_path(spec):
         raise FileNotFoundError(f"Model path {spec!r} does not exist")
     return _load_hub(spec, dtype, gguf_file)
-
-
-def vocab_size(model: Any) -> int:
-    """Rows of the model's output embedding (the number of logits per position)."""
-    embeddings = model.get_output_embeddings()
-    if embeddings is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings; a causal LM is needed")
-    return int(embeddings.weight.shape[0])
 
 
 _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")

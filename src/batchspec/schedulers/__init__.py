@@ -6,9 +6,8 @@ rows retired early, and ``capacity`` says how many rows may be admitted at once.
 any of them, for ``batchspec.generate`` (every request queued at the start) and for the server's engine thread
 (requests queued as they arrive) alike.
 
-* :class:`~batchspec.schedulers.static.StaticBatches` — offline EqSpec (and the autoregressive baseline): batches
-  of ``B`` prompts in order, each decoded to the end;
-* :class:`~batchspec.schedulers.running.RunningBatch` — online EqSpec: one batch of up to ``B`` rows, refilled as
+* :class:`~batchspec.schedulers.batches.Batches` — EqSpec (and the autoregressive baseline): offline, batches of
+  ``B`` prompts in order, each decoded to the end; online (``refill``), one batch of up to ``B`` rows, refilled as
   rows leave;
 * :class:`~batchspec.schedulers.pool.PooledWindow` — ExSpec, offline and online: a window of ``W`` rows from which
   every round takes ``B`` of one length when it can.
@@ -56,16 +55,13 @@ class Scheduler(Protocol):
 
 
 def make_scheduler(config: SpecConfig, *, online: bool = False) -> Scheduler:
-    """The policy of ``config.method``: ExSpec's window, or EqSpec's batches (static offline, running online)."""
+    """The policy of ``config.method``: ExSpec's window, or EqSpec's batches (fixed offline, refilled online)."""
+    from batchspec.schedulers.batches import Batches
     from batchspec.schedulers.pool import PooledWindow
-    from batchspec.schedulers.running import RunningBatch
-    from batchspec.schedulers.static import StaticBatches
 
     if config.method is Method.EXSPEC:
         return PooledWindow(
             config.batch_size, config.window, sort_by_length=config.sort_by_length and not online,
             check=config.check_invariants,
         )
-    if online:
-        return RunningBatch(config.batch_size)
-    return StaticBatches(config.batch_size)
+    return Batches(config.batch_size, refill=online)

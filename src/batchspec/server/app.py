@@ -27,8 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchspec.config import SpecConfig
 from batchspec.engine import build_engine
+from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
-from batchspec.models.support import vocab_size
 from batchspec.schedulers import make_scheduler
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder

@@ -1,5 +1,11 @@
-"""Online EqSpec: one running batch of up to ``batch_size`` rows, realigned every round; queued requests join
-between rounds as soon as a row is free (their prompts are read apart, see :mod:`batchspec.prefill`)."""
+"""EqSpec's batches: up to ``batch_size`` rows decoded together, realigned (unpad–append–repad) every round, and a
+queue of the rest. Rows that finish leave the batch at once; when queued rows take their place is the one thing
+the offline and the online policy do differently (``refill``).
+
+Offline (``refill=False``): fixed batches of ``batch_size`` prompts in order, each decoded to completion before
+the next one starts. Online (``refill=True``): one running batch that queued requests join between rounds as soon
+as a row is free (their prompts are read apart, see :mod:`batchspec.prefill`).
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,12 @@ from batchspec.state import Sequence
 
 
 @dataclass
-class RunningBatch:
-    """Every admitted row runs every round; rows leave when they finish and queued rows take their place."""
+class Batches:
+    """One batch of at most ``batch_size`` admitted rows and a queue; with ``refill`` queued rows join whenever a row
+    is free, else only once the whole batch is done."""
 
     batch_size: int
+    refill: bool = False
     queue: deque[Sequence] = field(default_factory=deque)
     rows: list[Sequence] = field(default_factory=list)
 
@@ -31,10 +39,12 @@ class RunningBatch:
 
     def add(self, row: Sequence) -> None:
         self.queue.append(row)
-        self._admit()
+        if self.refill:
+            self._admit()
 
     def select(self) -> list[Sequence]:
-        self._admit()
+        if self.refill or not self.rows:
+            self._admit()
         return list(self.rows)
 
     def _admit(self) -> None:

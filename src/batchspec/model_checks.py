@@ -1,4 +1,5 @@
-"""Which models batchspec can decode with, checked before any work starts."""
+"""Which models batchspec can decode with, checked before any work starts (by the engine, on models however
+they were loaded; :mod:`batchspec.models` is loading only)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def check_model(model: torch.nn.Module, role: str) -> None:
 
 
 def vocab_size(model: torch.nn.Module) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+    """Rows of the model's output embedding (the number of logits per position)."""
+    embeddings = model.get_output_embeddings()
+    if embeddings is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings; a causal LM is needed")
+    return int(embeddings.weight.shape[0])
 
 
 def check_pair(target: torch.nn.Module, draft: torch.nn.Module | None) -> None:

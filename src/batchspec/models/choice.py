@@ -1,0 +1,136 @@
+"""Which models to load for a method, and loading them: what ``batchspec generate``, ``serve``, ``bench`` and the
+Ray predictor (:class:`batchspec.ray.BatchspecPredictor`) share.
+
+A :class:`ModelChoice` names a preset and/or explicit target and draft specs (any spec :func:`load_model`
+accepts); :func:`load_models` obtains the presets it uses and loads the target alone when no draft model drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchspec.config import Method, ProposerKind
+from batchspec.models.loading import (
+    DTYPES,
+    KERNELS,
+    check_option,
+    load_model,
+    load_pair,
+    parse_preset_spec,
+    resolve_dtype,
+)
+from batchspec.models.pair import ModelPair
+from batchspec.models.presets import DEFAULT_PRESET, get_preset, obtain_preset
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which models to load: a preset and/or explicit target and draft specs, in one dtype (``auto`` until loaded)
+    on one kind of CPU kernels (names as :func:`load_model` takes them)."""
+
+    preset: str | None = None
+    target: str | None = None
+    draft: str | None = None
+    dtype: str = "auto"
+    cache_dir: Path | None = None
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.preset is not None:
+            get_preset(self.preset)
+        object.__setattr__(self, "dtype", check_option("dtype", self.dtype, DTYPES))
+        object.__setattr__(self, "kernels", check_option("kernels", self.kernels, KERNELS))
+
+    @property
+    def resolved_preset(self) -> str | None:
+        """The preset in use: the one named, else the default when no model is named at all."""
+        if self.preset is None and self.target is None and self.draft is None:
+            return DEFAULT_PRESET
+        return self.preset
+
+    def proposer_for(self, method: Method, proposer: ProposerKind | None) -> ProposerKind | None:
+        """The proposer that runs: None for autoregressive decoding, the one asked for, else hybrid (lookup, and the
+        draft model where it finds nothing) when a draft is named or a preset gives one, else prompt lookup
+        (``--target`` alone)."""
+        if method is Method.AUTOREGRESSIVE:
+            return None
+        if proposer is not None:
+            return proposer
+        return ProposerKind.HYBRID if self.draft or self.resolved_preset else ProposerKind.NGRAM
+
+    def target_only(self, method: Method, proposer: ProposerKind | None = None) -> bool:
+        """Whether only the target is loaded: no draft model drafts (autoregressive, or prompt lookup)."""
+        return self.proposer_for(method, proposer) in (None, ProposerKind.NGRAM) and not self.draft
+
+    def check_for(self, method: Method, proposer: ProposerKind | None = None) -> None:
+        """Raise ValueError unless ``method`` can run with these models (checked before loading any)."""
+        if self.draft and self.target is None and self.preset is None:
+            raise ValueError("--draft needs --target as well (or --preset NAME, whose target fills it in)")
+        if self.target_only(method, proposer) or self.resolved_preset is not None or self.draft:
+            return
+        raise ValueError(
+            f"--target needs --draft as well for --proposer {self.proposer_for(method, proposer).value} "
+            f"(or --preset NAME, whose draft fills it in; or --proposer ngram, which needs no draft model)"
+        )
+
+    @property
+    def target_spec(self) -> str:
+        """The target to load alone: the named one, else the preset's."""
+        return self.target or f"{self.resolved_preset}:target"
+
+
+@contextmanager
+def quiet_weight_loading() -> Iterator[None]:
+    """Hide transformers' per-load progress bars (loading a cached model takes seconds)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def presets_used(choice: ModelChoice, method: Method, proposer: ProposerKind | None = None) -> list[str]:
+    """Names of the presets whose models ``choice`` loads, in order, each once."""
+    specs = [choice.target] if choice.target_only(method, proposer) else [choice.target, choice.draft]
+    preset = choice.resolved_preset
+    names = [] if preset is None or all(specs) else [preset]
+    for spec in specs:
+        parsed = parse_preset_spec(spec) if spec else None
+        if parsed is not None:
+            names.append(parsed[0])
+    return list(dict.fromkeys(names))
+
+
+def load_models(
+    choice: ModelChoice, method: Method, proposer: ProposerKind | None = None, progress: bool = True
+) -> ModelPair:
+    """Load the chosen models (the target alone when no draft model drafts: ``draft`` is None); a preset is
+    obtained into the cache first if needed (download + conversion); ``seconds`` counts that too.
+
+    Raises ValueError before any generation when target and draft do not share one tokenizer.
+    """
+    dtype = resolve_dtype(choice.dtype)
+    started = time.perf_counter()
+    for name in presets_used(choice, method, proposer):
+        obtain_preset(name, choice.cache_dir, progress=progress)
+    with quiet_weight_loading():
+        if choice.target_only(method, proposer):
+            target, tokenizer = load_model(
+                choice.target_spec, dtype, cache_dir=choice.cache_dir, kernels=choice.kernels
+            )
+            name, draft = choice.target or choice.resolved_preset, None
+        else:
+            pair = load_pair(
+                choice.resolved_preset, choice.target, choice.draft, dtype,
+                cache_dir=choice.cache_dir, kernels=choice.kernels,
+            )
+            name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
+    return ModelPair(target, draft, tokenizer, name, dtype, time.perf_counter() - started)
