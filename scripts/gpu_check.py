@@ -32,9 +32,9 @@ from host_reads import HostReads  # noqa: E402
 
 import batchspec  # noqa: E402
 from batchspec.engine import Engine  # noqa: E402
-from batchspec.kv_cache import BatchKVCache, Slab  # noqa: E402
+from batchspec.kv_cache import BatchKVCache  # noqa: E402
 from batchspec.runner import ModelRunner  # noqa: E402
-from batchspec.state import BatchState, HostColumns  # noqa: E402
+from batchspec.state import BatchState  # noqa: E402
 
 CONFIGS = [(m, p, k) for m in ("eqspec", "exspec") for p in ("draft", "ngram", "hybrid") for k in ("auto", 4)]
 QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -129,17 +129,10 @@ def syncs(args) -> dict:
     return results
 
 
-def _batch(size: int, width: int, cache: BatchKVCache, device: str) -> BatchState:
-    host = HostColumns(pad=[0] * size, content=[width] * size, draft_cached=[0] * size)
-    zeros = torch.zeros(size, dtype=torch.long, device=device)
-    tokens = torch.randint(2, 1000, (size, width), device=device)
-    return BatchState([], zeros, zeros + width, Slab(tokens, cache, None), zeros, host)
-
-
 def forward_seconds(model, runner: ModelRunner, size: int, context: int, tokens: int, repeats: int) -> float:
     """Seconds of one forward of ``tokens`` new columns per row after ``context`` cached ones, by CUDA events."""
     cache = BatchKVCache.for_model(model)
-    batch = _batch(size, context + tokens, cache, runner.device.type)
+    batch = BatchState.dense(torch.randint(2, 1000, (size, context + tokens), device=runner.device), cache)
     with torch.inference_mode():
         runner.read(model, batch, cache, batch.tokens[:, :context])
         times = []

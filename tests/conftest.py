@@ -40,11 +40,6 @@ torch.set_num_threads(2)
 
 BATCHSPEC_DIR = str(Path(importlib.util.find_spec("batchspec").origin).parent) + os.sep
 
-# batchspec modules whose calls still pass a name transformers deprecates: their FutureWarnings are recorded, not
-# raised, until the calls take the new name (``past_key_values=`` of a model's forward, ``cache=`` since
-# transformers 5.24; the round loop's forward.py is being rewritten, and costs.py times the same forward).
-PENDING_RENAMES = frozenset({"forward.py", "bench/costs.py"})
-
 
 def batchspec_caller(frame) -> str | None:
     """The module (path under ``batchspec/``) of the innermost batchspec frame on the stack from ``frame`` up, the
@@ -60,7 +55,7 @@ def batchspec_caller(frame) -> str | None:
 def raise_if_from_batchspec(log, message, category, filename, lineno, file=None, line=None) -> None:
     """``warnings.showwarning`` while a test runs: a FutureWarning raised under a batchspec call is raised as an
     error where it is warned; any other warning is kept in ``log``."""
-    if issubclass(category, FutureWarning) and batchspec_caller(sys._getframe(1)) not in (None, *PENDING_RENAMES):
+    if issubclass(category, FutureWarning) and batchspec_caller(sys._getframe(1)) is not None:
         raise message
     log.append(warnings.WarningMessage(message, category, filename, lineno, file, line))
 

@@ -308,3 +308,19 @@ def test_fetch_builds_then_reports_the_cache(fabricated_preset):
     second = run("fetch", "--preset", "pair", "--cache-dir", str(cache))
     assert second.exit_code == 0, second.output
     assert "already in the cache" in second.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device exists")
+@pytest.mark.parametrize("command", ["generate", "bench", "audit", "costs", "serve"])
+def test_a_missing_cuda_device_is_one_line_error(command, tiny_pair, tmp_path):
+    models = ["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"])]
+    output = ["--output", str(tmp_path / "out")] if command in ("bench", "audit", "costs") else []
+    result = run(command, *models, *output, "--device", "cuda")
+    assert_one_line_error(result, 1, "device 'cuda' was asked for", "CPU-only build")
+
+
+def test_the_cpu_device_is_what_auto_picks_without_cuda(tiny_pair, tmp_path):
+    out = tmp_path / "cpu.jsonl"
+    result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--device", "cpu", "--output", str(out)))
+    assert result.exit_code == 0, result.output
+    assert "(float32, packed kernels)" in result.stdout  # a CPU run names its kernels, not a device

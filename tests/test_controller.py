@@ -41,7 +41,7 @@ def speedup(batch: int, chance: float, slope: float, *, reach: int, model_chance
     tokens = seconds = 0.0
     for _ in range(rounds):
         first = [7 if n else None for n in lookups]
-        lengths = planner.lengths(rows, Reach(lookups, model=model, first=first), False)
+        lengths = planner.lengths(rows, Reach(lookups, uses_draft_model=model, first=first), False)
         k = max(lengths)
         forwards = k if any(n > looked for n, looked in zip(lengths, lookups, strict=True)) else 0
         accepted = [accepted_chain(rng, [chance if j < looked else model_chance for j in range(n)])
@@ -119,7 +119,7 @@ def test_an_idle_draft_pays_its_catch_up_before_it_drafts(lag, budget, drafts):
     planner.read(1000, 10.0, draft=False)
     row = Sequence(0, [1] * 2000, budget)
     planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
-    lengths = planner.lengths([row], Reach([0], model=True, lag=[lag]), False)
+    lengths = planner.lengths([row], Reach([0], uses_draft_model=True, lag=[lag]), False)
     assert (lengths[0] > 0) == drafts, lengths
 
 
@@ -130,7 +130,7 @@ def test_the_draft_measured_reading_replaces_the_prior():
     row = Sequence(0, [1] * 2000, 16)
     planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
     planner.read(1000, 0.01, draft=True)  # 10 us a column: 2,000 columns cost 20 ms
-    assert planner.lengths([row], Reach([0], model=True, lag=[1999]), False)[0] > 0
+    assert planner.lengths([row], Reach([0], uses_draft_model=True, lag=[1999]), False)[0] > 0
 
 
 def test_length_groups_bound_each_rows_padding():

@@ -326,15 +326,10 @@ def test_load_pair_custom_names_and_dtype(tmp_path):
         loading.load_model(str(tmp_path / "a"), "int8")
 
 
-def test_resolve_dtype_is_float32_on_the_cpu_and_half_precision_on_a_gpu(monkeypatch):
-    assert loading.resolve_dtype() == loading.resolve_dtype("auto", "cpu") == "float32"
+def test_resolve_dtype_is_float32_unless_asked_for_half_precision():
+    assert loading.resolve_dtype() == loading.resolve_dtype("auto") == "float32"
     for name in ("bfloat16", "float16", "float32"):
-        assert loading.resolve_dtype(name) == loading.resolve_dtype(name, "cuda") == name
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
-    assert loading.resolve_dtype("auto", "cuda") == loading.resolve_dtype("auto", torch.device("cuda", 1)) == "bfloat16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
-    assert loading.resolve_dtype("auto", "cuda:0") == "float16"
-    assert loading.resolve_dtype("auto", "cpu") == "float32"
+        assert loading.resolve_dtype(name) == name
     with pytest.raises(ValueError, match="Unsupported dtype 'float64'"):
         loading.resolve_dtype("float64")
 

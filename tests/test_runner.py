@@ -44,9 +44,9 @@ def test_fetch_worked_example():
 
 def _batch(pad: list[int], width: int, cache: BatchKVCache) -> BatchState:
     size = len(pad)
-    tokens = torch.zeros((size, width), dtype=torch.long)
     content = [width - p for p in pad]
     host = HostColumns(pad=pad, content=content, draft_cached=[0] * size)
+    tokens = torch.zeros((size, width), dtype=torch.long)
     return BatchState([], torch.tensor(pad), torch.tensor(content), Slab(tokens, cache, None), torch.zeros(size), host)
 
 

@@ -429,7 +429,7 @@ class DrawnLengths:
     def __call__(self, rows, reach, sampled: bool) -> list[int]:
         limits = [min(self.planner.max_k, row.remaining - 1) for row in rows]
         k = self.draw(st.integers(0, max(limits, default=0)))
-        if reach.model and any(reach.lookups) and self.draw(st.booleans()):
+        if reach.uses_draft_model and any(reach.lookups) and self.draw(st.booleans()):
             return [min(k, limit, looked) for limit, looked in zip(limits, reach.lookups, strict=True)]
         return [reach.available(i, min(k, limit)) for i, limit in enumerate(limits)]
 

@@ -138,19 +138,19 @@ class Reach:
 
     Attributes:
         lookups: per row, lookup drafts found in a row (0 without prompt lookup).
-        model: a draft model proposes the positions after the lookups (draft and hybrid proposers).
+        uses_draft_model: a draft model proposes the positions after the lookups (draft and hybrid proposers).
         first: per row, its first lookup draft (None: none), checked for free when the row proposes nothing.
         lag: per row, columns before its pending token that the draft model's cache lacks (None: none).
     """
 
     lookups: list[int]
-    model: bool
+    uses_draft_model: bool
     first: list[int | None] | None = None
     lag: list[int] | None = None
 
     def available(self, row: int, cap: int) -> int:
         """Drafts row ``row`` can propose within ``cap``."""
-        return cap if self.model else min(cap, self.lookups[row])
+        return cap if self.uses_draft_model else min(cap, self.lookups[row])
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ class AdaptiveLength:
     def lengths(self, rows, reach: Reach, sampled: bool) -> list[int]:
         limits = [min(self.max_k, row.remaining - 1) for row in rows]
         variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
-        if reach.model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
+        if reach.uses_draft_model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
             variants.append([min(limit, found) for limit, found in zip(limits, reach.lookups, strict=True)])
         shares = [self._shares(row) for row in rows]
         fit = self._fit(len(rows))
@@ -219,7 +219,7 @@ class AdaptiveLength:
         for caps in variants:
             for k in range(max(caps, default=0) + 1):
                 expected = sum(
-                    _expected(min(k, cap), found, shares_i, reach.model)
+                    _expected(min(k, cap), found, shares_i, reach.uses_draft_model)
                     for cap, found, shares_i in zip(caps, reach.lookups, shares, strict=True)
                 )
                 steps = _draft_steps(k, caps, reach, sampled)
@@ -260,7 +260,7 @@ class AdaptiveLength:
 
     def _catch_up_s(self, reach: Reach) -> float:
         """Seconds the draft model needs to read the columns it lacks beyond the ones every round re-reads."""
-        if not reach.model or not reach.lag:
+        if not reach.uses_draft_model or not reach.lag:
             return 0.0
         per_column = self.read_s.get(True, self.draft_ratio * self.read_s.get(False, 0.0))
         return per_column * sum(max(0, lag - self.max_k - 1) for lag in reach.lag)
@@ -281,12 +281,12 @@ class AdaptiveLength:
         return self.fits[rows]
 
 
-def _expected(m: int, found: int, shares: tuple[float, float], model: bool) -> float:
+def _expected(m: int, found: int, shares: tuple[float, float], uses_draft_model: bool) -> float:
     """``E(m)``: the row's expected tokens from ``m`` drafts, lookups first (share ``shares[0]``), then the draft
     model's (``shares[1]``)."""
     total, chance = 1.0, 1.0
     for j in range(1, m + 1):
-        if j > found and not model:
+        if j > found and not uses_draft_model:
             break
         chance *= shares[0] if j <= found else shares[1]
         total += chance
@@ -295,7 +295,7 @@ def _expected(m: int, found: int, shares: tuple[float, float], model: bool) -> f
 
 def _draft_steps(k: int, caps: list[int], reach: Reach, sampled: bool) -> int:
     """Draft forwards a round of longest proposal ``k`` runs."""
-    if not reach.model:
+    if not reach.uses_draft_model:
         return 0
     needs_model = any(min(k, cap) > found for cap, found in zip(caps, reach.lookups, strict=True))
     return (k if needs_model else 0) + int(sampled)

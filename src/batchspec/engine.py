@@ -200,8 +200,8 @@ def build_engine(target: torch.nn.Module, draft: torch.nn.Module | None, config:
             "method='autoregressive'"
         )
     eos, pad = resolve_special_ids(target, config.eos_token_ids, config.pad_token_id)
-    model = draft if config.uses_draft_model else None
-    return Engine(target, model, replace(config, eos_token_ids=eos, pad_token_id=pad))
+    draft_model = draft if config.uses_draft_model else None
+    return Engine(target, draft_model, replace(config, eos_token_ids=eos, pad_token_id=pad))
 
 
 def resolve_special_ids(

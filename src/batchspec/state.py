@@ -169,9 +169,18 @@ class BatchState:
     draft_cached: torch.Tensor  # [B]
     host: HostColumns
 
+    @classmethod
+    def dense(cls, tokens: torch.Tensor, cache) -> BatchState:
+        """A batch of ``tokens`` ``[B, L]`` with no padding and no rows to track, fed into ``cache``: what timing
+        a model's forward needs."""
+        size, width = tokens.shape
+        zeros = torch.zeros(size, dtype=torch.long, device=tokens.device)  # [B]
+        host = HostColumns(pad=[0] * size, content=[width] * size, draft_cached=[0] * size)
+        return cls([], zeros, zeros + width, Slab(tokens, cache, None), zeros, host)
+
     @property
     def size(self) -> int:
-        return len(self.rows)
+        return self.pad.shape[0]
 
     @property
     def tokens(self) -> torch.Tensor:  # [B, L]

@@ -24,6 +24,7 @@ class Cell:
     model: str
     dtype: str
     kernels: str
+    device: str
     prompts: int
     max_new_tokens: int
     num_draft_tokens: int | str | None
@@ -55,11 +56,12 @@ class Cell:
     @classmethod
     def from_dict(cls, row: dict[str, object]) -> Cell:
         """A cell read back from ``results.json``; rows written before proposers and the prefill stage existed
-        get their draft proposer, PyTorch's default kernels and no prefill figures."""
+        get their draft proposer, PyTorch's default kernels, the CPU and no prefill figures."""
         method = str(row["method"])
         defaults = {
             "proposer": "draft" if method in SPECULATIVE else None,
             "kernels": "default",
+            "device": "cpu",
             "recomputed_columns": None,
             "prefill_s": None,
             "prefill_share": None,
@@ -92,6 +94,7 @@ def make_cell(
         model=workload.model,
         dtype=workload.dtype,
         kernels=workload.kernels,
+        device=workload.device,
         prompts=len(workload.prompts),
         max_new_tokens=workload.max_new_tokens,
         num_draft_tokens=draft_length(method, workload.num_draft_tokens),

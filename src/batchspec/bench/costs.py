@@ -19,12 +19,13 @@ the speedup is 5.5 * 0.40 / 1.70 = 1.29.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from batchspec.kv_cache import BatchKVCache
+from batchspec.runner import ModelRunner
+from batchspec.state import BatchState
 
 
 @dataclass(frozen=True)
@@ -68,28 +69,23 @@ class SpeculationCost:
 
 @torch.inference_mode()
 def time_forward(model: torch.nn.Module, batch_size: int, new_tokens: int, context: int, repeats: int) -> float:
-    """Median seconds of a forward of ``[batch_size, new_tokens]`` random tokens after ``context`` cached ones."""
-    device = next(model.parameters()).device
+    """Median seconds of a forward of ``[batch_size, new_tokens]`` random tokens after ``context`` cached ones,
+    through batchspec's model runner (timed on the device: CUDA events on a GPU)."""
+    runner = ModelRunner(next(model.parameters()).device)
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(vocab, (batch_size, context + new_tokens), generator=generator).to(device)  # [B, C+n]
+    ids = torch.randint(vocab, (batch_size, context + new_tokens), generator=generator).to(runner.device)  # [B, C+n]
     cache = BatchKVCache.for_model(model)
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    positions = torch.arange(context, context + new_tokens, device=device).expand(batch_size, -1)  # [B, n]
-    mask = torch.ones_like(ids)  # [B, C+n]
+    batch = BatchState.dense(ids, cache)
+    runner.read(model, batch, cache, ids[:, :context])
     seconds = []
     for _ in range(repeats + 1):
         cache.crop(context)
-        started = time.perf_counter()
-        model(
-            input_ids=ids[:, context:],
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=new_tokens,
-        )
-        seconds.append(time.perf_counter() - started)
+        start = runner.mark()
+        runner.logits(model, batch, cache, ids[:, context:], keep=new_tokens)
+        end = runner.mark()
+        runner.wait()
+        seconds.append(runner.seconds(start, end))
     return statistics.median(seconds[1:])
 
 

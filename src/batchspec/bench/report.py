@@ -77,7 +77,7 @@ def write_results(out_dir: Path, cells: list[Cell]) -> None:
         title = (
             f"{first.model}, {first.dtype} ({first.kernels} kernels), {first.prompts} prompts, "
             f"{first.max_new_tokens} new tokens, "
-            f"{first.torch_threads} threads, {first.machine}"
+            f"{first.torch_threads} threads, {first.machine}" + ("" if first.device == "cpu" else f", {first.device}")
         )
         _atomic_write(out_dir / "results.md", f"{title}\n\n{markdown_table(cells)}")
 

@@ -28,6 +28,7 @@ class Workload:
         eos_token_ids: ids that end a sequence.
         pad_token_id: filler for padded batches.
         kernels: the models' CPU matrix kernels (``packed`` or ``default``, see :func:`batchspec.models.use_kernels`).
+        device: where the models run (``cpu``, or the GPU's name: see :func:`batchspec.devices.device_name`).
     """
 
     model: str
@@ -39,6 +40,7 @@ class Workload:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     kernels: str = "default"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -50,10 +52,10 @@ class Workload:
 
     @property
     def key(self) -> str:
-        """Identifies the workload's reference outputs (model, dtype, kernels, prompts, budget, EOS)."""
-        blob = json.dumps(
-            [self.model, self.dtype, self.kernels, self.prompts, self.max_new_tokens, self.eos_token_ids]
-        )
+        """Identifies the workload's reference outputs (model, dtype, kernels, prompts, budget, EOS, and the device
+        when it is not the CPU)."""
+        fields = [self.model, self.dtype, self.kernels, self.prompts, self.max_new_tokens, self.eos_token_ids]
+        blob = json.dumps(fields if self.device == "cpu" else [*fields, self.device])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

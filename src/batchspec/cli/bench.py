@@ -127,6 +127,7 @@ def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Wo
         eos_token_ids=eos_ids,
         pad_token_id=pad,
         kernels=kernels_in_use(loaded.target),
+        device=loaded.device,
     )
 
 

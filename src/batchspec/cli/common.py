@@ -70,9 +70,16 @@ DTypeOption = Annotated[
     DType,
     typer.Option(
         "--dtype",
-        help="Weights and compute dtype of both models. auto (default): float32 on the CPU, where greedy output is "
-        "exactly the target's own; bfloat16 or float16 halve the memory, and greedy output then equals the "
-        "target's up to near-ties (and on CPUs without native bf16 kernels bfloat16 is also slower).",
+        help="Weights and compute dtype of both models. auto (default): float32, on the CPU and on CUDA, where "
+        "greedy output is exactly the target's own; bfloat16 or float16 halve the memory, and greedy output then "
+        "equals the target's up to near-ties (and on CPUs without native bf16 kernels bfloat16 is also slower).",
+    ),
+]
+DeviceOption = Annotated[
+    str,
+    typer.Option(
+        "--device", metavar="auto|cpu|cuda|cuda:N",
+        help="Where the models run. auto (default): the first CUDA device when torch sees one, else the CPU.",
     ),
 ]
 KernelsOption = Annotated[
@@ -216,9 +223,13 @@ def model_choice(
     dtype: DTypeOption = DType.AUTO,
     kernels: KernelsOption = Kernels.AUTO,
     cache_dir: CacheDirOption = None,
+    device: DeviceOption = "auto",
 ) -> ModelChoice:
-    """The models of ``--preset``, ``--target``, ``--draft``, ``--dtype``, ``--kernels`` and ``--cache-dir``."""
-    return ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels)
+    """The models of ``--preset``, ``--target``, ``--draft``, ``--dtype``, ``--kernels``, ``--cache-dir`` and
+    ``--device``."""
+    return ModelChoice(
+        preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels, device=device
+    )
 
 
 def prompt_choice(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchspec.config import Method, ProposerKind
+from batchspec.devices import device_name, resolve_device
 from batchspec.models.loading import (
     DTYPES,
     KERNELS,
@@ -30,7 +31,7 @@ from batchspec.models.presets import DEFAULT_PRESET, get_preset, obtain_preset
 @dataclass(frozen=True)
 class ModelChoice:
     """Which models to load: a preset and/or explicit target and draft specs, in one dtype (``auto`` until loaded)
-    on one kind of CPU kernels (names as :func:`load_model` takes them)."""
+    on one device and one kind of CPU kernels (names as :func:`load_model` takes them)."""
 
     preset: str | None = None
     target: str | None = None
@@ -38,6 +39,7 @@ class ModelChoice:
     dtype: str = "auto"
     cache_dir: Path | None = None
     kernels: str = "auto"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.preset is not None:
@@ -118,19 +120,20 @@ def load_models(
     Raises ValueError before any generation when target and draft do not share one tokenizer.
     """
     dtype = resolve_dtype(choice.dtype)
+    device = resolve_device(choice.device)
     started = time.perf_counter()
     for name in presets_used(choice, method, proposer):
         obtain_preset(name, choice.cache_dir, progress=progress)
     with quiet_weight_loading():
         if choice.target_only(method, proposer):
             target, tokenizer = load_model(
-                choice.target_spec, dtype, cache_dir=choice.cache_dir, kernels=choice.kernels
+                choice.target_spec, dtype, cache_dir=choice.cache_dir, kernels=choice.kernels, device=str(device)
             )
             name, draft = choice.target or choice.resolved_preset, None
         else:
             pair = load_pair(
                 choice.resolved_preset, choice.target, choice.draft, dtype,
-                cache_dir=choice.cache_dir, kernels=choice.kernels,
+                cache_dir=choice.cache_dir, kernels=choice.kernels, device=str(device),
             )
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
-    return ModelPair(target, draft, tokenizer, name, dtype, time.perf_counter() - started)
+    return ModelPair(target, draft, tokenizer, name, dtype, time.perf_counter() - started, device_name(device))

@@ -14,8 +14,10 @@ A model spec given to :func:`load_model` is one of:
 generation happens.
 
 Every loader takes ``dtype="auto"`` by default and turns it into a concrete dtype with :func:`resolve_dtype`,
-the one place where batchspec picks a default dtype: float32 on the CPU, where greedy output is exactly the
-target's own; half precision only when asked for (or on a GPU, for models moved there by the caller).
+the one place where batchspec picks a default dtype: float32, on the CPU and on CUDA alike, where greedy output is
+exactly the target's own; half precision only when asked for. ``device="auto"`` (see
+:func:`batchspec.devices.resolve_device`) is the first CUDA device when torch sees one, else the CPU: weights are
+read on the CPU and then moved there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from batchspec.devices import device_name, resolve_device
 from batchspec.model_checks import vocab_size
 from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.pair import ModelPair
@@ -54,22 +57,19 @@ def check_option(name: str, value: str, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
-def resolve_dtype(dtype: str = "auto", device: Any = LOAD_DEVICE) -> str:
-    """The name of the dtype to load models in: ``dtype`` itself, or for ``"auto"`` the usual choice on ``device``.
+def resolve_dtype(dtype: str = "auto") -> str:
+    """The name of the dtype to load models in: ``dtype`` itself, or ``"float32"`` for ``"auto"``, on any device.
 
-    ``"auto"`` is ``"float32"`` on a CPU (batchspec's loaders load onto the CPU): exact greedy output, and on CPUs
-    without native bf16 matrix kernels faster than bfloat16 for the multi-token forwards speculation runs. On a
-    CUDA device it is ``"bfloat16"`` where the GPU supports it, else ``"float16"``. Half precision halves the
-    memory; greedy output then equals the target's own up to near-ties (see :mod:`batchspec.bench.audit`).
+    On a CPU float32 gives exact greedy output and, on CPUs without native bf16 matrix kernels, is faster than
+    bfloat16 for the multi-token forwards speculation runs. On CUDA it is float32 as well (TF32 stays off, torch's
+    default for matrix products): there batched bfloat16 changed 7-10 of 16 real answers against the model's own
+    one-prompt decoding, for batchspec and transformers' batched ``generate`` alike, and for a small model
+    (SmolLM2-135M, B = 8, on an H100) bfloat16 was also 2.7x slower than float32; float32 was exact in every
+    configuration. Half precision halves the memory of a large model; greedy output then equals the target's own
+    up to near-ties (see :mod:`batchspec.bench.audit`).
     """
     dtype = check_option("dtype", dtype, DTYPES)
-    if dtype != "auto":
-        return dtype
-    import torch
-
-    if torch.device(device).type != "cuda":
-        return "float32"
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32" if dtype == "auto" else dtype
 
 
 def _torch_dtype(dtype: str):
@@ -158,6 +158,7 @@ def load_model(
     gguf_file: str | None = None,
     progress: bool = True,
     kernels: Kernels = "auto",
+    device: str = "auto",
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for ``spec``: a preset role, a local GGUF file or directory, or a Hub id.
 
@@ -166,9 +167,13 @@ def load_model(
     twice the memory). The model is returned in eval mode. ``cache_dir``
     defaults to :func:`batchspec.models.presets.default_cache_dir`. ``gguf_file`` names a GGUF file
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
+    ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     """
     check_option("kernels", kernels, KERNELS)
+    place = resolve_device(device)
     model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress)
+    if place.type != LOAD_DEVICE:
+        model = model.to(place)
     use_kernels(model, kernels)
     return model, tokenizer
 
@@ -254,9 +259,11 @@ def load_pair(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     kernels: Kernels = "auto",
+    device: str = "auto",
 ) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
-    on the CPU kernels ``kernels`` (see :func:`use_kernels`).
+    on ``device`` (``"auto"``: CUDA when available) and, on the CPU, the kernels ``kernels`` (see
+    :func:`use_kernels`).
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
     :func:`load_model`) replace the preset's models; without a ``preset`` both must be given.
@@ -272,11 +279,12 @@ def load_pair(
     assert target is not None and draft is not None
     dtype = resolve_dtype(dtype)
     started = time.perf_counter()
-    loads = {"cache_dir": cache_dir, "progress": progress, "kernels": kernels}
+    place = resolve_device(device)
+    loads = {"cache_dir": cache_dir, "progress": progress, "kernels": kernels, "device": str(place)}
     target_model, target_tokenizer = load_model(target, dtype, **loads)
     draft_model, draft_tokenizer = load_model(draft, dtype, **loads)
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
     seconds = time.perf_counter() - started
-    return ModelPair(target_model, draft_model, target_tokenizer, name, dtype, seconds)
+    return ModelPair(target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place))

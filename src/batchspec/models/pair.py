@@ -21,6 +21,8 @@ class ModelPair:
         dtype: the name of the dtype both were loaded in (``"float32"``, ``"bfloat16"``, ...), resolved: never
             ``"auto"`` (see :func:`batchspec.models.resolve_dtype`).
         seconds: time spent loading them (0.0 when not measured).
+        device: where they run, as reports name it (``cpu``, ``cuda:0 (NVIDIA H100 80GB HBM3)``; see
+            :func:`batchspec.devices.device_name`).
     """
 
     target: Any
@@ -29,10 +31,14 @@ class ModelPair:
     name: str
     dtype: str
     seconds: float = 0.0
+    device: str = "cpu"
 
     @property
     def precision(self) -> str:
-        """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``."""
+        """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``; on a GPU the
+        dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``."""
+        if self.device != "cpu":
+            return f"{self.dtype} on {self.device}"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
 
     def __post_init__(self) -> None:

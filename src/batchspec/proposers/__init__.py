@@ -115,7 +115,7 @@ class NoDraftProposer:
     uses_draft_model = False
 
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
-        return Reach(lookups=[0] * len(rows), model=False)
+        return Reach(lookups=[0] * len(rows), uses_draft_model=False)
 
     def propose(
         self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner

@@ -41,8 +41,8 @@ class DraftModelProposer:
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         lag = [row.content_len - 1 - (row.kv.draft_cached if row.kv else 0) for row in rows]
         if self.lookup is None:
-            return Reach(lookups=[0] * len(rows), model=True, lag=lag)
-        return replace(self.lookup.reach(rows, limit), model=True, lag=lag)
+            return Reach(lookups=[0] * len(rows), uses_draft_model=True, lag=lag)
+        return replace(self.lookup.reach(rows, limit), uses_draft_model=True, lag=lag)
 
     def propose(
         self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
@@ -51,8 +51,8 @@ class DraftModelProposer:
         sampled = sampling is not None and sampling.any_sampled
         steps = k + int(sampled)
         lookups = _RoundLookups(self.lookup, batch.rows, k, sampling.rows if sampled else ())
-        tokens, looked, staged_lengths = runner.stage(lookups.values, lookups.looked_up, lengths)  # [B, k+1] x2, [B]
-        looked = looked.bool()
+        tokens, looked_up, staged_lengths = runner.stage(lookups.values, lookups.looked_up, lengths)  # [B, k+1] x2, [B]
+        looked_up = looked_up.bool()
         host = ProposalHost(lengths=lengths, looked_up=None if self.lookup is None else lookups.looked_up)
         if steps == 0:
             return Proposal(tokens, staged_lengths, host)
@@ -61,7 +61,7 @@ class DraftModelProposer:
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
         for j in range(steps):
             if lookups.stepwise:
-                _write_column(tokens, looked, j, lookups.at(j), runner)
+                _write_column(tokens, looked_up, j, lookups.at(j), runner)
             if all(lookups.looked_up[i][j] or not needed[i][j] for i in range(batch.size)):
                 inputs = torch.cat([inputs, tokens[:, j : j + 1]], dim=1)
                 lookups.push(j, tokens, needed)
@@ -69,7 +69,7 @@ class DraftModelProposer:
             if not runs:
                 _check_caught_up(batch)
             drafted, q = self._model_step(batch, inputs, runner, tokens.shape, q, j, sampling if sampled else None)
-            tokens[:, j] = torch.where(looked[:, j], tokens[:, j], drafted)  # lookup drafts go first
+            tokens[:, j] = torch.where(looked_up[:, j], tokens[:, j], drafted)  # lookup drafts go first
             inputs = tokens[:, j : j + 1]
             runs.append(j)
             lookups.push(j, tokens, needed)
@@ -175,20 +175,23 @@ class _RoundLookups:
             cursor.push(self.values[i][j])
 
 
-def _write_column(tokens: torch.Tensor, looked: torch.Tensor, j: int, found: list[tuple[int, int]], runner) -> None:
-    """Put the lookup drafts ``found`` (``(row, draft)``) of step ``j`` into ``tokens`` and ``looked``."""
+def _write_column(
+    tokens: torch.Tensor, looked_up: torch.Tensor, j: int, found: list[tuple[int, int]], runner: ModelRunner
+) -> None:
+    """Put the lookup drafts ``found`` (``(row, draft)``) of step ``j`` into ``tokens`` and ``looked_up``
+    (``[B, k+1]`` each)."""
     if not found:
         return
     rows, drafts = runner.stage([i for i, _ in found], [t for _, t in found])  # [n], [n]
     tokens[rows, j] = drafts
-    looked[rows, j] = True
+    looked_up[rows, j] = True
 
 
 def _point_masses_at_lookups(
     q: torch.Tensor, tokens: torch.Tensor, looked_up: list[list[bool]], rows: tuple[int, ...], runner: ModelRunner
 ) -> None:
     """Give the lookup drafts of sampling rows a one-hot ``q`` (``q`` ``[B, k+1, V]``, in place)."""
-    places = [(i, j) for i in rows for j, looked in enumerate(looked_up[i]) if looked]
+    places = [(i, j) for i in rows for j, found in enumerate(looked_up[i]) if found]
     if not places:
         return
     at_rows, at_columns = runner.stage([i for i, _ in places], [j for _, j in places])  # [n], [n]

@@ -36,7 +36,9 @@ class NgramProposer:
 
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         chains = self.chains(rows, limit)
-        return Reach(lookups=[len(c) for c in chains], model=False, first=[c[0] if c else None for c in chains])
+        return Reach(
+            lookups=[len(c) for c in chains], uses_draft_model=False, first=[c[0] if c else None for c in chains]
+        )
 
     def propose(
         self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
