@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerFast
 from batchspec.models import ModelPair
 from batchspec.server import ServerConfig, create_app, serve_in_thread
 from batchspec.server.app import QUICK_BODY_BYTES
-from batchspec.server.bodies import BodyBounds
+from batchspec.server.bodies import MAX_MEMBERS, BodyBounds
 from batchspec.server.limits import RequestLimits
 from batchspec.server.runner import HttpOptions
 
@@ -174,8 +174,10 @@ def test_bodies_past_their_bounds_get_400_without_tokenizing(bounded_server):
     many_lists = b'{"prompt": "w1", "user": [' + b"[]," * bounds.max_containers + b"[]]}"
     deep = b'{"prompt": "w1", "user": ' + b"[" * 40 + b"]" * 40 + b"}"
     huge_integer = b'{"prompt": [' + b"7" * 10_000 + b"]}"
+    many_keys = b'{"prompt": "w1", ' + b"".join(b'"k%d": 0, ' % i for i in range(MAX_MEMBERS)) + b'"end": 0}'
     for body, code in ((many_values, "request_too_complex"), (many_lists, "request_too_complex"),
-                       (deep, "request_too_complex"), (huge_integer, "invalid_json"),
+                       (deep, "request_too_complex"), (many_keys, "request_too_complex"),
+                       (huge_integer, "invalid_json"),
                        (b'{"prompt": "\xff\xfe"}', "invalid_json"), (b"", "invalid_json")):
         assert_error(post_raw(bounded_server, body), 400, code=code)
     messages = [{"role": "user", "content": "w1"}] * 65

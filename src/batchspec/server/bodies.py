@@ -29,6 +29,7 @@ from batchspec.server.errors import APIError, bad_request
 from batchspec.server.validation import validation_error
 
 MAX_DEPTH = 16
+MAX_MEMBERS = 64  # keys of one JSON object: a request has about 25 fields, a message or a content part a few
 YIELD_EVERY = 128  # values read between two hand-overs of the interpreter lock (each about 0.2 ms of work)
 VALUES_PER_MESSAGE = 4  # the message object, role, content, name
 VALUES_PER_PART = 3  # the part object, type, text
@@ -120,15 +121,22 @@ class BoundedDecoder(json.JSONDecoder):
 
     def _object(self, s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo):
         with self._nested():
-            return JSONObject(s_and_end, strict, self._counted(scan_once), object_hook, object_pairs_hook, memo)
+            counted = self._counted(scan_once, MAX_MEMBERS)
+            return JSONObject(s_and_end, strict, counted, object_hook, object_pairs_hook, memo)
 
     def _array(self, s_and_end, scan_once):
         with self._nested():
             return JSONArray(s_and_end, self._counted(scan_once))
 
-    def _counted(self, scan_once: Callable) -> Callable:
+    def _counted(self, scan_once: Callable, members: int | None = None) -> Callable:
+        """``scan_once`` counting the values it reads (and, for an object, its ``members`` at most)."""
+        read = [0]
+
         def counted(string: str, index: int):
             self.values += 1
+            read[0] += 1
+            if members is not None and read[0] > members:
+                raise TooComplex(f"a JSON object of the request body has more than {members} keys")
             if self.values % YIELD_EVERY == 0:
                 time.sleep(0)  # other threads waiting for the lock get it now, not at the next switch interval
             if self.values > self.bounds.max_values:
