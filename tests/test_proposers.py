@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from batchspec.config import SpecConfig
 from batchspec.engine import build_engine
-from batchspec.proposers.lookup import NgramIndex
+from batchspec.lookup import NgramIndex
 from batchspec.schedulers import make_scheduler
 from batchspec.schedulers.drive import Offline, drive
 from batchspec.state import Sequence

@@ -27,7 +27,7 @@ from batchspec.kv_cache import Slab
 from batchspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from batchspec.proposers.lookup import NgramIndex
+    from batchspec.lookup import NgramIndex
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"

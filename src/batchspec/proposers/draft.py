@@ -26,7 +26,7 @@ class DraftModelProposer:
     and its cache as it was: it catches up when it next runs.
 
     With ``lookup`` (the hybrid proposer) each row's drafts start with its lookup chain
-    (:mod:`batchspec.proposers.lookup`) and the draft model drafts the positions after it; a step at which every
+    (:mod:`batchspec.lookup`) and the draft model drafts the positions after it; a step at which every
     row that needs a draft has a lookup draft runs no draft forward (its tokens are fed at the next forward), so
     the draft's cache stays right for every row. Lookup drafts of sampling rows have a one-hot ``q``. Which step
     runs a forward is decided on the host, from the chains and the lengths: the loop never reads the device.
@@ -132,7 +132,7 @@ class _RoundLookups:
 
     A greedy row takes its lookup chain (known before the round) and the draft model drafts the positions after
     it: its tokens are the target's whatever is proposed. A sampling row's tokens depend on each position's ``q``,
-    so the lookup at a position must depend only on the text before it (see :mod:`batchspec.proposers.lookup`):
+    so the lookup at a position must depend only on the text before it (see :mod:`batchspec.lookup`):
     after the draft model drafts for such a row, its lookup continues from the drafted token. That needs the token
     on the host: in rounds with sampling rows, each draft-model step but the last reads ``[B]`` tokens back (the
     only reads of a round besides the verdict). Otherwise every lookup is known before the round (``stepwise``

@@ -1,11 +1,11 @@
-"""Prompt lookup as a proposer: each row's drafts are its lookup chain (:mod:`batchspec.proposers.lookup`), with no
+"""Prompt lookup as a proposer: each row's drafts are its lookup chain (:mod:`batchspec.lookup`), with no
 draft model; sampling rows get a one-hot ``q`` at every lookup draft."""
 
 from __future__ import annotations
 
 from batchspec.controller import Reach
+from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
 from batchspec.proposers import Proposal, ProposalHost
-from batchspec.proposers.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
 from batchspec.runner import ModelRunner
 from batchspec.sampling import RoundSampling
 from batchspec.state import BatchState, Sequence
