@@ -25,11 +25,12 @@ class DraftModelProposer:
     rows draw theirs at the step after their last draft). A round in which no row drafts leaves the draft idle
     and its cache as it was: it catches up when it next runs.
 
-    With ``lookup`` (the hybrid proposer) each row's drafts start with its lookup chain
-    (:mod:`batchspec.lookup`) and the draft model drafts the positions after it; a step at which every
-    row that needs a draft has a lookup draft runs no draft forward (its tokens are fed at the next forward), so
-    the draft's cache stays right for every row. Lookup drafts of sampling rows have a one-hot ``q``. Which step
-    runs a forward is decided on the host, from the chains and the lengths: the loop never reads the device.
+    With ``lookup`` (the hybrid proposer) every position is first looked up in the row's own text
+    (:mod:`batchspec.lookup`) and the draft model fills only the positions where the lookup finds nothing; a step
+    at which every row that needs a draft has a lookup draft runs no draft forward (its tokens are fed at the next
+    forward), so the draft's cache stays right for every row. Lookup drafts of sampling rows have a one-hot ``q``.
+    Which step runs a forward is decided on the host; the only device reads are the drafted tokens the lookups go
+    on from (see :class:`_RoundLookups`), none without lookup.
     """
 
     uses_draft_model = True
@@ -50,7 +51,7 @@ class DraftModelProposer:
         k = max(lengths, default=0)
         sampled = sampling is not None and sampling.any_sampled
         steps = k + int(sampled)
-        lookups = _RoundLookups(self.lookup, batch.rows, k, sampling.rows if sampled else ())
+        lookups = _RoundLookups(self.lookup, batch.rows, k)
         tokens, looked_up, staged_lengths = runner.stage(lookups.values, lookups.looked_up, lengths)  # [B, k+1] x2, [B]
         looked_up = looked_up.bool()
         host = ProposalHost(lengths=lengths, looked_up=None if self.lookup is None else lookups.looked_up)
@@ -60,8 +61,7 @@ class DraftModelProposer:
         q, runs = None, []
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
         for j in range(steps):
-            if lookups.stepwise:
-                _write_column(tokens, looked_up, j, lookups.at(j), runner)
+            _write_column(tokens, looked_up, j, lookups.at(j), runner)
             if all(lookups.looked_up[i][j] or not needed[i][j] for i in range(batch.size)):
                 inputs = torch.cat([inputs, tokens[:, j : j + 1]], dim=1)
                 lookups.push(j, tokens, needed)
@@ -130,30 +130,21 @@ def _needed(lengths: list[int], sampling: tuple[int, ...], steps: int) -> list[l
 class _RoundLookups:
     """Which positions of one round are looked up (with lookup, the hybrid proposer), and their drafts.
 
-    A greedy row takes its lookup chain (known before the round) and the draft model drafts the positions after
-    it: its tokens are the target's whatever is proposed. A sampling row's tokens depend on each position's ``q``,
-    so the lookup at a position must depend only on the text before it (see :mod:`batchspec.lookup`):
-    after the draft model drafts for such a row, its lookup continues from the drafted token. That needs the token
-    on the host: in rounds with sampling rows, each draft-model step but the last reads ``[B]`` tokens back (the
-    only reads of a round besides the verdict). Otherwise every lookup is known before the round (``stepwise``
-    False) and staged at once.
+    Each row's lookup at a position depends only on its text before that position (see :mod:`batchspec.lookup`):
+    after the draft model drafts for a row, its lookup goes on from the drafted token. That keeps a sampling row's
+    tokens independent of the batch and of ``k`` (its ``q`` at a position is one-hot exactly where a lookup finds
+    a draft), and lets a greedy row take up a copied span again after a drafted token, so that later steps may
+    need no draft forward. It needs the drafted tokens on the host: each draft-model step that a later position
+    needs reads ``[B]`` tokens back (the only reads of a round besides the verdict).
     """
 
-    def __init__(self, lookup: NgramProposer | None, rows: list[Sequence], k: int, sampling: tuple[int, ...]) -> None:
-        steps = k + int(bool(sampling))
-        chains = [lookup.index(row).chain(steps) if lookup else [] for row in rows]
-        self.cursors = {i: lookup.index(rows[i]).cursor() for i in sampling} if lookup else {}
-        self.stepwise = bool(self.cursors)
-        self.chains = chains
+    def __init__(self, lookup: NgramProposer | None, rows: list[Sequence], k: int) -> None:
+        self.cursors = {i: lookup.index(row).cursor() for i, row in enumerate(rows)} if lookup else {}
         self.values = [[0] * (k + 1) for _ in rows]  # [B, k+1] lookup drafts (0: none)
         self.looked_up = [[False] * (k + 1) for _ in rows]  # [B, k+1]
-        for i, chain in enumerate(chains):
-            if i not in self.cursors:
-                self.values[i][: len(chain)] = chain
-                self.looked_up[i][: len(chain)] = [True] * len(chain)
 
     def at(self, j: int) -> list[tuple[int, int]]:
-        """Look up position ``j`` of the sampling rows; returns their ``(row, draft)`` found."""
+        """Look up position ``j`` of every row; returns the ``(row, draft)`` found."""
         found = []
         for i, cursor in self.cursors.items():
             token = cursor.next()
@@ -163,9 +154,8 @@ class _RoundLookups:
         return found
 
     def push(self, j: int, tokens: torch.Tensor, needed: list[list[bool]]) -> None:
-        """Step ``j``'s drafts are chosen (``tokens`` ``[B, k+1]``): the sampling rows' lookups go on from them. The
-        drafted tokens are read only for rows that need a later position (a row's later lookups matter only
-        there)."""
+        """Step ``j``'s drafts are chosen (``tokens`` ``[B, k+1]``): the lookups go on from them. The drafted tokens
+        are read only for rows that need a later position (a row's later lookups matter only there)."""
         drafted = [i for i in self.cursors if not self.looked_up[i][j] and any(needed[i][j + 1 :])]
         if drafted:
             values = tokens[drafted, j].tolist()  # a read: the drafted tokens the lookups continue from
