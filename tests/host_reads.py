@@ -21,14 +21,17 @@ READS = frozenset(
     }
 )
 MASKABLE = frozenset({"__getitem__", "__setitem__", "index_put_", "index_put"})
+COPIES = frozenset({"tensor", "as_tensor"})  # a tensor made from host values: one host→device copy on a GPU
 
 
 class HostReads(TorchFunctionMode):
-    """Counts device→host reads while active; ``where`` names the line of batchspec or transformers that read."""
+    """Counts device→host reads while active (``where`` names the line of batchspec or transformers that read),
+    and tensors made from host values (``copies``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.copies = 0
         self.where: Counter[str] = Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -36,6 +39,7 @@ class HostReads(TorchFunctionMode):
         if name in READS or (name in MASKABLE and _has_mask(args)):
             self.count += 1
             self.where[_caller(name)] += 1
+        self.copies += name in COPIES
         return func(*args, **(kwargs or {}))
 
 

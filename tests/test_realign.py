@@ -16,12 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.kv_cache import BatchKVCache, Slab
-from batchspec.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, plan_layout
+from batchspec.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, layout_columns, plan_layout
 from batchspec.runner import ModelRunner
 from batchspec.state import BatchState, HostColumns, KVLocation, Sequence
 
 CPU = torch.device("cpu")
 RUNNER = ModelRunner(CPU)
+
+
+def _assemble(layout, rows, layers):
+    """:func:`assemble` with the layout's columns staged as the engine stages them."""
+    staged = RUNNER.stage(*layout_columns(layout, rows, layers))
+    return assemble(layout, rows, staged, filler=0, layers=layers)
 
 
 def fake_cache(starts: list[int], columns: int, indices: list[int]) -> BatchKVCache:
@@ -70,7 +76,7 @@ def scattered_rows(draw):
 @given(scattered_rows())
 def test_gathered_batch_holds_each_unpadded_row(rows):
     layout = plan_layout(rows)
-    batch = assemble(layout, rows, RUNNER, filler=0, layers=(1, 1))
+    batch = _assemble(layout, rows, (1, 1))
     batch.check()  # I1, I2, every row's token stream, cache lengths within the width
     assert min(layout.pad) == 0, "the longest row sets the width and has no padding"
     for i, row in enumerate(rows):
@@ -100,7 +106,7 @@ def test_worked_example_from_the_docstring():
     assert layout.width == 6 and layout.pad == [0, 0]
     assert [s.shift for s in layout.sources] == [[-2, 0]]
     assert layout.reuse is None and not layout.padded
-    batch = assemble(layout, [row0, row1], RUNNER, filler=0, layers=(1, 1))
+    batch = _assemble(layout, [row0, row1], (1, 1))
     assert batch.tokens.tolist() == [[1, 2, 3, 11, 12, 13], [4, 5, 6, 7, 8, 14]]
     assert batch.slab.target is not slab.target
 
@@ -150,7 +156,7 @@ def test_lockstep_rows_reuse_their_slab_without_a_copy():
     storage = slab.target.storage
     layout = plan_layout(rows)
     assert layout.reuse is slab
-    batch = assemble(layout, rows, RUNNER, filler=0, layers=(1, 1))
+    batch = _assemble(layout, rows, (1, 1))
     assert batch.slab.target.storage is storage, "lockstep must not copy the cache"
     assert batch.slab.target.length == 5 and batch.slab.draft.length == 4
     batch.check()
@@ -173,14 +179,14 @@ def test_new_rows_without_kv_start_from_zero_cache():
     assert layout.fresh == (1,) and layout.padded
     assert layout.target_len == 2  # the new row's padding: the old row re-reads the rest
     assert layout.recomputed == 1  # the old row held 3 target columns and keeps 2
-    batch = assemble(layout, [old, new], RUNNER, filler=0, layers=(1, None))
+    batch = _assemble(layout, [old, new], (1, None))
     assert batch.slab.draft is None
     batch.check()
 
 
 def test_check_catches_broken_invariants():
     rows = [Sequence(0, [5, 6, 7], 4), Sequence(1, [8], 4)]
-    batch = assemble(plan_layout(rows), rows, RUNNER, filler=0, layers=(1, 1))
+    batch = _assemble(plan_layout(rows), rows, (1, 1))
     batch.check()
     broken = HostColumns(pad=[0, 1], content=batch.host.content, draft_cached=batch.host.draft_cached)
     with pytest.raises(AssertionError, match="I1 broken"):

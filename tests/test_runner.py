@@ -92,8 +92,9 @@ CONFIGS = [
 
 @pytest.mark.parametrize(("method", "proposer", "temperature"), CONFIGS)
 def test_one_device_read_per_round(method, proposer, temperature, bs, llama, reference, monkeypatch):
-    """Each decode round reads the device back once (its verdict), whatever the method, proposer or sampling; only
-    the hybrid proposer also reads the tokens the draft model drafts (its lookups go on from them)."""
+    """Each decode round copies its inputs to the device once and reads the device back once (its verdict),
+    whatever the method, proposer or sampling; only the hybrid proposer also reads the tokens the draft model drafts
+    and stages the lookups it finds step by step (its lookups go on from drafted tokens)."""
     reads, rounds = HostReads(), []
     decode = Engine.decode
 
@@ -115,6 +116,7 @@ def test_one_device_read_per_round(method, proposer, temperature, bs, llama, ref
         assert all(where.startswith(("runner.py", "draft.py")) for where in reads.where), dict(reads.where)
     else:
         assert reads.count == len(rounds), dict(reads.where)
+        assert reads.copies == len(rounds)  # one host→device copy a round: everything it needs, staged at once
     if temperature == 0:
         assert result.sequences == [reference(llama.target, p, 14, []) for p in prompts]
 

@@ -23,10 +23,10 @@ from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.model_checks import check_pair
 from batchspec.prefill import ChunkBudget, Reader, catch_up, length_groups
-from batchspec.proposers import NoDraftProposer, Proposal, Proposer, point_masses
+from batchspec.proposers import NoDraftProposer, Proposal, ProposalPlan, Proposer, point_masses
 from batchspec.proposers.draft import DraftModelProposer
 from batchspec.proposers.ngram import NgramProposer
-from batchspec.realign import assemble, draft_catch_up, plan_layout
+from batchspec.realign import assemble, draft_catch_up, layout_columns, plan_layout
 from batchspec.runner import Floats, ModelRunner
 from batchspec.sampling import RoundSampling, RowParams, RowRandom, warp_rows
 from batchspec.state import BatchState, KVLocation, Sequence
@@ -65,11 +65,10 @@ class Engine:
             self.sync_draft(rows)
         started = time.perf_counter()
         with self.timer.stage("realign"):
-            batch = self.realign(rows)
-            sampling = self.round_sampling(rows)
+            batch, sampling, plan, staged = self.stage_round(rows, lengths)
         with self.timer.stage("draft"):
             proposing = self.runner.mark(), None
-            proposal = self.proposer.propose(batch, lengths, sampling, self.runner)
+            proposal = self.proposer.propose(batch, plan, staged, sampling, self.runner)
             proposing = proposing[0], self.runner.mark()
         with self.timer.stage("verify"):
             verdict = self.verify(batch, proposal, sampling)
@@ -118,36 +117,26 @@ class Engine:
         for draft, tokens in reading.tokens.items():
             self.planner.read(tokens, reading.seconds[draft], draft=draft)
 
-    def realign(self, rows: list[Sequence]) -> BatchState:
-        """Lay the rows out for this round, reusing their slab when they are in lockstep (see ``realign.py``)."""
+    def stage_round(
+        self, rows: list[Sequence], lengths: list[int]
+    ) -> tuple[BatchState, RoundSampling | None, ProposalPlan, tuple[torch.Tensor, ...]]:
+        """Plan the round on the host — the layout (see ``realign.py``), the sampling rows, the proposal — and stage
+        all their numbers in the round's one host→device copy; then lay the rows out (reusing their slab when they
+        are in lockstep). Returns the batch, the sampling (None when every row is greedy), the proposal's plan and
+        its staged columns."""
         layout = plan_layout(rows)
+        plan = self.proposer.plan(rows, lengths)
+        parts = (layout_columns(layout, rows, self.layers), _sampling_columns(rows), plan.columns)
+        staged = self.runner.stage(*(column for part in parts for column in part))
+        cut = [len(parts[0]), len(parts[0]) + len(parts[1])]
         with self.timer.gathering(active=layout.reuse is None):
-            batch = assemble(layout, rows, self.runner, filler=self.config.pad_token_id, layers=self.layers)
+            batch = assemble(layout, rows, staged[: cut[0]], filler=self.config.pad_token_id, layers=self.layers)
         self.stats.record_layout(
             size=len(rows), padded=layout.padded, copied=layout.reuse is None, recomputed=layout.recomputed
         )
         if self.config.check_invariants:
             batch.check()
-        return batch
-
-    def round_sampling(self, rows: list[Sequence]) -> RoundSampling | None:
-        """Each row's sampling settings, seed and output offset (staged in one copy); None when every row is
-        greedy."""
-        if all(row.sampling.greedy for row in rows):
-            return None
-        settings = [row.sampling for row in rows]
-        columns = RowParams.columns(settings)
-        sampled = tuple(i for i, row in enumerate(rows) if not row.sampling.greedy)
-        seeds, offsets, top_k, index, temperature, top_p = self.runner.stage(
-            [row.seed for row in rows],
-            [len(row.output) for row in rows],
-            columns["top_k"],
-            list(sampled),
-            Floats(columns["temperature"]),
-            Floats(columns["top_p"]),
-        )
-        params = RowParams(temperature, top_k, top_p, **RowParams.flags(settings))
-        return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets), rows=sampled, index=index)
+        return batch, _round_sampling(rows, staged[cut[0] : cut[1]]), plan, staged[cut[1] :]
 
     def verify(self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None) -> Verdict:
         """Target forward over the pending token followed by the drafts ``d_1 .. d_k``; greedy acceptance, and for
@@ -239,6 +228,33 @@ def _planner(target: torch.nn.Module, draft: torch.nn.Module | None, config: Spe
         return FixedLength(config.num_draft_tokens)
     ratio = 0.0 if draft is None else _parameters(draft) / _parameters(target)
     return AdaptiveLength(config.max_draft_tokens, ratio)
+
+
+def _sampling_columns(rows: list[Sequence]) -> tuple:
+    """Host columns of the rows' sampling (none when every row is greedy): seeds, output offsets, top-k, the
+    sampling rows, temperatures and top-p."""
+    if all(row.sampling.greedy for row in rows):
+        return ()
+    columns = RowParams.columns([row.sampling for row in rows])
+    return (
+        [row.seed for row in rows],
+        [len(row.output) for row in rows],
+        columns["top_k"],
+        [i for i, row in enumerate(rows) if not row.sampling.greedy],
+        Floats(columns["temperature"]),
+        Floats(columns["top_p"]),
+    )
+
+
+def _round_sampling(rows: list[Sequence], staged: tuple[torch.Tensor, ...]) -> RoundSampling | None:
+    """Each row's sampling settings, seed and output offset from the staged :func:`_sampling_columns`; None when
+    every row is greedy."""
+    if not staged:
+        return None
+    seeds, offsets, top_k, index, temperature, top_p = staged
+    params = RowParams(temperature, top_k, top_p, **RowParams.flags([row.sampling for row in rows]))
+    sampled = tuple(i for i, row in enumerate(rows) if not row.sampling.greedy)
+    return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets), rows=sampled, index=index)
 
 
 def _record(

@@ -36,7 +36,7 @@ import torch
 
 from batchspec.config import AUTO
 from batchspec.kv_cache import BatchKVCache
-from batchspec.realign import assemble, plan_layout
+from batchspec.realign import assemble, layout_columns, plan_layout
 from batchspec.runner import ModelRunner
 from batchspec.state import BatchState, KVLocation, Sequence
 
@@ -145,7 +145,8 @@ def catch_up(
     cache lacks before the pending tokens. Each model's reading is timed to the end of its work on the device
     (on CUDA, one synchronisation per model read)."""
     layout = plan_layout(rows, draft_slack=None)
-    batch = assemble(layout, rows, runner, filler=filler, layers=layers)
+    staged = runner.stage(*layout_columns(layout, rows, layers))
+    batch = assemble(layout, rows, staged, filler=filler, layers=layers)
     reading = Reading(recomputed=layout.recomputed)
     for reader in readers:
         cache = reader.cache(batch)

@@ -37,7 +37,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from batchspec.kv_cache import GROWTH, BatchKVCache, Slab
-from batchspec.runner import ModelRunner
 from batchspec.state import BatchState, HostColumns, Sequence
 
 DRAFT_SLACK = 4
@@ -223,20 +222,37 @@ class _Staged:
     shift: torch.Tensor  # [b]
 
 
+def layout_columns(layout: Layout, rows: list[Sequence], layers: tuple[int, int | None]) -> tuple:
+    """The host columns :func:`assemble` needs on the device: pad, content and draft columns per row, each source
+    slab's rows and shifts, and the tokens of the rows without KV."""
+    host = _host_columns(layout, layers)
+    per_source = [column for source in layout.sources for column in (source.dest, source.src, source.shift)]
+    fresh = [rows[i].prompt + rows[i].output for i in layout.fresh]
+    return (host.pad, host.content, host.draft_cached, *per_source, *fresh)
+
+
+def _host_columns(layout: Layout, layers: tuple[int, int | None]) -> HostColumns:
+    """The batch's pad, content and draft columns per row (no draft columns without a draft cache)."""
+    with_draft = layers[1] is not None and (layout.reuse is None or layout.reuse.draft is not None)
+    draft_cached = layout.draft_cached if with_draft else [0] * len(layout.pad)
+    return HostColumns(pad=layout.pad, content=layout.content, draft_cached=draft_cached)
+
+
 def assemble(
-    layout: Layout, rows: list[Sequence], runner: ModelRunner, *, filler: int, layers: tuple[int, int | None]
+    layout: Layout,
+    rows: list[Sequence],
+    staged: tuple[torch.Tensor, ...],
+    *,
+    filler: int,
+    layers: tuple[int, int | None],
 ) -> BatchState:
     """Build the batch of ``layout``: reuse a lockstep slab, or gather tokens and both caches into a new one.
-    The layout's numbers reach the device in one staged copy.
+    ``staged`` holds :func:`layout_columns` on the device.
 
     ``layers`` is the number of decoder layers of the target and of the draft (None without a draft).
     """
-    with_draft = layers[1] is not None and (layout.reuse is None or layout.reuse.draft is not None)
-    draft_cached = layout.draft_cached if with_draft else [0] * len(rows)
-    host = HostColumns(pad=layout.pad, content=layout.content, draft_cached=draft_cached)
-    fresh = [rows[i].prompt + rows[i].output for i in layout.fresh]
-    per_source = [column for source in layout.sources for column in (source.dest, source.src, source.shift)]
-    pad, content, cached, *staged = runner.stage(host.pad, host.content, host.draft_cached, *per_source, *fresh)
+    host = _host_columns(layout, layers)
+    pad, content, cached, *staged = staged
     if layout.reuse is not None:
         slab = layout.reuse
         slab.target.crop(layout.target_len)

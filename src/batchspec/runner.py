@@ -6,7 +6,8 @@ It owns
   caches (:meth:`ModelRunner.logits`, and :meth:`ModelRunner.read` for the KV only), with the attention mask and
   position ids built on the device from the batch's pad lengths (invariants I1/I2 of :mod:`batchspec.state`);
 * the staging of host numbers a round needs on the device (:meth:`ModelRunner.stage`: one host buffer, pinned on
-  CUDA, and one host→device copy per call, which does not wait for the device);
+  CUDA, and one host→device copy per call, which does not wait for the device; the engine stages everything a
+  round needs in one call, :meth:`~batchspec.engine.Engine.stage_round`);
 * the round's one device→host read (:meth:`ModelRunner.fetch`), the only place the host waits for the device
   while rows decode;
 * device-side timing (:meth:`ModelRunner.mark` / :meth:`ModelRunner.seconds`): CUDA events on a GPU, read after

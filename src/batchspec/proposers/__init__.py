@@ -4,6 +4,10 @@ Like transformers' ``CandidateGenerator``, a proposer has two methods: ``propose
 and ``cached_after`` says how much of the draft model's KV cache stays valid once the engine has accepted tokens,
 so that the next round's layout knows which columns the draft must re-read.
 
+A round's proposal is made in two steps: ``plan`` decides on the host (which tokens are looked up, how long each
+row's proposal is) and names the host columns it needs on the device, which the engine stages together with the
+round's other inputs in one copy; ``propose`` then drafts on the device.
+
 A proposal carries per-row lengths: row ``i`` proposes ``d_1 .. d_{lengths[i]}`` (0 .. k) and the target accepts at
 most that many. Greedy rows draft by argmax. Rows that sample also carry, at index ``lengths[i]``, a draft for the
 position after their last draft (the bonus position), each ``d_j`` drawn from the warped draft distribution ``q_j``
@@ -82,6 +86,21 @@ class Proposal:
         return self.tokens.shape[1] - 1
 
 
+@dataclass(frozen=True)
+class ProposalPlan:
+    """What a proposer decided on the host, before the round's one host→device copy.
+
+    Attributes:
+        host: the lengths each row proposes (and, for lookups, the positions found so far) as host lists.
+        columns: host columns :meth:`Proposer.propose` needs on the device, staged with the round's other inputs.
+        lookups: the hybrid proposer's per-row lookups for the round (None for other proposers).
+    """
+
+    host: ProposalHost
+    columns: tuple = ()
+    lookups: object | None = None
+
+
 def point_masses(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[B, m, V]`` float32 ``q`` that puts all mass on ``tokens`` ``[B, m]``: the distribution of a draft that
     was looked up rather than sampled."""
@@ -96,11 +115,20 @@ class Proposer(Protocol):
         """How far each row could draft this round (up to ``limit``); cheap, used to choose the lengths."""
         ...
 
+    def plan(self, rows: list[Sequence], lengths: list[int]) -> ProposalPlan:
+        """Up to ``lengths[i]`` drafts for row ``i``: what the host decides before the round's copy."""
+        ...
+
     def propose(
-        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+        self,
+        batch: BatchState,
+        plan: ProposalPlan,
+        staged: tuple[torch.Tensor, ...],
+        sampling: RoundSampling | None,
+        runner: ModelRunner,
     ) -> Proposal:
-        """Up to ``lengths[i]`` drafts for row ``i`` (argmax for greedy rows, sampled with ``q`` for the others),
-        without reading the device back."""
+        """The drafts of ``plan`` (argmax for greedy rows, sampled with ``q`` for the others); ``staged`` holds
+        ``plan.columns`` on the device."""
         ...
 
     def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
@@ -117,11 +145,19 @@ class NoDraftProposer:
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         return Reach(lookups=[0] * len(rows), uses_draft_model=False)
 
+    def plan(self, rows: list[Sequence], lengths: list[int]) -> ProposalPlan:
+        return ProposalPlan(ProposalHost(lengths=[0] * len(rows)))
+
     def propose(
-        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+        self,
+        batch: BatchState,
+        plan: ProposalPlan,
+        staged: tuple[torch.Tensor, ...],
+        sampling: RoundSampling | None,
+        runner: ModelRunner,
     ) -> Proposal:
         tokens = batch.tokens.new_zeros((batch.size, 1))  # [B, 1]
-        return Proposal(tokens, lengths=tokens[:, 0], host=ProposalHost(lengths=[0] * batch.size))
+        return Proposal(tokens, lengths=tokens[:, 0], host=plan.host)
 
     def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
         return batch.host.draft_cached

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from batchspec.controller import Reach
-from batchspec.proposers import Proposal, ProposalHost, point_masses
+from batchspec.proposers import Proposal, ProposalHost, ProposalPlan, point_masses
 from batchspec.proposers.ngram import NgramProposer
 from batchspec.runner import ModelRunner
 from batchspec.sampling import RoundSampling, Stream, sample_draft, warp_rows
@@ -45,16 +45,26 @@ class DraftModelProposer:
             return Reach(lookups=[0] * len(rows), uses_draft_model=True, lag=lag)
         return replace(self.lookup.reach(rows, limit), uses_draft_model=True, lag=lag)
 
+    def plan(self, rows: list[Sequence], lengths: list[int]) -> ProposalPlan:
+        lookups = _RoundLookups(self.lookup, rows, max(lengths, default=0))
+        host = ProposalHost(lengths=lengths, looked_up=None if self.lookup is None else lookups.looked_up)
+        return ProposalPlan(host, columns=(lengths,), lookups=lookups)
+
     def propose(
-        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+        self,
+        batch: BatchState,
+        plan: ProposalPlan,
+        staged: tuple[torch.Tensor, ...],
+        sampling: RoundSampling | None,
+        runner: ModelRunner,
     ) -> Proposal:
+        (staged_lengths,) = staged  # [B]
+        lengths, lookups, host = plan.host.lengths, plan.lookups, plan.host
         k = max(lengths, default=0)
         sampled = sampling is not None and sampling.any_sampled
         steps = k + int(sampled)
-        lookups = _RoundLookups(self.lookup, batch.rows, k)
-        tokens, looked_up, staged_lengths = runner.stage(lookups.values, lookups.looked_up, lengths)  # [B, k+1] x2, [B]
-        looked_up = looked_up.bool()
-        host = ProposalHost(lengths=lengths, looked_up=None if self.lookup is None else lookups.looked_up)
+        tokens = batch.tokens.new_zeros((batch.size, k + 1))  # [B, k+1]: drafts, lookups written as found
+        looked_up = torch.zeros_like(tokens, dtype=torch.bool)  # [B, k+1]
         if steps == 0:
             return Proposal(tokens, staged_lengths, host)
         needed = _needed(lengths, sampling.rows if sampled else (), steps)

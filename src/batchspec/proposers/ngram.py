@@ -3,9 +3,11 @@ draft model; sampling rows get a one-hot ``q`` at every lookup draft."""
 
 from __future__ import annotations
 
+import torch
+
 from batchspec.controller import Reach
 from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
-from batchspec.proposers import Proposal, ProposalHost
+from batchspec.proposers import Proposal, ProposalHost, ProposalPlan
 from batchspec.runner import ModelRunner
 from batchspec.sampling import RoundSampling
 from batchspec.state import BatchState, Sequence
@@ -40,23 +42,30 @@ class NgramProposer:
             lookups=[len(c) for c in chains], uses_draft_model=False, first=[c[0] if c else None for c in chains]
         )
 
+    def plan(self, rows: list[Sequence], lengths: list[int]) -> ProposalPlan:
+        return lookup_plan(self.chains(rows, max(lengths, default=0) + 1), lengths)
+
     def propose(
-        self, batch: BatchState, lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
+        self,
+        batch: BatchState,
+        plan: ProposalPlan,
+        staged: tuple[torch.Tensor, ...],
+        sampling: RoundSampling | None,
+        runner: ModelRunner,
     ) -> Proposal:
-        chains = self.chains(batch.rows, max(lengths, default=0) + 1)
-        return lookup_proposal(chains, lengths, sampling, runner)
+        tokens, lengths, bonus = staged  # [B, k+1], [B], [B]
+        return Proposal(tokens, lengths, plan.host, bonus_drafted=None if sampling is None else bonus.bool())
 
     def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
         return batch.host.draft_cached
 
 
-def lookup_proposal(
-    chains: list[list[int]], lengths: list[int], sampling: RoundSampling | None, runner: ModelRunner
-) -> Proposal:
-    """A proposal of each row's chain, cut at its length; the next chain entry is its bonus-position draft.
+def lookup_plan(chains: list[list[int]], lengths: list[int]) -> ProposalPlan:
+    """Each row's chain, cut at its length; the next chain entry is its bonus-position draft (used by a sampling
+    row). Columns: the drafts ``[B, k+1]``, the lengths ``[B]`` and whether a bonus draft exists ``[B]``.
 
-    Example: chains ``[[5, 6, 7], []]``, lengths ``[2, 2]`` → lengths ``[2, 0]``, tokens ``[[5, 6, 7], [0, 0, 0]]``,
-    and a sampling row 0 has a bonus-position draft (7), row 1 none.
+    Example: chains ``[[5, 6, 7], []]``, lengths ``[2, 2]`` → lengths ``[2, 0]``, drafts ``[[5, 6, 7], [0, 0, 0]]``,
+    bonus drafts ``[1, 0]`` (row 0's is 7).
     """
     lengths = [min(n, len(chain)) for n, chain in zip(lengths, chains, strict=True)]
     k = max(lengths, default=0)
@@ -64,6 +73,4 @@ def lookup_proposal(
     matrix = [chain + [0] * (k + 1 - len(chain)) for chain in drafted]  # [B, k+1]
     looked_up = [[j < len(chain) for j in range(k + 1)] for chain in drafted]
     bonus = [int(len(chain) > n) for chain, n in zip(chains, lengths, strict=True)]
-    tokens, staged_lengths, staged_bonus = runner.stage(matrix, lengths, bonus)
-    host = ProposalHost(lengths=lengths, looked_up=looked_up)
-    return Proposal(tokens, staged_lengths, host, bonus_drafted=None if sampling is None else staged_bonus.bool())
+    return ProposalPlan(ProposalHost(lengths=lengths, looked_up=looked_up), columns=(matrix, lengths, bonus))
