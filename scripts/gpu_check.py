@@ -10,7 +10,10 @@ figures are of cost, not of acceptance). Each part prints a JSON object and writ
     python scripts/gpu_check.py throughput      # tokens/s vs transformers' generate (dynamic and static-cache compiled)
     python scripts/gpu_check.py all --out docs/results/DATE-gpu
 
-``--device cpu --small`` runs every part on the CPU with small shapes (a smoke test of the script itself).
+A part can take minutes on a GPU (the 7B-shaped model is built in every part that uses it, and the static-cache
+``generate`` compiles on its first call): run one part per command where commands are limited in time, and
+``--sizes 8`` (or ``--sizes 1,8``) to split ``throughput`` further. ``--device cpu --small`` runs every part on the
+CPU with small shapes (a smoke test of the script itself).
 """
 
 from __future__ import annotations
@@ -152,15 +155,16 @@ def costs(args) -> dict:
     results = {}
     for name, shape in (("target-7B", QWEN_7B), ("draft-0.5B", QWEN_05B)):
         model = shaped(SMALL if args.small else shape, 0, args.device, dtype)
-        for size in (1, 8, 32):
+        for size in args.sizes:
             for tokens in (1, 5):
                 seconds = forward_seconds(model, runner, size, 150, tokens, repeats=5 if args.small else 20)
                 results[f"{name} B={size} tokens={tokens} ms"] = round(1000 * seconds, 3)
         del model
-    results["draft/target step B=8"] = round(
-        results["draft-0.5B B=8 tokens=1 ms"] / results["target-7B B=8 tokens=1 ms"], 3)
-    results["verify 5 tokens / 1 token, target B=8"] = round(
-        results["target-7B B=8 tokens=5 ms"] / results["target-7B B=8 tokens=1 ms"], 3)
+    for size in args.sizes:
+        step = results[f"target-7B B={size} tokens=1 ms"]
+        results[f"draft/target step B={size}"] = round(results[f"draft-0.5B B={size} tokens=1 ms"] / step, 3)
+        verify = results[f"target-7B B={size} tokens=5 ms"]
+        results[f"verify 5 tokens / 1 token, target B={size}"] = round(verify / step, 3)
     return results
 
 
@@ -171,9 +175,9 @@ def throughput(args) -> dict:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     target = shaped(SMALL if args.small else QWEN_7B, 0, args.device, dtype)
     draft = shaped(SMALL if args.small else QWEN_05B, 1, args.device, dtype)
-    new = 16 if args.small else 128
+    new = 16 if args.small else args.new_tokens
     results = {}
-    for size in (1, 8, 32):
+    for size in args.sizes:
         rows = prompts(size, 1000, 100, 200, seed=size)
         cells = {
             "batchspec autoregressive": dict(method="autoregressive"),
@@ -209,6 +213,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (a smoke test on any device)")
     parser.add_argument("--out", type=Path, default=None, help="folder for PART.json files")
+    parser.add_argument("--sizes", type=lambda text: [int(b) for b in text.split(",")], default=[1, 8, 32],
+                        help="batch sizes of costs and throughput, comma-separated (default 1,8,32)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt in throughput")
     args = parser.parse_args()
     device = {"device": args.device, "name": torch.cuda.get_device_name(args.device)
               if args.device.startswith("cuda") else "cpu", "torch": torch.__version__}
