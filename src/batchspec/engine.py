@@ -67,15 +67,16 @@ class Engine:
         with self.timer.stage("realign"):
             batch, sampling, plan, staged = self.stage_round(rows, lengths)
         with self.timer.stage("draft"):
-            proposing = self.runner.mark(), None
+            drafting = self.runner.mark()
             proposal = self.proposer.propose(batch, plan, staged, sampling, self.runner)
-            proposing = proposing[0], self.runner.mark()
+            drafted = self.runner.mark()
         with self.timer.stage("verify"):
             verdict = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
             accepted, gained = self.accept(batch, proposal, verdict)
             seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
-            record = _record(proposal, accepted, gained, reach, sampling, seconds, self.runner.seconds(*proposing))
+            proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
+            record = _record(proposal, accepted, gained, reach, sampling, seconds, proposing)
             self.planner.observe(rows, record)
             self.chunks.decoded(seconds)
         if self.config.check_invariants:
