@@ -65,10 +65,10 @@ class Engine:
             self.sync_draft(rows)
         started = time.perf_counter()
         with self.timer.stage("realign"):
-            batch, sampling, plan, staged = self.stage_round(rows, lengths)
+            batch, sampling, plan = self.stage_round(rows, lengths)
         with self.timer.stage("draft"):
             drafting = self.runner.mark()
-            proposal = self.proposer.propose(batch, plan, staged, sampling, self.runner)
+            proposal = self.proposer.propose(batch, plan, sampling, self.runner)
             drafted = self.runner.mark()
         with self.timer.stage("verify"):
             verdict = self.verify(batch, proposal, sampling)
@@ -120,11 +120,11 @@ class Engine:
 
     def stage_round(
         self, rows: list[Sequence], lengths: list[int]
-    ) -> tuple[BatchState, RoundSampling | None, ProposalPlan, tuple[torch.Tensor, ...]]:
+    ) -> tuple[BatchState, RoundSampling | None, ProposalPlan]:
         """Plan the round on the host — the layout (see ``realign.py``), the sampling rows, the proposal — and stage
         all their numbers in the round's one host→device copy; then lay the rows out (reusing their slab when they
-        are in lockstep). Returns the batch, the sampling (None when every row is greedy), the proposal's plan and
-        its staged columns."""
+        are in lockstep). Returns the batch, the sampling (None when every row is greedy) and the proposal's plan with
+        its columns staged."""
         layout = plan_layout(rows)
         plan = self.proposer.plan(rows, lengths)
         parts = (layout_columns(layout, rows, self.layers), _sampling_columns(rows), plan.columns)
@@ -137,7 +137,7 @@ class Engine:
         )
         if self.config.check_invariants:
             batch.check()
-        return batch, _round_sampling(rows, staged[cut[0] : cut[1]]), plan, staged[cut[1] :]
+        return batch, _round_sampling(rows, staged[cut[0] : cut[1]]), plan.staged_as(staged[cut[1] :])
 
     def verify(self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None) -> Verdict:
         """Target forward over the pending token followed by the drafts ``d_1 .. d_k``; greedy acceptance, and for

@@ -24,7 +24,7 @@ A third, cheap method, ``reach``, tells how far each row could draft before the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -94,11 +94,17 @@ class ProposalPlan:
         host: the lengths each row proposes (and, for lookups, the positions found so far) as host lists.
         columns: host columns :meth:`Proposer.propose` needs on the device, staged with the round's other inputs.
         lookups: the hybrid proposer's per-row lookups for the round (None for other proposers).
+        staged: ``columns`` on the device, once the round's copy is made (:meth:`staged_as`).
     """
 
     host: ProposalHost
     columns: tuple = ()
     lookups: object | None = None
+    staged: tuple[torch.Tensor, ...] = ()
+
+    def staged_as(self, tensors: tuple[torch.Tensor, ...]) -> ProposalPlan:
+        """This plan with its columns on the device."""
+        return replace(self, staged=tuple(tensors))
 
 
 def point_masses(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -120,15 +126,10 @@ class Proposer(Protocol):
         ...
 
     def propose(
-        self,
-        batch: BatchState,
-        plan: ProposalPlan,
-        staged: tuple[torch.Tensor, ...],
-        sampling: RoundSampling | None,
-        runner: ModelRunner,
+        self, batch: BatchState, plan: ProposalPlan, sampling: RoundSampling | None, runner: ModelRunner
     ) -> Proposal:
-        """The drafts of ``plan`` (argmax for greedy rows, sampled with ``q`` for the others); ``staged`` holds
-        ``plan.columns`` on the device."""
+        """The drafts of ``plan`` (argmax for greedy rows, sampled with ``q`` for the others); ``plan.staged`` holds
+        its columns on the device."""
         ...
 
     def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
@@ -149,12 +150,7 @@ class NoDraftProposer:
         return ProposalPlan(ProposalHost(lengths=[0] * len(rows)))
 
     def propose(
-        self,
-        batch: BatchState,
-        plan: ProposalPlan,
-        staged: tuple[torch.Tensor, ...],
-        sampling: RoundSampling | None,
-        runner: ModelRunner,
+        self, batch: BatchState, plan: ProposalPlan, sampling: RoundSampling | None, runner: ModelRunner
     ) -> Proposal:
         tokens = batch.tokens.new_zeros((batch.size, 1))  # [B, 1]
         return Proposal(tokens, lengths=tokens[:, 0], host=plan.host)

@@ -51,14 +51,9 @@ class DraftModelProposer:
         return ProposalPlan(host, columns=(lengths,), lookups=lookups)
 
     def propose(
-        self,
-        batch: BatchState,
-        plan: ProposalPlan,
-        staged: tuple[torch.Tensor, ...],
-        sampling: RoundSampling | None,
-        runner: ModelRunner,
+        self, batch: BatchState, plan: ProposalPlan, sampling: RoundSampling | None, runner: ModelRunner
     ) -> Proposal:
-        (staged_lengths,) = staged  # [B]
+        (staged_lengths,) = plan.staged  # [B]
         lengths, lookups, host = plan.host.lengths, plan.lookups, plan.host
         k = max(lengths, default=0)
         sampled = sampling is not None and sampling.any_sampled

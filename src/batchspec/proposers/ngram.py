@@ -3,8 +3,6 @@ draft model; sampling rows get a one-hot ``q`` at every lookup draft."""
 
 from __future__ import annotations
 
-import torch
-
 from batchspec.controller import Reach
 from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
 from batchspec.proposers import Proposal, ProposalHost, ProposalPlan
@@ -46,14 +44,9 @@ class NgramProposer:
         return lookup_plan(self.chains(rows, max(lengths, default=0) + 1), lengths)
 
     def propose(
-        self,
-        batch: BatchState,
-        plan: ProposalPlan,
-        staged: tuple[torch.Tensor, ...],
-        sampling: RoundSampling | None,
-        runner: ModelRunner,
+        self, batch: BatchState, plan: ProposalPlan, sampling: RoundSampling | None, runner: ModelRunner
     ) -> Proposal:
-        tokens, lengths, bonus = staged  # [B, k+1], [B], [B]
+        tokens, lengths, bonus = plan.staged  # [B, k+1], [B], [B]
         return Proposal(tokens, lengths, plan.host, bonus_drafted=None if sampling is None else bonus.bool())
 
     def cached_after(self, batch: BatchState, proposal: Proposal, accepted: list[int]) -> list[int]:
