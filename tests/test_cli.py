@@ -319,7 +319,7 @@ def test_a_missing_cuda_device_is_one_line_error(command, tiny_pair, tmp_path):
     assert_one_line_error(result, 1, "device 'cuda' was asked for", "CPU-only build")
 
 
-def test_the_cpu_device_is_what_auto_picks_without_cuda(tiny_pair, tmp_path):
+def test_a_cpu_run_names_its_kernels_not_a_device(tiny_pair, tmp_path):
     out = tmp_path / "cpu.jsonl"
     result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--device", "cpu", "--output", str(out)))
     assert result.exit_code == 0, result.output

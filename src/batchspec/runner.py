@@ -29,6 +29,7 @@ Worked example of the attention mask of a forward (``pad = [0, 2]``, the cache h
 from __future__ import annotations
 
 import inspect
+import math
 import struct
 import time
 from collections.abc import Sequence as Seq
@@ -98,7 +99,7 @@ class ModelRunner:
         if self.cuda:
             host = host.pin_memory()
         device = host.to(self.device, non_blocking=True)
-        parts = device.split([_numel(shape) for shape, _ in shapes])
+        parts = device.split([math.prod(shape) for shape, _ in shapes])
         return tuple(
             part.view(torch.float64) if floats else part.view(shape)
             for part, (shape, floats) in zip(parts, shapes, strict=True)
@@ -138,13 +139,6 @@ class ModelRunner:
 def _bits(value: float) -> int:
     """The int64 with the bits of float64 ``value``."""
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> dict:

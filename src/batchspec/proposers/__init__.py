@@ -1,12 +1,10 @@
 """Proposers: who drafts the tokens the target verifies.
 
-Like transformers' ``CandidateGenerator``, a proposer has two methods: ``propose`` drafts for the current batch,
-and ``cached_after`` says how much of the draft model's KV cache stays valid once the engine has accepted tokens,
-so that the next round's layout knows which columns the draft must re-read.
-
-A round's proposal is made in two steps: ``plan`` decides on the host (which tokens are looked up, how long each
-row's proposal is) and names the host columns it needs on the device, which the engine stages together with the
-round's other inputs in one copy; ``propose`` then drafts on the device.
+Like transformers' ``CandidateGenerator``, a proposer drafts for the current batch and says, with ``cached_after``,
+how much of the draft model's KV cache stays valid once the engine has accepted tokens, so that the next round's
+layout knows which columns the draft must re-read. Drafting takes two steps: ``plan`` decides on the host (how long
+each row's proposal is, what prompt lookup found) and names the host columns it needs on the device, which the
+engine stages with the round's other inputs in one copy; ``propose`` then drafts on the device.
 
 A proposal carries per-row lengths: row ``i`` proposes ``d_1 .. d_{lengths[i]}`` (0 .. k) and the target accepts at
 most that many. Greedy rows draft by argmax. Rows that sample also carry, at index ``lengths[i]``, a draft for the
@@ -25,7 +23,7 @@ A third, cheap method, ``reach``, tells how far each row could draft before the 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -93,13 +91,13 @@ class ProposalPlan:
     Attributes:
         host: the lengths each row proposes (and, for lookups, the positions found so far) as host lists.
         columns: host columns :meth:`Proposer.propose` needs on the device, staged with the round's other inputs.
-        lookups: the hybrid proposer's per-row lookups for the round (None for other proposers).
+        lookups: the draft proposer's lookups for the round (its ``_RoundLookups``; None for other proposers).
         staged: ``columns`` on the device, once the round's copy is made (:meth:`staged_as`).
     """
 
     host: ProposalHost
     columns: tuple = ()
-    lookups: object | None = None
+    lookups: Any = None
     staged: tuple[torch.Tensor, ...] = ()
 
     def staged_as(self, tensors: tuple[torch.Tensor, ...]) -> ProposalPlan:
