@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from batchspec.kv_cache import BatchKVCache
+from batchspec.models.int8.attention import NAME as EXACT_ATTENTION
 from batchspec.state import BatchState
 
 
@@ -153,23 +154,26 @@ def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, inpu
     }
 
 
+_BOOLEAN_MASKS = ("sdpa", EXACT_ATTENTION)
+
+
 def _mask(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> torch.Tensor:
     """The attention mask of queries at columns ``start .. end-1`` over keys ``0 .. end-1``.
 
     For the ``sdpa`` and ``eager`` attention implementations it is the 4D mask transformers would build itself
-    (``[B, 1, q, end]``: boolean for sdpa, additive for eager), which it then uses as is: building it here reads
-    nothing back from the device (transformers checks whether a 2D mask has padding, a synchronisation). Other
-    implementations get the 2D padding mask ``[B, end]``.
+    (``[B, 1, q, end]``: boolean for sdpa and the exact int8 attention, additive for eager), which it then uses as
+    is: building it here reads nothing back from the device (transformers checks whether a 2D mask has padding, a
+    synchronisation). Other implementations get the 2D padding mask ``[B, end]``.
     """
     implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in ("sdpa", "eager"):
+    if implementation not in _BOOLEAN_MASKS and implementation != "eager":
         return batch.attention_mask(end)
     keys = torch.arange(end, device=batch.device)  # [end]
     queries = torch.arange(start, end, device=batch.device)  # [q]
     causal = keys[None, :] <= queries[:, None]  # [q, end]
     visible = causal[None, :, :] & (keys[None, None, :] >= batch.pad[:, None, None])  # [B, q, end]
     visible = visible[:, None]  # [B, 1, q, end]
-    if implementation == "sdpa":
+    if implementation in _BOOLEAN_MASKS:
         return visible
     dtype = next(model.parameters()).dtype
     return torch.zeros(visible.shape, dtype=dtype, device=batch.device).masked_fill_(~visible, torch.finfo(dtype).min)

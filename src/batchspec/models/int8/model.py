@@ -1,0 +1,126 @@
+"""Turning a loaded float model into the exact int8 model: which modules are swapped, and the checks before.
+
+:func:`quantize_model` swaps, in place:
+
+* every ``nn.Linear`` (the output layer too) for an :class:`~batchspec.models.int8.linear.Int8Linear`;
+* every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
+* the MLP activation for :class:`ExactSiLU`;
+* the rotary embedding for :class:`RotaryTable` (cos/sin computed once per position, then looked up);
+* the attention implementation for :data:`~batchspec.models.int8.attention.NAME`.
+
+The token embedding stays as it is: a lookup copies a row. What is left between these modules is elementwise
+(residual additions, the rotary products), so every row's logits are independent of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from batchspec.models.int8 import attention
+from batchspec.models.int8.arithmetic import row_sum, silu
+from batchspec.models.int8.linear import Int8Linear
+
+QUANTIZE: tuple[str, ...] = ("none", "int8")
+MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+# rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
+STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+
+
+class ExactRMSNorm(torch.nn.Module):
+    """RMSNorm with its mean of squares summed in an order fixed by the hidden size (:func:`row_sum`)."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        mean = row_sum(x * x) / x.shape[-1]  # [..., 1]
+        return self.weight * (x * (1.0 / torch.sqrt(mean + self.eps)))
+
+
+class ExactSiLU(torch.nn.Module):
+    """SiLU with every value on torch's vector path (:func:`~batchspec.models.int8.arithmetic.silu`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x)
+
+
+class RotaryTable(torch.nn.Module):
+    """The model's own rotary embedding, computed once for every position and then looked up.
+
+    transformers computes ``cos``/``sin`` of each forward's positions, and a value's result depends on where it
+    sits in that forward's tensor (see :mod:`batchspec.models.int8.arithmetic`); a table built in one call gives
+    position ``p`` the same values in every forward.
+    """
+
+    def __init__(self, rotary: torch.nn.Module, positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        probe = torch.zeros(1, dtype=dtype, device=rotary.inv_freq.device)
+        with torch.no_grad():
+            cos, sin = rotary(probe, torch.arange(positions, device=probe.device)[None])  # [1, P, D] each
+        self.register_buffer("cos", cos[0].contiguous(), persistent=False)
+        self.register_buffer("sin", sin[0].contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)  # [B, S, D] each
+
+
+def check_quantize(quantize: str) -> str:
+    """``quantize`` when it is one of :data:`QUANTIZE`, else a ValueError naming them."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"Unsupported quantize {quantize!r}; expected one of {', '.join(QUANTIZE)}")
+    return str(quantize)
+
+
+def check_quantizable(model: Any) -> None:
+    """Raise ValueError naming what stands in the way unless :func:`quantize_model` can make ``model`` exact."""
+    config = model.config
+    name = getattr(config, "model_type", type(model).__name__)
+    if name not in MODEL_TYPES:
+        raise ValueError(f"--quantize int8 supports {', '.join(MODEL_TYPES)} models, not {name!r}")
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu":
+        raise ValueError(f"--quantize int8 runs on the CPU; this model is on {parameter.device}")
+    if parameter.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"--quantize int8 needs a float32 (or float64) model, not {parameter.dtype}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"--quantize int8 needs a SiLU MLP; this model uses {config.hidden_act!r}")
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE_TYPES:
+        raise ValueError(f"--quantize int8 needs a rotary embedding fixed per position, not {rope!r}")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError("--quantize int8 does not support sliding-window attention layers")
+
+
+def quantize_model(model: Any) -> Any:
+    """Make ``model`` the exact int8 model in place (see the module docstring) and return it."""
+    check_quantizable(model)
+    attention.register()
+    dtype = next(model.parameters()).dtype
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            replacement = _replacement(name, child, model.config, dtype)
+            if replacement is not None:
+                setattr(parent, name, replacement)
+    model.config._attn_implementation = attention.NAME
+    return model
+
+
+def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype) -> torch.nn.Module | None:
+    if isinstance(child, torch.nn.Linear):
+        return Int8Linear(child)
+    if type(child).__name__.endswith("RMSNorm"):
+        return ExactRMSNorm(child)
+    if name == "act_fn":
+        return ExactSiLU()
+    if name == "rotary_emb":
+        return RotaryTable(child, config.max_position_embeddings, dtype)
+    return None
+
+
+def quantization(model: Any) -> str:
+    """``"int8"`` when :func:`quantize_model` made ``model``, else ``"none"``."""
+    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"
