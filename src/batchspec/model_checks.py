@@ -37,7 +37,8 @@ def vocab_size(model: torch.nn.Module) -> int:
     embeddings = model.get_output_embeddings()
     if embeddings is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings; a causal LM is needed")
-    return int(embeddings.weight.shape[0])
+    rows = getattr(embeddings, "out_features", None)  # nn.Linear and batchspec's swapped linear layers
+    return int(rows if rows is not None else embeddings.weight.shape[0])
 
 
 def check_pair(target: torch.nn.Module, draft: torch.nn.Module | None) -> None:

@@ -14,7 +14,7 @@ Transcendental functions (``exp``, ``sigmoid``, ``cos``) are not in the list: to
 with SIMD approximations in vector lanes and with scalar code in a loop's tail, which can differ in the last bit,
 and which path a value takes depends on its offset in the tensor, so on the batch (``F.silu`` of a tensor and of
 the same tensor shifted by one to 39 elements differ in 147 of 39 million values on an AVX-512 CPU). So
-:func:`exp_nonpositive` builds ``exp`` from kind-1 operations, :func:`silu` keeps every value on torch's vector path,
+:func:`exp_nonpositive` builds ``exp`` from kind-1 operations, :func:`silu_` keeps every value on torch's vector path,
 and :func:`row_sum` sums a float row in an order fixed by its length.
 
 Glossary: a *row* is the vector one reduction runs over (one token's hidden state, one head's query); *levels*
@@ -45,9 +45,9 @@ def quantize_rows(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Ten
     Example: the row ``[0.5, -1.0, 0.25]`` with 127 levels has scale ``1/127`` and ``q = [64, -127, 32]``
     (63.5 rounds half to even).
     """
-    top = x.abs().amax(-1, keepdim=True)  # [..., 1]
+    top = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)  # [..., 1]: max |x|, exact
     scale = torch.where(top > 0, top / levels, torch.ones_like(top))
-    return torch.round(x / scale).clamp_(-levels, levels), scale
+    return (x / scale).round_().clamp_(-levels, levels), scale
 
 
 def exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
@@ -96,19 +96,23 @@ _VECTOR_CALL = 32768 - 64
 _VECTOR_ALIGN = 64
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """``F.silu`` with every value computed by torch's vector path, so each depends on its argument alone.
+def silu_(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu`` of a contiguous ``x`` with every value computed by torch's vector path, so each depends on its
+    argument alone; in place when rows are a multiple of 64 values wide, else on a padded copy. Returns the result.
 
-    The values are laid out flat with each row padded to a multiple of 64 and passed in calls of a multiple of 64
-    elements under torch's threading grain: each call runs on one thread in whole double-vector steps, so no value
-    falls in a scalar tail. (A polynomial like :func:`exp_nonpositive` does the same by construction but took 43x
-    as long as this on the prompt prefill's ``[1200, 8960]`` gate: 430 vs 10 ms.)
+    The values are taken flat in calls of a multiple of 64 elements under torch's threading grain: each call runs
+    on one thread in whole double-vector steps from its first element, so no value falls in a scalar tail. (A
+    polynomial like :func:`exp_nonpositive` does this by construction but took 43x as long on the prompt
+    prefill's ``[1200, 8960]`` gate: 430 vs 10 ms.)
     """
     width = x.shape[-1]
     padded = -(-width // _VECTOR_ALIGN) * _VECTOR_ALIGN
-    flat = torch.nn.functional.pad(x, (0, padded - width)).reshape(-1)  # [rows * padded]
-    out = torch.cat([torch.nn.functional.silu(part) for part in flat.split(_VECTOR_CALL)])
-    return out.reshape(*x.shape[:-1], padded)[..., :width]
+    if padded == width:
+        for part in x.view(-1).split(_VECTOR_CALL):
+            torch.nn.functional.silu(part, inplace=True)
+        return x
+    wide = torch.nn.functional.pad(x, (0, padded - width))  # [..., padded]
+    return silu_(wide)[..., :width]
 
 
 @functools.cache

@@ -8,15 +8,17 @@ output does not depend on the other tokens or rows of the call, nor on how the i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from batchspec.models.int8.arithmetic import int_matmul, int_mm_saturates, quantize_rows, split_weight
+from batchspec.models.int8.arithmetic import int_matmul, int_mm_saturates, quantize_rows, silu_, split_weight
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(int8 [O, K], scale [O])`` of a float weight ``[O, K]``: per output channel, rounded in float64."""
-    q, scale = quantize_rows(weight.detach().to(torch.float64))
-    return q.to(torch.int8).contiguous(), scale[:, 0].to(weight.dtype)
+    """``(int8 [O, K], scale [O])`` of a float weight ``[O, K]``: per output channel, in the weight's dtype."""
+    q, scale = quantize_rows(weight.detach())
+    return q.to(torch.int8).contiguous(), scale[:, 0].contiguous()
 
 
 class Int8Linear(torch.nn.Module):
@@ -33,13 +35,47 @@ class Int8Linear(torch.nn.Module):
         self.halves = split_weight(qweight) if int_mm_saturates() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
-        rows = x.reshape(-1, self.in_features)  # [N, K]
-        q, row_scale = quantize_rows(rows)  # [N, K], [N, 1]
-        acc = int_matmul(q.to(torch.int8), self.qweight, self.halves)  # [N, O] int32, exact
-        y = acc.to(x.dtype) * row_scale * self.scale  # [N, O]
+        return self.apply_to(quantize_activations(x))
+
+    def apply_to(self, rows: QuantizedRows) -> torch.Tensor:
+        """The layer's output for activations already quantized (several layers may share one quantization)."""
+        acc = int_matmul(rows.values, self.qweight, self.halves)  # [N, O] int32, exact
+        y = acc.to(rows.dtype).mul_(rows.scale).mul_(self.scale)  # [N, O]
         if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y.add_(self.bias)
+        return y.reshape(*rows.shape, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activations quantized per token: ``values`` int8 ``[N, K]``, ``scale`` ``[N, 1]``, the float ``dtype`` and
+    the leading ``shape`` (``[...]``) they had."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def quantize_activations(x: torch.Tensor) -> QuantizedRows:
+    """Quantize ``x`` (``[..., K]``) per token to int8."""
+    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))  # [N, K], [N, 1]
+    return QuantizedRows(q.to(torch.int8), scale, x.dtype, tuple(x.shape[:-1]))
+
+
+class Int8MLP(torch.nn.Module):
+    """The gated SiLU MLP of Llama-like models on :class:`Int8Linear` layers: ``down(silu(gate(x)) * up(x))``,
+    with ``x`` quantized once for gate and up and the activation computed in place."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = Int8Linear(mlp.gate_proj), Int8Linear(mlp.up_proj)
+        self.down_proj = Int8Linear(mlp.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        rows = quantize_activations(x)
+        hidden = silu_(self.gate_proj.apply_to(rows))  # [..., F]
+        return self.down_proj(hidden.mul_(self.up_proj.apply_to(rows)))

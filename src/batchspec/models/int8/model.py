@@ -2,9 +2,9 @@
 
 :func:`quantize_model` swaps, in place:
 
-* every ``nn.Linear`` (the output layer too) for an :class:`~batchspec.models.int8.linear.Int8Linear`;
+* every MLP for an :class:`~batchspec.models.int8.linear.Int8MLP` (its activation on torch's vector path only);
+* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.models.int8.linear.Int8Linear`;
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
-* the MLP activation for :class:`ExactSiLU`;
 * the rotary embedding for :class:`RotaryTable` (cos/sin computed once per position, then looked up);
 * the attention implementation for :data:`~batchspec.models.int8.attention.NAME`.
 
@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from batchspec.model_checks import check_model
 from batchspec.models.int8 import attention
-from batchspec.models.int8.arithmetic import row_sum, silu
-from batchspec.models.int8.linear import Int8Linear
+from batchspec.models.int8.arithmetic import row_sum
+from batchspec.models.int8.linear import Int8Linear, Int8MLP
 
 QUANTIZE: tuple[str, ...] = ("none", "int8")
-MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "mistral")
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
 STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
@@ -39,13 +39,6 @@ class ExactRMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         mean = row_sum(x * x) / x.shape[-1]  # [..., 1]
         return self.weight * (x * (1.0 / torch.sqrt(mean + self.eps)))
-
-
-class ExactSiLU(torch.nn.Module):
-    """SiLU with every value on torch's vector path (:func:`~batchspec.models.int8.arithmetic.silu`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu(x)
 
 
 class RotaryTable(torch.nn.Module):
@@ -77,10 +70,8 @@ def check_quantize(quantize: str) -> str:
 
 def check_quantizable(model: Any) -> None:
     """Raise ValueError naming what stands in the way unless :func:`quantize_model` can make ``model`` exact."""
+    check_model(model, "int8")
     config = model.config
-    name = getattr(config, "model_type", type(model).__name__)
-    if name not in MODEL_TYPES:
-        raise ValueError(f"--quantize int8 supports {', '.join(MODEL_TYPES)} models, not {name!r}")
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
         raise ValueError(f"--quantize int8 runs on the CPU; this model is on {parameter.device}")
@@ -91,31 +82,34 @@ def check_quantizable(model: Any) -> None:
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in STATIC_ROPE_TYPES:
         raise ValueError(f"--quantize int8 needs a rotary embedding fixed per position, not {rope!r}")
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise ValueError("--quantize int8 does not support sliding-window attention layers")
 
 
 def quantize_model(model: Any) -> Any:
     """Make ``model`` the exact int8 model in place (see the module docstring) and return it."""
     check_quantizable(model)
     attention.register()
-    dtype = next(model.parameters()).dtype
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            replacement = _replacement(name, child, model.config, dtype)
-            if replacement is not None:
-                setattr(parent, name, replacement)
+    _swap_children(model, model.config, next(model.parameters()).dtype)
     model.config._attn_implementation = attention.NAME
     return model
 
 
+def _swap_children(parent: torch.nn.Module, config: Any, dtype: torch.dtype) -> None:
+    """Swap ``parent``'s children for their exact int8 versions, depth first, not descending into a swapped one."""
+    for name, child in list(parent.named_children()):
+        replacement = _replacement(name, child, config, dtype)
+        if replacement is None:
+            _swap_children(child, config, dtype)
+        else:
+            setattr(parent, name, replacement)
+
+
 def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype) -> torch.nn.Module | None:
+    if name == "mlp":
+        return Int8MLP(child)
     if isinstance(child, torch.nn.Linear):
         return Int8Linear(child)
     if type(child).__name__.endswith("RMSNorm"):
         return ExactRMSNorm(child)
-    if name == "act_fn":
-        return ExactSiLU()
     if name == "rotary_emb":
         return RotaryTable(child, config.max_position_embeddings, dtype)
     return None

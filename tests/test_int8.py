@@ -1,0 +1,266 @@
+"""The exact int8 forward (``--quantize int8``, :mod:`batchspec.models.int8`).
+
+* Arithmetic: each building block computes what it claims (quantization, exp, fixed-order sums, the vector-path
+  SiLU, exact integer products, also through the two-halves path CPUs without VNNI take).
+* The property the mode exists for: a row's logits are bit-identical whatever else is in the forward (other rows,
+  left padding, how many new tokens a forward takes), against the row run alone one token at a time.
+* Through batchspec: every method and proposer equals the quantized model's own ``generate`` exactly, and seeded
+  sampling gives each prompt the same tokens at any batch size and k.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import tiny_models
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchspec.models.int8 import check_quantize, quantization, quantize_model
+from batchspec.models.int8.arithmetic import (
+    exp_nonpositive,
+    int_matmul,
+    quantize_rows,
+    row_sum,
+    silu_,
+    split_weight,
+)
+from batchspec.models.int8.attention import exact_attention
+
+KINDS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@pytest.fixture(scope="module")
+def quantized(bundles) -> dict[str, tuple]:
+    """``kind -> (int8 target, int8 perturbed draft, bundle)``: copies of the float64 tiny models, quantized."""
+    out = {}
+    for kind in KINDS:
+        bundle = bundles[kind]
+        target = quantize_model(copy.deepcopy(bundle.target))
+        draft = quantize_model(copy.deepcopy(bundle.drafts["perturbed"]))
+        out[kind] = (target, draft, bundle)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+
+
+def test_quantize_rows_worked_example():
+    q, scale = quantize_rows(torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]], dtype=torch.float64))
+    assert q.tolist() == [[64.0, -127.0, 32.0], [0.0, 0.0, 0.0]]
+    assert scale.tolist() == [[1.0 / 127], [1.0]]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-8), (torch.float32, 4e-6)])
+def test_exp_nonpositive_is_accurate(dtype, tolerance):
+    x = -torch.linspace(0, 80, 100_001, dtype=torch.float64).to(dtype)
+    got, want = exp_nonpositive(x).double(), torch.exp(x.double())
+    assert ((got - want).abs() / want).max().item() < tolerance
+    assert exp_nonpositive(torch.zeros(3, dtype=dtype)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_row_sum_order_is_a_pairwise_tree():
+    a, b, c = 1e16, 1.0, -1e16
+    # the tree adds a + c first, then b: exactly 1.0, where a left-to-right sum loses b
+    assert row_sum(torch.tensor([[a, b, c]], dtype=torch.float64)).item() == 1.0
+    assert (a + b) + c == 0.0
+
+
+def test_silu_takes_the_same_values_at_every_offset():
+    """torch's own silu of a tensor shifted by a few elements changes some values (vector lanes against the scalar
+    tail); the vector-path silu gives one row the same values wherever it sits."""
+    torch.manual_seed(0)
+    rows = torch.randn(40, 192)  # a multiple of 64 wide: the in-place path
+    alone = [silu_(row[None].clone())[0] for row in rows]
+    batched = silu_(rows.clone())
+    assert all(torch.equal(batched[i], alone[i]) for i in range(len(rows)))
+    odd = torch.randn(7, 50, dtype=torch.float64)  # padded path
+    assert torch.allclose(silu_(odd.clone()), torch.nn.functional.silu(odd), rtol=1e-12, atol=1e-15)
+    assert all(torch.equal(silu_(odd.clone())[i], silu_(odd[i : i + 1].clone())[0]) for i in range(7))
+
+
+def _extreme_operands(rows: int, inner: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randint(-127, 128, (rows, inner), dtype=torch.int8, generator=generator)
+    w = torch.randint(-127, 128, (cols, inner), dtype=torch.int8, generator=generator)
+    a[0], w[0], w[1] = 127, 127, -127
+    return a, w
+
+
+@pytest.mark.parametrize("rows, inner, cols", [(1, 64, 32), (5, 256, 96), (33, 1536, 40)])
+def test_int_matmul_is_exact_both_ways(rows, inner, cols):
+    a, w = _extreme_operands(rows, inner, cols)
+    exact = a.double() @ w.double().T
+    assert torch.equal(int_matmul(a, w, None).double(), exact)
+    assert torch.equal(int_matmul(a, w, split_weight(w)).double(), exact)
+    high, low = split_weight(w)
+    assert high.abs().max().item() <= 64 and set(low.unique().tolist()) <= {0, 1}
+
+
+def test_a_cpu_without_vnni_gets_the_same_bits():
+    """oneDNN capped at AVX2 (no VNNI) saturates on full-range int8; the layer detects it and takes the two-halves
+    path, whose output equals this process's bit for bit."""
+    script = (
+        "import sys, torch\n"
+        "from batchspec.models.int8.arithmetic import int_mm_saturates\n"
+        "from batchspec.models.int8.linear import Int8Linear\n"
+        "torch.manual_seed(0)\n"
+        "layer = Int8Linear(torch.nn.Linear(256, 96))\n"
+        "x = torch.randn(9, 256)\n"
+        "torch.save({'saturates': int_mm_saturates(), 'y': layer(x)}, sys.argv[1])\n"
+    )
+    results = {}
+    for isa in ("AVX2", "DEFAULT"):
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"batchspec_int8_{isa}_{os.getpid()}.pt")
+        env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa) if isa != "DEFAULT" else dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        subprocess.run([sys.executable, "-c", script, path], env=env, check=True, timeout=120)
+        results[isa] = torch.load(path)
+        os.remove(path)
+    assert results["AVX2"]["saturates"], "oneDNN capped at AVX2 should saturate on full-range int8"
+    assert torch.equal(results["AVX2"]["y"], results["DEFAULT"]["y"])
+
+
+def test_exact_attention_is_close_to_softmax_attention():
+    torch.manual_seed(1)
+    query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    visible = torch.ones(2, 1, 3, 9, dtype=torch.bool).tril(diagonal=6)
+    visible[1, :, :, :2] = False  # left padding of row 1
+    got, _ = exact_attention(None, query, key, value, visible, scaling=0.25)
+    expanded = [t.repeat_interleave(2, dim=1) for t in (key, value)]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, *expanded, attn_mask=visible, scale=0.25
+    ).transpose(1, 2)
+    assert got.shape == want.shape == (2, 3, 4, 16)
+    assert (got - want).abs().max().item() < 2e-3
+
+
+def test_a_query_that_sees_nothing_outputs_zeros():
+    query, key, value = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    visible = torch.tensor([[[[False] * 4, [True] * 4]]])
+    out, _ = exact_attention(None, query, key, value, visible, scaling=1.0)
+    assert torch.equal(out[0, 0], torch.zeros(2, 8)) and out[0, 1].abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def test_quantize_swaps_every_layer_and_stays_close(bundles):
+    bundle = bundles["llama"]
+    model = quantize_model(copy.deepcopy(bundle.target))
+    assert quantization(model) == "int8" and quantization(bundle.target) == "none"
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    ids = torch.tensor([bundle.probe[0][0]])
+    with torch.no_grad():
+        dense, exact = bundle.target(ids).logits, model(ids).logits
+    assert (exact - dense).abs().max().item() < 0.1 * dense.abs().max().item()
+
+
+def test_check_quantize_names_the_choices():
+    assert check_quantize("int8") == "int8"
+    with pytest.raises(ValueError, match="none, int8"):
+        check_quantize("int4")
+
+
+def test_quantize_refuses_what_it_cannot_make_exact(bundles):
+    with pytest.raises(ValueError, match="float32"):
+        quantize_model(copy.deepcopy(bundles["llama"].target).to(torch.bfloat16))
+    gelu = tiny_models.build_llama(seed=5, hidden_act="gelu")
+    with pytest.raises(ValueError, match="SiLU"):
+        quantize_model(gelu)
+
+
+def _alone_one_token_at_a_time(model, row: list[int]) -> torch.Tensor:
+    """``[len(row), V]``: the logits of each position of ``row`` fed alone, one token per forward."""
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(), []
+    with torch.no_grad():
+        for token in row:
+            out.append(model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1])
+    return torch.stack(out)
+
+
+def _ragged_forwards(model, rows: list[list[int]], prefix: list[int], steps: list[int]) -> list[torch.Tensor]:
+    """Run ``rows`` as one left-padded batch: a prefill of each row's first ``prefix[i]`` tokens, then forwards of
+    ``steps[j]`` tokens each (rows out of tokens take filler columns); returns each row's logits of its own tokens."""
+    from transformers import DynamicCache
+
+    batch = len(rows)
+    width = max(prefix)
+    lead = [width - p for p in prefix]
+    columns = [[0] * lead[i] + rows[i] + [0] * (width + sum(steps) - lead[i] - len(rows[i])) for i in range(batch)]
+    real = torch.tensor([[lead[i] <= c < lead[i] + len(rows[i]) for c in range(len(columns[0]))] for i in range(batch)])
+    ids = torch.tensor(columns)
+    cache, logits, start = DynamicCache(), [], 0
+    with torch.no_grad():
+        for stop in [width, *(width + sum(steps[: j + 1]) for j in range(len(steps)))]:
+            keys = torch.arange(stop)
+            visible = (keys[None, :] <= torch.arange(start, stop)[:, None])[None] & real[:, None, :stop]
+            positions = (torch.arange(start, stop)[None] - torch.tensor(lead)[:, None]).clamp(min=0)
+            out = model(ids[:, start:stop], attention_mask=visible[:, None], position_ids=positions, cache=cache)
+            logits.append(out.logits)
+            start = stop
+    everything = torch.cat(logits, dim=1)  # [B, columns, V]
+    return [everything[i, lead[i] : lead[i] + len(rows[i])] for i in range(batch)]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_row_is_bit_identical_to_itself_alone(kind, quantized, data):
+    """The property: rows of different lengths, left-padded, in forwards of 1..5 new tokens, give each row exactly
+    the logits it gets alone, one token at a time."""
+    model = quantized[kind][0]
+    batch = data.draw(st.integers(1, 4), label="batch")
+    lengths = data.draw(st.lists(st.integers(2, 24), min_size=batch, max_size=batch), label="lengths")
+    prefix = [data.draw(st.integers(1, n - 1), label="prefix") for n in lengths]
+    longest_tail = max(n - p for n, p in zip(lengths, prefix, strict=True))
+    steps = []
+    while sum(steps) < longest_tail:
+        steps.append(data.draw(st.integers(1, 5), label="step"))
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    rows = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    batched = _ragged_forwards(model, rows, prefix, steps)
+    for row, got in zip(rows, batched, strict=True):
+        assert torch.equal(got, _alone_one_token_at_a_time(model, row))
+
+
+# ------------------------------------------------------------------------------------------------ through batchspec
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "method, proposer, k",
+    [("eqspec", "draft", 3), ("exspec", "draft", 2), ("eqspec", "ngram", 4), ("eqspec", "hybrid", "auto"),
+     ("exspec", "hybrid", 3), ("autoregressive", None, 1)],
+)
+def test_batched_output_equals_the_quantized_models_own(kind, method, proposer, k, quantized, bs, reference):
+    target, draft, bundle = quantized[kind]
+    prompts = [prompt for prompt, _ in bundle.probe[:6]]
+    result = bs.generate(
+        target, draft, prompts, method=method, proposer=proposer, batch_size=4, max_new_tokens=24,
+        num_draft_tokens=k, eos_token_id=bundle.eos_id, pad_token_id=bundle.pad_id, check_invariants=True,
+    )
+    assert result.sequences == [reference(target, prompt, 24, bundle.eos_id) for prompt in prompts]
+
+
+@pytest.mark.parametrize("method, proposer", [("eqspec", "draft"), ("exspec", "hybrid"), ("eqspec", "ngram")])
+def test_seeded_samples_do_not_depend_on_the_batch_or_k(method, proposer, quantized, bs):
+    """Each prompt decoded alone (batch size 1, k = 3) and in batches with other k draws the same tokens."""
+    target, draft, bundle = quantized["qwen2"]
+    prompts = [prompt + prompt[:4] + prompt for prompt, _ in bundle.probe[:5]]  # repeats: lookups find matches
+    common = {"method": method, "proposer": proposer, "max_new_tokens": 16, "temperature": 1.0, "top_p": 0.95,
+              "seed": 7, "eos_token_id": bundle.eos_id, "pad_token_id": bundle.pad_id, "check_invariants": True}
+    alone = bs.generate(target, draft, prompts, batch_size=1, num_draft_tokens=3, **common)
+    assert alone.stats.draft_tokens_proposed > 0
+    for batch_size, k in [(5, 2), (3, 5), (4, "auto")]:
+        batched = bs.generate(target, draft, prompts, batch_size=batch_size, num_draft_tokens=k, **common)
+        assert batched.sequences == alone.sequences
