@@ -33,11 +33,13 @@ def check_model(model: torch.nn.Module, role: str) -> None:
 
 
 def vocab_size(model: torch.nn.Module) -> int:
-    """Rows of the model's output embedding (the number of logits per position)."""
+    """Rows of the model's output embedding (the number of logits per position): its weight's, or for a layer
+    that keeps no float weight (an int8 one, see :mod:`batchspec.models.int8`) its ``out_features``."""
     embeddings = model.get_output_embeddings()
     if embeddings is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings; a causal LM is needed")
-    return int(embeddings.weight.shape[0])
+    weight = getattr(embeddings, "weight", None)
+    return int(embeddings.out_features if weight is None else weight.shape[0])
 
 
 def check_pair(target: torch.nn.Module, draft: torch.nn.Module | None) -> None:
