@@ -23,7 +23,7 @@ FIELDS = {
     "torch_threads", "machine", "tokens_per_s", "wall_s", "generated_tokens", "acceptance_rate",
     "mean_accepted_length", "recomputed_columns", "prefill_s", "draft_s", "verify_s", "realign_s", "other_s",
     "prefill_share", "draft_share", "verify_share", "realign_share", "other_share", "grouping_rate", "exact_match",
-    "partial_match", "device",
+    "partial_match", "device", "quantize",
 }
 
 

@@ -84,6 +84,8 @@ class BatchspecPredictor:
         dtype: weights and compute dtype of both models; ``"auto"`` (float32 on the CPU, see
             :func:`batchspec.models.resolve_dtype`) by default.
         kernels: CPU matrix kernels (``"auto"``, ``"packed"``, ``"default"``; see :func:`batchspec.models.use_kernels`).
+        quantize: ``"none"`` (default) or ``"int8"``: the exact int8 models on the CPU (see
+            :func:`batchspec.models.load_model`).
         cache_dir: the preset cache on the actor's machine (default as for the CLI).
         num_threads: torch threads of each actor (match ``num_cpus`` of ``map_batches``); default torch's.
         prompt_column: the column holding the prompt texts.
@@ -98,6 +100,7 @@ class BatchspecPredictor:
         draft: str | None = None,
         dtype: str = "auto",
         kernels: str = "auto",
+        quantize: str = "none",
         cache_dir: str | None = None,
         num_threads: int | None = None,
         prompt_column: str = PROMPT_COLUMN,
@@ -110,7 +113,7 @@ class BatchspecPredictor:
         method = Method(self.settings.method)
         proposer = None if self.settings.proposer is None else ProposerKind(self.settings.proposer)
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, kernels=kernels,
-                             cache_dir=Path(cache_dir) if cache_dir is not None else None)
+                             cache_dir=Path(cache_dir) if cache_dir is not None else None, quantize=quantize)
         choice.check_for(method, proposer)
         self.models = load_models(choice, method, proposer, progress=False)
         self._batch_ids = (f"{socket.gethostname()}:{os.getpid()}:{n}" for n in count())

@@ -17,6 +17,14 @@ that is, when the two best logits are at most four rounding steps apart, slack f
 build up over the layers of the two differently batched forwards. A larger margin cannot be explained by rounding:
 it fails the audit and points at a synchronisation bug. A method that goes on where the reference ended has an
 infinite margin. ``batchspec audit --near-tie-ulps`` overrides the multiple.
+
+**int8 pairs: no near-ties.** The exact int8 models of ``--quantize int8`` (:mod:`batchspec.models.int8`) compute
+each row's logits with arithmetic that does not depend on the batch, the padding or the tokens beside it: they are
+bit-identical in every forward, so rounding cannot flip an argmax and the near-tie rule does not apply. Auditing
+an int8 pair judges with :data:`EXACT_RULE`: every divergence is a failure (``near_tie`` is False even at an exact
+tie, which the same logits break the same way on both sides), ``near_tie_ulps`` is recorded as 0 and ``audit.json``
+records ``"quantize": "int8"`` with a ``near_tie_rule`` saying that the rule does not apply. ``margin_ulps`` is
+still given, in spacings of the activations' dtype.
 """
 
 from __future__ import annotations
@@ -32,12 +40,17 @@ from tqdm.auto import tqdm
 from batchspec.bench.reference import Reference, first_divergence, load_or_compute_reference, match_summary
 from batchspec.bench.runners import draft_length, plan_cells, runner_for, runs
 from batchspec.bench.workload import Workload
+from batchspec.models.int8 import quantization
 from batchspec.models.pair import ModelPair
 
 NEAR_TIE_ULPS = 4.0
 NEAR_TIE_RULE = (
     "near-tie: margin <= near_tie_ulps * spacing(|top-1 logit|), spacing(x) = 2**(floor(log2 x) - mantissa bits "
     "of dtype) = torch.finfo(dtype).eps * 2**floor(log2 x); a larger margin is a failure"
+)
+EXACT_NEAR_TIE_RULE = (
+    "the near-tie rule does not apply (quantize int8): each row's logits are bit-identical whatever the batch, so "
+    "every divergence is a failure"
 )
 
 
@@ -58,9 +71,11 @@ def spacing(magnitude: float, dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True)
 class NearTieRule:
-    """A divergence is a near-tie when the reference's margin is at most ``ulps`` spacings of its top logit."""
+    """A divergence is a near-tie when the reference's margin is at most ``ulps`` spacings of its top logit; with
+    ``exact`` (the rule of an int8 pair, :data:`EXACT_RULE`) no divergence is."""
 
     ulps: float = NEAR_TIE_ULPS
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.ulps, bool) or not isinstance(self.ulps, int | float) or not 0 <= self.ulps < math.inf:
@@ -73,7 +88,23 @@ class NearTieRule:
         return margin / spacing(top_logit, dtype)
 
     def holds(self, margin_ulps: float) -> bool:
-        return margin_ulps <= self.ulps
+        return not self.exact and margin_ulps <= self.ulps
+
+
+EXACT_RULE = NearTieRule(ulps=0.0, exact=True)
+
+
+def rule_for(pair: ModelPair, workload: Workload, rule: NearTieRule) -> NearTieRule:
+    """The rule that judges ``pair``'s outputs: ``rule``, or :data:`EXACT_RULE` for an int8 pair (``pair.quantize``,
+    or its target's modules, say so). A ValueError when ``workload.quantize`` names another quantization: the
+    reference (keyed by the workload) would be another model's."""
+    quantize = "int8" if quantization(pair.target) == "int8" else pair.quantize
+    if workload.quantize != quantize:
+        raise ValueError(
+            f"the workload records quantize {workload.quantize!r} but the models are {quantize!r}: "
+            f"build the Workload with quantize={quantize!r}"
+        )
+    return EXACT_RULE if quantize == "int8" else rule
 
 
 @dataclass(frozen=True)
@@ -119,7 +150,8 @@ class AuditCell:
 
 @dataclass
 class AuditReport:
-    """Every audited cell of one workload, judged with the near-tie multiple ``near_tie_ulps``."""
+    """Every audited cell of one workload, judged with the near-tie multiple ``near_tie_ulps``, or, for an int8
+    workload (``quantize``), with no near-ties at all (see the module docstring)."""
 
     model: str
     dtype: str
@@ -127,6 +159,7 @@ class AuditReport:
     max_new_tokens: int
     near_tie_ulps: float
     cells: list[AuditCell]
+    quantize: str = "none"
 
     @property
     def passed(self) -> bool:
@@ -134,7 +167,7 @@ class AuditReport:
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
-        out["near_tie_rule"] = NEAR_TIE_RULE
+        out["near_tie_rule"] = NEAR_TIE_RULE if self.quantize == "none" else EXACT_NEAR_TIE_RULE
         out["passed"] = self.passed
         return out
 
@@ -145,7 +178,10 @@ class AuditReport:
 
 def empty_report(workload: Workload, rule: NearTieRule) -> AuditReport:
     """A report of ``workload`` with no cells yet."""
-    return AuditReport(workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, rule.ulps, [])
+    return AuditReport(
+        workload.model, workload.dtype, len(workload.prompts), workload.max_new_tokens, rule.ulps, [],
+        workload.quantize,
+    )
 
 
 def audit_cell(
@@ -207,8 +243,10 @@ def run_audit(
     progress: bool = True,
 ) -> AuditReport:
     """Audit ``methods`` (the speculative ones with each of ``proposers``) at ``batch_sizes``; writes
-    ``audit.json`` into ``out_dir`` when given."""
+    ``audit.json`` into ``out_dir`` when given. An int8 pair is judged with :data:`EXACT_RULE` instead of
+    ``rule`` (see :func:`rule_for`)."""
     float_dtype(workload.dtype)
+    rule = rule_for(pair, workload, rule)
     cache = None if out_dir is None else out_dir / "reference.json"
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ class Cell:
     dtype: str
     kernels: str
     device: str
+    quantize: str
     prompts: int
     max_new_tokens: int
     num_draft_tokens: int | str | None
@@ -55,13 +56,15 @@ class Cell:
 
     @classmethod
     def from_dict(cls, row: dict[str, object]) -> Cell:
-        """A cell read back from ``results.json``; rows written before proposers and the prefill stage existed
-        get their draft proposer, PyTorch's default kernels, the CPU and no prefill figures."""
+        """A cell read back from ``results.json``; rows written before proposers, the prefill stage and
+        quantization existed get their draft proposer, PyTorch's default kernels, the CPU, no prefill figures and no
+        quantization."""
         method = str(row["method"])
         defaults = {
             "proposer": "draft" if method in SPECULATIVE else None,
             "kernels": "default",
             "device": "cpu",
+            "quantize": "none",
             "recomputed_columns": None,
             "prefill_s": None,
             "prefill_share": None,
@@ -95,6 +98,7 @@ def make_cell(
         dtype=workload.dtype,
         kernels=workload.kernels,
         device=workload.device,
+        quantize=workload.quantize,
         prompts=len(workload.prompts),
         max_new_tokens=workload.max_new_tokens,
         num_draft_tokens=draft_length(method, workload.num_draft_tokens),

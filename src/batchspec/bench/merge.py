@@ -2,9 +2,9 @@
 
 A full sweep of a 1.5B pair on a CPU takes hours, so it is often run in pieces (one batch size or one draft
 length at a time, each into its own folder, sharing the reference). Merging checks that the pieces measured
-the same thing — the same workload (model, dtype, prompts, budget: equal ``reference.json`` keys where the
-runs compared) on the same machine and thread count — and that no cell appears twice, then writes the usual
-table, CSV, plots and ``audit.json`` for all of them.
+the same thing — the same workload (model, dtype, quantization, prompts, budget: equal ``reference.json`` keys
+where the runs compared) on the same machine and thread count — and that no cell appears twice, then writes the
+usual table, CSV, plots and ``audit.json`` for all of them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from batchspec.bench.plots import write_plots
 from batchspec.bench.report import write_results
 from batchspec.bench.runners import draft_length
 
-SAME_IN_EVERY_RUN = ("model", "dtype", "prompts", "max_new_tokens", "torch_threads", "machine")
+SAME_IN_EVERY_RUN = ("model", "dtype", "quantize", "prompts", "max_new_tokens", "torch_threads", "machine")
 
 
 @dataclass
@@ -57,7 +57,10 @@ def read_audit(run_dir: Path, num_draft_tokens: int | str | None) -> AuditReport
         )
         for c in raw["cells"]
     ]
-    return AuditReport(raw["model"], raw["dtype"], raw["prompts"], raw["max_new_tokens"], raw["near_tie_ulps"], cells)
+    return AuditReport(
+        raw["model"], raw["dtype"], raw["prompts"], raw["max_new_tokens"], raw["near_tie_ulps"], cells,
+        raw.get("quantize", "none"),
+    )
 
 
 def reference_key(run_dir: Path) -> str | None:
@@ -100,7 +103,7 @@ def merge_audits(audits: list[AuditReport | None]) -> AuditReport | None:
     first = audits[0]
     return AuditReport(
         first.model, first.dtype, first.prompts, first.max_new_tokens, first.near_tie_ulps,
-        [cell for a in audits for cell in a.cells],
+        [cell for a in audits for cell in a.cells], first.quantize,
     )
 
 

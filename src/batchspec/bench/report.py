@@ -74,8 +74,9 @@ def write_results(out_dir: Path, cells: list[Cell]) -> None:
     (out_dir / "results.csv.tmp").replace(out_dir / "results.csv")
     if cells:
         first = cells[0]
+        arithmetic = f"{first.kernels} kernels" if first.quantize == "none" else f"{first.quantize} exact"
         title = (
-            f"{first.model}, {first.dtype} ({first.kernels} kernels), {first.prompts} prompts, "
+            f"{first.model}, {first.dtype} ({arithmetic}), {first.prompts} prompts, "
             f"{first.max_new_tokens} new tokens, "
             f"{first.torch_threads} threads, {first.machine}" + ("" if first.device == "cpu" else f", {first.device}")
         )

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from batchspec.bench.audit import NearTieRule, audit_cell, empty_report
+from batchspec.bench.audit import NearTieRule, audit_cell, empty_report, rule_for
 from batchspec.bench.cells import Cell, make_cell
 from batchspec.bench.plots import write_plots
 from batchspec.bench.reference import MatchSummary, Reference, load_or_compute_reference
@@ -60,17 +60,7 @@ class SweepResult:
 
 def warm_up(pair: ModelPair, workload: Workload, cells: list[Where]) -> None:
     """One short run of each method and proposer, so that first-call costs do not land in a measured cell."""
-    tiny = Workload(
-        workload.model,
-        workload.dtype,
-        workload.prompt_source,
-        workload.prompts[:1],
-        min(4, workload.max_new_tokens),
-        workload.num_draft_tokens,
-        workload.eos_token_ids,
-        workload.pad_token_id,
-        workload.kernels,
-    )
+    tiny = replace(workload, prompts=workload.prompts[:1], max_new_tokens=min(4, workload.max_new_tokens))
     for method, proposer in dict.fromkeys((m, p) for m, p, _ in cells):
         runner_for(method)(pair, tiny, 1, proposer=proposer)
 
@@ -81,9 +71,11 @@ def run_sweep(
     """Measure every cell, writing the results after each one (an interrupted sweep keeps what it finished).
 
     With ``plan.compare`` every cell's divergences from the reference are written to ``audit.json`` as well, in
-    the format of ``batchspec audit`` (position and the reference's logit margin of each)."""
+    the format of ``batchspec audit`` (position and the reference's logit margin of each; for an int8 pair every
+    divergence is a failure, see :func:`batchspec.bench.audit.rule_for`)."""
     if pair.draft is None and plan.needs_draft():
         raise ValueError("these methods need a draft model: " + ", ".join(plan.needs_draft()))
+    rule = rule_for(pair, workload, NearTieRule())
     out_dir.mkdir(parents=True, exist_ok=True)
     reference: Reference | None = None
     if plan.compare:
@@ -92,7 +84,6 @@ def run_sweep(
     warm_up(pair, workload, todo)
     skipped = [where for where in plan.wanted() if where not in todo]
     cells: list[Cell] = []
-    rule = NearTieRule()
     audit = empty_report(workload, rule)
     for method, proposer, batch_size in tqdm(todo, desc="bench", unit="cell", disable=not progress):
         out = runner_for(method)(pair, workload, batch_size, progress=progress, proposer=proposer)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from batchspec.config import AUTO
+from batchspec.models.int8 import check_quantize
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Workload:
         pad_token_id: filler for padded batches.
         kernels: the models' CPU matrix kernels (``packed`` or ``default``, see :func:`batchspec.models.use_kernels`).
         device: where the models run (``cpu``, or the GPU's name: see :func:`batchspec.devices.device_name`).
+        quantize: ``"int8"`` when the models are the exact int8 ones (see :mod:`batchspec.models.int8`), else
+            ``"none"``.
     """
 
     model: str
@@ -41,6 +44,7 @@ class Workload:
     pad_token_id: int
     kernels: str = "default"
     device: str = "cpu"
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -49,14 +53,20 @@ class Workload:
             raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
         if self.num_draft_tokens != AUTO and (isinstance(self.num_draft_tokens, str) or self.num_draft_tokens < 1):
             raise ValueError(f"num_draft_tokens must be >= 1 or 'auto'; got {self.num_draft_tokens!r}")
+        check_quantize(self.quantize)
 
     @property
     def key(self) -> str:
-        """Identifies the workload's reference outputs (model, dtype, kernels, prompts, budget, EOS, and the device
-        when it is not the CPU)."""
-        fields = [self.model, self.dtype, self.kernels, self.prompts, self.max_new_tokens, self.eos_token_ids]
-        blob = json.dumps(fields if self.device == "cpu" else [*fields, self.device])
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        """Identifies the workload's reference outputs (model, dtype, kernels, prompts, budget, EOS, the device
+        when it is not the CPU and the quantization when there is one)."""
+        fields: list[object] = [
+            self.model, self.dtype, self.kernels, self.prompts, self.max_new_tokens, self.eos_token_ids
+        ]
+        if self.device != "cpu":
+            fields.append(self.device)
+        if self.quantize != "none":
+            fields.append({"quantize": self.quantize})
+        return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
 
 def machine_description() -> str:

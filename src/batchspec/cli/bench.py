@@ -128,6 +128,7 @@ def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Wo
         pad_token_id=pad,
         kernels=kernels_in_use(loaded.target),
         device=loaded.device,
+        quantize=loaded.quantize,
     )
 
 
@@ -191,14 +192,20 @@ def bench_command(
         plan = SweepPlan(parse_methods(methods), cells.batch_sizes, compare=compare, proposers=cells.proposers)
         loaded, workload = load_workload(models, prompts, plan.methods, cells)
         result = run_sweep(loaded, workload, plan, output)
-    typer.echo(
-        f"Bench of {workload.model} ({workload.dtype}), {len(workload.prompts)} prompts, "
-        f"{workload.max_new_tokens} new tokens"
-    )
+    typer.echo(bench_header(workload))
     typer.echo(markdown_table(result.cells))
     for method, _, size in result.skipped:
         typer.echo(f"skipped {method} at batch size {size}: it runs at batch size 1 only", err=True)
     typer.echo(f"Wrote results and plots to {output}", err=True)
+
+
+def bench_header(workload: Workload) -> str:
+    """The line above the results table: the models, their precision, the prompts and the budget."""
+    quantized = "" if workload.quantize == "none" else f", {workload.quantize} exact"
+    return (
+        f"Bench of {workload.model} ({workload.dtype}{quantized}), {len(workload.prompts)} prompts, "
+        f"{workload.max_new_tokens} new tokens"
+    )
 
 
 ONLINE_METHODS = ("eqspec", "exspec", "autoregressive")
@@ -240,7 +247,8 @@ def audit_command(
             metavar="N",
             help="A divergence is a near-tie (legitimate rounding, not a failure) when the reference's top-2 logit "
             "margin there is at most N spacings of the dtype at the top logit: margin <= N * 2**(floor(log2 |top "
-            "logit|) - mantissa bits); bfloat16 has 7 mantissa bits, float16 10, float32 23.",
+            "logit|) - mantissa bits); bfloat16 has 7 mantissa bits, float16 10, float32 23. Not used with "
+            "--quantize int8, where every divergence is a failure.",
         ),
     ] = NEAR_TIE_ULPS,
 ) -> None:
@@ -250,7 +258,9 @@ def audit_command(
     reference's top-2 logit margin there, also in ulps: spacings of the models' dtype at the top logit,
     2**(floor(log2 |top logit|) - mantissa bits), 0.125 for bfloat16 logits of magnitude 16 to 32. A divergence
     whose margin is at most --near-tie-ulps (default 4) ulps is a near-tie that rounding explains; any other
-    fails the audit. Writes audit.json into --output. Exits with status 2 when a divergence is not a near-tie.
+    fails the audit. With --quantize int8 each row's logits are bit-identical whatever the batch, so there are no
+    near-ties: every divergence fails. Writes audit.json into --output. Exits with status 2 when a divergence is
+    not a near-tie.
     """
     with user_errors():
         rule = NearTieRule(near_tie_ulps)
@@ -264,11 +274,21 @@ def audit_command(
         raise typer.Exit(2)
 
 
-def print_audit(report: AuditReport) -> None:
-    typer.echo(
+def audit_rule_line(report: AuditReport) -> str:
+    """The audit's first line: the models, the prompts and how divergences are judged."""
+    if report.quantize != "none":
+        return (
+            f"Audit of {report.model} ({report.dtype}, {report.quantize} exact), {report.prompts} prompts; no "
+            f"near-ties: each row's logits are bit-identical whatever the batch, so every divergence is a failure"
+        )
+    return (
         f"Audit of {report.model} ({report.dtype}), {report.prompts} prompts; near-tie: reference margin at most "
         f"{report.near_tie_ulps:g} ulps of {report.dtype} at the top logit"
     )
+
+
+def print_audit(report: AuditReport) -> None:
+    typer.echo(audit_rule_line(report))
     for cell in report.cells:
         ties = len(cell.divergences) - len(cell.failures)
         k = draft_length(cell.method, cell.num_draft_tokens)
@@ -286,7 +306,8 @@ def print_audit(report: AuditReport) -> None:
                 f"    prompt {d.prompt} at token {d.position}: expected {d.expected}, got {d.got}; "
                 f"reference margin {d.margin:.4g} = {d.margin_ulps:.3g} ulps ({where}) {kind}"
             )
-    typer.echo("PASSED" if report.passed else "FAILED: a divergence is larger than a near-tie")
+    failed = "a divergence is larger than a near-tie" if report.quantize == "none" else "a divergence"
+    typer.echo("PASSED" if report.passed else f"FAILED: {failed}")
 
 
 def bench_merge_command(

@@ -41,6 +41,11 @@ class Kernels(StrEnum):
     DEFAULT = "default"
 
 
+class Quantize(StrEnum):
+    NONE = "none"
+    INT8 = "int8"
+
+
 PRESET_NAMES = ", ".join(sorted(PRESETS))
 
 PresetOption = Annotated[
@@ -89,6 +94,15 @@ KernelsOption = Annotated[
         help="CPU matrix kernels. auto (default): float32 models on the CPU run their linear layers on oneDNN with "
         "weights prepacked once (faster steps and verifications, twice the memory for the weights); packed "
         "insists on it; default keeps PyTorch's own kernels.",
+    ),
+]
+QuantizeOption = Annotated[
+    Quantize,
+    typer.Option(
+        "--quantize",
+        help="int8: int8 weights and per-token int8 activations with integer-exact attention: each row's logits are "
+        "bit-identical whatever the batch, so output equals the quantized model's own decoding exactly; CPU only. "
+        "none (default): the dtype's own arithmetic.",
     ),
 ]
 CacheDirOption = Annotated[
@@ -222,13 +236,15 @@ def model_choice(
     draft: DraftOption = None,
     dtype: DTypeOption = DType.AUTO,
     kernels: KernelsOption = Kernels.AUTO,
+    quantize: QuantizeOption = Quantize.NONE,
     cache_dir: CacheDirOption = None,
     device: DeviceOption = "auto",
 ) -> ModelChoice:
-    """The models of ``--preset``, ``--target``, ``--draft``, ``--dtype``, ``--kernels``, ``--cache-dir`` and
-    ``--device``."""
+    """The models of ``--preset``, ``--target``, ``--draft``, ``--dtype``, ``--kernels``, ``--quantize``,
+    ``--cache-dir`` and ``--device``."""
     return ModelChoice(
-        preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels, device=device
+        preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels, device=device,
+        quantize=quantize,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import torch
 import typer
 
-from batchspec.bench.costs import measure_forward_costs, speculation_costs
+from batchspec.bench.costs import ForwardCost, SpeculationCost, measure_forward_costs, speculation_costs
 from batchspec.cli.bench import (
     BatchSizesOption,
     OutputDirOption,
@@ -21,10 +21,27 @@ from batchspec.cli.common import model_choice, with_options
 from batchspec.cli.errors import user_errors
 from batchspec.models.choice import ModelChoice
 from batchspec.models.kernels import kernels_in_use
+from batchspec.models.pair import ModelPair
 
 DraftLengthsOption = Annotated[
     str, typer.Option("--draft-lengths", metavar="K1,K2,...", help="Comma-separated draft lengths k to cost.")
 ]
+
+
+def costs_report(
+    loaded: ModelPair, context: int, costs: list[ForwardCost], summary: list[SpeculationCost]
+) -> dict[str, object]:
+    """What ``costs.json`` holds: the models and how they compute, the threads, the context and the costs."""
+    return {
+        "model": loaded.name,
+        "dtype": loaded.dtype,
+        "kernels": kernels_in_use(loaded.target),
+        "quantize": loaded.quantize,
+        "torch_threads": torch.get_num_threads(),
+        "context": context,
+        "forward_costs": [c.__dict__ for c in costs],
+        "speculation": [s.to_dict() for s in summary],
+    }
 
 
 @with_options(models=model_choice)
@@ -57,16 +74,7 @@ def costs_command(
         costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats)
         summary = speculation_costs(costs, mean_accepted_length)
     output.mkdir(parents=True, exist_ok=True)
-    report = {
-        "model": loaded.name,
-        "dtype": loaded.dtype,
-        "kernels": kernels_in_use(loaded.target),
-        "torch_threads": torch.get_num_threads(),
-        "context": context,
-        "forward_costs": [c.__dict__ for c in costs],
-        "speculation": [s.to_dict() for s in summary],
-    }
-    (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
+    (output / "costs.json").write_text(json.dumps(costs_report(loaded, context, costs, summary), indent=2) + "\n")
     typer.echo(f"{loaded.name} ({loaded.precision}, {torch.get_num_threads()} threads), {context} cached columns")
     typer.echo("| B | k | c_t(B,1) s | c_t(B,k+1) s | c_d(B,1) s | round s | break-even E | speedup | c_d needed s |")
     typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -15,10 +15,12 @@ from pathlib import Path
 
 from batchspec.config import Method, ProposerKind
 from batchspec.devices import device_name, resolve_device
+from batchspec.models.int8 import check_quantize
 from batchspec.models.loading import (
     DTYPES,
     KERNELS,
     check_option,
+    check_quantize_for,
     load_model,
     load_pair,
     parse_preset_spec,
@@ -31,7 +33,7 @@ from batchspec.models.presets import DEFAULT_PRESET, get_preset, obtain_preset
 @dataclass(frozen=True)
 class ModelChoice:
     """Which models to load: a preset and/or explicit target and draft specs, in one dtype (``auto`` until loaded)
-    on one device and one kind of CPU kernels (names as :func:`load_model` takes them)."""
+    on one device and one kind of CPU kernels, quantized or not (names as :func:`load_model` takes them)."""
 
     preset: str | None = None
     target: str | None = None
@@ -40,12 +42,14 @@ class ModelChoice:
     cache_dir: Path | None = None
     kernels: str = "auto"
     device: str = "auto"
+    quantize: str = "none"
 
     def __post_init__(self) -> None:
         if self.preset is not None:
             get_preset(self.preset)
         object.__setattr__(self, "dtype", check_option("dtype", self.dtype, DTYPES))
         object.__setattr__(self, "kernels", check_option("kernels", self.kernels, KERNELS))
+        object.__setattr__(self, "quantize", check_quantize(self.quantize))
 
     @property
     def resolved_preset(self) -> str | None:
@@ -115,25 +119,27 @@ def load_models(
     choice: ModelChoice, method: Method, proposer: ProposerKind | None = None, progress: bool = True
 ) -> ModelPair:
     """Load the chosen models (the target alone when no draft model drafts: ``draft`` is None); a preset is
-    obtained into the cache first if needed (download + conversion); ``seconds`` counts that too.
+    obtained into the cache first if needed (download + conversion); ``seconds`` counts that too, and quantizing.
 
-    Raises ValueError before any generation when target and draft do not share one tokenizer.
+    Raises ValueError before anything loads when ``choice.quantize`` cannot apply (see
+    :func:`batchspec.models.loading.check_quantize_for`), and before any generation when target and draft do not
+    share one tokenizer.
     """
     dtype = resolve_dtype(choice.dtype)
     device = resolve_device(choice.device)
+    check_quantize_for(choice.quantize, dtype, choice.kernels, device)
     started = time.perf_counter()
     for name in presets_used(choice, method, proposer):
         obtain_preset(name, choice.cache_dir, progress=progress)
+    loads = {
+        "cache_dir": choice.cache_dir, "kernels": choice.kernels, "device": str(device), "quantize": choice.quantize
+    }
     with quiet_weight_loading():
         if choice.target_only(method, proposer):
-            target, tokenizer = load_model(
-                choice.target_spec, dtype, cache_dir=choice.cache_dir, kernels=choice.kernels, device=str(device)
-            )
+            target, tokenizer = load_model(choice.target_spec, dtype, **loads)
             name, draft = choice.target or choice.resolved_preset, None
         else:
-            pair = load_pair(
-                choice.resolved_preset, choice.target, choice.draft, dtype,
-                cache_dir=choice.cache_dir, kernels=choice.kernels, device=str(device),
-            )
+            pair = load_pair(choice.resolved_preset, choice.target, choice.draft, dtype, **loads)
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
-    return ModelPair(target, draft, tokenizer, name, dtype, time.perf_counter() - started, device_name(device))
+    seconds = time.perf_counter() - started
+    return ModelPair(target, draft, tokenizer, name, dtype, seconds, device_name(device), choice.quantize)

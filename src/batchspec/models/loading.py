@@ -18,6 +18,11 @@ the one place where batchspec picks a default dtype: float32, on the CPU and on 
 exactly the target's own; half precision only when asked for. ``device="auto"`` (see
 :func:`batchspec.devices.resolve_device`) is the first CUDA device when torch sees one, else the CPU: weights are
 read on the CPU and then moved there.
+
+``quantize="int8"`` (see :mod:`batchspec.models.int8`) turns each loaded float32 model into the exact int8 model:
+every row's logits are then bit-identical whatever the batch, so greedy output is the quantized model's own with no
+near-tie exemption. It runs on the CPU only, on float32 weights, and on its own integer kernels (not oneDNN's
+packed ones); :func:`check_quantize_for` refuses the other combinations before anything loads.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from batchspec.devices import device_name, resolve_device
 from batchspec.model_checks import vocab_size
+from batchspec.models.int8 import check_quantize, quantize_model
 from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.pair import ModelPair
 from batchspec.models.presets import (
@@ -43,11 +49,16 @@ from batchspec.models.presets import (
     obtain_preset,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 Kernels = Literal["auto", "packed", "default"]
 KERNELS: tuple[str, ...] = ("auto", "packed", "default")
 LOAD_DEVICE = "cpu"
+Quantize = Literal["none", "int8"]
+QUANTIZED_DTYPES: tuple[str, ...] = ("float32", "float64")  # the float models quantize_model takes
 
 
 def check_option(name: str, value: str, choices: tuple[str, ...]) -> str:
@@ -70,6 +81,30 @@ def resolve_dtype(dtype: str = "auto") -> str:
     """
     dtype = check_option("dtype", dtype, DTYPES)
     return "float32" if dtype == "auto" else dtype
+
+
+def check_quantize_for(quantize: str, dtype: str, kernels: str, device: str | torch.device = "auto") -> str:
+    """``quantize`` when it can apply to models loaded in ``dtype`` with ``kernels`` on ``device``, else a ValueError
+    (raised before anything loads).
+
+    ``"none"`` applies everywhere. ``"int8"`` needs the CPU (``device`` resolves to it, see
+    :func:`batchspec.devices.resolve_device`), a dtype resolving to float32 and kernels other than ``"packed"``
+    (oneDNN's float32 kernels; the int8 layers run their own integer ones).
+    """
+    quantize = check_quantize(quantize)
+    if quantize == "none":
+        return quantize
+    place = resolve_device(device)
+    if place.type != "cpu":
+        raise ValueError(f"--quantize {quantize} runs on the CPU; got device {place} (pass --device cpu)")
+    if resolve_dtype(dtype) not in QUANTIZED_DTYPES:
+        raise ValueError(f"--quantize {quantize} needs float32 weights (--dtype auto or float32); got {dtype}")
+    if check_option("kernels", kernels, KERNELS) == "packed":
+        raise ValueError(
+            f"--quantize {quantize} runs its own integer kernels, not oneDNN's packed float32 ones: "
+            "pass --kernels auto or default"
+        )
+    return quantize
 
 
 def _torch_dtype(dtype: str):
@@ -159,6 +194,7 @@ def load_model(
     progress: bool = True,
     kernels: Kernels = "auto",
     device: str = "auto",
+    quantize: Quantize = "none",
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for ``spec``: a preset role, a local GGUF file or directory, or a Hub id.
 
@@ -168,13 +204,20 @@ def load_model(
     defaults to :func:`batchspec.models.presets.default_cache_dir`. ``gguf_file`` names a GGUF file
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
+    ``quantize="int8"`` makes the loaded model the exact int8 model (see
+    :func:`batchspec.models.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
+    where it applies, before loading.
     """
     check_option("kernels", kernels, KERNELS)
     place = resolve_device(device)
+    quantize = check_quantize_for(quantize, dtype, kernels, place)
     model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress)
     if place.type != LOAD_DEVICE:
         model = model.to(place)
-    use_kernels(model, kernels)
+    if quantize == "int8":
+        quantize_model(model)
+    else:
+        use_kernels(model, kernels)
     return model, tokenizer
 
 
@@ -250,6 +293,20 @@ def check_compatible(target: Any, draft: Any, target_tokenizer: Any, draft_token
         raise ValueError("Target and draft tokenizers map tokens to different ids")
 
 
+def _pair_specs(preset: str | None, target: str | None, draft: str | None) -> tuple[str | None, str, str]:
+    """The preset in use and the target and draft specs to load (the preset's where not given)."""
+    if preset is None and (target is None) != (draft is None):
+        raise ValueError("Give both target= and draft=, or a preset= whose models fill in the missing one")
+    if preset is None and target is None:
+        preset = DEFAULT_PRESET
+    if preset is not None:
+        get_preset(preset)
+        target = target or f"{preset}:target"
+        draft = draft or f"{preset}:draft"
+    assert target is not None and draft is not None
+    return preset, target, draft
+
+
 def load_pair(
     preset: str | None = None,
     target: str | None = None,
@@ -260,31 +317,28 @@ def load_pair(
     progress: bool = True,
     kernels: Kernels = "auto",
     device: str = "auto",
+    quantize: Quantize = "none",
 ) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
     on ``device`` (``"auto"``: CUDA when available) and, on the CPU, the kernels ``kernels`` (see
-    :func:`use_kernels`).
+    :func:`use_kernels`), or both quantized with ``quantize="int8"`` (see :func:`load_model`).
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
-    :func:`load_model`) replace the preset's models; without a ``preset`` both must be given.
+    :func:`load_model`) replace the preset's models; without a ``preset`` both must be given. The pair's
+    ``seconds`` count loading and quantizing both.
     """
-    if preset is None and (target is None) != (draft is None):
-        raise ValueError("Give both target= and draft=, or a preset= whose models fill in the missing one")
-    if preset is None and target is None:
-        preset = DEFAULT_PRESET
-    if preset is not None:
-        get_preset(preset)
-        target = target or f"{preset}:target"
-        draft = draft or f"{preset}:draft"
-    assert target is not None and draft is not None
+    preset, target, draft = _pair_specs(preset, target, draft)
     dtype = resolve_dtype(dtype)
     started = time.perf_counter()
     place = resolve_device(device)
-    loads = {"cache_dir": cache_dir, "progress": progress, "kernels": kernels, "device": str(place)}
+    quantize = check_quantize_for(quantize, dtype, kernels, place)
+    loads = {
+        "cache_dir": cache_dir, "progress": progress, "kernels": kernels, "device": str(place), "quantize": quantize
+    }
     target_model, target_tokenizer = load_model(target, dtype, **loads)
     draft_model, draft_tokenizer = load_model(draft, dtype, **loads)
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
     seconds = time.perf_counter() - started
-    return ModelPair(target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place))
+    return ModelPair(target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place), quantize)

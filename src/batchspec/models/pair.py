@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchspec.models.int8 import check_quantize
 from batchspec.models.kernels import kernels_in_use
 
 
@@ -23,6 +24,8 @@ class ModelPair:
         seconds: time spent loading them (0.0 when not measured).
         device: where they run, as reports name it (``cpu``, ``cuda:0 (NVIDIA H100 80GB HBM3)``; see
             :func:`batchspec.devices.device_name`).
+        quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.models.int8`: their
+            ``dtype`` is then that of the activations and of what stays float), else ``"none"``.
     """
 
     target: Any
@@ -32,15 +35,19 @@ class ModelPair:
     dtype: str
     seconds: float = 0.0
     device: str = "cpu"
+    quantize: str = "none"
 
     @property
     def precision(self) -> str:
         """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``; on a GPU the
-        dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``."""
+        dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``; quantized: ``float32, int8 exact``."""
         if self.device != "cpu":
             return f"{self.dtype} on {self.device}"
+        if self.quantize != "none":
+            return f"{self.dtype}, {self.quantize} exact"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             raise ValueError("dtype must be the one the models were loaded in, not 'auto' (see resolve_dtype)")
+        check_quantize(self.quantize)

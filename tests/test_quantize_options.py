@@ -1,0 +1,204 @@
+"""``quantize`` ("none" | "int8") through loading, :class:`ModelChoice`, the command line, the bench and the audit.
+
+The int8 models themselves (:mod:`batchspec.models.int8`) are tested beside them; here the option is checked to
+reach them, to be refused before loading where it cannot apply, and to be recorded wherever the dtype is.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import make_prompts_for, run_cli
+
+from batchspec.bench import Workload, run_audit, run_sweep
+from batchspec.bench.audit import EXACT_RULE, NearTieRule, find_divergences, rule_for
+from batchspec.bench.reference import Reference
+from batchspec.bench.sweep import SweepPlan
+from batchspec.cli.common import Quantize
+from batchspec.config import Method
+from batchspec.models import ModelChoice, ModelPair, load_models, loading
+from batchspec.models import choice as choice_module
+from batchspec.models.int8 import QUANTIZE, quantization, quantize_model
+
+
+def not_loaded(*args, **kwargs):
+    raise AssertionError("a model was loaded (or a preset obtained) although the options were refused")
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading any model or obtaining any preset fails the test: errors must come before."""
+    monkeypatch.setattr(loading, "_load_any", not_loaded)
+    monkeypatch.setattr(choice_module, "obtain_preset", not_loaded)
+
+
+@pytest.fixture(scope="module")
+def int8_tiny(bundles):
+    """The tiny llama pair (perturbed draft), both made the exact int8 models, and a workload of five prompts."""
+    bundle = bundles["llama"]
+    target = quantize_model(copy.deepcopy(bundle.target))
+    draft = quantize_model(copy.deepcopy(bundle.drafts["perturbed"]))
+    pair = ModelPair(target, draft, None, "tiny-llama-int8", "float64", quantize="int8")
+    prompts = make_prompts_for(bundle, 5, seed=300, max_len=30)
+    workload = Workload(
+        model="tiny-llama-int8", dtype="float64", prompt_source="random", prompts=tuple(tuple(p) for p in prompts),
+        max_new_tokens=12, num_draft_tokens=3, eos_token_ids=(bundle.eos_id,), pad_token_id=bundle.pad_id,
+        quantize="int8",
+    )
+    return pair, workload
+
+
+def tiny_models(tiny_dirs) -> list[str]:
+    return ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]
+
+
+def test_the_choices_check_their_quantize():
+    assert ModelChoice().quantize == "none" and ModelChoice(quantize="int8").quantize == "int8"
+    assert type(ModelChoice(quantize=Quantize.INT8).quantize) is str  # the CLI's enum is stored as its value
+    assert tuple(q.value for q in Quantize) == QUANTIZE
+    with pytest.raises(ValueError, match="Unsupported quantize 'int4'; expected one of none, int8"):
+        ModelChoice(quantize="int4")
+    with pytest.raises(ValueError, match="Unsupported quantize 'fp8'"):
+        ModelPair(None, None, None, "pair", "float32", quantize="fp8")
+    with pytest.raises(ValueError, match="Unsupported quantize 'int4'"):
+        loading.load_model("/no/such/model", quantize="int4")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dtype": "bfloat16"}, "--quantize int8 needs float32 weights .* got bfloat16"),
+        ({"dtype": "float16"}, "--quantize int8 needs float32 weights .* got float16"),
+        ({"kernels": "packed"}, "--quantize int8 runs its own integer kernels"),
+    ],
+)
+def test_int8_is_refused_before_loading_where_it_cannot_apply(tiny_dirs, no_loading, options, message):
+    target, draft = str(tiny_dirs / "target"), str(tiny_dirs / "draft")
+    with pytest.raises(ValueError, match=message):
+        loading.load_model(target, quantize="int8", **options)
+    with pytest.raises(ValueError, match=message):
+        loading.load_pair(target=target, draft=draft, quantize="int8", **options)
+    with pytest.raises(ValueError, match=message):
+        load_models(ModelChoice(preset="smollm2", quantize="int8", **options), Method.EQSPEC)
+
+
+def test_int8_on_a_gpu_is_refused_before_loading(tiny_dirs, no_loading, monkeypatch):
+    monkeypatch.setattr(loading, "resolve_device", lambda device="auto": torch.device("cuda", 0))
+    target, draft = str(tiny_dirs / "target"), str(tiny_dirs / "draft")
+    message = "--quantize int8 runs on the CPU; got device cuda:0"
+    with pytest.raises(ValueError, match=message):
+        loading.load_model(target, quantize="int8", device="cuda")
+    with pytest.raises(ValueError, match=message):
+        loading.load_pair(target=target, draft=draft, quantize="int8", device="cuda")
+
+
+def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
+    target, draft = str(tiny_dirs / "target"), str(tiny_dirs / "draft")
+    pair = loading.load_pair(target=target, draft=draft, quantize="int8", progress=False)
+    assert pair.quantize == "int8" and pair.dtype == "float32" and pair.seconds > 0
+    assert quantization(pair.target) == quantization(pair.draft) == "int8"
+    assert pair.precision == "float32, int8 exact"
+    alone = load_models(ModelChoice(target=target, quantize="int8"), Method.AUTOREGRESSIVE, progress=False)
+    assert alone.draft is None and alone.quantize == "int8" and quantization(alone.target) == "int8"
+    plain = loading.load_pair(target=target, draft=draft, progress=False)
+    assert plain.quantize == "none" and quantization(plain.target) == "none"
+    assert plain.precision.startswith("float32, ") and plain.precision.endswith(" kernels")
+
+
+def test_generate_runs_int8_models_and_names_them(tiny_dirs, tmp_path):
+    out = tmp_path / "int8.jsonl"
+    result = run_cli(
+        "generate", *tiny_models(tiny_dirs), "--prompts", str(tiny_dirs / "prompts.txt"), "--quantize", "int8",
+        "--batch-size", "2", "--max-new-tokens", "4", "--output", str(out),
+    )
+    assert result.exit_code == 0, result.output
+    assert "(float32, int8 exact)" in result.stdout
+    assert len(out.read_text().splitlines()) == 3
+    help_text = " ".join(run_cli("generate", "--help").output.split())
+    assert "--quantize" in help_text and "integer-exact attention" in help_text and "CPU only" in help_text
+
+
+@pytest.mark.parametrize(
+    ("extra", "exit_code", "fragments"),
+    [
+        (["--quantize", "bogus"], 2, ("Invalid value for '--quantize'", "'bogus' is not one of 'none', 'int8'")),
+        (["--quantize", "int8", "--dtype", "bfloat16"], 1, ("--quantize int8 needs float32 weights",)),
+        (["--quantize", "int8", "--kernels", "packed"], 1, ("--quantize int8 runs its own integer kernels",)),
+    ],
+)
+def test_bad_quantize_options_are_one_line(tiny_dirs, extra, exit_code, fragments):
+    result = run_cli("generate", *tiny_models(tiny_dirs), "--prompts", str(tiny_dirs / "prompts.txt"), *extra)
+    assert result.exit_code == exit_code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert all(fragment in lines[0] for fragment in fragments), result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_an_int8_audit_has_no_near_ties_and_records_it(int8_tiny, tmp_path):
+    pair, workload = int8_tiny
+    report = run_audit(pair, workload, ("eqspec", "exspec"), (1, 3), out_dir=tmp_path, progress=False)
+    assert report.quantize == "int8" and report.near_tie_ulps == 0 and report.passed
+    assert [(c.method, c.batch_size) for c in report.cells] == [(m, b) for m in ("eqspec", "exspec") for b in (1, 3)]
+    assert all(c.exact_match == 1.0 and c.divergences == [] for c in report.cells)
+    stored = json.loads((tmp_path / "audit.json").read_text())
+    assert stored["quantize"] == "int8" and stored["near_tie_ulps"] == 0 and stored["passed"]
+    assert "does not apply" in stored["near_tie_rule"]
+
+
+def test_every_int8_divergence_is_a_failure(int8_tiny):
+    pair, workload = int8_tiny
+    assert rule_for(pair, workload, NearTieRule(ulps=1e300)) is EXACT_RULE
+    reference = Reference(key="hand-built", sequences=[[5, 6, 7]], margins=[[9.0, 0.0, 9.0]],
+                          top_logits=[[30.0, 20.0, 30.0]])
+    (tie,) = find_divergences([[5, 8, 7]], reference, EXACT_RULE, torch.float32)
+    assert tie.margin == 0.0 and tie.margin_ulps == 0.0 and not tie.near_tie  # even an exact tie fails
+    (plain,) = find_divergences([[5, 8, 7]], reference, NearTieRule(), torch.float32)
+    assert plain.near_tie
+    float_pair = ModelPair(pair.target, pair.draft, None, "pair", "float64")  # its modules are int8 all the same
+    assert rule_for(float_pair, workload, NearTieRule()) is EXACT_RULE
+    with pytest.raises(ValueError, match="the workload records quantize 'none' but the models are 'int8'"):
+        rule_for(pair, replace(workload, quantize="none"), NearTieRule())
+
+
+def test_the_workload_key_tells_int8_apart(int8_tiny):
+    _, workload = int8_tiny
+    plain = replace(workload, quantize="none")
+    assert plain.key != workload.key
+    with pytest.raises(ValueError, match="Unsupported quantize"):
+        replace(workload, quantize="int4")
+
+
+def test_an_int8_sweep_records_the_quantization(int8_tiny, tmp_path):
+    pair, workload = int8_tiny
+    run_sweep(pair, workload, SweepPlan(("eqspec", "hf-generate"), (3,)), tmp_path, progress=False)
+    cells = json.loads((tmp_path / "results.json").read_text())
+    assert [c["quantize"] for c in cells] == ["int8", "int8"]
+    assert all(c["exact_match"] == 1.0 for c in cells if c["method"] == "eqspec")
+    assert "(int8 exact)" in (tmp_path / "results.md").read_text().splitlines()[0]
+    audit = json.loads((tmp_path / "audit.json").read_text())
+    assert audit["quantize"] == "int8" and "does not apply" in audit["near_tie_rule"]
+
+
+def test_bench_audit_and_costs_commands_record_int8(tiny_dirs, tmp_path):
+    common = [*tiny_models(tiny_dirs), "--quantize", "int8", "--prompts", str(tiny_dirs / "prompts.txt")]
+    budget = ["--max-new-tokens", "4", "-k", "2", "--batch-sizes", "2"]
+    bench = run_cli("bench", *common, *budget, "--methods", "eqspec", "-o", str(tmp_path / "bench"))
+    assert bench.exit_code == 0, bench.output
+    assert "(float32, int8 exact), 3 prompts" in bench.stdout
+    assert [c["quantize"] for c in json.loads((tmp_path / "bench" / "results.json").read_text())] == ["int8"]
+    audit = run_cli("audit", *common, *budget, "--methods", "eqspec", "-o", str(tmp_path / "audit"))
+    assert audit.exit_code == 0, audit.output
+    assert "no near-ties" in audit.stdout and "PASSED" in audit.stdout
+    assert json.loads((tmp_path / "audit" / "audit.json").read_text())["quantize"] == "int8"
+    costs = run_cli(
+        *["costs", *tiny_models(tiny_dirs), "--quantize", "int8", "--batch-sizes", "1", "--draft-lengths", "2"],
+        *["--context", "4", "--repeats", "1", "-o", str(tmp_path / "costs")],
+    )
+    assert costs.exit_code == 0, costs.output
+    assert json.loads((tmp_path / "costs" / "costs.json").read_text())["quantize"] == "int8"
+    assert "(float32, int8 exact, " in costs.stdout
