@@ -15,6 +15,7 @@ from pathlib import Path
 
 from batchspec.config import Method, ProposerKind
 from batchspec.devices import device_name, resolve_device
+from batchspec.memory import keep_freed_memory
 from batchspec.models.int8 import check_quantize
 from batchspec.models.loading import (
     DTYPES,
@@ -121,7 +122,8 @@ def load_models(
     """Load the chosen models (the target alone when no draft model drafts: ``draft`` is None); a preset is
     obtained into the cache first if needed (download + conversion); ``seconds`` counts that too, and quantizing.
 
-    Raises ValueError before anything loads when ``choice.quantize`` cannot apply (see
+    Afterwards the process keeps freed memory for reuse (:func:`batchspec.memory.keep_freed_memory`). Raises
+    ValueError before anything loads when ``choice.quantize`` cannot apply (see
     :func:`batchspec.models.loading.check_quantize_for`), and before any generation when target and draft do not
     share one tokenizer.
     """
@@ -142,4 +144,5 @@ def load_models(
             pair = load_pair(choice.resolved_preset, choice.target, choice.draft, dtype, **loads)
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
     seconds = time.perf_counter() - started
+    keep_freed_memory()  # the commands' forwards reuse freed activation memory (see batchspec.memory)
     return ModelPair(target, draft, tokenizer, name, dtype, seconds, device_name(device), choice.quantize)

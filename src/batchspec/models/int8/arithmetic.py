@@ -43,11 +43,11 @@ def quantize_rows(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Ten
     Each row's result depends on that row alone (a maximum, then elementwise operations).
 
     Example: the row ``[0.5, -1.0, 0.25]`` with 127 levels has scale ``1/127`` and ``q = [64, -127, 32]``
-    (63.5 rounds half to even).
+    (63.5 rounds half to even; the row is multiplied by 1 / scale).
     """
-    top = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)  # [..., 1]: max |x|, exact
+    top = torch.maximum(x.amax(-1, keepdim=True), -x.amin(-1, keepdim=True))  # [..., 1]: max |x|, exact
     scale = torch.where(top > 0, top / levels, torch.ones_like(top))
-    return (x / scale).round_().clamp_(-levels, levels), scale
+    return (x * (1.0 / scale)).round_().clamp_(-levels, levels), scale
 
 
 def exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
