@@ -7,6 +7,8 @@
 * ``forward_log`` and ``replay_eqspec``: independent observations of a run (every model forward, with its
   rows, mask and duration) and an independent recount of greedy EqSpec's rounds and acceptance.
 * ``run_cli``: the ``batchspec`` command in process; ``cached_or_skip``: the real presets when cached.
+* ``exact_joint`` and ``joint_pvalue``: the target's exact distribution of the first two sampled tokens and the
+  chi-square p-value of observed pairs against it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from dataclasses import dataclass, field
 import pytest
 import tiny_models
 import torch
+from scipy import stats
+
+from batchspec.sampling import SamplingParams, warp
 
 # --------------------------------------------------------------------------------------------------
 # reference
@@ -328,3 +333,37 @@ def cached_or_skip(name: str):
             pytest.fail(message)
         pytest.skip(message)
     return paths
+
+
+# --------------------------------------------------------------------------------------------------
+# the joint distribution of the first two sampled tokens
+
+MIN_EXPECTED = 5  # chi-square cells expecting fewer samples are pooled into one
+
+
+@torch.no_grad()
+def exact_joint(target: torch.nn.Module, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """``[V, V]`` probability of the first two new tokens ``(t1, t2)``: warped target ``P(t1) P(t2 | t1)``."""
+    vocab = target.config.vocab_size
+    first = warp(target(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+    extended = torch.tensor([prompt + [t] for t in range(vocab)])  # [V, len + 1]
+    second = warp(target(extended).logits[:, -1], params)  # [V, V]
+    return first[:, None] * second
+
+
+def joint_pvalue(sequences: list[list[int]], joint: torch.Tensor) -> float:
+    """Chi-square p-value of the observed pairs against ``joint`` ``[V, V]``; 0 when a pair of probability 0
+    occurs. Cells expecting fewer than ``MIN_EXPECTED`` samples are pooled into one."""
+    vocab = joint.shape[0]
+    pairs = torch.tensor(sequences)  # [n, 2]
+    counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab).double()  # [V * V]
+    probs = joint.flatten()  # [V * V]
+    if float(counts[probs == 0].sum()) > 0:
+        return 0.0
+    expected = probs * pairs.shape[0]  # [V * V]
+    large, small = expected >= MIN_EXPECTED, (expected < MIN_EXPECTED) & (probs > 0)
+    observed = torch.cat([counts[large], counts[small].sum()[None]])
+    expected = torch.cat([expected[large], expected[small].sum()[None]])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    expected = expected * observed.sum() / expected.sum()  # exactly the observed total, as chisquare requires
+    return float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue)

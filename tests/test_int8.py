@@ -4,8 +4,9 @@
   SiLU, exact integer products, also through the two-halves path CPUs without VNNI take).
 * The property the mode exists for: a row's logits are bit-identical whatever else is in the forward (other rows,
   left padding, how many new tokens a forward takes), against the row run alone one token at a time.
-* Through batchspec: every method and proposer equals the quantized model's own ``generate`` exactly, and seeded
-  sampling gives each prompt the same tokens at any batch size and k.
+* Through batchspec: every method and proposer equals the quantized model's own ``generate`` exactly, seeded
+  sampling gives each prompt the same tokens at any batch size and k, and sampled tokens follow the quantized
+  target's distribution (chi-square).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import sys
 import pytest
 import tiny_models
 import torch
+from helpers import exact_joint, joint_pvalue
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import batchspec
 from batchspec.models.int8 import check_quantize, quantization, quantize_model
 from batchspec.models.int8.arithmetic import (
     exp_nonpositive,
@@ -31,6 +34,7 @@ from batchspec.models.int8.arithmetic import (
     split_weight,
 )
 from batchspec.models.int8.attention import exact_attention
+from batchspec.sampling import SamplingParams
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -264,3 +268,21 @@ def test_seeded_samples_do_not_depend_on_the_batch_or_k(method, proposer, quanti
     for batch_size, k in [(5, 2), (3, 5), (4, "auto")]:
         batched = bs.generate(target, draft, prompts, batch_size=batch_size, num_draft_tokens=k, **common)
         assert batched.sequences == alone.sequences
+
+
+@pytest.mark.parametrize("method, proposer", [("eqspec", "draft"), ("exspec", "hybrid")])
+def test_sampled_pairs_follow_the_quantized_targets_distribution(method, proposer):
+    """Chi-square of the first two sampled tokens against the int8 target's own joint distribution."""
+    shape = {"vocab_size": 10, "initializer_range": 0.2, "hidden_size": 32, "intermediate_size": 64}
+    target = tiny_models.build_llama(seed=11, **shape)
+    draft = quantize_model(tiny_models.perturbed_copy(target, 0.2, seed=12))
+    target = quantize_model(target)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1]
+    sampling = {"temperature": 1.0, "top_k": 8}
+    result = batchspec.generate(
+        target, draft, [prompt] * 3000, method=method, proposer=proposer, batch_size=250, max_new_tokens=3,
+        num_draft_tokens=2, eos_token_id=[], seed=26, **sampling,
+    )
+    assert 0.05 < result.stats.acceptance_rate < 0.95
+    joint = exact_joint(target, prompt, SamplingParams(**sampling))
+    assert joint_pvalue([s[:2] for s in result.sequences], joint) > 1e-3

@@ -119,3 +119,36 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
         occupancy = mean_batch_occupancy(server.url)
     assert served == alone + alone
     assert occupancy > 2 / config.max_batch_size, "the requests must have been decoded together"
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8():
+    cached_or_skip("smollm2")
+    return loading.load_pair("smollm2", quantize="int8", progress=False)
+
+
+@pytest.mark.parametrize("method, proposer", [("eqspec", "hybrid"), ("exspec", "draft"), ("eqspec", "ngram")])
+def test_int8_batched_generation_equals_its_own_greedy(smollm2_int8, humaneval_ids, reference, method, proposer):
+    """The int8 pair's batched output is its target's own greedy output, with no near-tie exemption."""
+    eos = smollm2_int8.target.generation_config.eos_token_id
+    expected = [reference(smollm2_int8.target, ids, MAX_NEW_TOKENS, eos) for ids in humaneval_ids]
+    result = batchspec.generate(
+        smollm2_int8.target, smollm2_int8.draft, humaneval_ids, method=method, proposer=proposer,
+        batch_size=BATCH_SIZE, max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=4, check_invariants=True,
+    )
+    assert result.sequences == expected
+    assert smollm2_int8.precision == "float32, int8 exact"
+
+
+def test_int8_rows_are_bit_identical_alone_and_padded(smollm2_int8, humaneval_ids):
+    """Two prompts of different lengths in one left-padded forward give each the logits it gets alone."""
+    target = smollm2_int8.target
+    short, long = sorted(humaneval_ids[:2], key=len)
+    pad = len(long) - len(short)
+    ids = torch.tensor([[0] * pad + short, long])
+    mask = torch.tensor([[0] * pad + [1] * len(short), [1] * len(long)])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batched = target(ids, attention_mask=mask, position_ids=positions, logits_to_keep=8).logits
+        alone = [target(torch.tensor([row]), logits_to_keep=8).logits[0] for row in (short, long)]
+    assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import pytest
 import tiny_models
 import torch
-from helpers import reference_greedy
+from helpers import exact_joint, joint_pvalue, reference_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy import stats
 
 import batchspec
 import batchspec.engine as engine
@@ -32,14 +31,13 @@ from batchspec.config import SpecConfig
 from batchspec.engine import build_engine
 from batchspec.prefill import Reader, catch_up
 from batchspec.realign import plan_layout
-from batchspec.sampling import SamplingParams, derive_row_seeds, warp
+from batchspec.sampling import SamplingParams, derive_row_seeds
 from batchspec.schedulers import make_scheduler
 from batchspec.schedulers.drive import Offline, drive
 from batchspec.state import Sequence
 
 PASS_P = 1e-3
 FAIL_P = 1e-6
-MIN_EXPECTED = 5  # chi-square cells expecting fewer samples are pooled into one
 
 STAT_VOCAB = 10
 STAT_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -82,34 +80,6 @@ def seq_models() -> Models:
 
 
 # ---- the joint distribution of the first two tokens --------------------------------------------------------
-
-
-@torch.no_grad()
-def exact_joint(target: torch.nn.Module, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """``[V, V]`` probability of the first two new tokens ``(t1, t2)``: warped target ``P(t1) P(t2 | t1)``."""
-    vocab = target.config.vocab_size
-    first = warp(target(torch.tensor([prompt])).logits[0, -1], params)  # [V]
-    extended = torch.tensor([prompt + [t] for t in range(vocab)])  # [V, len + 1]
-    second = warp(target(extended).logits[:, -1], params)  # [V, V]
-    return first[:, None] * second
-
-
-def joint_pvalue(sequences: list[list[int]], joint: torch.Tensor) -> float:
-    """Chi-square p-value of the observed pairs against ``joint`` ``[V, V]``; 0 when a pair of probability 0
-    occurs. Cells expecting fewer than ``MIN_EXPECTED`` samples are pooled into one."""
-    vocab = joint.shape[0]
-    pairs = torch.tensor(sequences)  # [n, 2]
-    counts = torch.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab).double()  # [V * V]
-    probs = joint.flatten()  # [V * V]
-    if float(counts[probs == 0].sum()) > 0:
-        return 0.0
-    expected = probs * pairs.shape[0]  # [V * V]
-    large, small = expected >= MIN_EXPECTED, (expected < MIN_EXPECTED) & (probs > 0)
-    observed = torch.cat([counts[large], counts[small].sum()[None]])
-    expected = torch.cat([expected[large], expected[small].sum()[None]])
-    observed, expected = observed[expected > 0], expected[expected > 0]
-    expected = expected * observed.sum() / expected.sum()  # exactly the observed total, as chisquare requires
-    return float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue)
 
 
 @dataclass(frozen=True)

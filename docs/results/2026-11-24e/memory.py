@@ -13,7 +13,8 @@ from batchspec.models import load_pair
 
 
 def status(field: str) -> int:
-    text = open("/proc/self/status").read()
+    with open("/proc/self/status") as f:
+        text = f.read()
     return int(text.split(f"{field}:")[1].split()[0]) * 1024
 
 

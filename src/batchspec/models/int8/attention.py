@@ -5,7 +5,8 @@ float64. For one query ``q`` over its visible keys ``j``:
 
 * ``dot[j] = Q . K[j]`` is an integer below 2**37 (``|Q|, |K| <= 32767``, head size <= 128): the float64 product
   is exact in any order. ``score[j] = (dot[j] * sq) * sk[j] * scaling``, elementwise.
-* ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.models.int8.arithmetic.exp_nonpositive`, 0 where masked.
+* ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.models.int8.arithmetic.exp2_nonpositive` (in float32,
+  the scores in units of log2), 0 where masked.
 * The softmax-weighted sum ``sum_j e[j] sv[j] V[j] / sum_j e[j]`` is taken over integers: ``a[j] = e[j] sv[j]`` is
   rounded to ``W[j] = round(a[j] / max a * 2**20)`` and ``e[j]`` to ``E[j] = round(e[j] * 2**20)``; then
   ``sum_j W[j] V[j]`` (below 2**35 per key, so exact for fewer than 2**18 keys) and ``sum_j E[j]`` are exact, and
@@ -14,6 +15,10 @@ float64. For one query ``q`` over its visible keys ``j``:
 No float sum runs over keys or head channels, so padding (masked keys), the number of queries in the forward and the
 batch change nothing. A query with no visible key (a padding position) outputs zeros.
 
+Keys and values are quantized once, when they enter the KV cache: :func:`pack_on_update` hands the attention module a
+cache whose ``update`` stores them *packed*, ``[..., D + 1]`` in float64 (the 15-bit integers, then the scale), so a
+decoding step does not quantize the whole cache again in every layer.
+
 Worked example (one head, D = 1, two visible keys): with ``e = [1, 0.5]``, ``sv = [0.1, 0.2]`` and ``V = [10, -5]``,
 ``a = [0.1, 0.1]``, ``max a = 0.1``, ``W = [2**20, 2**20]``, ``E = [2**20, 2**19]``; ``sum W V = 5 * 2**20`` and
 ``out = 0.1 * 5 * 2**20 / (1.5 * 2**20) = 0.333...``, which is ``(1 * 1.0 + 0.5 * (-1.0)) / 1.5``.
@@ -21,18 +26,19 @@ Worked example (one head, D = 1, two visible keys): with ``e = [1, 0.5]``, ``sv 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from batchspec.models.int8.arithmetic import exp_nonpositive, quantize_rows
+from batchspec.models.int8.arithmetic import exp2_nonpositive, quantize_rows
 
 NAME = "batchspec_exact"
 QKV_LEVELS = 2**15 - 1
 WEIGHT_BITS = 20
 MAX_KEYS = 2**18  # sum_j W[j] V[j] stays below 2**53 for fewer keys than this
 MAX_HEAD_SIZE = 2**16  # sum_d Q[d] K[d] stays below 2**53 for smaller heads than this
-QUERY_CHUNK = 256  # queries per block, bounding the score tensor's memory (each query is independent)
+QUERY_CHUNK = 64  # queries per block: bounds the scores' memory and skips keys a causal block cannot see
 
 
 def exact_attention(
@@ -55,12 +61,15 @@ def exact_attention(
     if keys >= MAX_KEYS or size >= MAX_HEAD_SIZE:
         raise ValueError(f"exact attention holds up to {MAX_KEYS - 1} keys and heads below {MAX_HEAD_SIZE} values")
     visible = _visible(attention_mask, batch, queries, keys, query.device)  # [B, 1, q, L]
-    k, k_scale = _quantized(key)  # [B, Hk, L, D], [B, Hk, L, 1]
-    v, v_scale = _quantized(value)
+    k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
+    v, v_scale = _unpacked(value, size)
     blocks = []
     for start in range(0, queries, QUERY_CHUNK):
         block = slice(start, start + QUERY_CHUNK)
-        blocks.append(_attend(query[:, :, block], k, k_scale, v, v_scale, visible[:, :, block], scaling))
+        # the keys a causal block can see: those before its last query (the others are masked for all of it)
+        seen = slice(0, keys - queries + min(queries, start + QUERY_CHUNK))
+        parts = (k[:, :, seen], k_scale[:, :, seen], v[:, :, seen], v_scale[:, :, seen], visible[:, :, block, seen])
+        blocks.append(_attend(query[:, :, block], *parts, scaling))
     out = torch.cat(blocks, dim=2)  # [B, H, q, D]
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
@@ -68,6 +77,41 @@ def exact_attention(
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = quantize_rows(x, QKV_LEVELS)
     return q.to(torch.float64), scale.to(torch.float64)
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values ``[B, Hk, q, D]`` quantized per token and head: ``[B, Hk, q, D + 1]`` float64."""
+    q, scale = _quantized(x)
+    return torch.cat([q, scale], dim=-1)
+
+
+def _unpacked(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(integers [..., D], scale [..., 1])`` of packed keys or values; raw ones (no cache) are quantized here."""
+    if x.shape[-1] == size + 1:
+        return x[..., :size], x[..., size:]
+    return _quantized(x)
+
+
+class _PackingCache:
+    """A KV cache as the attention module sees it: ``update`` stores packed keys and values (see :func:`pack`)."""
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self._cache.update(pack(key_states), pack(value_states), *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+
+def pack_on_update(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook of an attention module: its cache argument (``cache``, or ``past_key_values`` in
+    transformers versions before the rename) becomes a :class:`_PackingCache`."""
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            kwargs = {**kwargs, name: _PackingCache(kwargs[name])}
+    return args, kwargs
 
 
 def _visible(mask: torch.Tensor | None, batch: int, queries: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -82,25 +126,30 @@ def _visible(mask: torch.Tensor | None, batch: int, queries: int, keys: int, dev
 
 
 def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Tensor:
-    """One block of queries: ``query`` ``[B, H, c, D]``, ``visible`` ``[B, 1, c, L]`` -> ``[B, H, c, D]`` float64."""
+    """One block of queries: ``query`` ``[B, H, c, D]``, ``visible`` ``[B, 1, c, L]`` -> ``[B, H, c, D]`` float64.
+
+    Scores are kept in float32 and in units of log2 (the softmax's own ``exp`` becomes ``2**t``); the sums over
+    keys are the exact integer products of the module docstring.
+    """
     batch, heads, count, size = query.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
     q, q_scale = _quantized(query)
     q = q.reshape(batch, kv_heads, group * count, size)  # [B, Hk, G*c, D]: head h = kv * G + g
     dots = q @ k.transpose(-1, -2)  # [B, Hk, G*c, L], exact integers
-    scores = dots * q_scale.reshape(batch, kv_heads, group * count, 1) * k_scale.transpose(-1, -2) * scaling
-    seen = visible[:, :, None].expand(batch, 1, group, count, keys).reshape(batch, 1, group * count, keys)
-    scores = scores.masked_fill(~seen, float("-inf"))
+    factor = q_scale.reshape(batch, kv_heads, group * count, 1) * (scaling / math.log(2.0))  # [B, Hk, G*c, 1]
+    scores = dots.mul_(factor).mul_(k_scale.transpose(-1, -2)).to(torch.float32)  # [B, Hk, G*c, L], log2 units
+    hidden = ~visible[:, :, None].expand(batch, 1, group, count, keys).reshape(batch, 1, group * count, keys)
+    scores.masked_fill_(hidden, float("-inf"))
     top = scores.amax(-1, keepdim=True)  # [B, Hk, G*c, 1]
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    e = torch.where(seen, exp_nonpositive(scores - top), torch.zeros_like(scores))  # [B, Hk, G*c, L]
-    a = e * v_scale.transpose(-1, -2)  # [B, Hk, G*c, L]
-    a_top = a.amax(-1, keepdim=True)
+    e = exp2_nonpositive(scores.sub_(top)).masked_fill_(hidden, 0.0)  # [B, Hk, G*c, L]
+    a = e * v_scale.transpose(-1, -2).to(torch.float32)  # [B, Hk, G*c, L]
+    a_top = a.amax(-1, keepdim=True)  # [B, Hk, G*c, 1]
     unit = float(2**WEIGHT_BITS)
-    weights = torch.round(a / torch.where(a_top > 0, a_top, torch.ones_like(a_top)) * unit)
-    total = torch.round(e * unit).sum(-1, keepdim=True)  # exact: integers below 2**53
-    out = (weights @ v) * a_top  # [B, Hk, G*c, D]
+    weights = a.div_(torch.where(a_top > 0, a_top, torch.ones_like(a_top))).mul_(unit).round_()
+    total = e.mul_(unit).round_().sum(-1, keepdim=True, dtype=torch.float64)  # exact: integers below 2**53
+    out = (weights.to(torch.float64) @ v).mul_(a_top.to(torch.float64))  # [B, Hk, G*c, D]
     out = torch.where(total > 0, out / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(out))
     return out.reshape(batch, heads, count, size)
 

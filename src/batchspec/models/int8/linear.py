@@ -33,14 +33,15 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         # CPUs whose int8 kernel saturates get the weight as two exact halves instead (see int_matmul)
         self.halves = split_weight(qweight) if int_mm_saturates() else None
+        self.quantizer: SharedQuantization | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
-        return self.apply_to(quantize_activations(x))
+        return self.apply_to(quantize_activations(x) if self.quantizer is None else self.quantizer(x))
 
     def apply_to(self, rows: QuantizedRows) -> torch.Tensor:
         """The layer's output for activations already quantized (several layers may share one quantization)."""
         acc = int_matmul(rows.values, self.qweight, self.halves)  # [N, O] int32, exact
-        y = acc.to(rows.dtype).mul_(rows.scale).mul_(self.scale)  # [N, O]
+        y = (acc * rows.scale).mul_(self.scale)  # [N, O] in the activations' dtype (int32 acc cast, then scaled)
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*rows.shape, self.out_features)
@@ -64,6 +65,22 @@ def quantize_activations(x: torch.Tensor) -> QuantizedRows:
     """Quantize ``x`` (``[..., K]``) per token to int8."""
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))  # [N, K], [N, 1]
     return QuantizedRows(q.to(torch.int8), scale, x.dtype, tuple(x.shape[:-1]))
+
+
+class SharedQuantization:
+    """One quantization for layers called one after another on the same input tensor (an attention's q, k and v
+    projections read one ``hidden_states``): the last input's rows are reused while the input is that same tensor
+    object. It holds the tensor until the next call, so no other tensor can take its place in memory."""
+
+    def __init__(self) -> None:
+        self._last: tuple[torch.Tensor, QuantizedRows] | None = None
+
+    def __call__(self, x: torch.Tensor) -> QuantizedRows:
+        if self._last is not None and self._last[0] is x:
+            return self._last[1]
+        rows = quantize_activations(x)
+        self._last = (x, rows)
+        return rows
 
 
 class Int8MLP(torch.nn.Module):

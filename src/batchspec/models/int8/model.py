@@ -3,7 +3,9 @@
 :func:`quantize_model` swaps, in place:
 
 * every MLP for an :class:`~batchspec.models.int8.linear.Int8MLP` (its activation on torch's vector path only);
-* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.models.int8.linear.Int8Linear`;
+* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.models.int8.linear.Int8Linear`; an
+  attention's q, k and v projections share one quantization of their input, and its keys and values enter the KV
+  cache quantized (:func:`~batchspec.models.int8.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
 * the rotary embedding for :class:`RotaryTable` (cos/sin computed once per position, then looked up);
 * the attention implementation for :data:`~batchspec.models.int8.attention.NAME`.
@@ -21,7 +23,7 @@ import torch
 from batchspec.model_checks import check_model
 from batchspec.models.int8 import attention
 from batchspec.models.int8.arithmetic import row_sum
-from batchspec.models.int8.linear import Int8Linear, Int8MLP
+from batchspec.models.int8.linear import Int8Linear, Int8MLP, SharedQuantization
 
 QUANTIZE: tuple[str, ...] = ("none", "int8")
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
@@ -89,6 +91,13 @@ def quantize_model(model: Any) -> Any:
     check_quantizable(model)
     attention.register()
     _swap_children(model, model.config, next(model.parameters()).dtype)
+    for module in model.modules():
+        projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        if all(isinstance(p, Int8Linear) for p in projections):
+            shared = SharedQuantization()
+            for projection in projections:
+                projection.quantizer = shared
+            module.register_forward_pre_hook(attention.pack_on_update, with_kwargs=True)
     model.config._attn_implementation = attention.NAME
     return model
 
