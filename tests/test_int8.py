@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import platform
 import subprocess
 import sys
 
@@ -34,6 +35,7 @@ from batchspec.models.int8.arithmetic import (
     split_weight,
 )
 from batchspec.models.int8.attention import exact_attention
+from batchspec.models.int8.smoothing import calibration_ids, smooth_model
 from batchspec.sampling import SamplingParams
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
@@ -100,12 +102,14 @@ def _extreme_operands(rows: int, inner: int, cols: int) -> tuple[torch.Tensor, t
 def test_int_matmul_is_exact_both_ways(rows, inner, cols):
     a, w = _extreme_operands(rows, inner, cols)
     exact = a.double() @ w.double().T
+    w = w.T.contiguous()  # [K, O], as the layers keep it
     assert torch.equal(int_matmul(a, w, None).double(), exact)
     assert torch.equal(int_matmul(a, w, split_weight(w)).double(), exact)
     high, low = split_weight(w)
     assert high.abs().max().item() <= 64 and set(low.unique().tolist()) <= {0, 1}
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's ISA cap is an x86 setting")
 def test_a_cpu_without_vnni_gets_the_same_bits():
     """oneDNN capped at AVX2 (no VNNI) saturates on full-range int8; the layer detects it and takes the two-halves
     path, whose output equals this process's bit for bit."""
@@ -163,6 +167,21 @@ def test_quantize_swaps_every_layer_and_stays_close(bundles):
     with torch.no_grad():
         dense, exact = bundle.target(ids).logits, model(ids).logits
     assert (exact - dense).abs().max().item() < 0.1 * dense.abs().max().item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_smoothing_leaves_the_float_model_unchanged(kind, bundles):
+    """Smoothing moves scale between activations and weights: the float64 model computes the same logits."""
+    model = copy.deepcopy(bundles[kind].target)
+    ids = torch.tensor([bundles[kind].probe[0][0]])
+    with torch.no_grad():
+        before = model(ids).logits
+        rescaled = smooth_model(model, calibration_ids(None, model.config.vocab_size))
+        after = model(ids).logits
+    assert rescaled == 6 * model.config.num_hidden_layers
+    assert torch.allclose(after, before, rtol=1e-9, atol=1e-9)
+    norm = model.model.layers[0].input_layernorm.weight
+    assert not torch.equal(norm, bundles[kind].target.model.layers[0].input_layernorm.weight)
 
 
 def test_check_quantize_names_the_choices():

@@ -215,7 +215,7 @@ def load_model(
     if place.type != LOAD_DEVICE:
         model = model.to(place)
     if quantize == "int8":
-        quantize_model(model)
+        quantize_model(model, tokenizer)
     else:
         use_kernels(model, kernels)
     return model, tokenizer

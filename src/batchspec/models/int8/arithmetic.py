@@ -130,22 +130,21 @@ def int_mm_saturates() -> bool:
     """
     generator = torch.Generator().manual_seed(0)
     a = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (32, 256), dtype=torch.int8, generator=generator)
-    w = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (64, 256), dtype=torch.int8, generator=generator)
-    a[0], a[1], w[0], w[1] = INT8_LEVELS, -INT8_LEVELS, INT8_LEVELS, -INT8_LEVELS
-    exact = a.double() @ w.double().T
-    return not torch.equal(torch._int_mm(a, w.T).double(), exact)
+    w = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (256, 64), dtype=torch.int8, generator=generator)
+    a[0], a[1], w[:, 0], w[:, 1] = INT8_LEVELS, -INT8_LEVELS, INT8_LEVELS, -INT8_LEVELS
+    return not torch.equal(torch._int_mm(a, w).double(), a.double() @ w.double())
 
 
 def int_matmul(a: torch.Tensor, weight: torch.Tensor, halves: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """``a @ weight.T`` exactly in int32: ``a`` ``[N, K]`` and ``weight`` ``[O, K]`` int8 -> ``[N, O]``.
+    """``a @ weight`` exactly in int32: ``a`` ``[N, K]`` and ``weight`` ``[K, O]`` int8 -> ``[N, O]``.
 
     ``halves`` (from :func:`split_weight`, given where :func:`int_mm_saturates`) computes it as
-    ``2 * (a @ high.T) + a @ low.T`` with every weight at most 64 in magnitude, which such kernels sum exactly.
+    ``2 * (a @ high) + a @ low`` with every weight at most 64 in magnitude, which such kernels sum exactly.
     """
     if halves is None:
-        return torch._int_mm(a, weight.T)
+        return torch._int_mm(a, weight)
     high, low = halves
-    return torch._int_mm(a, high.T) * 2 + torch._int_mm(a, low.T)
+    return torch._int_mm(a, high) * 2 + torch._int_mm(a, low)
 
 
 def split_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,12 +22,17 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(torch.nn.Module):
-    """``nn.Linear`` with int8 weights (``qweight`` ``[O, K]``, ``scale`` ``[O]``) and per-token int8 activations."""
+    """``nn.Linear`` with int8 weights (``qweight`` ``[K, O]``, ``scale`` ``[O]``) and per-token int8 activations.
+
+    The weight is kept ``[K, O]`` (the transpose of ``nn.Linear``'s): oneDNN's int8 product read it 1.2-1.8x faster
+    that way for 2 to 64 rows, streaming 40 different 1536 x 8960 weights from memory on an AMD EPYC Zen 5 (8 rows:
+    0.54 against 0.95 ms), and 1.4x slower for one row (0.50 against 0.36 ms)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         qweight, scale = quantize_weight(linear.weight)
+        qweight = qweight.T.contiguous()  # [K, O]
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)

@@ -1,6 +1,7 @@
 """Turning a loaded float model into the exact int8 model: which modules are swapped, and the checks before.
 
-:func:`quantize_model` swaps, in place:
+:func:`quantize_model` smooths the float model's activations (:mod:`~batchspec.models.int8.smoothing`), then
+swaps, in place:
 
 * every MLP for an :class:`~batchspec.models.int8.linear.Int8MLP` (its activation on torch's vector path only);
 * every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.models.int8.linear.Int8Linear`; an
@@ -24,6 +25,7 @@ from batchspec.model_checks import check_model
 from batchspec.models.int8 import attention
 from batchspec.models.int8.arithmetic import row_sum
 from batchspec.models.int8.linear import Int8Linear, Int8MLP, SharedQuantization
+from batchspec.models.int8.smoothing import calibration_ids, smooth_model
 
 QUANTIZE: tuple[str, ...] = ("none", "int8")
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
@@ -86,9 +88,12 @@ def check_quantizable(model: Any) -> None:
         raise ValueError(f"--quantize int8 needs a rotary embedding fixed per position, not {rope!r}")
 
 
-def quantize_model(model: Any) -> Any:
-    """Make ``model`` the exact int8 model in place (see the module docstring) and return it."""
+def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
+    """Make ``model`` the exact int8 model in place (see the module docstring) and return it; its activations are
+    smoothed first (:mod:`~batchspec.models.int8.smoothing`), calibrated on text ``tokenizer`` encodes (seeded
+    token ids without one)."""
     check_quantizable(model)
+    smooth_model(model, calibration_ids(tokenizer, model.config.vocab_size))
     attention.register()
     _swap_children(model, model.config, next(model.parameters()).dtype)
     for module in model.modules():
