@@ -84,8 +84,9 @@ class BatchspecPredictor:
         dtype: weights and compute dtype of both models; ``"auto"`` (float32 on the CPU, see
             :func:`batchspec.models.resolve_dtype`) by default.
         kernels: CPU matrix kernels (``"auto"``, ``"packed"``, ``"default"``; see :func:`batchspec.models.use_kernels`).
-        quantize: ``"none"`` (default) or ``"int8"``: the exact int8 models on the CPU (see
-            :func:`batchspec.models.load_model`).
+        quantize: ``"auto"`` (default: int8 on the CPU in float32, see
+            :func:`batchspec.models.loading.resolve_quantize`), ``"none"`` or ``"int8"`` (the exact int8 models on the
+            CPU, see :func:`batchspec.models.load_model`).
         cache_dir: the preset cache on the actor's machine (default as for the CLI).
         num_threads: torch threads of each actor (match ``num_cpus`` of ``map_batches``); default torch's.
         prompt_column: the column holding the prompt texts.
@@ -100,7 +101,7 @@ class BatchspecPredictor:
         draft: str | None = None,
         dtype: str = "auto",
         kernels: str = "auto",
-        quantize: str = "none",
+        quantize: str = "auto",
         cache_dir: str | None = None,
         num_threads: int | None = None,
         prompt_column: str = PROMPT_COLUMN,

@@ -16,7 +16,7 @@ from pathlib import Path
 from batchspec.config import Method, ProposerKind
 from batchspec.devices import device_name, resolve_device
 from batchspec.memory import keep_freed_memory
-from batchspec.models.int8 import check_quantize
+from batchspec.models.int8 import check_quantize, quantization
 from batchspec.models.loading import (
     DTYPES,
     KERNELS,
@@ -43,7 +43,7 @@ class ModelChoice:
     cache_dir: Path | None = None
     kernels: str = "auto"
     device: str = "auto"
-    quantize: str = "none"
+    quantize: str = "auto"
 
     def __post_init__(self) -> None:
         if self.preset is not None:
@@ -145,4 +145,4 @@ def load_models(
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
     seconds = time.perf_counter() - started
     keep_freed_memory()  # the commands' forwards reuse freed activation memory (see batchspec.memory)
-    return ModelPair(target, draft, tokenizer, name, dtype, seconds, device_name(device), choice.quantize)
+    return ModelPair(target, draft, tokenizer, name, dtype, seconds, device_name(device), quantization(target))

@@ -50,4 +50,5 @@ class ModelPair:
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             raise ValueError("dtype must be the one the models were loaded in, not 'auto' (see resolve_dtype)")
-        check_quantize(self.quantize)
+        if check_quantize(self.quantize) == "auto":
+            raise ValueError("quantize must be what the models were made, not 'auto' (see resolve_quantize)")

@@ -4,6 +4,6 @@
 :mod:`~batchspec.models.int8.arithmetic` for why each row's logits cannot depend on the batch.
 """
 
-from batchspec.models.int8.model import QUANTIZE, check_quantize, quantization, quantize_model
+from batchspec.models.int8.model import QUANTIZE, check_quantize, quantizable, quantization, quantize_model
 
-__all__ = ["QUANTIZE", "check_quantize", "quantization", "quantize_model"]
+__all__ = ["QUANTIZE", "check_quantize", "quantizable", "quantization", "quantize_model"]

@@ -27,7 +27,7 @@ from batchspec.models.int8.arithmetic import row_sum
 from batchspec.models.int8.linear import Int8Linear, Int8MLP, SharedQuantization
 from batchspec.models.int8.smoothing import calibration_ids, smooth_model
 
-QUANTIZE: tuple[str, ...] = ("none", "int8")
+QUANTIZE: tuple[str, ...] = ("auto", "none", "int8")
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
 STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
@@ -70,6 +70,15 @@ def check_quantize(quantize: str) -> str:
     if quantize not in QUANTIZE:
         raise ValueError(f"Unsupported quantize {quantize!r}; expected one of {', '.join(QUANTIZE)}")
     return str(quantize)
+
+
+def quantizable(model: Any) -> bool:
+    """Whether :func:`quantize_model` can make ``model`` exact (see :func:`check_quantizable`)."""
+    try:
+        check_quantizable(model)
+    except ValueError:
+        return False
+    return True
 
 
 def check_quantizable(model: Any) -> None:
