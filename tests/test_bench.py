@@ -149,7 +149,8 @@ def test_sweep_plan_validation():
 
 def test_bench_and_audit_commands_record_the_resolved_dtype(tiny_dirs, tmp_path):
     models = ["--target", str(tiny_dirs / "target"), "--draft", str(tiny_dirs / "draft")]  # --dtype auto
-    common = [*models, "--prompts", str(tiny_dirs / "prompts.txt"), "--max-new-tokens", "6", "-k", "2"]
+    common = [*models, "--quantize", "none", "--prompts", str(tiny_dirs / "prompts.txt"), "--max-new-tokens", "6",
+              "-k", "2"]
     result = run_cli("bench", *common, "--methods", "eqspec,hf-generate", "--batch-sizes", "1,2", "-o", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert [cell["dtype"] for cell in json.loads((tmp_path / "results.json").read_text())] == ["float32"] * 4

@@ -142,8 +142,8 @@ def test_output_jsonl_fields_contents_and_summary(tiny_pair, tmp_path, reference
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "out.jsonl"
-    result = run(*tiny_args(tiny_pair, "--batch-size", "2", "--max-new-tokens", "12", "--num-draft-tokens", "3",
-                            "--limit", "4", "--output", str(out)))  # --dtype auto: float32 on the CPU
+    result = run(*tiny_args(tiny_pair, "--quantize", "none", "--batch-size", "2", "--max-new-tokens", "12",
+                            "--num-draft-tokens", "3", "--limit", "4", "--output", str(out)))  # float32 on the CPU
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["index"] for row in rows] == [0, 1, 2, 3]
@@ -188,8 +188,8 @@ def test_exspec_matches_the_targets_greedy_output(tiny_pair, tmp_path, reference
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "exspec.jsonl"
-    result = run(*tiny_args(tiny_pair, "--method", "exspec", "--batch-size", "2", "--max-new-tokens", "6",
-                            "--dtype", "float32", "--output", str(out)))
+    result = run(*tiny_args(tiny_pair, "--quantize", "none", "--method", "exspec", "--batch-size", "2",
+                            "--max-new-tokens", "6", "--dtype", "float32", "--output", str(out)))
     assert result.exit_code == 0, result.output
     assert "exspec, batch size 2, hybrid proposer, k=auto, greedy" in result.stdout
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair["target"])
@@ -323,4 +323,4 @@ def test_a_cpu_run_names_its_kernels_not_a_device(tiny_pair, tmp_path):
     out = tmp_path / "cpu.jsonl"
     result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--device", "cpu", "--output", str(out)))
     assert result.exit_code == 0, result.output
-    assert "(float32, packed kernels)" in result.stdout  # a CPU run names its kernels, not a device
+    assert "(float32, int8 exact)" in result.stdout  # a CPU run names its arithmetic (int8 by default), not a device

@@ -1,4 +1,4 @@
-"""The exact int8 forward (``--quantize int8``, :mod:`batchspec.models.int8`).
+"""The exact int8 forward (``--quantize int8``, :mod:`batchspec.int8`).
 
 * Arithmetic: each building block computes what it claims (quantization, exp, fixed-order sums, the vector-path
   SiLU, exact integer products, also through the two-halves path CPUs without VNNI take).
@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batchspec
-from batchspec.models.int8 import check_quantize, quantization, quantize_model
-from batchspec.models.int8.arithmetic import (
+from batchspec.int8 import check_quantize, quantization, quantize_model
+from batchspec.int8.arithmetic import (
     exp_nonpositive,
     int_matmul,
     quantize_rows,
@@ -34,8 +34,8 @@ from batchspec.models.int8.arithmetic import (
     silu_,
     split_weight,
 )
-from batchspec.models.int8.attention import exact_attention
-from batchspec.models.int8.smoothing import calibration_ids, smooth_model
+from batchspec.int8.attention import exact_attention
+from batchspec.int8.smoothing import calibration_ids, smooth_model
 from batchspec.sampling import SamplingParams
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
@@ -115,8 +115,8 @@ def test_a_cpu_without_vnni_gets_the_same_bits():
     path, whose output equals this process's bit for bit."""
     script = (
         "import sys, torch\n"
-        "from batchspec.models.int8.arithmetic import int_mm_saturates\n"
-        "from batchspec.models.int8.linear import Int8Linear\n"
+        "from batchspec.int8.arithmetic import int_mm_saturates\n"
+        "from batchspec.int8.linear import Int8Linear\n"
         "torch.manual_seed(0)\n"
         "layer = Int8Linear(torch.nn.Linear(256, 96))\n"
         "x = torch.randn(9, 256)\n"
@@ -186,7 +186,7 @@ def test_smoothing_leaves_the_float_model_unchanged(kind, bundles):
 
 def test_check_quantize_names_the_choices():
     assert check_quantize("int8") == "int8"
-    with pytest.raises(ValueError, match="none, int8"):
+    with pytest.raises(ValueError, match="auto, none, int8"):
         check_quantize("int4")
 
 

@@ -189,8 +189,8 @@ def test_derived_draft_keeps_chosen_target_layers(tmp_path, preset_store):
     assert config["num_hidden_layers"] == 2
     marker = json.loads((paths.draft_dir / COMPLETE_MARKER).read_text())
     assert marker["derivation"] == "keep-layers-0,2"
-    target, tokenizer = loading.load_model(str(paths.target_dir), "float32")
-    draft, _ = loading.load_model(str(paths.draft_dir), "float32")
+    target, tokenizer = loading.load_model(str(paths.target_dir), "float32", quantize="none")
+    draft, _ = loading.load_model(str(paths.draft_dir), "float32", quantize="none")
     assert len(draft.model.layers) == 2
     assert torch.equal(draft.model.norm.weight, target.model.norm.weight)
     ids = torch.tensor([[1, 3, 4, 5]])
@@ -219,7 +219,7 @@ def test_load_pair_from_preset(tmp_path, preset_store):
     cache = tmp_path / "cache"
     obtain_preset("derived", cache, progress=False, fetcher=FakeFetcher(preset_store),
                   dequantizer=FakeDequantizer())
-    pair = loading.load_pair("derived", cache_dir=cache, progress=False)
+    pair = loading.load_pair("derived", cache_dir=cache, progress=False, quantize="none")
     assert isinstance(pair, ModelPair) and pair.name == "derived" and pair.seconds > 0
     assert not pair.target.training and not pair.draft.training
     assert pair.dtype == "float32" and pair.target.dtype == pair.draft.dtype == torch.float32  # auto, on the CPU

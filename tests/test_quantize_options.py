@@ -1,6 +1,6 @@
 """``quantize`` ("none" | "int8") through loading, :class:`ModelChoice`, the command line, the bench and the audit.
 
-The int8 models themselves (:mod:`batchspec.models.int8`) are tested beside them; here the option is checked to
+The int8 models themselves (:mod:`batchspec.int8`) are tested beside them; here the option is checked to
 reach them, to be refused before loading where it cannot apply, and to be recorded wherever the dtype is.
 """
 
@@ -20,9 +20,9 @@ from batchspec.bench.reference import Reference
 from batchspec.bench.sweep import SweepPlan
 from batchspec.cli.common import Quantize
 from batchspec.config import Method
+from batchspec.int8 import QUANTIZE, quantization, quantize_model
 from batchspec.models import ModelChoice, ModelPair, load_models, loading
 from batchspec.models import choice as choice_module
-from batchspec.models.int8 import QUANTIZE, quantization, quantize_model
 
 
 def not_loaded(*args, **kwargs):
@@ -57,13 +57,15 @@ def tiny_models(tiny_dirs) -> list[str]:
 
 
 def test_the_choices_check_their_quantize():
-    assert ModelChoice().quantize == "none" and ModelChoice(quantize="int8").quantize == "int8"
+    assert ModelChoice().quantize == "auto" and ModelChoice(quantize="int8").quantize == "int8"
     assert type(ModelChoice(quantize=Quantize.INT8).quantize) is str  # the CLI's enum is stored as its value
     assert tuple(q.value for q in Quantize) == QUANTIZE
-    with pytest.raises(ValueError, match="Unsupported quantize 'int4'; expected one of none, int8"):
+    with pytest.raises(ValueError, match="Unsupported quantize 'int4'; expected one of auto, none, int8"):
         ModelChoice(quantize="int4")
     with pytest.raises(ValueError, match="Unsupported quantize 'fp8'"):
         ModelPair(None, None, None, "pair", "float32", quantize="fp8")
+    with pytest.raises(ValueError, match="not 'auto'"):
+        ModelPair(None, None, None, "pair", "float32", quantize="auto")
     with pytest.raises(ValueError, match="Unsupported quantize 'int4'"):
         loading.load_model("/no/such/model", quantize="int4")
 
@@ -104,9 +106,13 @@ def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
     assert pair.precision == "float32, int8 exact"
     alone = load_models(ModelChoice(target=target, quantize="int8"), Method.AUTOREGRESSIVE, progress=False)
     assert alone.draft is None and alone.quantize == "int8" and quantization(alone.target) == "int8"
-    plain = loading.load_pair(target=target, draft=draft, progress=False)
+    plain = loading.load_pair(target=target, draft=draft, progress=False, quantize="none")
     assert plain.quantize == "none" and quantization(plain.target) == "none"
     assert plain.precision.startswith("float32, ") and plain.precision.endswith(" kernels")
+    default = loading.load_pair(target=target, draft=draft, progress=False)  # auto: int8 on the CPU in float32
+    assert default.quantize == "int8" and quantization(default.draft) == "int8"
+    packed = loading.load_pair(target=target, draft=draft, progress=False, kernels="packed")  # auto: none
+    assert packed.quantize == "none" and packed.precision == "float32, packed kernels"
 
 
 def test_generate_runs_int8_models_and_names_them(tiny_dirs, tmp_path):
@@ -125,7 +131,8 @@ def test_generate_runs_int8_models_and_names_them(tiny_dirs, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "exit_code", "fragments"),
     [
-        (["--quantize", "bogus"], 2, ("Invalid value for '--quantize'", "'bogus' is not one of 'none', 'int8'")),
+        (["--quantize", "bogus"], 2,
+         ("Invalid value for '--quantize'", "'bogus' is not one of 'auto', 'none', 'int8'")),
         (["--quantize", "int8", "--dtype", "bfloat16"], 1, ("--quantize int8 needs float32 weights",)),
         (["--quantize", "int8", "--kernels", "packed"], 1, ("--quantize int8 runs its own integer kernels",)),
     ],

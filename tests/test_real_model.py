@@ -1,11 +1,12 @@
 """The real ``smollm2`` preset: batched EqSpec, ExSpec, autoregressive decoding and the server equal the target's own
 greedy output.
 
-The reference is transformers' ``generate`` on each prompt alone (batch size 1, ``do_sample=False``). The models
-are loaded as batchspec loads them by default (``dtype="auto"``: float32 on the CPU), where the batched and the
-single-prompt forward passes agree closely enough that no argmax near-tie flips. CI obtains the preset first
-(``scripts/setup.sh test`` runs ``batchspec fetch --preset smollm2``), so there a missing preset fails instead of
-skipping.
+The reference is transformers' ``generate`` on each prompt alone (batch size 1, ``do_sample=False``). The float32
+tests load the models in float32 (``quantize="none"``), where the batched and the single-prompt forward passes agree
+closely enough that no argmax near-tie flips; the ``int8`` tests load them as batchspec does by default on the CPU
+(``quantize="auto"``: the exact int8 models, whose rows are bit-identical whatever the batch). CI obtains the
+preset first (``scripts/setup.sh test`` runs ``batchspec fetch --preset smollm2``), so there a missing preset fails
+instead of skipping.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ SERVED_TOKENS = 16
 @pytest.fixture(scope="module")
 def smollm2():
     cached_or_skip("smollm2")
-    return loading.load_pair("smollm2", progress=False)  # the default dtype
+    return loading.load_pair("smollm2", progress=False, quantize="none")  # the default dtype, float32
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_cli_generate_on_the_preset(smollm2, expected, tmp_path):
     out = tmp_path / "out.jsonl"
     result = CliRunner().invoke(app, [
         "generate", "--preset", "smollm2", "--limit", str(NUM_PROMPTS), "--batch-size", str(BATCH_SIZE),
-        "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(out),
+        "--max-new-tokens", str(MAX_NEW_TOKENS), "--quantize", "none", "--output", str(out),
     ])
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -95,17 +96,17 @@ def mean_batch_occupancy(url: str) -> float:
     return samples["batchspec_batch_occupancy_sum"] / samples["batchspec_batch_occupancy_count"]
 
 
-def test_server_default_config_gives_concurrent_clients_their_sequential_outputs(smollm2):
+def test_server_default_config_gives_concurrent_clients_their_sequential_outputs(smollm2_int8):
     """16 greedy clients at once (8 prompts, each sent twice) against the server as `batchspec serve --preset
     smollm2` starts it (default dtype and options): each gets what batchspec.generate gives its prompt alone."""
-    prompts = [smollm2.tokenizer.encode(text) for text in SERVED_PROMPTS]
+    prompts = [smollm2_int8.tokenizer.encode(text) for text in SERVED_PROMPTS]
     config = ServerConfig()
     alone = [
-        batchspec.generate(smollm2.target, smollm2.draft, [ids], max_new_tokens=SERVED_TOKENS,
+        batchspec.generate(smollm2_int8.target, smollm2_int8.draft, [ids], max_new_tokens=SERVED_TOKENS,
                            num_draft_tokens=config.num_draft_tokens).sequences[0]
         for ids in prompts
     ]
-    with serve_in_thread(create_app(smollm2, config)) as server:
+    with serve_in_thread(create_app(smollm2_int8, config)) as server:
 
         def complete(index: int) -> list[int]:
             body = {"model": "smollm2", "prompt": prompts[index % len(prompts)], "max_tokens": SERVED_TOKENS,
@@ -124,7 +125,7 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
 @pytest.fixture(scope="module")
 def smollm2_int8():
     cached_or_skip("smollm2")
-    return loading.load_pair("smollm2", quantize="int8", progress=False)
+    return loading.load_pair("smollm2", progress=False)  # the CPU's default: quantize="auto", int8
 
 
 @pytest.mark.parametrize("method, proposer", [("eqspec", "hybrid"), ("exspec", "draft"), ("eqspec", "ngram")])

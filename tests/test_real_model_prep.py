@@ -43,8 +43,8 @@ def test_smollm2_draft_is_the_layer_subset():
     spec = presets.PRESETS["smollm2"].draft.source
     config = json.loads((paths.draft_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == len(spec.layers)
-    target, tokenizer = loading.load_model(str(paths.target_dir))
-    draft, _ = loading.load_model(str(paths.draft_dir))
+    target, tokenizer = loading.load_model(str(paths.target_dir), quantize="none")
+    draft, _ = loading.load_model(str(paths.draft_dir), quantize="none")
     for new_index, old_index in enumerate(spec.layers):
         kept = draft.model.layers[new_index].mlp.down_proj.weight
         assert torch.equal(kept, target.model.layers[old_index].mlp.down_proj.weight)

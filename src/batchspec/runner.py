@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchspec.int8.attention import NAME as EXACT_ATTENTION
 from batchspec.kv_cache import BatchKVCache
-from batchspec.models.int8.attention import NAME as EXACT_ATTENTION
 from batchspec.state import BatchState
 
 

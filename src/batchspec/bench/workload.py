@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from batchspec.config import AUTO
-from batchspec.models.int8 import check_quantize
+from batchspec.int8 import check_quantize
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Workload:
         pad_token_id: filler for padded batches.
         kernels: the models' CPU matrix kernels (``packed`` or ``default``, see :func:`batchspec.models.use_kernels`).
         device: where the models run (``cpu``, or the GPU's name: see :func:`batchspec.devices.device_name`).
-        quantize: ``"int8"`` when the models are the exact int8 ones (see :mod:`batchspec.models.int8`), else
+        quantize: ``"int8"`` when the models are the exact int8 ones (see :mod:`batchspec.int8`), else
             ``"none"``.
     """
 

@@ -19,7 +19,7 @@ exactly the target's own; half precision only when asked for. ``device="auto"`` 
 :func:`batchspec.devices.resolve_device`) is the first CUDA device when torch sees one, else the CPU: weights are
 read on the CPU and then moved there.
 
-``quantize="int8"`` (see :mod:`batchspec.models.int8`) turns each loaded float32 model into the exact int8 model:
+``quantize="int8"`` (see :mod:`batchspec.int8`) turns each loaded float32 model into the exact int8 model:
 every row's logits are then bit-identical whatever the batch, so greedy output is the quantized model's own with no
 near-tie exemption. It runs on the CPU only, on float32 weights, and on its own integer kernels (not oneDNN's
 packed ones); :func:`check_quantize_for` refuses the other combinations before anything loads.
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from batchspec.devices import device_name, resolve_device
+from batchspec.int8 import check_quantize, quantizable, quantization, quantize_model
 from batchspec.model_checks import vocab_size
-from batchspec.models.int8 import check_quantize, quantizable, quantization, quantize_model
 from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.pair import ModelPair
 from batchspec.models.presets import (
@@ -90,7 +90,7 @@ def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str =
     int8 is the CPU's default because it keeps the quality of float32 and is faster: on HumanEval's first 40 problems
     (chat template, 384 new tokens) the qwen2.5-coder pair passed 37 in int8 and 35 in float32, and int8 decoded
     1.3-2.0x faster with 0.31x the memory (docs/int8.md). A model the int8 forward does not support (see
-    :func:`batchspec.models.int8.model.check_quantizable`) then loads as ``"none"``.
+    :func:`batchspec.int8.model.check_quantizable`) then loads as ``"none"``.
     """
     quantize = check_quantize(quantize)
     if quantize != "auto":
@@ -222,7 +222,7 @@ def load_model(
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     ``quantize="int8"`` makes the loaded model the exact int8 model (see
-    :func:`batchspec.models.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
+    :func:`batchspec.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
     where it applies, before loading.
     """
     check_option("kernels", kernels, KERNELS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchspec.models.int8 import check_quantize
+from batchspec.int8 import check_quantize
 from batchspec.models.kernels import kernels_in_use
 
 
@@ -24,7 +24,7 @@ class ModelPair:
         seconds: time spent loading them (0.0 when not measured).
         device: where they run, as reports name it (``cpu``, ``cuda:0 (NVIDIA H100 80GB HBM3)``; see
             :func:`batchspec.devices.device_name`).
-        quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.models.int8`: their
+        quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.int8`: their
             ``dtype`` is then that of the activations and of what stays float), else ``"none"``.
     """
 

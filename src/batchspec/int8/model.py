@@ -1,15 +1,15 @@
 """Turning a loaded float model into the exact int8 model: which modules are swapped, and the checks before.
 
-:func:`quantize_model` smooths the float model's activations (:mod:`~batchspec.models.int8.smoothing`), then
+:func:`quantize_model` smooths the float model's activations (:mod:`~batchspec.int8.smoothing`), then
 swaps, in place:
 
-* every MLP for an :class:`~batchspec.models.int8.linear.Int8MLP` (its activation on torch's vector path only);
-* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.models.int8.linear.Int8Linear`; an
+* every MLP for an :class:`~batchspec.int8.linear.Int8MLP` (its activation on torch's vector path only);
+* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.int8.linear.Int8Linear`; an
   attention's q, k and v projections share one quantization of their input, and its keys and values enter the KV
-  cache quantized (:func:`~batchspec.models.int8.attention.pack_on_update`);
+  cache quantized (:func:`~batchspec.int8.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
 * the rotary embedding for :class:`RotaryTable` (cos/sin computed once per position, then looked up);
-* the attention implementation for :data:`~batchspec.models.int8.attention.NAME`.
+* the attention implementation for :data:`~batchspec.int8.attention.NAME`.
 
 The token embedding stays as it is: a lookup copies a row. What is left between these modules is elementwise
 (residual additions, the rotary products), so every row's logits are independent of the batch.
@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from batchspec.int8 import attention
+from batchspec.int8.arithmetic import row_sum
+from batchspec.int8.linear import Int8Linear, Int8MLP, SharedQuantization
+from batchspec.int8.smoothing import calibration_ids, smooth_model
 from batchspec.model_checks import check_model
-from batchspec.models.int8 import attention
-from batchspec.models.int8.arithmetic import row_sum
-from batchspec.models.int8.linear import Int8Linear, Int8MLP, SharedQuantization
-from batchspec.models.int8.smoothing import calibration_ids, smooth_model
 
 QUANTIZE: tuple[str, ...] = ("auto", "none", "int8")
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
@@ -49,7 +49,7 @@ class RotaryTable(torch.nn.Module):
     """The model's own rotary embedding, computed once for every position and then looked up.
 
     transformers computes ``cos``/``sin`` of each forward's positions, and a value's result depends on where it
-    sits in that forward's tensor (see :mod:`batchspec.models.int8.arithmetic`); a table built in one call gives
+    sits in that forward's tensor (see :mod:`batchspec.int8.arithmetic`); a table built in one call gives
     position ``p`` the same values in every forward.
     """
 
@@ -99,7 +99,7 @@ def check_quantizable(model: Any) -> None:
 
 def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     """Make ``model`` the exact int8 model in place (see the module docstring) and return it; its activations are
-    smoothed first (:mod:`~batchspec.models.int8.smoothing`), calibrated on text ``tokenizer`` encodes (seeded
+    smoothed first (:mod:`~batchspec.int8.smoothing`), calibrated on text ``tokenizer`` encodes (seeded
     token ids without one)."""
     check_quantizable(model)
     smooth_model(model, calibration_ids(tokenizer, model.config.vocab_size))

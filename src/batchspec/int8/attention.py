@@ -5,7 +5,7 @@ float64. For one query ``q`` over its visible keys ``j``:
 
 * ``dot[j] = Q . K[j]`` is an integer below 2**37 (``|Q|, |K| <= 32767``, head size <= 128): the float64 product
   is exact in any order. ``score[j] = (dot[j] * sq) * sk[j] * scaling``, elementwise.
-* ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.models.int8.arithmetic.exp2_nonpositive` (in float32,
+* ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.int8.arithmetic.exp2_nonpositive` (in float32,
   the scores in units of log2), 0 where masked.
 * The softmax-weighted sum ``sum_j e[j] sv[j] V[j] / sum_j e[j]`` is taken over integers: ``a[j] = e[j] sv[j]`` is
   rounded to ``W[j] = round(a[j] / max a * 2**20)`` and ``e[j]`` to ``E[j] = round(e[j] * 2**20)``; then
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from batchspec.models.int8.arithmetic import exp2_nonpositive, quantize_rows
+from batchspec.int8.arithmetic import exp2_nonpositive, quantize_rows
 
 NAME = "batchspec_exact"
 QKV_LEVELS = 2**15 - 1

@@ -1,9 +1,9 @@
 """The exact int8 forward for the CPU: integer linear layers and a forward whose rows are batch-invariant.
 
 :func:`quantize_model` turns a loaded float32 Llama/Qwen2/Mistral model into it (``--quantize int8``); see
-:mod:`~batchspec.models.int8.arithmetic` for why each row's logits cannot depend on the batch.
+:mod:`~batchspec.int8.arithmetic` for why each row's logits cannot depend on the batch.
 """
 
-from batchspec.models.int8.model import QUANTIZE, check_quantize, quantizable, quantization, quantize_model
+from batchspec.int8.model import QUANTIZE, check_quantize, quantizable, quantization, quantize_model
 
 __all__ = ["QUANTIZE", "check_quantize", "quantizable", "quantization", "quantize_model"]

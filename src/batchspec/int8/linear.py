@@ -2,7 +2,7 @@
 
 For one token ``x`` (``[K]``) and output channel ``o``: ``y[o] = (acc[o] * sx) * sw[o] + b[o]`` with
 ``acc = round(x / sx) . W8[o]`` summed exactly in int32, ``sx = max|x| / 127`` and ``sw[o] = max|W[o]| / 127``.
-Every step is elementwise or an exact integer sum (see :mod:`batchspec.models.int8.arithmetic`), so a token's
+Every step is elementwise or an exact integer sum (see :mod:`batchspec.int8.arithmetic`), so a token's
 output does not depend on the other tokens or rows of the call, nor on how the integer kernel blocks the product.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchspec.models.int8.arithmetic import int_matmul, int_mm_saturates, quantize_rows, silu_, split_weight
+from batchspec.int8.arithmetic import int_matmul, int_mm_saturates, quantize_rows, silu_, split_weight
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
