@@ -21,7 +21,7 @@ from batchspec.models import load_pair
 
 
 def main(preset: str = "smollm2", prompts: int = 8, new_tokens: int = 64) -> dict:
-    pair = load_pair(preset, dtype="float32", kernels="default", progress=False)
+    pair = load_pair(preset, dtype="float32", kernels="default", quantize="none", progress=False)
     tokenizer = pair.tokenizer
     tokenizer.padding_side = "left"
     texts = [

@@ -115,7 +115,7 @@ def load_test_requests(pair) -> dict:
 
 def main(n: int) -> None:
     torch.set_num_threads(2)
-    pair = load_pair("smollm2", dtype="float32", progress=False)
+    pair = load_pair("smollm2", dtype="float32", quantize="none", progress=False)
     records = [r for i, r in enumerate(load_prompts(SPEC_BENCH)) if i % 5 == 1][:n]
     prompts = [p[-200:] for p in format_prompts(records, pair.tokenizer)]
     print(json.dumps({"prompts": n, **drift(pair, prompts[:8]), **margins(pair, prompts), **load_test_requests(pair)}))

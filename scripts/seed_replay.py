@@ -1,8 +1,8 @@
 """The load test without a server: its catalogue through the server's scheduler, each answer against its lone run.
 
-Loads the ``smollm2`` preset (float32, the defaults), builds the load test's requests (``scripts/locustfile.py``: its
-first four prompts as completions and as chat, greedy or seeded with seed 1000 + index, temperature 0.8, top-p
-0.95, 32 tokens), and drives ROUNDS rounds of ROWS random requests through the engine with the server's scheduler
+Loads the ``smollm2`` preset (float32, ``quantize="none"``), builds the load test's requests
+(``scripts/locustfile.py``: its first four prompts as completions and as chat, greedy or seeded with seed
+1000 + index, temperature 0.8, top-p 0.95, 32 tokens), and drives ROUNDS rounds of ROWS random requests through the engine with the server's scheduler
 (``Batches`` refilled online, batch size 8, chunked prefill ``auto``), admitting each waiting request with
 probability 0.3 before a round, as requests arrive at a server. Every answer is compared with the same request run
 alone (batch size 1). Prints one JSON line per difference and a summary line.
@@ -63,7 +63,7 @@ def catalogue(tokenizer) -> list[tuple[str, list[int], int]]:
 
 def main(seed: int, rounds: int, rows_per_round: int) -> None:
     torch.set_num_threads(2)
-    pair = load_pair("smollm2", progress=False)
+    pair = load_pair("smollm2", quantize="none", progress=False)
     requests = catalogue(pair.tokenizer)
     alone = {}
     for name, ids, row_seed in requests:

@@ -1,7 +1,7 @@
 """Seconds per greedy step of one prompt: transformers' ``generate`` against batchspec's autoregressive engine.
 
-Loads the ``qwen2.5-coder`` target (float32, packed kernels: the defaults) and times N and 1 new tokens for one chat
-prompt with each; the difference over N - 1 is the cost of a step, without the prefill. Prints one JSON line.
+Loads the ``qwen2.5-coder`` target (float32, packed kernels, ``quantize="none"``) and times N and 1 new tokens for
+one chat prompt with each; the difference over N - 1 is the cost of a step, without the prefill. Prints one JSON line.
 
     python scripts/step_time.py 24
 """
@@ -21,7 +21,7 @@ from batchspec.models import load_model
 
 def main(steps: int) -> None:
     torch.set_num_threads(2)
-    model, tokenizer = load_model("qwen2.5-coder:target", progress=False)
+    model, tokenizer = load_model("qwen2.5-coder:target", quantize="none", progress=False)
     prompt = format_prompts(load_prompts("humaneval", limit=1), tokenizer)[0]
     ids = torch.tensor([prompt])
     seconds = {}
