@@ -2,10 +2,10 @@
 
 Loads the ``smollm2`` preset (float32, ``quantize="none"``), builds the load test's requests
 (``scripts/locustfile.py``: its first four prompts as completions and as chat, greedy or seeded with seed
-1000 + index, temperature 0.8, top-p 0.95, 32 tokens), and drives ROUNDS rounds of ROWS random requests through the engine with the server's scheduler
-(``Batches`` refilled online, batch size 8, chunked prefill ``auto``), admitting each waiting request with
-probability 0.3 before a round, as requests arrive at a server. Every answer is compared with the same request run
-alone (batch size 1). Prints one JSON line per difference and a summary line.
+1000 + index, temperature 0.8, top-p 0.95, 32 tokens), and drives ROUNDS rounds of ROWS random requests through the
+engine with the server's scheduler (``Batches`` refilled online, batch size 8, chunked prefill ``auto``), admitting
+each waiting request with probability 0.3 before a round, as requests arrive at a server. Every answer is compared
+with the same request run alone (batch size 1). Prints one JSON line per difference and a summary line.
 
     python scripts/seed_replay.py 7 4 32        # random seed, rounds of requests, requests per round
 """
