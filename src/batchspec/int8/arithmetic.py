@@ -14,8 +14,8 @@ Transcendental functions (``exp``, ``sigmoid``, ``cos``) are not in the list: to
 with SIMD approximations in vector lanes and with scalar code in a loop's tail, which can differ in the last bit,
 and which path a value takes depends on its offset in the tensor, so on the batch (``F.silu`` of a tensor and of
 the same tensor shifted by one to 39 elements differ in 147 of 39 million values on an AVX-512 CPU). So
-:func:`exp_nonpositive` builds ``exp`` from kind-1 operations, :func:`silu_` keeps every value on torch's vector path,
-and :func:`row_sum` sums a float row in an order fixed by its length.
+:func:`exp2_nonpositive` builds ``2**t`` from kind-1 operations, :func:`silu_` keeps every value on torch's vector
+path, and :func:`row_sum` sums a float row in an order fixed by its length.
 
 Glossary: a *row* is the vector one reduction runs over (one token's hidden state, one head's query); *levels*
 is the largest integer a quantized value may take (127 for int8).
@@ -50,11 +50,6 @@ def quantize_rows(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Ten
     return (x * (1.0 / scale)).round_().clamp_(-levels, levels), scale
 
 
-def exp_nonpositive(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for ``x <= 0`` from correctly rounded operations only: :func:`exp2_nonpositive` of ``x log2(e)``."""
-    return exp2_nonpositive(x * (1.0 / math.log(2.0)))
-
-
 def exp2_nonpositive(t: torch.Tensor) -> torch.Tensor:
     """``2**t`` for ``t <= 0`` from correctly rounded operations only, so each value depends on its argument alone.
 
@@ -77,7 +72,7 @@ def _power_of_two(n: torch.Tensor) -> torch.Tensor:
         return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
     if n.dtype == torch.float32:
         return ((n.to(torch.int32) + 127) << 23).view(torch.float32)
-    raise TypeError(f"exp_nonpositive takes float32 or float64, not {n.dtype}")
+    raise TypeError(f"exp2_nonpositive takes float32 or float64, not {n.dtype}")
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +102,7 @@ def silu_(x: torch.Tensor) -> torch.Tensor:
 
     The values are taken flat in calls of a multiple of 64 elements under torch's threading grain: each call runs
     on one thread in whole double-vector steps from its first element, so no value falls in a scalar tail. (A
-    polynomial like :func:`exp_nonpositive` does this by construction but took 43x as long on the prompt
+    polynomial like :func:`exp2_nonpositive` does this by construction but took 43x as long on the prompt
     prefill's ``[1200, 8960]`` gate: 430 vs 10 ms.)
     """
     width = x.shape[-1]
@@ -135,19 +130,23 @@ def int_mm_saturates() -> bool:
     return not torch.equal(torch._int_mm(a, w).double(), a.double() @ w.double())
 
 
-def int_matmul(a: torch.Tensor, weight: torch.Tensor, halves: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """``a @ weight`` exactly in int32: ``a`` ``[N, K]`` and ``weight`` ``[K, O]`` int8 -> ``[N, O]``.
-
-    ``halves`` (from :func:`split_weight`, given where :func:`int_mm_saturates`) computes it as
-    ``2 * (a @ high) + a @ low`` with every weight at most 64 in magnitude, which such kernels sum exactly.
-    """
-    if halves is None:
-        return torch._int_mm(a, weight)
-    high, low = halves
-    return torch._int_mm(a, high) * 2 + torch._int_mm(a, low)
+def weight_factors(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """How :func:`int_matmul` takes an int8 weight ``[K, O]`` on this CPU: ``(weight,)``, or where
+    :func:`int_mm_saturates` its exact halves (:func:`split_weight`)."""
+    return split_weight(weight) if int_mm_saturates() else (weight.contiguous(),)
 
 
 def split_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(high, low)`` int8 with ``weight = 2 * high + low``, ``high`` in ``[-64, 63]`` and ``low`` in ``{0, 1}``."""
     high = torch.div(weight, 2, rounding_mode="floor")
     return high.contiguous(), (weight - 2 * high).contiguous()
+
+
+def int_matmul(a: torch.Tensor, factors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``a @ weight`` exactly in int32: ``a`` ``[N, K]`` int8 and the weight ``[K, O]`` as :func:`weight_factors`
+    gives it -> ``[N, O]``; the halves are summed as ``2 * (a @ high) + a @ low``, each product with weights of at
+    most 64 in magnitude, which the saturating kernels sum exactly."""
+    if len(factors) == 1:
+        return torch._int_mm(a, factors[0])
+    high, low = factors
+    return torch._int_mm(a, high) * 2 + torch._int_mm(a, low)

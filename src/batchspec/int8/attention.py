@@ -150,7 +150,7 @@ def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Ten
     weights = a.div_(torch.where(a_top > 0, a_top, torch.ones_like(a_top))).mul_(unit).round_()
     total = e.mul_(unit).round_().sum(-1, keepdim=True, dtype=torch.float64)  # exact: integers below 2**53
     out = (weights.to(torch.float64) @ v).mul_(a_top.to(torch.float64))  # [B, Hk, G*c, D]
-    out = torch.where(total > 0, out / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(out))
+    out = out.div_(total.clamp(min=1.0))  # a query that sees no key: zero weights, so zeros
     return out.reshape(batch, heads, count, size)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchspec.int8.arithmetic import int_matmul, int_mm_saturates, quantize_rows, silu_, split_weight
+from batchspec.int8.arithmetic import int_matmul, quantize_rows, silu_, weight_factors
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,7 +22,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(torch.nn.Module):
-    """``nn.Linear`` with int8 weights (``qweight`` ``[K, O]``, ``scale`` ``[O]``) and per-token int8 activations.
+    """``nn.Linear`` with int8 weights (``factors``: ``[K, O]`` as :func:`weight_factors` lays it out for this CPU;
+    ``scale`` ``[O]``) and per-token int8 activations.
 
     The weight is kept ``[K, O]`` (the transpose of ``nn.Linear``'s): oneDNN's int8 product read it 1.2-1.8x faster
     that way for 2 to 64 rows, streaming 40 different 1536 x 8960 weights from memory on an AMD EPYC Zen 5 (8 rows:
@@ -32,12 +33,9 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         qweight, scale = quantize_weight(linear.weight)
-        qweight = qweight.T.contiguous()  # [K, O]
-        self.register_buffer("qweight", qweight)
+        self.factors = weight_factors(qweight.T)  # [K, O] each
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-        # CPUs whose int8 kernel saturates get the weight as two exact halves instead (see int_matmul)
-        self.halves = split_weight(qweight) if int_mm_saturates() else None
         self.quantizer: SharedQuantization | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
@@ -45,7 +43,7 @@ class Int8Linear(torch.nn.Module):
 
     def apply_to(self, rows: QuantizedRows) -> torch.Tensor:
         """The layer's output for activations already quantized (several layers may share one quantization)."""
-        acc = int_matmul(rows.values, self.qweight, self.halves)  # [N, O] int32, exact
+        acc = int_matmul(rows.values, self.factors)  # [N, O] int32, exact
         y = (acc * rows.scale).mul_(self.scale)  # [N, O] in the activations' dtype (int32 acc cast, then scaled)
         if self.bias is not None:
             y.add_(self.bias)
@@ -73,18 +71,22 @@ def quantize_activations(x: torch.Tensor) -> QuantizedRows:
 
 
 class SharedQuantization:
-    """One quantization for layers called one after another on the same input tensor (an attention's q, k and v
-    projections read one ``hidden_states``): the last input's rows are reused while the input is that same tensor
-    object. It holds the tensor until the next call, so no other tensor can take its place in memory."""
+    """One quantization for ``readers`` layers called one after another on the same input tensor (an attention's q,
+    k and v projections read one ``hidden_states``): the rows are reused while the input is that same tensor object,
+    which is held (so no other tensor can take its place in memory) until the last reader has had them."""
 
-    def __init__(self) -> None:
+    def __init__(self, readers: int) -> None:
+        self.readers = readers
         self._last: tuple[torch.Tensor, QuantizedRows] | None = None
+        self._served = 0
 
     def __call__(self, x: torch.Tensor) -> QuantizedRows:
-        if self._last is not None and self._last[0] is x:
-            return self._last[1]
-        rows = quantize_activations(x)
-        self._last = (x, rows)
+        if self._last is None or self._last[0] is not x:
+            self._last, self._served = (x, quantize_activations(x)), 0
+        rows = self._last[1]
+        self._served += 1
+        if self._served == self.readers:
+            self._last = None
         return rows
 
 

@@ -108,7 +108,7 @@ def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     for module in model.modules():
         projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if all(isinstance(p, Int8Linear) for p in projections):
-            shared = SharedQuantization()
+            shared = SharedQuantization(readers=len(projections))
             for projection in projections:
                 projection.quantizer = shared
             module.register_forward_pre_hook(attention.pack_on_update, with_kwargs=True)
