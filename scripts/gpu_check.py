@@ -110,6 +110,7 @@ def syncs(args) -> dict:
         decode = Engine.decode
 
         def counted(engine, batch_rows, decode=decode, rounds=rounds):
+            engine.runner.free_reads = False  # the GPU's policy, also where counted on the CPU
             with warnings.catch_warnings(record=True) as caught, HostReads() as reads:
                 warnings.simplefilter("always")
                 decode(engine, batch_rows)

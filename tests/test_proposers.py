@@ -1,6 +1,7 @@
 """Proposers beyond the draft model: prompt lookup (ngram), hybrid, per-row lengths and the adaptive length.
 
-* The n-gram index against a brute-force lookup (hypothesis), and its incremental updates.
+* The n-gram index against a brute-force lookup (hypothesis), and its incremental updates; the device lookup
+  (rows of a left-padded token matrix at once) against the same brute force.
 * Greedy equivalence with transformers' own ``generate`` for ngram, hybrid and ``num_draft_tokens="auto"``, with
   prompts that repeat segments (lookups fire) and prompts that do not, pad and EOS ids inside prompts, EqSpec and
   ExSpec.
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from batchspec.config import SpecConfig
 from batchspec.engine import build_engine
-from batchspec.lookup import NgramIndex
+from batchspec.lookup import NgramIndex, lookup_on_device
 from batchspec.schedulers import make_scheduler
 from batchspec.schedulers.drive import Offline, drive
 from batchspec.state import Sequence
@@ -63,6 +64,33 @@ def test_the_docstring_example():
     earliest = NgramIndex(1, 3)
     earliest.extend(list("abxabyab"))
     assert earliest.chain(1) == ["x"]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    texts=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=4),
+    filler=st.integers(0, 4),
+    n_range=st.sampled_from([(1, 3), (2, 4), (1, 1), (3, 5)]),
+)
+def test_device_lookup_matches_a_brute_force_lookup(texts, filler, n_range):
+    """Every row of a left-padded matrix (its padding holds a token its text may contain: never matched) gets the
+    brute-force lookup of its own text; the device lookup needs at least two columns, as after a drafted token."""
+    n_min, n_max = n_range
+    width = max(2, max(len(text) for text in texts))
+    pad = [width - len(text) for text in texts]
+    matrix = torch.tensor([[filler] * p + text for p, text in zip(pad, texts, strict=True)])
+    draft, found = lookup_on_device(matrix, torch.tensor(pad), n_min, n_max)
+    for i, text in enumerate(texts):
+        expected = brute_force_lookup(text, n_min, n_max)
+        assert bool(found[i]) == (expected is not None), (text, pad[i])
+        if expected is not None:
+            assert int(draft[i]) == expected, (text, pad[i])
+
+
+def test_device_lookup_docstring_example():
+    text = torch.tensor([[7, 0, 1, 2, 0, 1, 3, 0, 1]])  # a padding column, then a b x a b y a b
+    draft, found = lookup_on_device(text, torch.tensor([1]), 1, 3)
+    assert found.tolist() == [True] and draft.tolist() == [2]
 
 
 # ---- greedy equivalence ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from host_reads import HostReads
 
 from batchspec.engine import Engine
 from batchspec.kv_cache import BatchKVCache, Slab
+from batchspec.proposers.draft import DraftModelProposer
 from batchspec.runner import Floats, ModelRunner
 from batchspec.state import BatchState, HostColumns
 
@@ -93,13 +94,14 @@ CONFIGS = [
 @pytest.mark.parametrize(("method", "proposer", "temperature"), CONFIGS)
 def test_one_device_read_per_round(method, proposer, temperature, bs, llama, reference, monkeypatch):
     """Each decode round copies its inputs to the device once and reads the device back once (its verdict),
-    whatever the method, proposer or sampling; only the hybrid proposer also reads the tokens the draft model drafts
-    and stages the lookups it finds step by step (its lookups go on from drafted tokens)."""
+    whatever the method, proposer or sampling, with the runner's GPU policy (``free_reads`` off: the hybrid
+    proposer's lookups after a model-drafted token stay on the device)."""
     reads, rounds = HostReads(), []
     decode = Engine.decode
 
     def counted(engine, rows):
         rounds.append(len(rows))
+        engine.runner.free_reads = False
         with reads:
             decode(engine, rows)
 
@@ -111,22 +113,47 @@ def test_one_device_read_per_round(method, proposer, temperature, bs, llama, ref
     options.update(proposer=proposer, eos_token_id=[], num_draft_tokens=3)
     result = bs.generate(llama.target, draft, prompts, **options)
     fetches = sum(n for where, n in reads.where.items() if where.startswith("runner.py"))
-    assert rounds and fetches == len(rounds), dict(reads.where)
-    if proposer == "hybrid":  # the lookups go on from the drafted tokens
-        assert all(where.startswith(("runner.py", "draft.py")) for where in reads.where), dict(reads.where)
-    else:
-        assert reads.count == len(rounds), dict(reads.where)
-        assert reads.copies == len(rounds)  # one host→device copy a round: everything it needs, staged at once
+    assert rounds and fetches == len(rounds) == reads.count, dict(reads.where)
+    assert reads.copies == len(rounds)  # one host→device copy a round: everything it needs, staged at once
     if temperature == 0:
         assert result.sequences == [reference(llama.target, p, 14, []) for p in prompts]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hybrid_reads_lookup_hits_only_where_reads_are_free(temperature, bs, llama, monkeypatch):
+    """With ``free_reads`` (the CPU) the hybrid proposer reads its device lookups' hits and skips the draft forwards
+    they make unnecessary; without (a GPU) it runs them. The tokens are the same either way."""
+    forwards, free = [], [True]
+    decode, step = Engine.decode, DraftModelProposer._model_step
+
+    def configured(engine, rows):
+        engine.runner.free_reads = free[0]
+        decode(engine, rows)
+
+    def counted(proposer, *args, **kwargs):
+        forwards[-1] += 1
+        return step(proposer, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "decode", configured)
+    monkeypatch.setattr(DraftModelProposer, "_model_step", counted)
+    base = [5, 9, 5, 9, 17, 5, 9]
+    prompts = [base * 3, [3, 4] + base * 2, [11, 12, 13, 14, 15, 16, 17, 18]]
+    options = dict(method="eqspec", proposer="hybrid", batch_size=3, max_new_tokens=24, temperature=temperature)
+    options.update(seed=3, eos_token_id=[], num_draft_tokens=4)
+    results = []
+    for free_reads in (True, False):
+        free[0] = free_reads
+        forwards.append(0)
+        results.append(bs.generate(llama.target, llama.drafts["perturbed"], prompts, **options).sequences)
+    assert results[0] == results[1]
+    assert forwards[0] < forwards[1], forwards
 
 
 @CUDA
 @pytest.mark.parametrize(("method", "proposer", "temperature"), CONFIGS)
 def test_cuda_syncs_per_round(method, proposer, temperature, bs, reference, monkeypatch):
     """On CUDA, torch's own sync detector counts at most two synchronisations per decode round (the verdict's read
-    and the stage timer's; hybrid also reads its drafted tokens), and greedy float32 output equals transformers'
-    generate."""
+    and the stage timer's), and greedy float32 output equals transformers' generate."""
     target = tiny_models.build_llama(seed=0).to("cuda", torch.float32)
     draft = tiny_models.build_llama(seed=1).to("cuda", torch.float32)
     rounds: list[int] = []
@@ -150,7 +177,6 @@ def test_cuda_syncs_per_round(method, proposer, temperature, bs, reference, monk
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     prefill_reads = 2 * len(prompts) + 2  # each prompt reading waits once per model, plus the draft's catch-ups
-    per_round = 2 + (3 if proposer == "hybrid" else 0)  # the verdict and the timer; hybrid reads k = 3 drafts more
-    assert len(syncs) <= per_round * len(rounds) + prefill_reads, len(syncs)
+    assert len(syncs) <= 2 * len(rounds) + prefill_reads, len(syncs)  # per round: the verdict and the timer
     if temperature == 0:
         assert result.sequences == [reference(target, p, 12, []) for p in prompts]

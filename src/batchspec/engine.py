@@ -23,7 +23,7 @@ from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.model_checks import check_pair
 from batchspec.prefill import ChunkBudget, Reader, catch_up, length_groups
-from batchspec.proposers import NoDraftProposer, Proposal, ProposalPlan, Proposer, point_masses
+from batchspec.proposers import NoDraftProposer, Proposal, ProposalHost, ProposalPlan, Proposer, point_masses
 from batchspec.proposers.draft import DraftModelProposer
 from batchspec.proposers.ngram import NgramProposer
 from batchspec.realign import assemble, draft_catch_up, layout_columns, plan_layout
@@ -73,10 +73,10 @@ class Engine:
         with self.timer.stage("verify"):
             verdict = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
-            accepted, gained = self.accept(batch, proposal, verdict)
+            accepted, gained, host = self.accept(batch, proposal, verdict)
             seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
             proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
-            record = _record(proposal, accepted, gained, reach, sampling, seconds, proposing)
+            record = _record(replace(proposal, host=host), accepted, gained, reach, sampling, seconds, proposing)
             self.planner.observe(rows, record)
             self.chunks.decoded(seconds)
         if self.config.check_invariants:
@@ -162,12 +162,21 @@ class Engine:
             tokens=verdict.tokens.index_copy(0, rows, sampled.tokens),
         )
 
-    def accept(self, batch: BatchState, proposal: Proposal, verdict: Verdict) -> tuple[list[int], list[list[int]]]:
-        """Read the verdict back (the round's one device→host read), append each row's gained tokens (cut at EOS or
-        budget) and record where its KV now lives. Returns, per row, the drafts accepted and the tokens gained."""
-        read = self.runner.fetch(verdict.accepted, verdict.tokens)  # [B][1 + k+1]: the sync
+    def accept(
+        self, batch: BatchState, proposal: Proposal, verdict: Verdict
+    ) -> tuple[list[int], list[list[int]], ProposalHost]:
+        """Read the verdict back (the round's one device→host read, with the proposal's lookup positions where the
+        host does not know them), append each row's gained tokens (cut at EOS or budget) and record where its KV now
+        lives. Returns, per row, the drafts accepted and the tokens gained, and the proposal as the host now knows
+        it."""
+        mask = () if proposal.lookup_mask is None else (proposal.lookup_mask,)
+        read = self.runner.fetch(verdict.accepted, verdict.tokens, *mask)  # [B][1 + k+1 (+ k+1)]: the sync
         accepted = [values[0] for values in read]
         gained = [values[1 : values[0] + 2] for values in read]
+        host = proposal.host
+        if mask:
+            looked_up = [[bool(found) for found in values[2 + proposal.k :]] for values in read]
+            host = replace(host, looked_up=looked_up)
         slab = Slab(torch.cat([batch.tokens, verdict.tokens], dim=1), batch.slab.target, batch.slab.draft)
         draft_cached = self.proposer.cached_after(batch, proposal, accepted)
         for i, (row, tokens, pad) in enumerate(zip(batch.rows, gained, batch.host.pad, strict=True)):
@@ -175,7 +184,7 @@ class Engine:
             if not row.finished:
                 row.kv = KVLocation(slab, i, start=pad, target_cached=row.content_len - 1, draft_cached=draft_cached[i])
         self.stats.record_round(accepted, proposal.host.lengths)
-        return accepted, gained
+        return accepted, gained, host
 
 
 def build_engine(target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig) -> Engine:

@@ -20,11 +20,15 @@ of ``qwen2.5-coder`` (replayed on the reference outputs, up to 10 drafts a round
 
 :class:`NgramIndex` keeps, per row, the first end of every n-gram whose next token is known, updated as the row's
 text grows (``O(n_max)`` per token), so a lookup is a few dictionary reads whatever the context length.
+:func:`lookup_on_device` is the same lookup as tensor code over a batch's token matrix, for drafts the host has not
+read (the hybrid proposer's lookups after a model-drafted token): it scans every row, ``O(n_max * width)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 DEFAULT_MAX_NGRAM = 5
 DEFAULT_MIN_NGRAM = 1
@@ -109,3 +113,34 @@ class _Joined:
 
     def tail(self, n: int) -> tuple[int, ...]:
         return tuple(self[len(self) - n : len(self)])
+
+
+def lookup_on_device(
+    text: torch.Tensor, start: torch.Tensor, n_min: int, n_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lookup of :meth:`LookupCursor.next` for every row at once, on the device (no read back).
+
+    ``text`` ``[B, T]`` holds row ``i``'s text in columns ``start[i] .. T-1`` (``start`` ``[B]``: its left padding);
+    returns the draft for position ``T`` ``[B]`` and whether a suffix of ``n_min .. n_max`` tokens occurred before
+    ``[B]`` (bool; where it did not, the draft is filler). As on the host: the longest such suffix, at its earliest
+    occurrence with a next token.
+
+    Worked example, one row ``a b x a b y a b`` (``start = 0``, ``n_max = 3``): a candidate end ``e`` (0 .. 6, each
+    has a next token) matches the suffix for ``run[e]`` tokens back: ``run = [0, 2, 0, 0, 2, 0, 0]`` (``e = 1``:
+    ``a b`` = ``a b``; ``e = 4``: ``x a b`` ≠ ``y a b``, two tokens). The longest is 2, first at ``e = 1``: the draft
+    is ``text[2] = x``.
+    """
+    size, width = text.shape
+    ends = torch.arange(width - 1, device=text.device)  # [T-1]: candidate ends; each has a next token
+    matching = torch.ones((size, width - 1), dtype=torch.bool, device=text.device)  # [B, T-1]
+    run = torch.zeros((size, width - 1), dtype=torch.long, device=text.device)  # [B, T-1]
+    for back in range(min(n_max, width - 1)):  # a match ends before the last column: at most width - 1 long
+        columns = ends - back  # [T-1]
+        inside = columns[None, :] >= start[:, None]  # [B, T-1]: the token is the row's own
+        same = text[:, columns.clamp(min=0)] == text[:, width - 1 - back, None]  # [B, T-1]
+        matching &= inside & same
+        run += matching
+    longest = run.amax(dim=1)  # [B]
+    earliest = (run >= longest[:, None]).int().argmax(dim=1)  # [B]: the first end of a longest match
+    draft = text.gather(1, (earliest + 1)[:, None])[:, 0]  # [B]
+    return draft, longest >= n_min

@@ -50,11 +50,20 @@ class Floats:
 
 
 class ModelRunner:
-    """Runs forwards, staging and the round's read on one device (that of the models it is given)."""
+    """Runs forwards, staging and the round's read on one device (that of the models it is given).
+
+    Attributes:
+        device: where the models are.
+        cuda: whether that is a GPU (pinned staging, CUDA-event timing).
+        free_reads: whether reading the device back waits for nothing (the CPU). Code that can save work by reading
+            a device value (the hybrid proposer's lookup hits, which let it skip a draft forward) reads it only
+            there; on a GPU a decode round reads once, in :meth:`fetch`.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.free_reads = self.device.type == "cpu"  # reading a CPU tensor waits for nothing
 
     def logits(
         self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor, *, keep: int

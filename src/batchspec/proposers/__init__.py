@@ -23,7 +23,7 @@ A third, cheap method, ``reach``, tells how far each row could draft before the 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -63,6 +63,8 @@ class Proposal:
         draft_fed: drafts ``d_1 .. d_n`` whose KV the draft model's cache holds after proposing (its last forward
             read ``d_n``); None when the draft model did not run this round.
         draft_forwards: forwards the draft model ran this round.
+        lookup_mask: ``[B, k+1]`` (bool) the positions whose draft came from prompt lookup, where the host does not
+            know them all (the hybrid proposer looks up on the device); read back with the verdict. None otherwise.
     """
 
     tokens: torch.Tensor  # [B, k+1]
@@ -72,6 +74,7 @@ class Proposal:
     bonus_drafted: torch.Tensor | None = None  # [B]
     draft_fed: int | None = None
     draft_forwards: int = 0
+    lookup_mask: torch.Tensor | None = None  # [B, k+1]
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.lengths.shape != self.tokens.shape[:1]:
@@ -91,13 +94,14 @@ class ProposalPlan:
     Attributes:
         host: the lengths each row proposes (and, for lookups, the positions found so far) as host lists.
         columns: host columns :meth:`Proposer.propose` needs on the device, staged with the round's other inputs.
-        lookups: the draft proposer's lookups for the round (its ``_RoundLookups``; None for other proposers).
+        lookups: per row, the lookup drafts the host found (its lookup chain's length) for a draft proposer with
+            lookup (the hybrid proposer; None for the others).
         staged: ``columns`` on the device, once the round's copy is made (:meth:`staged_as`).
     """
 
     host: ProposalHost
     columns: tuple = ()
-    lookups: Any = None
+    lookups: list[int] | None = None
     staged: tuple[torch.Tensor, ...] = ()
 
     def staged_as(self, tensors: tuple[torch.Tensor, ...]) -> ProposalPlan:

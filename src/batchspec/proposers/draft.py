@@ -8,7 +8,8 @@ from dataclasses import replace
 import torch
 
 from batchspec.controller import Reach
-from batchspec.proposers import Proposal, ProposalHost, ProposalPlan, point_masses
+from batchspec.lookup import lookup_on_device
+from batchspec.proposers import Proposal, ProposalHost, ProposalPlan
 from batchspec.proposers.ngram import NgramProposer
 from batchspec.runner import ModelRunner
 from batchspec.sampling import RoundSampling, Stream, sample_draft, warp_rows
@@ -26,11 +27,13 @@ class DraftModelProposer:
     and its cache as it was: it catches up when it next runs.
 
     With ``lookup`` (the hybrid proposer) every position is first looked up in the row's own text
-    (:mod:`batchspec.lookup`) and the draft model fills only the positions where the lookup finds nothing; a step
-    at which every row that needs a draft has a lookup draft runs no draft forward (its tokens are fed at the next
-    forward), so the draft's cache stays right for every row. Lookup drafts of sampling rows have a one-hot ``q``.
-    Which step runs a forward is decided on the host; the only device reads are the drafted tokens the lookups go
-    on from (see :class:`_RoundLookups`), none without lookup.
+    (:mod:`batchspec.lookup`) and the draft model fills only the positions where the lookup finds nothing. A row's
+    lookups up to its first miss are its lookup chain, found on the host when the round is planned; after the draft
+    model drafts a position, the row's next lookups go on from the drafted token, on the device
+    (:func:`~batchspec.lookup.lookup_on_device`), so nothing is read back. A step runs no draft forward when every
+    row that needs it has a chain draft there (its tokens are fed at the next forward), so the draft's cache stays
+    right for every row. Lookup drafts of sampling rows have a one-hot ``q``; which positions were looked up is read
+    back with the round's verdict.
     """
 
     uses_draft_model = True
@@ -46,44 +49,49 @@ class DraftModelProposer:
         return replace(self.lookup.reach(rows, limit), uses_draft_model=True, lag=lag)
 
     def plan(self, rows: list[Sequence], lengths: list[int]) -> ProposalPlan:
-        lookups = _RoundLookups(self.lookup, rows, max(lengths, default=0))
-        host = ProposalHost(lengths=lengths, looked_up=None if self.lookup is None else lookups.looked_up)
-        return ProposalPlan(host, columns=(lengths,), lookups=lookups)
+        """Columns: the lengths ``[B]``, and with lookup the chains ``[B, k+1]`` (0 past a chain's end) and their
+        lengths ``[B]``."""
+        host = ProposalHost(lengths=lengths)
+        if self.lookup is None:
+            return ProposalPlan(host, columns=(lengths,))
+        k = max(lengths, default=0)
+        chains = self.lookup.chains(rows, k + 1)
+        matrix = [chain + [0] * (k + 1 - len(chain)) for chain in chains]  # [B, k+1]
+        found = [len(chain) for chain in chains]
+        return ProposalPlan(host, columns=(lengths, matrix, found), lookups=found)
 
     def propose(
         self, batch: BatchState, plan: ProposalPlan, sampling: RoundSampling | None, runner: ModelRunner
     ) -> Proposal:
-        (staged_lengths,) = plan.staged  # [B]
-        lengths, lookups, host = plan.host.lengths, plan.lookups, plan.host
+        lengths = plan.host.lengths
         k = max(lengths, default=0)
         sampled = sampling is not None and sampling.any_sampled
         steps = k + int(sampled)
-        tokens = batch.tokens.new_zeros((batch.size, k + 1))  # [B, k+1]: drafts, lookups written as found
-        looked_up = torch.zeros_like(tokens, dtype=torch.bool)  # [B, k+1]
+        drafts = _RoundDrafts(batch, plan, self.lookup, steps)
         if steps == 0:
-            return Proposal(tokens, staged_lengths, host)
+            return drafts.proposal(plan.host)
         needed = _needed(lengths, sampling.rows if sampled else (), steps)
         q, runs = None, []
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
         for j in range(steps):
-            _write_column(tokens, looked_up, j, lookups.at(j), runner)
-            if all(lookups.looked_up[i][j] or not needed[i][j] for i in range(batch.size)):
-                inputs = torch.cat([inputs, tokens[:, j : j + 1]], dim=1)
-                lookups.push(j, tokens, needed)
+            if drafts.past_chains(j, needed):
+                drafts.look_up(j, read=runner.free_reads)
+            if drafts.chained(j, needed):
+                inputs = torch.cat([inputs, drafts.tokens[:, j : j + 1]], dim=1)  # fed at the next forward
                 continue
             if not runs:
                 _check_caught_up(batch)
-            drafted, q = self._model_step(batch, inputs, runner, tokens.shape, q, j, sampling if sampled else None)
-            tokens[:, j] = torch.where(looked_up[:, j], tokens[:, j], drafted)  # lookup drafts go first
-            inputs = tokens[:, j : j + 1]
+            step_sampling = sampling if sampled else None
+            drafted, q = self._model_step(batch, inputs, runner, drafts.tokens.shape, q, j, step_sampling)
+            drafts.fill(j, drafted)
+            inputs = drafts.tokens[:, j : j + 1]
             runs.append(j)
-            lookups.push(j, tokens, needed)
         kept = dict(draft_fed=max(runs, default=None), draft_forwards=len(runs))
         if not sampled:
-            return Proposal(tokens, staged_lengths, host, **kept)
-        if q is not None:
-            _point_masses_at_lookups(q, tokens, lookups.looked_up, sampling.rows, runner)
-        return Proposal(tokens, staged_lengths, host, q=q, bonus_drafted=sampling.sampled, **kept)
+            return drafts.proposal(plan.host, **kept)
+        if q is not None and self.lookup is not None:
+            _point_masses_at_lookups(q, drafts.tokens, drafts.looked_up)
+        return drafts.proposal(plan.host, q=q, bonus_drafted=sampling.sampled, **kept)
 
     def _model_step(
         self,
@@ -132,66 +140,73 @@ def _needed(lengths: list[int], sampling: tuple[int, ...], steps: int) -> list[l
     return [[j < n or (i in sampled and j == n) for j in range(steps)] for i, n in enumerate(lengths)]
 
 
-class _RoundLookups:
-    """Which positions of one round are looked up (with lookup, the hybrid proposer), and their drafts.
+class _RoundDrafts:
+    """One round's drafts as they are chosen: ``tokens`` ``[B, k+1]`` and, with lookup, which positions were looked
+    up, ``looked_up`` ``[B, k+1]`` (bool). Both start as the rows' lookup chains (staged by the plan); a position
+    past a row's chain is looked up on the device from the drafts before it (:meth:`look_up`), else drafted by the
+    model (:meth:`fill`).
 
-    Each row's lookup at a position depends only on its text before that position (see :mod:`batchspec.lookup`):
-    after the draft model drafts for a row, its lookup goes on from the drafted token. That keeps a sampling row's
-    tokens independent of the batch and of ``k`` (its ``q`` at a position is one-hot exactly where a lookup finds
-    a draft), and lets a greedy row take up a copied span again after a drafted token, so that later steps may
-    need no draft forward. It needs the drafted tokens on the host: each draft-model step that a later position
-    needs reads ``[B]`` tokens back (the only reads of a round besides the verdict).
+    Example: row 0's chain is ``[5]``; the model drafts 9 at position 1; the lookup of position 2 over the row's
+    text then ``5 9`` finds 4: ``tokens[0] = [5, 9, 4]``, ``looked_up[0] = [T, F, T]``.
     """
 
-    def __init__(self, lookup: NgramProposer | None, rows: list[Sequence], k: int) -> None:
-        self.cursors = {i: lookup.index(row).cursor() for i, row in enumerate(rows)} if lookup else {}
-        self.values = [[0] * (k + 1) for _ in rows]  # [B, k+1] lookup drafts (0: none)
-        self.looked_up = [[False] * (k + 1) for _ in rows]  # [B, k+1]
+    def __init__(self, batch: BatchState, plan: ProposalPlan, lookup: NgramProposer | None, steps: int) -> None:
+        self.batch, self.lookup = batch, lookup
+        self.lengths = plan.staged[0]  # [B]
+        self.chain_lengths = plan.lookups or [0] * batch.size  # host copy of self.found
+        self.hits: dict[int, list[bool]] = {}  # position → rows whose device lookup found a draft, where read
+        k = max(plan.host.lengths, default=0)
+        if lookup is None:
+            self.tokens = batch.tokens.new_zeros((batch.size, k + 1))  # [B, k+1]
+            self.looked_up = None
+            return
+        chains, self.found = plan.staged[1:]  # [B, k+1], [B]
+        self.tokens = chains.clone()  # [B, k+1]
+        positions = torch.arange(k + 1, device=chains.device)  # [k+1]
+        self.looked_up = positions[None, :] < self.found[:, None]  # [B, k+1]
 
-    def at(self, j: int) -> list[tuple[int, int]]:
-        """Look up position ``j`` of every row; returns the ``(row, draft)`` found."""
-        found = []
-        for i, cursor in self.cursors.items():
-            token = cursor.next()
-            if token is not None:
-                self.values[i][j], self.looked_up[i][j] = token, True
-                found.append((i, token))
-        return found
+    def chained(self, j: int, needed: list[list[bool]]) -> bool:
+        """Whether every row that needs position ``j`` has a lookup draft there that the host knows of (its chain's,
+        or a device lookup's that was read): the draft model skips step ``j``."""
+        hits = self.hits.get(j, [False] * len(needed))
+        rows = zip(needed, self.chain_lengths, hits, strict=True)
+        return all(not need[j] or j < n or hit for need, n, hit in rows)
 
-    def push(self, j: int, tokens: torch.Tensor, needed: list[list[bool]]) -> None:
-        """Step ``j``'s drafts are chosen (``tokens`` ``[B, k+1]``): the lookups go on from them. The drafted tokens
-        are read only for rows that need a later position (a row's later lookups matter only there)."""
-        drafted = [i for i in self.cursors if not self.looked_up[i][j] and any(needed[i][j + 1 :])]
-        if drafted:
-            values = tokens[drafted, j].tolist()  # a read: the drafted tokens the lookups continue from
-            for i, token in zip(drafted, values, strict=True):
-                self.values[i][j] = token
-        for i, cursor in self.cursors.items():
-            cursor.push(self.values[i][j])
+    def past_chains(self, j: int, needed: list[list[bool]]) -> bool:
+        """Whether a row needs position ``j`` after the draft model drafted one of its earlier positions (where its
+        chain ended): its lookup of ``j`` runs on the device."""
+        if self.lookup is None:
+            return False
+        return any(need[j] and j > n for need, n in zip(needed, self.chain_lengths, strict=True))
+
+    def look_up(self, j: int, read: bool) -> None:
+        """Look up position ``j`` (> 0) of the rows past their chains, from their text and drafts ``< j``. With
+        ``read`` (where reading the device back costs no synchronisation: the CPU) the host reads which rows found
+        one, so that a step where all did skips the draft forward; on a GPU the forward runs instead of a wait."""
+        text = torch.cat([self.batch.tokens, self.tokens[:, :j]], dim=1)  # [B, L + j]
+        draft, hit = lookup_on_device(text, self.batch.pad, self.lookup.n_min, self.lookup.n_max)  # [B], [B]
+        hit &= self.found < j
+        self.tokens[:, j] = torch.where(hit, draft, self.tokens[:, j])
+        self.looked_up[:, j] |= hit
+        if read:
+            self.hits[j] = hit.tolist()  # a read, free on the CPU
+
+    def fill(self, j: int, drafted: torch.Tensor) -> None:
+        """The model's drafts ``[B]`` at position ``j``, where the lookup found none."""
+        if self.looked_up is None:
+            self.tokens[:, j] = drafted
+        else:
+            self.tokens[:, j] = torch.where(self.looked_up[:, j], self.tokens[:, j], drafted)
+
+    def proposal(self, host: ProposalHost, **kept) -> Proposal:
+        return Proposal(self.tokens, self.lengths, host, lookup_mask=self.looked_up, **kept)
 
 
-def _write_column(
-    tokens: torch.Tensor, looked_up: torch.Tensor, j: int, found: list[tuple[int, int]], runner: ModelRunner
-) -> None:
-    """Put the lookup drafts ``found`` (``(row, draft)``) of step ``j`` into ``tokens`` and ``looked_up``
-    (``[B, k+1]`` each)."""
-    if not found:
-        return
-    rows, drafts = runner.stage([i for i, _ in found], [t for _, t in found])  # [n], [n]
-    tokens[rows, j] = drafts
-    looked_up[rows, j] = True
-
-
-def _point_masses_at_lookups(
-    q: torch.Tensor, tokens: torch.Tensor, looked_up: list[list[bool]], rows: tuple[int, ...], runner: ModelRunner
-) -> None:
-    """Give the lookup drafts of sampling rows a one-hot ``q`` (``q`` ``[B, k+1, V]``, in place)."""
-    places = [(i, j) for i in rows for j, found in enumerate(looked_up[i]) if found]
-    if not places:
-        return
-    at_rows, at_columns = runner.stage([i for i, _ in places], [j for _, j in places])  # [n], [n]
-    drafts = tokens[at_rows, at_columns]  # [n]
-    q[at_rows, at_columns] = point_masses(drafts[:, None], q.shape[-1]).squeeze(1).to(q.dtype)
+def _point_masses_at_lookups(q: torch.Tensor, tokens: torch.Tensor, looked_up: torch.Tensor) -> None:
+    """Give every lookup draft a one-hot ``q`` (``q`` ``[B, k+1, V]``, in place; ``tokens``, ``looked_up``
+    ``[B, k+1]``). Only sampling rows read their ``q``."""
+    q.mul_(~looked_up[..., None])  # [B, k+1, V]: zero where looked up
+    q.scatter_add_(-1, tokens[..., None], looked_up[..., None].to(q.dtype))  # 1 at the lookup draft
 
 
 def _q_dtype(logits_dtype: torch.dtype) -> torch.dtype:
