@@ -109,6 +109,8 @@ def test_worked_example_from_the_docstring():
     batch = _assemble(layout, [row0, row1], (1, 1))
     assert batch.tokens.tolist() == [[1, 2, 3, 11, 12, 13], [4, 5, 6, 7, 8, 14]]
     assert batch.slab.target is not slab.target
+    assert batch.slab.target.storage is slab.target.storage, "all of one slab's rows shift within its storage"
+    assert batch.slab.target.layers[0].keys[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 4]  # row 0's columns moved left
 
 
 def test_draft_catch_up_worked_example_from_its_docstring():
@@ -169,6 +171,8 @@ def test_reordered_or_partial_slab_is_gathered(order):
     picked = [rows[i] for i in order]
     layout = plan_layout(picked)
     assert layout.reuse is None and not layout.padded
+    batch = _assemble(layout, picked, (1, 1))
+    assert batch.slab.target.storage is not rows[0].kv.slab.target.storage, "other rows may still need that storage"
 
 
 def test_new_rows_without_kv_start_from_zero_cache():

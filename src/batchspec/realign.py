@@ -18,8 +18,10 @@ the batch grew from width ``L`` to ``L'`` moves by ``delta[i] = (L' - L) - n[i]`
 New column ``j`` of row ``i`` reads old column ``j - delta[i]``; columns that map before the row's start are
 padding and only need finite values, since the attention mask hides them. A batch made of all the rows of
 one slab, in order and unshifted, is in *lockstep*: the slab is reused as it is and its caches are only
-cropped (dropping rejected drafts). Anything else — rows leaving, joining from other slabs, or shifting — is
-one gather per source slab into fresh storage.
+cropped (dropping rejected drafts). All of one slab's rows in order but shifted (EqSpec after rows accepted
+different counts) are shifted within the slab's own storage, which keeps its address (what CUDA graphs replay on:
+:mod:`batchspec.graphs`). Anything else — rows leaving, or joining from other slabs — is one gather per source
+slab into fresh storage.
 
 Each model's cache keeps one number of columns for the whole batch (``target_len``, ``draft_len``): a forward feeds
 the columns after it for every row. A row whose cache holds more loses the surplus and re-reads it; for the
@@ -265,8 +267,8 @@ def assemble(
     target_layers, draft_layers = layers
     draft = None
     if draft_layers is not None:
-        draft = _gather_cache(sources, pad, lambda s: s.draft, draft_layers, layout.draft_len)
-    target = _gather_cache(sources, pad, lambda s: s.target, target_layers, layout.target_len)
+        draft = _move_cache(layout, sources, pad, lambda s: s.draft, draft_layers, layout.draft_len)
+    target = _move_cache(layout, sources, pad, lambda s: s.target, target_layers, layout.target_len)
     tokens = _gather_tokens(layout, sources, fresh_tokens, pad, filler)
     return BatchState(rows, pad, content, Slab(tokens=tokens, target=target, draft=draft), cached, host)
 
@@ -285,6 +287,33 @@ def _gather_tokens(
     for i, row in zip(layout.fresh, fresh, strict=True):
         tokens[i, layout.pad[i] :] = row
     return tokens.masked_fill(cols[None, :] < pad[:, None], filler)
+
+
+def _move_cache(
+    layout: Layout, sources: list[_Staged], pad: torch.Tensor, pick, num_layers: int, length: int
+) -> BatchKVCache:
+    """The cache of the new layout (``pick`` chooses the target's or the draft's): shifted within its storage where
+    the batch is all of one slab's rows, in order, and the storage holds ``length`` columns; else gathered."""
+    if len(sources) == 1 and not layout.fresh and sources[0].source.in_order:
+        cache = pick(sources[0].source.slab)
+        whole = len(sources[0].source.dest) == len(layout.pad)
+        if whole and cache is not None and cache.storage is not None and 0 < length <= cache.storage.shape[4]:
+            assert cache.length > 0, "a shifted cache holds columns"
+            return _shift_cache(cache, sources[0].shift, num_layers, length)
+    return _gather_cache(sources, pad, pick, num_layers, length)
+
+
+def _shift_cache(cache: BatchKVCache, shift: torch.Tensor, num_layers: int, length: int) -> BatchKVCache:
+    """``cache``'s storage with each row's columns moved by ``shift`` ``[B]`` (new column ``j`` holds old column
+    ``j - shift``), ``length`` of them: one gather into a copy, one copy back."""
+    storage = cache.storage  # [N, 2, B, H, capacity, D]
+    n, two, size, heads, _, dim = storage.shape
+    cols = torch.arange(length, device=shift.device)
+    index = (cols[None, :] - shift[:, None]).clamp(0, cache.length - 1)  # [B, length]
+    index = index[None, None, :, None, :, None].expand(n, two, size, heads, length, dim)
+    moved = storage[:, :, :, :, : cache.length].gather(4, index)  # [N, 2, B, H, length, D]
+    storage[:, :, :, :, :length].copy_(moved)
+    return BatchKVCache(num_layers, storage, length)
 
 
 def _gather_cache(sources: list[_Staged], pad: torch.Tensor, pick, num_layers: int, length: int) -> BatchKVCache:
