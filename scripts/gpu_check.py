@@ -10,6 +10,9 @@ figures are of cost, not of acceptance). Each part prints a JSON object and writ
     python scripts/gpu_check.py throughput      # tokens/s vs transformers' generate (dynamic and static-cache compiled)
     python scripts/gpu_check.py all --out docs/results/DATE-gpu
 
+``--cuda-graphs on`` runs batchspec's decode forwards as CUDA graphs in every part (``batchspec.graphs``; compare a
+run with ``off``, the default, written to another ``--out``).
+
 A part can take minutes on a GPU (the 7B-shaped model is built in every part that uses it, and the static-cache
 ``generate`` compiles on its first call): run one part per command where commands are limited in time, and
 ``--sizes 8`` (or ``--sizes 1,8``) to split ``throughput`` further. ``--device cpu --small`` runs every part on the
@@ -35,6 +38,7 @@ from host_reads import HostReads  # noqa: E402
 
 import batchspec  # noqa: E402
 from batchspec.engine import Engine  # noqa: E402
+from batchspec.graphs import graph_mode  # noqa: E402
 from batchspec.kv_cache import BatchKVCache  # noqa: E402
 from batchspec.runner import ModelRunner  # noqa: E402
 from batchspec.state import BatchState  # noqa: E402
@@ -86,11 +90,12 @@ def equivalence(args) -> dict:
         for method, proposer, k in CONFIGS:
             out = batchspec.generate(target, None if proposer == "ngram" else draft, rows, method=method,
                                      proposer=proposer, num_draft_tokens=k, max_new_tokens=40, eos_token_id=[],
-                                     batch_size=8 if method == "eqspec" else 3)
+                                     batch_size=8 if method == "eqspec" else 3, cuda_graphs=args.cuda_graphs)
             equal = sum(a == b for a, b in zip(out.sequences, refs, strict=True))
             results[f"{kind}/{method}/{proposer}/k={k}"] = f"{equal}/16"
         seeded = [batchspec.generate(target, draft, rows, method=m, batch_size=b, num_draft_tokens=k,
-                                     temperature=0.9, seed=11, max_new_tokens=40, eos_token_id=[]).sequences
+                                     temperature=0.9, seed=11, max_new_tokens=40, eos_token_id=[],
+                                     cuda_graphs=args.cuda_graphs).sequences
                   for m, b, k in (("eqspec", 8, "auto"), ("exspec", 3, 2))]
         results[f"{kind}/seeded eqspec B=8 vs exspec B=3 k=2"] = (
             f"{sum(a == b for a, b in zip(*seeded, strict=True))}/16")
@@ -152,7 +157,7 @@ def forward_seconds(model, runner: ModelRunner, size: int, context: int, tokens:
 
 def costs(args) -> dict:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    runner = ModelRunner(torch.device(args.device))
+    runner = ModelRunner(torch.device(args.device), graphs=graph_mode(args.cuda_graphs, torch.device(args.device)))
     results = {}
     for name, shape in (("target-7B", QWEN_7B), ("draft-0.5B", QWEN_05B)):
         model = shaped(SMALL if args.small else shape, 0, args.device, dtype)
@@ -188,7 +193,7 @@ def throughput(args) -> dict:
         for name, options in cells.items():
             started = time.perf_counter()
             out = batchspec.generate(target, draft, rows, batch_size=size, max_new_tokens=new, eos_token_id=[],
-                                     **options)
+                                     cuda_graphs=args.cuda_graphs, **options)
             seconds = time.perf_counter() - started
             results[f"B={size} {name} tokens/s"] = round(sum(map(len, out.sequences)) / seconds, 1)
         for name, extra in PEERS:
@@ -217,9 +222,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=lambda text: [int(b) for b in text.split(",")], default=[1, 8, 32],
                         help="batch sizes of costs and throughput, comma-separated (default 1,8,32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt in throughput")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default="off", help="batchspec's CUDA graphs")
     args = parser.parse_args()
     device = {"device": args.device, "name": torch.cuda.get_device_name(args.device)
-              if args.device.startswith("cuda") else "cpu", "torch": torch.__version__}
+              if args.device.startswith("cuda") else "cpu", "torch": torch.__version__, "cuda_graphs": args.cuda_graphs}
     for part in PARTS if args.part == "all" else [args.part]:
         result = {"part": part, **device, "results": PARTS[part](args)}
         print(json.dumps(result, indent=1), flush=True)

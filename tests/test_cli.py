@@ -319,6 +319,13 @@ def test_a_missing_cuda_device_is_one_line_error(command, tiny_pair, tmp_path):
     assert_one_line_error(result, 1, "device 'cuda' was asked for", "CPU-only build")
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_cuda_graphs_on_the_cpu_is_one_line_error(command, tiny_pair):
+    models = ["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"])]
+    result = run(command, *models, "--device", "cpu", "--cuda-graphs", "on")
+    assert_one_line_error(result, 1, "--cuda-graphs on needs the models on a CUDA device", "they are on cpu")
+
+
 def test_a_cpu_run_names_its_kernels_not_a_device(tiny_pair, tmp_path):
     out = tmp_path / "cpu.jsonl"
     result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--device", "cpu", "--output", str(out)))

@@ -56,6 +56,7 @@ def generate(
     tokenizer=None,
     check_invariants: bool = False,
     timing: bool = True,
+    cuda_graphs: str = "auto",
     progress: bool = False,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -99,6 +100,8 @@ def generate(
         tokenizer: encodes string prompts and decodes ``result.texts``.
         check_invariants: check I1, I2 and both caches after every round (slower; for tests and debugging).
         timing: split wall time into draft / verify / realign / other.
+        cuda_graphs: ``"on"`` replays the decode forwards of models on a CUDA device as CUDA graphs; ``"off"``;
+            ``"auto"`` (off until a GPU run has measured the graphs).
         progress: show a progress bar over prompts.
         temperature: 0 for greedy decoding; > 0 samples from the target's logits divided by it.
         top_k: sampling only: keep the ``top_k`` most probable tokens.
@@ -121,6 +124,7 @@ def generate(
         sort_by_length=sort_by_length,
         check_invariants=check_invariants,
         timing=timing,
+        cuda_graphs=cuda_graphs,
     )
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     engine = build_engine(target, draft, config)

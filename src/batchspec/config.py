@@ -28,6 +28,17 @@ class ProposerKind(StrEnum):
 
 
 PROPOSERS = tuple(p.value for p in ProposerKind)
+
+
+class CudaGraphs(StrEnum):
+    """Whether decode forwards on a GPU are captured as CUDA graphs (:mod:`batchspec.graphs`)."""
+
+    AUTO = "auto"  # off until a GPU run has measured the graphs (README, "On a GPU")
+    ON = "on"
+    OFF = "off"
+
+
+CUDA_GRAPHS = tuple(c.value for c in CudaGraphs)
 AUTO = "auto"
 MAX_AUTO_DRAFT_TOKENS = 10
 
@@ -60,6 +71,9 @@ class SpecConfig:
         prefill_chunk: while other rows decode, read at most this many columns of new prompts per round (chunked
             prefill, for serving); ``"auto"``: as many as take about one decode round to read (measured as it
             runs, :class:`batchspec.prefill.ChunkBudget`); None reads every prompt in one piece.
+        cuda_graphs: ``"on"`` captures the decode forwards of models on a CUDA device as CUDA graphs and replays
+            them (:mod:`batchspec.graphs`); ``"off"`` runs them as they come; ``"auto"`` is off until a GPU run has
+            measured the graphs.
     """
 
     method: Method = Method.EQSPEC
@@ -77,12 +91,17 @@ class SpecConfig:
     check_invariants: bool = False
     timing: bool = True
     prefill_chunk: int | str | None = None
+    cuda_graphs: CudaGraphs = CudaGraphs.AUTO
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "method", Method(self.method))
         except ValueError:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}") from None
+        try:
+            object.__setattr__(self, "cuda_graphs", CudaGraphs(self.cuda_graphs))
+        except ValueError:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}; got {self.cuda_graphs!r}") from None
         _require_int("batch_size", self.batch_size, minimum=1)
         _require_int("max_new_tokens", self.max_new_tokens, minimum=0)
         if self.num_draft_tokens != AUTO:

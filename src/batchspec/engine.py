@@ -19,6 +19,7 @@ import torch
 
 from batchspec.config import ProposerKind, SpecConfig
 from batchspec.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
+from batchspec.graphs import graph_mode
 from batchspec.kv_cache import Slab
 from batchspec.metrics import GenerationStats, StageTimer
 from batchspec.model_checks import check_pair
@@ -42,7 +43,7 @@ class Engine:
         self.config = config
         self.stats = GenerationStats()
         self.device = next(target.parameters()).device
-        self.runner = ModelRunner(self.device)
+        self.runner = ModelRunner(self.device, graphs=graph_mode(config.cuda_graphs, self.device))
         self.timer = StageTimer(self.stats, enabled=config.timing, device=self.device)
         self.eos = frozenset(config.eos_token_ids)
         self.proposer = _proposer(draft, config)

@@ -5,12 +5,16 @@ out like the batch's token matrix: cache column ``j`` holds the KV of token colu
 into the spare capacity; moving rows to another layout is a gather done by :mod:`batchspec.realign`.
 
 ``BatchKVCache`` plugs into transformers 5.x through its ``Cache``/``CacheLayerMixin`` API: each layer's
-``update`` writes the new keys/values and returns views of the filled prefix.
+``update`` writes the new keys/values and returns views of the filled prefix. In *static* mode
+(:meth:`BatchKVCache.writing_at`, the shape CUDA graphs need: :mod:`batchspec.graphs`) it writes at columns held in a
+device tensor and returns the whole capacity, so a forward's shapes and addresses do not depend on the length.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +57,12 @@ class _StoreLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [B, H, q, D]; every layer writes columns length .. length+q-1
+        columns = self.owner.write_at  # [q] in static mode
+        if columns is not None:
+            store = self.owner.storage
+            store[self.layer_idx, 0].index_copy_(2, columns, key_states)
+            store[self.layer_idx, 1].index_copy_(2, columns, value_states)
+            return store[self.layer_idx, 0], store[self.layer_idx, 1]  # [B, H, capacity, D]
         start = self.owner.length
         end = start + key_states.shape[-2]
         store = self.owner.ensure_capacity(key_states, end)
@@ -78,7 +88,20 @@ class BatchKVCache(Cache):
     def __init__(self, num_layers: int, storage: torch.Tensor | None = None, length: int = 0) -> None:
         self.storage = storage  # [num_layers, 2, B, H, capacity, D]
         self.length = length
+        self.write_at: torch.Tensor | None = None  # [q] the columns a static-mode forward writes
         super().__init__(layers=[_StoreLayer(self, i) for i in range(num_layers)])
+
+    @contextmanager
+    def writing_at(self, columns: torch.Tensor) -> Iterator[None]:
+        """Static mode for one forward: every layer writes its keys and values at ``columns`` ``[q]`` (a device
+        tensor) and attends over the whole capacity; the caller masks what lies past the length, and advances
+        ``length`` itself. The storage must already hold the columns (:meth:`ensure_capacity`)."""
+        assert self.storage is not None, "static mode needs allocated storage"
+        self.write_at = columns
+        try:
+            yield
+        finally:
+            self.write_at = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> BatchKVCache:

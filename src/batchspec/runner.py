@@ -37,9 +37,10 @@ from dataclasses import dataclass
 
 import torch
 
+from batchspec.graphs import GraphedForwards, GraphMode
 from batchspec.int8.attention import NAME as EXACT_ATTENTION
 from batchspec.kv_cache import BatchKVCache
-from batchspec.state import BatchState
+from batchspec.state import BatchState, visible_keys
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,24 @@ class ModelRunner:
             there; on a GPU a decode round reads once, in :meth:`fetch`.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, graphs: GraphMode = "off") -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.free_reads = self.device.type == "cpu"  # reading a CPU tensor waits for nothing
+        self.graphs = None if graphs == "off" else GraphedForwards(_static_call, capture=graphs == "on")
 
     def logits(
         self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor, *, keep: int
     ) -> torch.Tensor:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
-        the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real."""
+        the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
+        Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.graphs`)."""
+        end = cache.length + input_ids.shape[1]
+        graphed = self.graphs is not None and _implementation(model) in _STATIC_MASKS
+        if graphed and self.graphs.handles(cache, end, input_ids.shape[1]):
+            logits = self.graphs.logits(model, cache, input_ids, batch.pad, keep)
+            if logits is not None:
+                return logits
         return model(**_inputs(model, batch, cache, input_ids), logits_to_keep=keep).logits
 
     def read(self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> None:
@@ -164,6 +173,11 @@ def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, inpu
 
 
 _BOOLEAN_MASKS = ("sdpa", EXACT_ATTENTION)
+_STATIC_MASKS = ("sdpa", "eager")  # the implementations a static-mode forward (CUDA graphs) runs with
+
+
+def _implementation(model: torch.nn.Module) -> str | None:
+    return getattr(model.config, "_attn_implementation", None)
 
 
 def _mask(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> torch.Tensor:
@@ -174,18 +188,33 @@ def _mask(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> to
     is: building it here reads nothing back from the device (transformers checks whether a 2D mask has padding, a
     synchronisation). Other implementations get the 2D padding mask ``[B, end]``.
     """
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in _BOOLEAN_MASKS and implementation != "eager":
+    if _implementation(model) not in _BOOLEAN_MASKS and _implementation(model) != "eager":
         return batch.attention_mask(end)
-    keys = torch.arange(end, device=batch.device)  # [end]
     queries = torch.arange(start, end, device=batch.device)  # [q]
-    causal = keys[None, :] <= queries[:, None]  # [q, end]
-    visible = causal[None, :, :] & (keys[None, None, :] >= batch.pad[:, None, None])  # [B, q, end]
-    visible = visible[:, None]  # [B, 1, q, end]
-    if implementation in _BOOLEAN_MASKS:
+    return _as_mask(model, visible_keys(queries, batch.pad, end))
+
+
+def _as_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
+    """``visible`` ``[B, 1, q, width]`` as the model's attention implementation takes a 4D mask: boolean for sdpa
+    and the exact int8 attention, additive for eager."""
+    if _implementation(model) in _BOOLEAN_MASKS:
         return visible
     dtype = next(model.parameters()).dtype
-    return torch.zeros(visible.shape, dtype=dtype, device=batch.device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+def _static_call(
+    model: torch.nn.Module,
+    cache: BatchKVCache,
+    input_ids: torch.Tensor,
+    visible: torch.Tensor,
+    positions: torch.Tensor,
+    keep: int,
+) -> torch.Tensor:
+    """The model call of a static-mode forward (:mod:`batchspec.graphs`): ``visible`` ``[B, 1, q, capacity]``,
+    ``positions`` ``[B, q]``."""
+    inputs = {"input_ids": input_ids, "attention_mask": _as_mask(model, visible), "position_ids": positions}
+    return model(**inputs, **{_cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep).logits
 
 
 _CACHE_KEYWORDS: dict[type, str] = {}

@@ -209,8 +209,7 @@ class BatchState:
 
     def position_ids(self, start: int, end: int) -> torch.Tensor:
         """``[B, end - start]`` position ids of columns ``start .. end-1`` by invariant I2."""
-        cols = torch.arange(start, end, device=self.device)
-        return (cols[None, :] - self.pad[:, None]).clamp(min=0)
+        return position_ids(torch.arange(start, end, device=self.device), self.pad)
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless I1, I2, every row's token stream and the cache lengths agree."""
@@ -235,3 +234,17 @@ class BatchState:
         assert bool((self.draft_cached >= 0).all() and (self.draft_cached <= in_cache).all()), (
             f"draft KV of rows {self.draft_cached.tolist()} beyond the cache's {self.draft_len} columns"
         )
+
+
+def position_ids(columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """``[B, q]`` position ids of the columns ``columns`` ``[q]`` of rows padded by ``pad`` ``[B]`` (I2)."""
+    return (columns[None, :] - pad[:, None]).clamp(min=0)
+
+
+def visible_keys(queries: torch.Tensor, pad: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, 1, q, width]`` (bool): which key columns ``0 .. width-1`` the queries at columns ``queries`` ``[q]`` of
+    rows padded by ``pad`` ``[B]`` see: the row's own columns up to the query's (I1; :mod:`batchspec.runner` has a
+    worked example)."""
+    keys = torch.arange(width, device=pad.device)  # [width]
+    causal = keys[None, :] <= queries[:, None]  # [q, width]
+    return (causal[None, :, :] & (keys[None, None, :] >= pad[:, None, None]))[:, None]  # [B, 1, q, width]

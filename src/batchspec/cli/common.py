@@ -19,13 +19,13 @@ from typing import Annotated, Any
 import typer
 
 from batchspec.cli.errors import user_errors
-from batchspec.config import AUTO, Method, ProposerKind
+from batchspec.config import AUTO, CudaGraphs, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.metrics import STAGES
 from batchspec.models.choice import ModelChoice
 from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir
 
-__all__ = ["Method", "ProposerKind"]
+__all__ = ["CudaGraphs", "Method", "ProposerKind"]
 
 
 class DType(StrEnum):
@@ -105,6 +105,14 @@ QuantizeOption = Annotated[
         "see docs/int8.md), none elsewhere. int8: int8 weights and per-token int8 activations with integer-exact "
         "attention: each row's logits are bit-identical whatever the batch, so output equals the quantized model's "
         "own decoding exactly; CPU only. none: the dtype's own arithmetic (float32 on the CPU: the original model).",
+    ),
+]
+CudaGraphsOption = Annotated[
+    CudaGraphs,
+    typer.Option(
+        "--cuda-graphs",
+        help="on: capture the decode forwards of models on a CUDA device as CUDA graphs and replay them (needs "
+        "--device cuda); off: run them as they come; auto (default): off until a GPU run has measured the graphs.",
     ),
 ]
 CacheDirOption = Annotated[

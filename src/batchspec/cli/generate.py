@@ -10,6 +10,8 @@ import typer
 from batchspec.api import generate
 from batchspec.cli.common import (
     BatchSizeOption,
+    CudaGraphs,
+    CudaGraphsOption,
     MaxNewTokensOption,
     Method,
     MethodOption,
@@ -37,6 +39,8 @@ from batchspec.cli.output import (
     write_jsonl,
 )
 from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
+from batchspec.devices import resolve_device
+from batchspec.graphs import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.ray import GenerationSettings
 
@@ -65,6 +69,7 @@ def generate_command(
     top_p: TopPOption = None,
     seed: SeedOption = None,
     output: OutputOption = None,
+    cuda_graphs: CudaGraphsOption = CudaGraphs.AUTO,
 ) -> None:
     """Generate for a prompt set: greedy by default, and then every output is the target's own greedy output,
     exactly in float32 (--dtype auto, the default on the CPU) and up to near-ties (the two best tokens within a few
@@ -84,6 +89,9 @@ def generate_command(
         check_sampling_options(temperature, top_k, top_p, seed)
         records = load_prompt_records(prompts)
         check_output_path(output)
+        graph_mode(cuda_graphs, resolve_device(models.device))
+        if ray.enabled and cuda_graphs is CudaGraphs.ON:
+            raise ValueError("--cuda-graphs on does not run with --ray (its actors run the models as they come)")
         if ray.enabled:
             drafting = models.proposer_for(method, proposer)
             settings = GenerationSettings(
@@ -101,7 +109,7 @@ def generate_command(
             loaded.target, loaded.draft, token_ids, method=method.value,
             proposer=None if proposer is None else proposer.value, batch_size=batch_size,
             max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, progress=True,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, cuda_graphs=cuda_graphs.value,
         )
         results = collect_results(records, result, loaded.tokenizer)
         if output is None:

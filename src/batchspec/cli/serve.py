@@ -11,6 +11,8 @@ from typing import Annotated
 import typer
 
 from batchspec.cli.common import (
+    CudaGraphs,
+    CudaGraphsOption,
     MaxBatchSizeOption,
     Method,
     MethodOption,
@@ -21,6 +23,8 @@ from batchspec.cli.common import (
     with_options,
 )
 from batchspec.cli.errors import user_errors
+from batchspec.devices import resolve_device
+from batchspec.graphs import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
@@ -235,6 +239,7 @@ def serve_command(
     request_timeout: RequestTimeoutOption = None,
     default_max_tokens: DefaultMaxTokensOption = DEFAULT_MAX_TOKENS,
     shutdown_timeout: ShutdownTimeoutOption = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    cuda_graphs: CudaGraphsOption = CudaGraphs.AUTO,
 ) -> None:
     """Serve the models over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions (also streaming),
     /v1/models, /health and /metrics (Prometheus).
@@ -257,12 +262,13 @@ def serve_command(
     with user_errors():
         http, limits, security = network.http(), network.limits(), network.security()
         models.check_for(method, proposer)
+        graph_mode(cuda_graphs, resolve_device(models.device))
         resolved = models.proposer_for(method, proposer)
         config = ServerConfig(
             method=method.value, proposer=None if resolved is None else resolved.value,
             max_batch_size=max_batch_size, max_queue=max_queue, num_draft_tokens=num_draft_tokens,
             window_size=window_size, served_model_name=served_model_name, prefill_chunk=prefill_chunk, timing=timing,
-            shutdown_timeout_s=shutdown_timeout, limits=limits, security=security,
+            shutdown_timeout_s=shutdown_timeout, limits=limits, security=security, cuda_graphs=cuda_graphs.value,
         )
         loaded = load_models(models, method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)

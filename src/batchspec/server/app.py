@@ -73,7 +73,7 @@ def build_state(models: ModelPair, config: ServerConfig) -> ServingState:
         method=config.method, batch_size=config.max_batch_size, num_draft_tokens=config.num_draft_tokens,
         proposer=config.proposer,
         window_size=config.window_size, check_invariants=config.check_invariants, timing=config.timing,
-        prefill_chunk=config.prefill_chunk,
+        prefill_chunk=config.prefill_chunk, cuda_graphs=config.cuda_graphs,
     )
     engine = build_engine(models.target, models.draft, spec)
     metrics = ServerMetrics()

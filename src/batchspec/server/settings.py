@@ -37,6 +37,7 @@ class ServerConfig:
         prefill_chunk: columns of new prompts read per round while other requests decode (chunked prefill: a long
             prompt delays the running streams a bounded amount per round); ``"auto"`` (default): as many as take
             about one decode round to read; None reads each prompt in one piece.
+        cuda_graphs: ``"on"``, ``"off"`` or ``"auto"``: as :class:`~batchspec.config.SpecConfig` takes it.
     """
 
     method: str = "eqspec"
@@ -52,6 +53,7 @@ class ServerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     timing: bool = True
     prefill_chunk: int | str | None = DEFAULT_PREFILL_CHUNK
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -1,0 +1,160 @@
+"""Decode forwards at fixed shapes, captured as CUDA graphs and replayed (``--cuda-graphs``).
+
+A decode round's forwards are small (one verification of ``1 + k`` columns, ``k`` one-column draft steps), so on a GPU
+their cost is the host launching kernels, not the kernels. A CUDA graph records a forward's kernels once and replays
+them with one launch. It replays the same kernels on the same addresses, so everything that changes between rounds
+must live in tensors the graph reads, never in Python numbers:
+
+* the forward runs in the KV cache's static mode (:meth:`~batchspec.kv_cache.BatchKVCache.writing_at`): it writes
+  at columns held in a tensor and attends over the cache's whole capacity, not over its current length;
+* the attention mask and the position ids are computed inside the graph from three static input buffers: the input
+  ids ``[B, q]``, the columns written ``[q]`` and each row's padding ``[B]`` (invariants I1/I2 of
+  :mod:`batchspec.state`): a query at column ``c`` sees the keys at columns ``pad <= j <= c``, so whatever the
+  capacity holds past the length is never seen;
+* the logits come out in a static buffer, overwritten by the next replay of the same graph (every caller consumes
+  them before the next forward).
+
+A graph is captured per (model, KV storage, batch size, columns, logits kept), the second time that shape runs on
+that storage (the first runs as an ordinary forward), and replayed from the third: rows in lockstep (the
+autoregressive method, rounds whose rows all accept alike) keep their storage round after round, while a batch laid
+out afresh (rows shifted, joined or finished; :mod:`batchspec.realign` gathers them into new storage) or a storage
+grown would otherwise pay a capture for one forward. The model's graphs of other storages are dropped. Forwards of
+more than :data:`MAX_GRAPH_COLUMNS` columns (prompts, a draft catching up) and forwards whose storage must first grow
+run ordinarily. All graphs share one memory pool: they replay one at a time.
+
+With ``capture=False`` the same static-mode forward runs eagerly every time: what the CPU tests check (the static
+mode's tokens equal the ordinary forward's), and what a GPU would replay.
+
+Worked example (``pad = [0, 2]``, capacity 6, a 1-column step at column 4)::
+
+    key column       0 1 2 3 4 5
+    row 0, query 4   1 1 1 1 1 0     column 5 (past the length) is masked, whatever it holds
+    row 1, query 4   0 0 1 1 1 0     and so is row 1's padding
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from batchspec.config import CudaGraphs
+from batchspec.kv_cache import BatchKVCache
+from batchspec.state import position_ids, visible_keys
+
+MAX_GRAPH_COLUMNS = 16  # the widest forward captured: a verification of 1 + k columns, k <= 15
+GraphMode = Literal["off", "on", "eager"]  # no static mode; captured graphs (CUDA); static mode run eagerly (tests)
+
+
+def graph_mode(setting: str, device: torch.device) -> GraphMode:
+    """The runner's graphs for the ``cuda_graphs`` setting with the models on ``device``: captured only for
+    ``"on"``, which needs a CUDA device (``"auto"`` is off until a GPU run has measured the graphs)."""
+    if CudaGraphs(setting) is not CudaGraphs.ON:
+        return "off"
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"--cuda-graphs on needs the models on a CUDA device (--device cuda); they are on {device}")
+    return "on"
+
+
+@dataclass
+class _Graph:
+    """One captured forward and its static buffers."""
+
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor  # [B, q]
+    columns: torch.Tensor  # [q]
+    pad: torch.Tensor  # [B]
+    logits: torch.Tensor  # [B, keep, V]
+
+
+class GraphedForwards:
+    """Static-mode decode forwards, captured as CUDA graphs (``capture=True``) or run eagerly (``capture=False``).
+
+    ``forward(model, cache, input_ids, columns, pad, keep)`` is the model call of the runner
+    (:meth:`~batchspec.runner.ModelRunner.logits`), given the mask and positions built here.
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], *, capture: bool) -> None:
+        self.forward = forward
+        self.capture = capture
+        self.graphs: dict[tuple, _Graph] = {}
+        self.seen: set[tuple] = set()  # shapes run once on their storage, captured if they run again
+        self.captured = 0  # graphs captured so far (each capture costs about one eager forward)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def handles(self, cache: BatchKVCache, end: int, columns: int) -> bool:
+        """Whether a forward of ``columns`` ending at column ``end`` runs here: a decode-sized forward into storage
+        that already holds column ``end - 1``."""
+        return columns <= MAX_GRAPH_COLUMNS and cache.storage is not None and cache.storage.shape[4] >= end
+
+    def logits(
+        self, model: torch.nn.Module, cache: BatchKVCache, input_ids: torch.Tensor, pad: torch.Tensor, keep: int
+    ) -> torch.Tensor | None:
+        """Feed ``input_ids`` ``[B, q]`` as the columns after ``cache.length`` of rows padded by ``pad`` ``[B]``;
+        returns the logits of the last ``keep`` inputs ``[B, keep, V]`` and advances ``cache.length``. Returns None
+        (and runs nothing) where the forward should run ordinarily: the first time its shape runs on this storage."""
+        storage = cache.storage
+        key = (id(model), storage.data_ptr(), tuple(storage.shape), *input_ids.shape, keep)
+        if self.capture and key not in self.graphs:
+            self._drop_other_storages(key)
+            if key not in self.seen:
+                self.seen.add(key)
+                return None
+        start = cache.length
+        end = start + input_ids.shape[1]
+        columns = torch.arange(start, end, device=input_ids.device)  # [q]
+        graph = self.graphs.get(key)
+        if graph is None:
+            logits = self._static_forward(model, cache, input_ids, columns, pad, keep)
+            if self.capture:  # the forward above was the warm-up
+                self.graphs[key] = self._capture(model, cache, input_ids, columns, pad, keep)
+        else:
+            graph.input_ids.copy_(input_ids)
+            graph.columns.copy_(columns)
+            graph.pad.copy_(pad)
+            graph.graph.replay()
+            logits = graph.logits
+        cache.length = end
+        return logits
+
+    def _capture(
+        self,
+        model: torch.nn.Module,
+        cache: BatchKVCache,
+        input_ids: torch.Tensor,
+        columns: torch.Tensor,
+        pad: torch.Tensor,
+        keep: int,
+    ) -> _Graph:
+        """Record the forward on copies of its inputs (recording runs no kernel: the cache is left as it is)."""
+        inputs = (input_ids.clone(), columns.clone(), pad.clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._static_forward(model, cache, *inputs, keep)
+        self.captured += 1
+        return _Graph(graph, *inputs, logits)
+
+    def _drop_other_storages(self, key: tuple) -> None:
+        """Forget the model's graphs and shapes seen on other storages (a batch laid out afresh, or grown, no longer
+        uses them)."""
+        def current(known: tuple) -> bool:  # another model's, or this model's on this storage
+            return known[0] != key[0] or known[1:3] == key[1:3]
+
+        self.graphs = {known: graph for known, graph in self.graphs.items() if current(known)}
+        self.seen = {known for known in self.seen if current(known)}
+
+    def _static_forward(
+        self,
+        model: torch.nn.Module,
+        cache: BatchKVCache,
+        input_ids: torch.Tensor,
+        columns: torch.Tensor,
+        pad: torch.Tensor,
+        keep: int,
+    ) -> torch.Tensor:
+        visible = visible_keys(columns, pad, cache.storage.shape[4])  # [B, 1, q, capacity]
+        positions = position_ids(columns, pad)  # [B, q]
+        with cache.writing_at(columns):
+            return self.forward(model, cache, input_ids, visible, positions, keep)
