@@ -83,6 +83,7 @@ class GraphedForwards:
         self.seen: set[tuple] = set()  # shapes run once on their storage, captured if they run again
         self.captured = 0  # graphs captured so far (each capture costs about one eager forward)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream() if capture else None  # where graphs are recorded
 
     def handles(self, cache: BatchKVCache, end: int, columns: int) -> bool:
         """Whether a forward of ``columns`` ending at column ``end`` runs here: a decode-sized forward into storage
@@ -108,7 +109,7 @@ class GraphedForwards:
         graph = self.graphs.get(key)
         if graph is None:
             logits = self._static_forward(model, cache, input_ids, columns, pad, keep)
-            if self.capture:  # the forward above was the warm-up
+            if self.capture:  # the forward above is this one's result; the graph serves the next ones
                 self.graphs[key] = self._capture(model, cache, input_ids, columns, pad, keep)
         else:
             graph.input_ids.copy_(input_ids)
@@ -128,10 +129,16 @@ class GraphedForwards:
         pad: torch.Tensor,
         keep: int,
     ) -> _Graph:
-        """Record the forward on copies of its inputs (recording runs no kernel: the cache is left as it is)."""
+        """Record the forward on copies of its inputs. It first runs once more on the capture stream, so that what
+        a stream sets up lazily (cuBLAS's workspace) exists before recording; that run writes the same keys and
+        values the caller's forward just wrote. Recording runs no kernel."""
         inputs = (input_ids.clone(), columns.clone(), pad.clone())
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._static_forward(model, cache, *inputs, keep)
+        torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             logits = self._static_forward(model, cache, *inputs, keep)
         self.captured += 1
         return _Graph(graph, *inputs, logits)
