@@ -105,41 +105,34 @@ class GraphedForwards:
                 return None
         start = cache.length
         end = start + input_ids.shape[1]
-        columns = torch.arange(start, end, device=input_ids.device)  # [q]
+        inputs = (input_ids, torch.arange(start, end, device=input_ids.device), pad)  # [B, q], [q] columns, [B]
         graph = self.graphs.get(key)
         if graph is None:
-            logits = self._static_forward(model, cache, input_ids, columns, pad, keep)
+            logits = self._static_forward(model, cache, inputs, keep)
             if self.capture:  # the forward above is this one's result; the graph serves the next ones
-                self.graphs[key] = self._capture(model, cache, input_ids, columns, pad, keep)
+                self.graphs[key] = self._capture(model, cache, inputs, keep)
         else:
-            graph.input_ids.copy_(input_ids)
-            graph.columns.copy_(columns)
-            graph.pad.copy_(pad)
+            for static, value in zip((graph.input_ids, graph.columns, graph.pad), inputs, strict=True):
+                static.copy_(value)
             graph.graph.replay()
             logits = graph.logits
         cache.length = end
         return logits
 
     def _capture(
-        self,
-        model: torch.nn.Module,
-        cache: BatchKVCache,
-        input_ids: torch.Tensor,
-        columns: torch.Tensor,
-        pad: torch.Tensor,
-        keep: int,
+        self, model: torch.nn.Module, cache: BatchKVCache, inputs: tuple[torch.Tensor, ...], keep: int
     ) -> _Graph:
-        """Record the forward on copies of its inputs. It first runs once more on the capture stream, so that what
-        a stream sets up lazily (cuBLAS's workspace) exists before recording; that run writes the same keys and
+        """Record the forward on copies of its ``inputs``. It first runs once more on the capture stream, so that
+        what a stream sets up lazily (cuBLAS's workspace) exists before recording; that run writes the same keys and
         values the caller's forward just wrote. Recording runs no kernel."""
-        inputs = (input_ids.clone(), columns.clone(), pad.clone())
+        inputs = tuple(value.clone() for value in inputs)
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            self._static_forward(model, cache, *inputs, keep)
+            self._static_forward(model, cache, inputs, keep)
         torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            logits = self._static_forward(model, cache, *inputs, keep)
+            logits = self._static_forward(model, cache, inputs, keep)
         self.captured += 1
         return _Graph(graph, *inputs, logits)
 
@@ -153,14 +146,11 @@ class GraphedForwards:
         self.seen = {known for known in self.seen if current(known)}
 
     def _static_forward(
-        self,
-        model: torch.nn.Module,
-        cache: BatchKVCache,
-        input_ids: torch.Tensor,
-        columns: torch.Tensor,
-        pad: torch.Tensor,
-        keep: int,
+        self, model: torch.nn.Module, cache: BatchKVCache, inputs: tuple[torch.Tensor, ...], keep: int
     ) -> torch.Tensor:
+        """The forward in the cache's static mode; ``inputs``: input ids ``[B, q]``, their columns ``[q]``, each
+        row's padding ``[B]``."""
+        input_ids, columns, pad = inputs
         visible = visible_keys(columns, pad, cache.storage.shape[4])  # [B, 1, q, capacity]
         positions = position_ids(columns, pad)  # [B, q]
         with cache.writing_at(columns):
