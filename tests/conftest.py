@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -21,8 +22,13 @@ import warnings
 from functools import partial
 from pathlib import Path
 
-import pytest
-import torch
+# A CPU build of torch runs the batch-invariant Triton kernels in Triton's interpreter (tests/test_invariant.py).
+# It must be chosen before triton is first imported, which importing torch can do.
+if "+cpu" in importlib.metadata.version("torch"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The package uses a src layout; make it importable when it is not installed in the environment.
 _SRC = Path(__file__).resolve().parents[1] / "src"

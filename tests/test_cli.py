@@ -326,6 +326,14 @@ def test_cuda_graphs_on_the_cpu_is_one_line_error(command, tiny_pair):
     assert_one_line_error(result, 1, "--cuda-graphs on needs the models on a CUDA device", "they are on cpu")
 
 
+@pytest.mark.parametrize("command", ["generate", "bench", "audit", "costs", "serve"])
+def test_batch_invariant_on_the_cpu_is_one_line_error(command, tiny_pair, tmp_path):
+    models = ["--target", str(tiny_pair["target"]), "--draft", str(tiny_pair["draft"])]
+    output = ["--output", str(tmp_path / "out")] if command in ("bench", "audit", "costs") else []
+    result = run(command, *models, *output, "--device", "cpu", "--batch-invariant")
+    assert_one_line_error(result, 1, "--batch-invariant runs Triton kernels on a CUDA device", "--quantize int8")
+
+
 def test_a_cpu_run_names_its_kernels_not_a_device(tiny_pair, tmp_path):
     out = tmp_path / "cpu.jsonl"
     result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--device", "cpu", "--output", str(out)))

@@ -20,7 +20,7 @@ import sys
 import pytest
 import tiny_models
 import torch
-from helpers import exact_joint, joint_pvalue
+from helpers import alone_one_token_at_a_time, exact_joint, joint_pvalue, ragged_forwards
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -199,41 +199,6 @@ def test_quantize_refuses_what_it_cannot_make_exact(bundles):
         quantize_model(gelu)
 
 
-def _alone_one_token_at_a_time(model, row: list[int]) -> torch.Tensor:
-    """``[len(row), V]``: the logits of each position of ``row`` fed alone, one token per forward."""
-    from transformers import DynamicCache
-
-    cache, out = DynamicCache(), []
-    with torch.no_grad():
-        for token in row:
-            out.append(model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1])
-    return torch.stack(out)
-
-
-def _ragged_forwards(model, rows: list[list[int]], prefix: list[int], steps: list[int]) -> list[torch.Tensor]:
-    """Run ``rows`` as one left-padded batch: a prefill of each row's first ``prefix[i]`` tokens, then forwards of
-    ``steps[j]`` tokens each (rows out of tokens take filler columns); returns each row's logits of its own tokens."""
-    from transformers import DynamicCache
-
-    batch = len(rows)
-    width = max(prefix)
-    lead = [width - p for p in prefix]
-    columns = [[0] * lead[i] + rows[i] + [0] * (width + sum(steps) - lead[i] - len(rows[i])) for i in range(batch)]
-    real = torch.tensor([[lead[i] <= c < lead[i] + len(rows[i]) for c in range(len(columns[0]))] for i in range(batch)])
-    ids = torch.tensor(columns)
-    cache, logits, start = DynamicCache(), [], 0
-    with torch.no_grad():
-        for stop in [width, *(width + sum(steps[: j + 1]) for j in range(len(steps)))]:
-            keys = torch.arange(stop)
-            visible = (keys[None, :] <= torch.arange(start, stop)[:, None])[None] & real[:, None, :stop]
-            positions = (torch.arange(start, stop)[None] - torch.tensor(lead)[:, None]).clamp(min=0)
-            out = model(ids[:, start:stop], attention_mask=visible[:, None], position_ids=positions, cache=cache)
-            logits.append(out.logits)
-            start = stop
-    everything = torch.cat(logits, dim=1)  # [B, columns, V]
-    return [everything[i, lead[i] : lead[i] + len(rows[i])] for i in range(batch)]
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 @pytest.mark.parametrize("kind", KINDS)
@@ -252,9 +217,9 @@ def test_every_row_is_bit_identical_to_itself_alone(kind, quantized, data):
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     rows = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
-    batched = _ragged_forwards(model, rows, prefix, steps)
+    batched = ragged_forwards(model, rows, prefix, steps)
     for row, got in zip(rows, batched, strict=True):
-        assert torch.equal(got, _alone_one_token_at_a_time(model, row))
+        assert torch.equal(got, alone_one_token_at_a_time(model, row))
 
 
 # ------------------------------------------------------------------------------------------------ through batchspec

@@ -39,6 +39,7 @@ import torch
 
 from batchspec.graphs import GraphedForwards, GraphMode
 from batchspec.int8.attention import NAME as EXACT_ATTENTION
+from batchspec.invariant.model import NAME as INVARIANT_ATTENTION
 from batchspec.kv_cache import BatchKVCache
 from batchspec.state import BatchState, visible_keys
 
@@ -172,7 +173,7 @@ def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, inpu
     }
 
 
-_BOOLEAN_MASKS = ("sdpa", EXACT_ATTENTION)
+_BOOLEAN_MASKS = ("sdpa", EXACT_ATTENTION, INVARIANT_ATTENTION)
 _STATIC_MASKS = ("sdpa", "eager")  # the implementations a static-mode forward (CUDA graphs) runs with
 
 

@@ -41,6 +41,7 @@ from batchspec.bench.reference import Reference, first_divergence, load_or_compu
 from batchspec.bench.runners import draft_length, plan_cells, runner_for, runs
 from batchspec.bench.workload import Workload
 from batchspec.int8 import quantization
+from batchspec.invariant import batch_invariant
 from batchspec.models.pair import ModelPair
 
 NEAR_TIE_ULPS = 4.0
@@ -96,15 +97,16 @@ EXACT_RULE = NearTieRule(ulps=0.0, exact=True)
 
 def rule_for(pair: ModelPair, workload: Workload, rule: NearTieRule) -> NearTieRule:
     """The rule that judges ``pair``'s outputs: ``rule``, or :data:`EXACT_RULE` for an int8 pair (``pair.quantize``,
-    or its target's modules, say so). A ValueError when ``workload.quantize`` names another quantization: the
-    reference (keyed by the workload) would be another model's."""
+    or its target's modules, say so) and for a batch-invariant one (:mod:`batchspec.invariant`). A ValueError when
+    ``workload.quantize`` names another quantization: the reference (keyed by the workload) would be another
+    model's."""
     quantize = "int8" if quantization(pair.target) == "int8" else pair.quantize
     if workload.quantize != quantize:
         raise ValueError(
             f"the workload records quantize {workload.quantize!r} but the models are {quantize!r}: "
             f"build the Workload with quantize={quantize!r}"
         )
-    return EXACT_RULE if quantize == "int8" else rule
+    return EXACT_RULE if quantize == "int8" or batch_invariant(pair.target) else rule
 
 
 @dataclass(frozen=True)

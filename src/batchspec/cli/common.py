@@ -107,6 +107,15 @@ QuantizeOption = Annotated[
         "own decoding exactly; CPU only. none: the dtype's own arithmetic (float32 on the CPU: the original model).",
     ),
 ]
+BatchInvariantOption = Annotated[
+    bool,
+    typer.Option(
+        "--batch-invariant",
+        help="Run the models on batch-invariant Triton kernels (CUDA only): each row's logits are the same bits "
+        "whatever the batch, so greedy output equals the model's own one-prompt decoding exactly in any dtype, and "
+        "a seed gives the same samples at any batch size. On the CPU, --quantize int8 does this.",
+    ),
+]
 CudaGraphsOption = Annotated[
     CudaGraphs,
     typer.Option(
@@ -249,12 +258,13 @@ def model_choice(
     quantize: QuantizeOption = Quantize.AUTO,
     cache_dir: CacheDirOption = None,
     device: DeviceOption = "auto",
+    batch_invariant: BatchInvariantOption = False,
 ) -> ModelChoice:
     """The models of ``--preset``, ``--target``, ``--draft``, ``--dtype``, ``--kernels``, ``--quantize``,
-    ``--cache-dir`` and ``--device``."""
+    ``--cache-dir``, ``--device`` and ``--batch-invariant``."""
     return ModelChoice(
         preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels, device=device,
-        quantize=quantize,
+        quantize=quantize, batch_invariant=batch_invariant,
     )
 
 

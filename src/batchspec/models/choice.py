@@ -16,10 +16,12 @@ from pathlib import Path
 from batchspec.config import Method, ProposerKind
 from batchspec.devices import device_name, resolve_device
 from batchspec.int8 import check_quantize, quantization
+from batchspec.invariant import batch_invariant
 from batchspec.memory import keep_freed_memory
 from batchspec.models.loading import (
     DTYPES,
     KERNELS,
+    check_batch_invariant_for,
     check_option,
     check_quantize_for,
     load_model,
@@ -44,6 +46,7 @@ class ModelChoice:
     kernels: str = "auto"
     device: str = "auto"
     quantize: str = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.preset is not None:
@@ -130,11 +133,13 @@ def load_models(
     dtype = resolve_dtype(choice.dtype)
     device = resolve_device(choice.device)
     check_quantize_for(choice.quantize, dtype, choice.kernels, device)
+    check_batch_invariant_for(choice.batch_invariant, device)
     started = time.perf_counter()
     for name in presets_used(choice, method, proposer):
         obtain_preset(name, choice.cache_dir, progress=progress)
     loads = {
-        "cache_dir": choice.cache_dir, "kernels": choice.kernels, "device": str(device), "quantize": choice.quantize
+        "cache_dir": choice.cache_dir, "kernels": choice.kernels, "device": str(device), "quantize": choice.quantize,
+        "batch_invariant": choice.batch_invariant,
     }
     with quiet_weight_loading():
         if choice.target_only(method, proposer):
@@ -145,4 +150,7 @@ def load_models(
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
     seconds = time.perf_counter() - started
     keep_freed_memory()  # the commands' forwards reuse freed activation memory (see batchspec.memory)
-    return ModelPair(target, draft, tokenizer, name, dtype, seconds, device_name(device), quantization(target))
+    return ModelPair(
+        target, draft, tokenizer, name, dtype, seconds, device_name(device), quantization(target),
+        batch_invariant(target),
+    )

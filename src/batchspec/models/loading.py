@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from batchspec.devices import device_name, resolve_device
 from batchspec.int8 import check_quantize, quantizable, quantization, quantize_model
+from batchspec.invariant import batch_invariant as is_batch_invariant
+from batchspec.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
 from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.pair import ModelPair
@@ -98,6 +100,17 @@ def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str =
     on_cpu = resolve_device(device).type == "cpu"
     float32 = resolve_dtype(dtype) == "float32"
     return "int8" if on_cpu and float32 and check_option("kernels", kernels, KERNELS) != "packed" else "none"
+
+
+def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = "auto") -> None:
+    """Raise ValueError where the batch-invariant mode (:mod:`batchspec.invariant`) cannot run: its kernels are
+    Triton's, for a CUDA device."""
+    place = resolve_device(device)
+    if batch_invariant and place.type != "cuda":
+        raise ValueError(
+            f"--batch-invariant runs Triton kernels on a CUDA device; the models would be on {place} "
+            "(on the CPU, --quantize int8 is exact by construction)"
+        )
 
 
 def check_quantize_for(quantize: str, dtype: str, kernels: str, device: str | torch.device = "auto") -> str:
@@ -212,6 +225,7 @@ def load_model(
     kernels: Kernels = "auto",
     device: str = "auto",
     quantize: Quantize = "auto",
+    batch_invariant: bool = False,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for ``spec``: a preset role, a local GGUF file or directory, or a Hub id.
 
@@ -223,9 +237,11 @@ def load_model(
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     ``quantize="int8"`` makes the loaded model the exact int8 model (see
     :func:`batchspec.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
-    where it applies, before loading.
+    where it applies, before loading. ``batch_invariant`` runs the model on the batch-invariant kernels (CUDA only,
+    see :mod:`batchspec.invariant`).
     """
     check_option("kernels", kernels, KERNELS)
+    check_batch_invariant_for(batch_invariant, device)
     place = resolve_device(device)
     asked = quantize
     quantize = check_quantize_for(quantize, dtype, kernels, place)
@@ -234,6 +250,8 @@ def load_model(
         model = model.to(place)
     if quantize == "int8" and (asked == "int8" or quantizable(model)):
         quantize_model(model, tokenizer)
+    elif batch_invariant:
+        make_batch_invariant(model)
     else:
         use_kernels(model, kernels)
     return model, tokenizer
@@ -336,10 +354,12 @@ def load_pair(
     kernels: Kernels = "auto",
     device: str = "auto",
     quantize: Quantize = "auto",
+    batch_invariant: bool = False,
 ) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
     on ``device`` (``"auto"``: CUDA when available) and, on the CPU, the kernels ``kernels`` (see
-    :func:`use_kernels`), or both quantized with ``quantize="int8"`` (see :func:`load_model`).
+    :func:`use_kernels`), or both quantized with ``quantize="int8"``, or both batch-invariant (see
+    :func:`load_model`).
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
     :func:`load_model`) replace the preset's models; without a ``preset`` both must be given. The pair's
@@ -351,7 +371,8 @@ def load_pair(
     place = resolve_device(device)
     quantize = check_quantize_for(quantize, dtype, kernels, place)
     loads = {
-        "cache_dir": cache_dir, "progress": progress, "kernels": kernels, "device": str(place), "quantize": quantize
+        "cache_dir": cache_dir, "progress": progress, "kernels": kernels, "device": str(place), "quantize": quantize,
+        "batch_invariant": batch_invariant,
     }
     target_model, target_tokenizer = load_model(target, dtype, **loads)
     draft_model, draft_tokenizer = load_model(draft, dtype, **loads)
@@ -360,4 +381,7 @@ def load_pair(
     name = preset if uses_preset else f"{target} + {draft}"
     seconds = time.perf_counter() - started
     quantize = quantization(target_model)
-    return ModelPair(target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place), quantize)
+    return ModelPair(
+        target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place), quantize,
+        is_batch_invariant(target_model),
+    )

@@ -26,6 +26,7 @@ class ModelPair:
             :func:`batchspec.devices.device_name`).
         quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.int8`: their
             ``dtype`` is then that of the activations and of what stays float), else ``"none"``.
+        batch_invariant: whether both run on the batch-invariant kernels (see :mod:`batchspec.invariant`).
     """
 
     target: Any
@@ -36,13 +37,15 @@ class ModelPair:
     seconds: float = 0.0
     device: str = "cpu"
     quantize: str = "none"
+    batch_invariant: bool = False
 
     @property
     def precision(self) -> str:
         """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``; on a GPU the
-        dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``; quantized: ``float32, int8 exact``."""
+        dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``, or ``bfloat16, batch-invariant on
+        cuda:0 (...)``; quantized: ``float32, int8 exact``."""
         if self.device != "cpu":
-            return f"{self.dtype} on {self.device}"
+            return f"{self.dtype}{', batch-invariant' if self.batch_invariant else ''} on {self.device}"
         if self.quantize != "none":
             return f"{self.dtype}, {self.quantize} exact"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
