@@ -8,10 +8,13 @@ figures are of cost, not of acceptance). Each part prints a JSON object and writ
     python scripts/gpu_check.py syncs           # device synchronisations per decode round, per configuration
     python scripts/gpu_check.py costs           # forward seconds of the 7B/0.5B shapes inside batchspec's runner
     python scripts/gpu_check.py throughput      # tokens/s vs transformers' generate (dynamic and static-cache compiled)
+    python scripts/gpu_check.py invariance      # tiny models: rows bit-identical to themselves alone, mode off / on
     python scripts/gpu_check.py all --out docs/results/DATE-gpu
 
-``--cuda-graphs on`` runs batchspec's decode forwards as CUDA graphs in every part (``batchspec.graphs``; compare a
-run with ``off``, the default, written to another ``--out``).
+``--batch-invariant`` runs every part's models on the batch-invariant kernels (``batchspec.invariant``), and
+``--tiny-dtype bfloat16`` the tiny models of ``equivalence`` in bfloat16 (issue 27's matrix: run it with and without
+the mode). ``--cuda-graphs on`` runs batchspec's decode forwards as CUDA graphs in every part (``batchspec.graphs``;
+compare a run with ``off``, the default, written to another ``--out``).
 
 A part can take minutes on a GPU (the 7B-shaped model is built in every part that uses it, and the static-cache
 ``generate`` compiles on its first call): run one part per command where commands are limited in time, and
@@ -35,10 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 from host_reads import HostReads  # noqa: E402
+from ragged import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
 
 import batchspec  # noqa: E402
 from batchspec.engine import Engine  # noqa: E402
 from batchspec.graphs import graph_mode  # noqa: E402
+from batchspec.invariant import make_batch_invariant  # noqa: E402
 from batchspec.kv_cache import BatchKVCache  # noqa: E402
 from batchspec.runner import ModelRunner  # noqa: E402
 from batchspec.state import BatchState  # noqa: E402
@@ -52,19 +57,21 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
              num_key_value_heads=2, vocab_size=1024)
 
 
-def tiny(kind: str, seed: int, device: str) -> torch.nn.Module:
+def tiny(kind: str, seed: int, device: str, dtype: torch.dtype = torch.float32, invariant: bool = False):
     torch.manual_seed(seed)
     shape = dict(vocab_size=96, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=96, initializer_range=0.3, tie_word_embeddings=False)
     model = (LlamaForCausalLM(LlamaConfig(**shape)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**shape)))
-    return model.to(device, torch.float32).eval()
+    model = model.to(device, dtype).eval()
+    return make_batch_invariant(model) if invariant else model
 
 
-def shaped(shape: dict, seed: int, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def shaped(shape: dict, seed: int, device: str, dtype: torch.dtype, invariant: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = Qwen2Config(**shape, tie_word_embeddings=False, max_position_embeddings=4096)
     with torch.device(device):
-        return Qwen2ForCausalLM(config).to(dtype).eval()
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
+    return make_batch_invariant(model) if invariant else model
 
 
 def prompts(n: int, vocab: int, low: int, high: int, seed: int) -> list[list[int]]:
@@ -84,7 +91,8 @@ def reference(model, prompt: list[int], new: int) -> list[int]:
 def equivalence(args) -> dict:
     results = {}
     for kind in ("llama", "qwen2"):
-        target, draft = tiny(kind, 0, args.device), tiny(kind, 1, args.device)
+        dtype = getattr(torch, args.tiny_dtype)
+        target, draft = (tiny(kind, seed, args.device, dtype, args.batch_invariant) for seed in (0, 1))
         rows = prompts(16, 96, 4, 40, seed=7)
         refs = [reference(target, p, 40) for p in rows]
         for method, proposer, k in CONFIGS:
@@ -179,8 +187,8 @@ PEERS = (("transformers generate", {}), ("transformers static compiled", {"cache
 
 def throughput(args) -> dict:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    target = shaped(SMALL if args.small else QWEN_7B, 0, args.device, dtype)
-    draft = shaped(SMALL if args.small else QWEN_05B, 1, args.device, dtype)
+    target = shaped(SMALL if args.small else QWEN_7B, 0, args.device, dtype, args.batch_invariant)
+    draft = shaped(SMALL if args.small else QWEN_05B, 1, args.device, dtype, args.batch_invariant)
     new = 16 if args.small else args.new_tokens
     results = {}
     for size in args.sizes:
@@ -210,7 +218,33 @@ def throughput(args) -> dict:
     return results
 
 
-PARTS = {"equivalence": equivalence, "syncs": syncs, "costs": costs, "throughput": throughput}
+def invariance(args) -> dict:
+    """Tiny Llama / Qwen2 in ``--tiny-dtype``: of random ragged batches (left-padded rows of 2..24 tokens, forwards
+    of 1..5 new tokens), the rows whose logits equal, bit for bit, their own alone one token at a time; without the
+    batch-invariant mode and with it."""
+    dtype = getattr(torch, args.tiny_dtype)
+    generator = torch.Generator().manual_seed(5)
+    results = {}
+    for kind in ("llama", "qwen2"):
+        for invariant in (False, True):
+            model, same, total = tiny(kind, 0, args.device, dtype, invariant), 0, 0
+            for _ in range(4 if args.small else 32):
+                lengths = torch.randint(2, 25, (int(torch.randint(1, 5, (1,), generator=generator)),),
+                                        generator=generator).tolist()
+                prefix = [int(torch.randint(1, n, (1,), generator=generator)) for n in lengths]
+                steps = []
+                while sum(steps) < max(n - p for n, p in zip(lengths, prefix, strict=True)):
+                    steps.append(int(torch.randint(1, 6, (1,), generator=generator)))
+                rows = [torch.randint(0, 96, (n,), generator=generator).tolist() for n in lengths]
+                for row, got in zip(rows, ragged_forwards(model, rows, prefix, steps), strict=True):
+                    same += int(torch.equal(got, alone_one_token_at_a_time(model, row)))
+                    total += 1
+            results[f"{kind} {args.tiny_dtype} mode {'on' if invariant else 'off'}"] = f"{same}/{total}"
+    return results
+
+
+PARTS = {"equivalence": equivalence, "syncs": syncs, "costs": costs, "throughput": throughput,
+         "invariance": invariance}
 
 
 def main() -> None:
@@ -223,9 +257,13 @@ def main() -> None:
                         help="batch sizes of costs and throughput, comma-separated (default 1,8,32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt in throughput")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="off", help="batchspec's CUDA graphs")
+    parser.add_argument("--batch-invariant", action="store_true", help="models on the batch-invariant kernels")
+    parser.add_argument("--tiny-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="dtype of the tiny models (equivalence, invariance)")
     args = parser.parse_args()
     device = {"device": args.device, "name": torch.cuda.get_device_name(args.device)
-              if args.device.startswith("cuda") else "cpu", "torch": torch.__version__, "cuda_graphs": args.cuda_graphs}
+              if args.device.startswith("cuda") else "cpu", "torch": torch.__version__, "cuda_graphs": args.cuda_graphs,
+              "batch_invariant": args.batch_invariant, "tiny_dtype": args.tiny_dtype}
     for part in PARTS if args.part == "all" else [args.part]:
         result = {"part": part, **device, "results": PARTS[part](args)}
         print(json.dumps(result, indent=1), flush=True)

@@ -367,38 +367,3 @@ def joint_pvalue(sequences: list[list[int]], joint: torch.Tensor) -> float:
     observed, expected = observed[expected > 0], expected[expected > 0]
     expected = expected * observed.sum() / expected.sum()  # exactly the observed total, as chisquare requires
     return float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue)
-
-
-def alone_one_token_at_a_time(model, row: list[int]) -> torch.Tensor:
-    """``[len(row), V]``: the logits of each position of ``row`` fed alone, one token per forward."""
-    from transformers import DynamicCache
-
-    cache, out = DynamicCache(), []
-    with torch.no_grad():
-        for token in row:
-            out.append(model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1])
-    return torch.stack(out)
-
-
-def ragged_forwards(model, rows: list[list[int]], prefix: list[int], steps: list[int]) -> list[torch.Tensor]:
-    """Run ``rows`` as one left-padded batch: a prefill of each row's first ``prefix[i]`` tokens, then forwards of
-    ``steps[j]`` tokens each (rows out of tokens take filler columns); returns each row's logits of its own tokens."""
-    from transformers import DynamicCache
-
-    batch = len(rows)
-    width = max(prefix)
-    lead = [width - p for p in prefix]
-    columns = [[0] * lead[i] + rows[i] + [0] * (width + sum(steps) - lead[i] - len(rows[i])) for i in range(batch)]
-    real = torch.tensor([[lead[i] <= c < lead[i] + len(rows[i]) for c in range(len(columns[0]))] for i in range(batch)])
-    ids = torch.tensor(columns)
-    cache, logits, start = DynamicCache(), [], 0
-    with torch.no_grad():
-        for stop in [width, *(width + sum(steps[: j + 1]) for j in range(len(steps)))]:
-            keys = torch.arange(stop)
-            visible = (keys[None, :] <= torch.arange(start, stop)[:, None])[None] & real[:, None, :stop]
-            positions = (torch.arange(start, stop)[None] - torch.tensor(lead)[:, None]).clamp(min=0)
-            out = model(ids[:, start:stop], attention_mask=visible[:, None], position_ids=positions, cache=cache)
-            logits.append(out.logits)
-            start = stop
-    everything = torch.cat(logits, dim=1)  # [B, columns, V]
-    return [everything[i, lead[i] : lead[i] + len(rows[i])] for i in range(batch)]

@@ -20,9 +20,10 @@ import sys
 import pytest
 import tiny_models
 import torch
-from helpers import alone_one_token_at_a_time, exact_joint, joint_pvalue, ragged_forwards
+from helpers import exact_joint, joint_pvalue
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
 from batchspec.int8 import check_quantize, quantization, quantize_model

@@ -23,9 +23,9 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton", reason="the batch-invariant kernels need triton")
 
 import tiny_models  # noqa: E402
-from helpers import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from ragged import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
 
 from batchspec.invariant import batch_invariant, check_batch_invariant, make_batch_invariant  # noqa: E402
 from batchspec.invariant.kernels import attention, matmul, rms_norm  # noqa: E402
