@@ -60,7 +60,7 @@ def exact_attention(
     keys = key.shape[2]
     if keys >= MAX_KEYS or size >= MAX_HEAD_SIZE:
         raise ValueError(f"exact attention holds up to {MAX_KEYS - 1} keys and heads below {MAX_HEAD_SIZE} values")
-    visible = _visible(attention_mask, batch, queries, keys, query.device)  # [B, 1, q, L]
+    visible = visible_or_causal(attention_mask, batch, queries, keys, query.device)  # [B, 1, q, L]
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
     v, v_scale = _unpacked(value, size)
     blocks = []
@@ -114,14 +114,17 @@ def pack_on_update(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     return args, kwargs
 
 
-def _visible(mask: torch.Tensor | None, batch: int, queries: int, keys: int, device: torch.device) -> torch.Tensor:
-    """The boolean visibility ``[B, 1, q, L]``: the mask given, or causal with the queries last."""
+def visible_or_causal(
+    mask: torch.Tensor | None, batch: int, queries: int, keys: int, device: torch.device
+) -> torch.Tensor:
+    """The boolean visibility ``[B, 1, q, L]`` an attention function of ours is given: the mask, or where
+    transformers passes none, causal with the queries last. (Also the batch-invariant attention's.)"""
     if mask is None:
         columns = torch.arange(keys, device=device)
         rows = torch.arange(keys - queries, keys, device=device)
         return (columns[None, :] <= rows[:, None]).expand(batch, 1, queries, keys)
     if mask.dtype != torch.bool:
-        raise TypeError(f"{NAME} attention takes a boolean mask, not {mask.dtype}")
+        raise TypeError(f"batchspec's attention takes a boolean mask, not {mask.dtype}")
     return mask
 
 

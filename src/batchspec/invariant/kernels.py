@@ -34,9 +34,10 @@ def _accumulator(dtype: torch.dtype) -> tl.dtype:
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision: IEEE for float32 (not TF32, whose rounding is the hardware's choice)."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot's input precision: IEEE for float32 (not TF32, whose rounding is the hardware's choice); half
+    precision inputs have no choice to make (None: Triton's default)."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else None
 
 
 @triton.jit

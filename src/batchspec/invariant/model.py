@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from batchspec.int8.attention import mask_function
+from batchspec.int8.attention import mask_function, visible_or_causal
 
 NAME = "batchspec_invariant"
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # RMSNorm as ``weight * normalised.to(dtype)``
@@ -63,14 +63,8 @@ def invariant_attention(
     ``[B, q, H, D]``."""
     from batchspec.invariant.kernels import attention
 
-    if attention_mask is None:
-        queries, keys = query.shape[2], key.shape[2]
-        columns = torch.arange(keys, device=query.device)
-        attention_mask = (columns[None, :] <= columns[keys - queries :, None])[None, None]  # [1, 1, q, L]
-        attention_mask = attention_mask.expand(query.shape[0], 1, queries, keys)
-    if attention_mask.dtype != torch.bool:
-        raise TypeError(f"{NAME} attention takes a boolean mask, not {attention_mask.dtype}")
-    return attention(query, key.contiguous(), value.contiguous(), attention_mask, scaling), None
+    visible = visible_or_causal(attention_mask, query.shape[0], query.shape[2], key.shape[2], query.device)
+    return attention(query, key.contiguous(), value.contiguous(), visible, scaling), None
 
 
 def check_batch_invariant(model: Any) -> None:
