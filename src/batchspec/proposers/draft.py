@@ -67,10 +67,11 @@ class DraftModelProposer:
         k = max(lengths, default=0)
         sampled = sampling is not None and sampling.any_sampled
         steps = k + int(sampled)
-        drafts = _RoundDrafts(batch, plan, self.lookup, steps)
+        drafts = _RoundDrafts(batch, plan, self.lookup)
         if steps == 0:
             return drafts.proposal(plan.host)
         needed = _needed(lengths, sampling.rows if sampled else (), steps)
+        step_sampling = sampling if sampled else None
         q, runs = None, []
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
         for j in range(steps):
@@ -81,7 +82,6 @@ class DraftModelProposer:
                 continue
             if not runs:
                 _check_caught_up(batch)
-            step_sampling = sampling if sampled else None
             drafted, q = self._model_step(batch, inputs, runner, drafts.tokens.shape, q, j, step_sampling)
             drafts.fill(j, drafted)
             inputs = drafts.tokens[:, j : j + 1]
@@ -150,7 +150,7 @@ class _RoundDrafts:
     text then ``5 9`` finds 4: ``tokens[0] = [5, 9, 4]``, ``looked_up[0] = [T, F, T]``.
     """
 
-    def __init__(self, batch: BatchState, plan: ProposalPlan, lookup: NgramProposer | None, steps: int) -> None:
+    def __init__(self, batch: BatchState, plan: ProposalPlan, lookup: NgramProposer | None) -> None:
         self.batch, self.lookup = batch, lookup
         self.lengths = plan.staged[0]  # [B]
         self.chain_lengths = plan.lookups or [0] * batch.size  # host copy of self.found
