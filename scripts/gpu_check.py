@@ -9,6 +9,7 @@ figures are of cost, not of acceptance). Each part prints a JSON object and writ
     python scripts/gpu_check.py costs           # forward seconds of the 7B/0.5B shapes inside batchspec's runner
     python scripts/gpu_check.py throughput      # tokens/s vs transformers' generate (dynamic and static-cache compiled)
     python scripts/gpu_check.py invariance      # tiny models: rows bit-identical to themselves alone, mode off / on
+    python scripts/gpu_check.py hybrid          # the hybrid proposer reading its lookups' hits, or not (7B/0.5B)
     python scripts/gpu_check.py all --out docs/results/DATE-gpu
 
 ``--batch-invariant`` runs every part's models on the batch-invariant kernels (``batchspec.invariant``), and
@@ -45,6 +46,7 @@ from batchspec.engine import Engine  # noqa: E402
 from batchspec.graphs import graph_mode  # noqa: E402
 from batchspec.invariant import make_batch_invariant  # noqa: E402
 from batchspec.kv_cache import BatchKVCache  # noqa: E402
+from batchspec.proposers.draft import DraftModelProposer  # noqa: E402
 from batchspec.runner import ModelRunner  # noqa: E402
 from batchspec.state import BatchState  # noqa: E402
 
@@ -63,6 +65,7 @@ def tiny(kind: str, seed: int, device: str, dtype: torch.dtype = torch.float32, 
                  intermediate_size=96, initializer_range=0.3, tie_word_embeddings=False)
     model = (LlamaForCausalLM(LlamaConfig(**shape)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**shape)))
     model = model.to(device, dtype).eval()
+    model.generation_config.eos_token_id = None  # no EOS: generate's min_new_tokens would mask it, batchspec does not
     return make_batch_invariant(model) if invariant else model
 
 
@@ -83,8 +86,8 @@ def prompts(n: int, vocab: int, low: int, high: int, seed: int) -> list[list[int
 
 def reference(model, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         pad_token_id=0)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -182,6 +185,15 @@ def costs(args) -> dict:
     return results
 
 
+def warm_up(target, draft, args) -> None:
+    """One short run of each proposer, so that the first timed cell pays no library set-up (cuBLAS handles,
+    kernels loaded on first use)."""
+    rows = prompts(2, 1000, 20, 40, seed=0)
+    for proposer in ("draft", "hybrid"):
+        batchspec.generate(target, draft, rows, proposer=proposer, num_draft_tokens=4, batch_size=2, max_new_tokens=8,
+                           eos_token_id=[], cuda_graphs=args.cuda_graphs)
+
+
 PEERS = (("transformers generate", {}), ("transformers static compiled", {"cache_implementation": "static"}))
 
 
@@ -190,6 +202,8 @@ def throughput(args) -> dict:
     target = shaped(SMALL if args.small else QWEN_7B, 0, args.device, dtype, args.batch_invariant)
     draft = shaped(SMALL if args.small else QWEN_05B, 1, args.device, dtype, args.batch_invariant)
     new = 16 if args.small else args.new_tokens
+    if args.cells != "peers":
+        warm_up(target, draft, args)
     results = {}
     for size in args.sizes:
         rows = prompts(size, 1000, 100, 200, seed=size)
@@ -198,13 +212,13 @@ def throughput(args) -> dict:
             "batchspec default": dict(),
             "batchspec eqspec draft k=4": dict(proposer="draft", num_draft_tokens=4),
         }
-        for name, options in cells.items():
+        for name, options in cells.items() if args.cells != "peers" else ():
             started = time.perf_counter()
             out = batchspec.generate(target, draft, rows, batch_size=size, max_new_tokens=new, eos_token_id=[],
                                      cuda_graphs=args.cuda_graphs, **options)
             seconds = time.perf_counter() - started
             results[f"B={size} {name} tokens/s"] = round(sum(map(len, out.sequences)) / seconds, 1)
-        for name, extra in PEERS:
+        for name, extra in PEERS if args.cells != "batchspec" else ():
             ids = torch.tensor([[0] * (max(map(len, rows)) - len(p)) + p for p in rows], device=args.device)
             mask = torch.tensor([[0] * (ids.shape[1] - len(p)) + [1] * len(p) for p in rows], device=args.device)
             call = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
@@ -215,6 +229,49 @@ def throughput(args) -> dict:
             started = time.perf_counter()
             target.generate(ids, **call)
             results[f"B={size} {name} tokens/s"] = round(size * new / (time.perf_counter() - started), 1)
+    return results
+
+
+def hybrid(args) -> dict:
+    """The hybrid proposer's two policies on the 7B/0.5B shapes (eqspec, k = 4): reading the device lookups' hits
+    after a model-drafted token to skip draft forwards (``free_reads``, the CPU's policy) against running those
+    forwards without reading (the GPU's): tokens/s and draft forwards of each, same tokens."""
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    target = shaped(SMALL if args.small else QWEN_7B, 0, args.device, dtype)
+    draft = shaped(SMALL if args.small else QWEN_05B, 1, args.device, dtype)
+    new = 16 if args.small else args.new_tokens
+    warm_up(target, draft, args)
+    results = {}
+    init, step = ModelRunner.__init__, DraftModelProposer._model_step
+    for size in args.sizes:
+        rows = prompts(size, 1000, 100, 200, seed=size)
+        outputs = {}
+        for policy, free in (("read hits", True), ("no read", False)):
+            def chosen(runner, *options, free=free, **named):
+                init(runner, *options, **named)
+                runner.free_reads = free
+
+            forwards = []
+
+            def counted(proposer, *inputs, forwards=forwards):
+                forwards.append(1)
+                return step(proposer, *inputs)
+
+            ModelRunner.__init__, DraftModelProposer._model_step = chosen, counted
+            try:
+                started = time.perf_counter()
+                out = batchspec.generate(target, draft, rows, proposer="hybrid", num_draft_tokens=4,
+                                         batch_size=size, max_new_tokens=new, eos_token_id=[],
+                                         cuda_graphs=args.cuda_graphs)
+                seconds = time.perf_counter() - started
+            finally:
+                ModelRunner.__init__, DraftModelProposer._model_step = init, step
+            outputs[policy] = out.sequences
+            results[f"B={size} hybrid {policy} tokens/s"] = round(sum(map(len, out.sequences)) / seconds, 1)
+            results[f"B={size} hybrid {policy} draft s"] = round(out.stats.draft_s, 3)
+            results[f"B={size} hybrid {policy} rounds"] = out.stats.rounds
+            results[f"B={size} hybrid {policy} draft forwards"] = len(forwards)
+        results[f"B={size} same tokens"] = outputs["read hits"] == outputs["no read"]
     return results
 
 
@@ -244,7 +301,7 @@ def invariance(args) -> dict:
 
 
 PARTS = {"equivalence": equivalence, "syncs": syncs, "costs": costs, "throughput": throughput,
-         "invariance": invariance}
+         "invariance": invariance, "hybrid": hybrid}
 
 
 def main() -> None:
@@ -256,6 +313,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=lambda text: [int(b) for b in text.split(",")], default=[1, 8, 32],
                         help="batch sizes of costs and throughput, comma-separated (default 1,8,32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="new tokens per prompt in throughput")
+    parser.add_argument("--cells", choices=["all", "batchspec", "peers"], default="all",
+                        help="throughput: batchspec's runs, transformers' generate, or both (default)")
     parser.add_argument("--cuda-graphs", choices=["on", "off"], default="off", help="batchspec's CUDA graphs")
     parser.add_argument("--batch-invariant", action="store_true", help="models on the batch-invariant kernels")
     parser.add_argument("--tiny-dtype", choices=["float32", "bfloat16", "float16"], default="float32",

@@ -1,10 +1,13 @@
 """Ragged batches run directly through a model, against each row alone one token at a time: what the property
 tests of exact modes (int8, batch-invariant) compare, and what ``scripts/gpu_check.py invariance`` counts on a GPU.
-Needs torch and transformers only."""
+Needs torch, transformers and batchspec's runner (the name of the model call's cache argument, which transformers
+renamed between versions)."""
 
 from __future__ import annotations
 
 import torch
+
+from batchspec.runner import cache_keyword
 
 
 def alone_one_token_at_a_time(model, row: list[int]) -> torch.Tensor:
@@ -15,7 +18,8 @@ def alone_one_token_at_a_time(model, row: list[int]) -> torch.Tensor:
     cache, out = DynamicCache(), []
     with torch.no_grad():
         for token in row:
-            out.append(model(torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1])
+            inputs = {"input_ids": torch.tensor([[token]], device=device), cache_keyword(model): cache}
+            out.append(model(**inputs, use_cache=True).logits[0, -1])
     return torch.stack(out)
 
 
@@ -38,7 +42,8 @@ def ragged_forwards(model, rows: list[list[int]], prefix: list[int], steps: list
             queries = torch.arange(start, stop, device=device)
             visible = (keys[None, :] <= queries[:, None])[None] & real[:, None, :stop]
             positions = (queries[None] - lead_t[:, None]).clamp(min=0)
-            out = model(ids[:, start:stop], attention_mask=visible[:, None], position_ids=positions, cache=cache)
+            out = model(ids[:, start:stop], attention_mask=visible[:, None], position_ids=positions,
+                        **{cache_keyword(model): cache}, use_cache=True)
             logits.append(out.logits)
             start = stop
     everything = torch.cat(logits, dim=1)  # [B, columns, V]

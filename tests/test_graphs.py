@@ -93,13 +93,15 @@ def test_static_mode_masks_the_spare_capacity():
 
 
 def test_cuda_graphs_setting(bs, llama):
-    """``cuda_graphs="on"`` needs a CUDA device (a clear error otherwise); ``"auto"`` runs no graphs."""
+    """``cuda_graphs="on"`` needs a CUDA device (a clear error otherwise); ``"auto"`` captures on CUDA only."""
     options = dict(method="autoregressive", max_new_tokens=2, eos_token_id=[])
     with pytest.raises(ValueError, match="needs the models on a CUDA device"):
         bs.generate(llama.target, None, PROMPTS, cuda_graphs="on", **options)
     with pytest.raises(ValueError, match="cuda_graphs must be one of auto, on, off"):
         bs.generate(llama.target, None, PROMPTS, cuda_graphs="yes", **options)
-    assert graph_mode("auto", torch.device("cuda")) == "off"
+    assert graph_mode("auto", torch.device("cuda")) == "on"
+    assert graph_mode("auto", torch.device("cpu")) == "off"
+    assert graph_mode("off", torch.device("cuda")) == "off"
     assert graph_mode("on", torch.device("cuda:1")) == "on"
 
 

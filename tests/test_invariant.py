@@ -41,10 +41,10 @@ def invariant_models() -> dict[str, torch.nn.Module]:
 
 def test_kernels_match_float64_references():
     generator = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(shape, generator=generator) for shape in ((7, 50), (33, 50), (33,)))
+    x, w, b = (torch.randn(shape, generator=generator).to(DEVICE) for shape in ((7, 50), (33, 50), (33,)))
     expected = x.double() @ w.double().T + b.double()
     torch.testing.assert_close(matmul(x, w, b).double(), expected, rtol=1e-5, atol=1e-5)
-    h, g = torch.randn((5, 48), generator=generator), torch.randn(48, generator=generator)
+    h, g = (torch.randn(shape, generator=generator).to(DEVICE) for shape in ((5, 48), (48,)))
     normed = g.double() * h.double() / torch.sqrt((h.double() ** 2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(rms_norm(h, g, 1e-6).double(), normed, rtol=1e-5, atol=1e-5)
 
@@ -53,9 +53,10 @@ def test_attention_matches_softmax_attention_and_sees_padding_as_nothing():
     """Two rows padded by 0 and 5 over 40 keys (two key blocks), 3 queries, 4 heads sharing 2 key-value heads; a
     fourth query on row 1's padding sees nothing and outputs zeros."""
     generator = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(shape, generator=generator) for shape in ((2, 4, 4, 12), (2, 2, 40, 12), (2, 2, 40, 12)))
-    keys, columns = torch.arange(40), torch.tensor([2, 37, 38, 39])
-    pad = torch.tensor([0, 5])
+    q, k, v = (torch.randn(shape, generator=generator).to(DEVICE)
+               for shape in ((2, 4, 4, 12), (2, 2, 40, 12), (2, 2, 40, 12)))
+    keys, columns = torch.arange(40, device=DEVICE), torch.tensor([2, 37, 38, 39], device=DEVICE)
+    pad = torch.tensor([0, 5], device=DEVICE)
     visible = ((keys[None, None, :] <= columns[None, :, None]) & (keys[None, None, :] >= pad[:, None, None]))[:, None]
     got = attention(q, k, v, visible, 12**-0.5)  # [2, 4, 4, 12]
     expected = torch.nn.functional.scaled_dot_product_attention(

@@ -101,7 +101,7 @@ def generate(
         check_invariants: check I1, I2 and both caches after every round (slower; for tests and debugging).
         timing: split wall time into draft / verify / realign / other.
         cuda_graphs: ``"on"`` replays the decode forwards of models on a CUDA device as CUDA graphs; ``"off"``;
-            ``"auto"`` (off until a GPU run has measured the graphs).
+            ``"auto"`` (on for a CUDA device).
         progress: show a progress bar over prompts.
         temperature: 0 for greedy decoding; > 0 samples from the target's logits divided by it.
         top_k: sampling only: keep the ``top_k`` most probable tokens.

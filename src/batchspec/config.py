@@ -33,7 +33,7 @@ PROPOSERS = tuple(p.value for p in ProposerKind)
 class CudaGraphs(StrEnum):
     """Whether decode forwards on a GPU are captured as CUDA graphs (:mod:`batchspec.graphs`)."""
 
-    AUTO = "auto"  # off until a GPU run has measured the graphs (README, "On a GPU")
+    AUTO = "auto"  # on for a CUDA device, off elsewhere (README, "On a GPU")
     ON = "on"
     OFF = "off"
 
@@ -72,8 +72,8 @@ class SpecConfig:
             prefill, for serving); ``"auto"``: as many as take about one decode round to read (measured as it
             runs, :class:`batchspec.prefill.ChunkBudget`); None reads every prompt in one piece.
         cuda_graphs: ``"on"`` captures the decode forwards of models on a CUDA device as CUDA graphs and replays
-            them (:mod:`batchspec.graphs`); ``"off"`` runs them as they come; ``"auto"`` is off until a GPU run has
-            measured the graphs.
+            them (:mod:`batchspec.graphs`); ``"off"`` runs them as they come; ``"auto"`` is on for a CUDA device, off
+            elsewhere.
     """
 
     method: Method = Method.EQSPEC

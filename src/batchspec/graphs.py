@@ -49,11 +49,13 @@ GraphMode = Literal["off", "on", "eager"]  # no static mode; captured graphs (CU
 
 
 def graph_mode(setting: str, device: torch.device) -> GraphMode:
-    """The runner's graphs for the ``cuda_graphs`` setting with the models on ``device``: captured only for
-    ``"on"``, which needs a CUDA device (``"auto"`` is off until a GPU run has measured the graphs)."""
-    if CudaGraphs(setting) is not CudaGraphs.ON:
+    """The runner's graphs for the ``cuda_graphs`` setting with the models on ``device``: captured for ``"on"``,
+    which needs a CUDA device, and for ``"auto"`` on a CUDA device (measured on an H100: the same tokens as eager
+    forwards, and a Qwen2.5-7B-shaped decode step in 8.9 ms instead of 37.5; README, "On a GPU")."""
+    choice, cuda = CudaGraphs(setting), torch.device(device).type == "cuda"
+    if choice is CudaGraphs.OFF or (choice is CudaGraphs.AUTO and not cuda):
         return "off"
-    if torch.device(device).type != "cuda":
+    if not cuda:
         raise ValueError(f"--cuda-graphs on needs the models on a CUDA device (--device cuda); they are on {device}")
     return "on"
 

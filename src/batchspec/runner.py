@@ -33,9 +33,11 @@ import math
 import struct
 import time
 from collections.abc import Sequence as Seq
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from batchspec.graphs import GraphedForwards, GraphMode
 from batchspec.int8.attention import NAME as EXACT_ATTENTION
@@ -76,11 +78,12 @@ class ModelRunner:
         Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.graphs`)."""
         end = cache.length + input_ids.shape[1]
         graphed = self.graphs is not None and _implementation(model) in _STATIC_MASKS
-        if graphed and self.graphs.handles(cache, end, input_ids.shape[1]):
-            logits = self.graphs.logits(model, cache, input_ids, batch.pad, keep)
-            if logits is not None:
-                return logits
-        return model(**_inputs(model, batch, cache, input_ids), logits_to_keep=keep).logits
+        with attention_backends(self.device):
+            if graphed and self.graphs.handles(cache, end, input_ids.shape[1]):
+                logits = self.graphs.logits(model, cache, input_ids, batch.pad, keep)
+                if logits is not None:
+                    return logits
+            return model(**_inputs(model, batch, cache, input_ids), logits_to_keep=keep).logits
 
     def read(self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> None:
         """Feed ``input_ids`` ``[B, q]`` like :meth:`logits`, for their KV only: the decoder runs, the output layer
@@ -89,7 +92,8 @@ class ModelRunner:
         if decoder is None:
             self.logits(model, batch, cache, input_ids, keep=1)
             return
-        decoder(**_inputs(decoder, batch, cache, input_ids))
+        with attention_backends(self.device):
+            decoder(**_inputs(decoder, batch, cache, input_ids))
 
     def stage(self, *columns: Seq[int] | Seq[Seq[int]] | Floats) -> tuple[torch.Tensor, ...]:
         """Device tensors of host ``columns``, in one host buffer and one copy: int64 for a list ``[n]`` or a
@@ -156,6 +160,19 @@ class ModelRunner:
         return start.elapsed_time(end) / 1000
 
 
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device) -> AbstractContextManager:
+    """The scaled-dot-product attention kernels the runner's forwards may use: on CUDA every one but cuDNN's.
+
+    cuDNN's attention builds an execution plan for each new shape, and a decode forward's key length grows by one
+    every round: measured on an H100 (a Qwen2.5-7B-shaped model in bfloat16, 8 rows, 32 new tokens, eager forwards),
+    34.6 tokens/s with cuDNN's kernel allowed against 163.5 without it (``docs/results/2026-11-25-gpu``).
+    """
+    return sdpa_kernel(_NOT_CUDNN) if device.type == "cuda" else nullcontext()
+
+
 def _bits(value: float) -> int:
     """The int64 with the bits of float64 ``value``."""
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
@@ -168,7 +185,7 @@ def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, inpu
         "input_ids": input_ids,
         "attention_mask": _mask(model, batch, start, end),
         "position_ids": batch.position_ids(start, end),
-        _cache_keyword(model): cache,
+        cache_keyword(model): cache,
         "use_cache": True,
     }
 
@@ -215,13 +232,13 @@ def _static_call(
     """The model call of a static-mode forward (:mod:`batchspec.graphs`): ``visible`` ``[B, 1, q, capacity]``,
     ``positions`` ``[B, q]``."""
     inputs = {"input_ids": input_ids, "attention_mask": _as_mask(model, visible), "position_ids": positions}
-    return model(**inputs, **{_cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep).logits
+    return model(**inputs, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep).logits
 
 
 _CACHE_KEYWORDS: dict[type, str] = {}
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
+def cache_keyword(model: torch.nn.Module) -> str:
     """The name a model's forward takes its KV cache by: ``cache`` in transformers versions that renamed it,
     ``past_key_values`` before."""
     kind = type(model)

@@ -121,7 +121,7 @@ CudaGraphsOption = Annotated[
     typer.Option(
         "--cuda-graphs",
         help="on: capture the decode forwards of models on a CUDA device as CUDA graphs and replay them (needs "
-        "--device cuda); off: run them as they come; auto (default): off until a GPU run has measured the graphs.",
+        "--device cuda); off: run them as they come; auto (default): on for a CUDA device, off elsewhere.",
     ),
 ]
 CacheDirOption = Annotated[
