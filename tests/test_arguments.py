@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import fields
 
 import pytest
 import tiny_models
@@ -16,6 +17,9 @@ from transformers import (
     Qwen2ForCausalLM,
     T5Config,
 )
+
+from batchspec.config import SpecConfig
+from batchspec.state import Sequence
 
 PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4, 5, 6, 7, 8]]
 
@@ -44,10 +48,24 @@ def test_empty_prompt_rejected(method, prompts, bs, llama):
 
 
 @pytest.mark.parametrize("method", ["eqspec", "autoregressive"])
-@pytest.mark.parametrize("value", [-1, -100])
-def test_negative_max_new_tokens_rejected(method, value, bs, llama):
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        _gen(bs, llama, method=method, max_new_tokens=value)
+@pytest.mark.parametrize("value", [-1, -100, 2.5, True])
+@pytest.mark.parametrize("prompts", [PROMPTS, []], ids=["prompts", "no-prompts"])
+def test_bad_max_new_tokens_rejected(method, value, prompts, bs, llama):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+        _gen(bs, llama, method=method, max_new_tokens=value, prompts=prompts)
+
+
+@pytest.mark.parametrize("value", [-1, 2.0, None])
+def test_a_sequence_checks_its_budget(value):
+    with pytest.raises(ValueError, match=f"max_new_tokens must be an integer >= 0; got {value}"):
+        Sequence(0, [1, 2], value)
+    assert Sequence(0, [1, 2], 0).remaining == 0
+
+
+def test_the_budget_is_the_sequences_alone():
+    assert "max_new_tokens" not in {f.name for f in fields(SpecConfig)}
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        SpecConfig(max_new_tokens=4)
 
 
 @pytest.mark.parametrize("method", ["eqspec", "autoregressive"])

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import replace
 
 import pytest
 import torch
+from fabricated import save_tiny_model
 from helpers import make_prompts_for, run_cli
 
 from batchspec.bench import Workload, run_audit, run_sweep
@@ -20,7 +22,7 @@ from batchspec.bench.reference import Reference
 from batchspec.bench.sweep import SweepPlan
 from batchspec.cli.common import Quantize
 from batchspec.config import Method
-from batchspec.int8 import QUANTIZE, quantization, quantize_model
+from batchspec.int8 import QUANTIZE, quantizable, quantization, quantize_model
 from batchspec.models import ModelChoice, ModelPair, load_models, loading
 from batchspec.models import choice as choice_module
 
@@ -50,6 +52,19 @@ def int8_tiny(bundles):
         quantize="int8",
     )
     return pair, workload
+
+
+@pytest.fixture(scope="module")
+def gelu_dirs(tmp_path_factory):
+    """Two tiny Llamas with a GELU MLP (the int8 forward needs SiLU), saved like ``tiny_dirs``' with its tokenizer."""
+    root = tmp_path_factory.mktemp("gelu-models")
+    save_tiny_model(root / "target", hidden_act="gelu")
+    save_tiny_model(root / "draft", layers=2, hidden_act="gelu")
+    return root
+
+
+def quantized_nowhere(*args, **kwargs):
+    raise AssertionError("a model was quantized although the pair was refused")
 
 
 def tiny_models(tiny_dirs) -> list[str]:
@@ -113,6 +128,58 @@ def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
     assert default.quantize == "int8" and quantization(default.draft) == "int8"
     packed = loading.load_pair(target=target, draft=draft, progress=False, kernels="packed")  # auto: none
     assert packed.quantize == "none" and packed.precision == "float32, packed kernels"
+
+
+def test_auto_loads_a_pair_the_int8_forward_does_not_support_unquantized(gelu_dirs):
+    target, draft = str(gelu_dirs / "target"), str(gelu_dirs / "draft")
+    pair = loading.load_pair(target=target, draft=draft, progress=False)  # auto: int8 on the CPU in float32 ...
+    assert pair.quantize == "none" and pair.dtype == "float32"  # ... but not for GELU MLPs
+    assert quantization(pair.target) == quantization(pair.draft) == "none"
+    assert not quantizable(pair.target) and not quantizable(pair.draft)
+    assert pair.precision.startswith("float32, ") and pair.precision.endswith(" kernels")
+    alone, _ = loading.load_model(target, progress=False)
+    assert quantization(alone) == "none"
+    chosen = load_models(ModelChoice(target=target, draft=draft), Method.EQSPEC, progress=False)
+    assert chosen.quantize == "none" and quantization(chosen.draft) == "none"
+
+
+@pytest.mark.parametrize("gelu_role", ["target", "draft"])
+def test_auto_loads_a_mixed_pair_unquantized_both(tiny_dirs, gelu_dirs, gelu_role):
+    specs = {"target": str(tiny_dirs / "target"), "draft": str(tiny_dirs / "draft")}
+    silu = specs[gelu_role]
+    specs[gelu_role] = str(gelu_dirs / gelu_role)
+    alone, _ = loading.load_model(silu, progress=False)
+    assert quantization(alone) == "int8"  # the SiLU model alone is quantized by auto
+    pair = loading.load_pair(target=specs["target"], draft=specs["draft"], progress=False)
+    assert pair.quantize == "none"
+    assert quantization(pair.target) == quantization(pair.draft) == "none"
+    chosen = load_models(ModelChoice(**specs, quantize="auto"), Method.EQSPEC, progress=False)
+    assert chosen.quantize == "none" and quantization(chosen.target) == quantization(chosen.draft) == "none"
+
+
+@pytest.mark.parametrize("gelu_role", ["target", "draft"])
+def test_int8_asked_for_a_model_it_does_not_support_is_refused_before_quantizing(
+    tiny_dirs, gelu_dirs, gelu_role, monkeypatch
+):
+    monkeypatch.setattr(loading, "quantize_model", quantized_nowhere)
+    specs = {"target": str(tiny_dirs / "target"), "draft": str(tiny_dirs / "draft")}
+    specs[gelu_role] = gelu = str(gelu_dirs / gelu_role)
+    message = re.escape(f"{gelu}: --quantize int8 needs a SiLU MLP; this model uses 'gelu' (--quantize auto or none")
+    with pytest.raises(ValueError, match=message):
+        loading.load_pair(target=specs["target"], draft=specs["draft"], quantize="int8", progress=False)
+    with pytest.raises(ValueError, match=message):
+        loading.load_model(gelu, quantize="int8", progress=False)
+
+
+def test_int8_asked_for_a_model_it_does_not_support_is_one_line(tiny_dirs, gelu_dirs):
+    result = run_cli(
+        "generate", "--target", str(tiny_dirs / "target"), "--draft", str(gelu_dirs / "draft"),
+        "--prompts", str(tiny_dirs / "prompts.txt"), "--quantize", "int8",
+    )
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "needs a SiLU MLP; this model uses 'gelu'" in lines[0] and "Traceback" not in result.output
 
 
 def test_generate_runs_int8_models_and_names_them(tiny_dirs, tmp_path):

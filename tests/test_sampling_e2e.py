@@ -466,8 +466,7 @@ def test_rows_a_draft_catch_up_leaves_behind_are_caught_up_too(seq_models):
         for p, s in zip(prompts, seeds, strict=True)
     ]
     config = SpecConfig(
-        batch_size=3, num_draft_tokens=2, max_new_tokens=SEQ_MAX_NEW, eos_token_ids=tuple(SEQ_EOS), proposer="draft",
-        check_invariants=True,
+        batch_size=3, num_draft_tokens=2, eos_token_ids=tuple(SEQ_EOS), proposer="draft", check_invariants=True,
     )
     decoder = build_engine(seq_models.target, seq_models.perturbed, config)
     rows = [

@@ -15,7 +15,7 @@ from batchspec.model_checks import vocab_size
 from batchspec.sampling import SamplingParams, derive_row_seeds
 from batchspec.schedulers import make_scheduler
 from batchspec.schedulers.drive import Offline, drive
-from batchspec.state import FINISH_LENGTH, Sequence
+from batchspec.state import FINISH_LENGTH, Sequence, check_budget
 
 
 @dataclass
@@ -109,10 +109,10 @@ def generate(
         seed: sampling only: an int (prompt ``i`` gets a seed derived from it and ``i``), one int in
             ``[0, 2**63)`` per prompt, or None for fresh random seeds.
     """
+    check_budget(max_new_tokens)  # before anything is built, and for an empty prompt list (no Sequence) too
     config = SpecConfig(
         method=method,
         batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
         num_draft_tokens=num_draft_tokens,
         max_draft_tokens=max_draft_tokens,
         proposer=proposer,

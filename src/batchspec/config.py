@@ -45,13 +45,13 @@ MAX_AUTO_DRAFT_TOKENS = 10
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Everything the engine needs to know about a run, validated on construction.
+    """Everything the engine needs to know about a run, validated on construction. The budget of new tokens is not
+    here: each :class:`~batchspec.state.Sequence` carries its own (``max_new_tokens``).
 
     Attributes:
         method: "autoregressive" (target alone, batched), "eqspec" (fixed batches, realigned every round)
             or "exspec" (batches formed each round from a window of sequences, grouped by length).
         batch_size: rows decoded together (B).
-        max_new_tokens: budget of new tokens per prompt; 0 returns empty sequences.
         num_draft_tokens: drafts per row and round, each row's capped by its own budget; ``"auto"`` chooses them
             every round for the best expected tokens per second, up to ``max_draft_tokens``
             (:mod:`batchspec.controller`).
@@ -78,7 +78,6 @@ class SpecConfig:
 
     method: Method = Method.EQSPEC
     batch_size: int = 8
-    max_new_tokens: int = 128
     num_draft_tokens: int | str = AUTO
     max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS
     proposer: ProposerKind | None = None
@@ -103,7 +102,6 @@ class SpecConfig:
         except ValueError:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}; got {self.cuda_graphs!r}") from None
         _require_int("batch_size", self.batch_size, minimum=1)
-        _require_int("max_new_tokens", self.max_new_tokens, minimum=0)
         if self.num_draft_tokens != AUTO:
             if isinstance(self.num_draft_tokens, str):
                 raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto'; got {self.num_draft_tokens!r}")

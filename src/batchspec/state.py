@@ -52,6 +52,12 @@ class KVLocation:
     draft_cached: int
 
 
+def check_budget(max_new_tokens: object) -> None:
+    """Raise ValueError unless ``max_new_tokens`` is a budget of new tokens: an integer >= 0."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+
+
 @dataclass
 class Sequence:
     """One prompt's life: its tokens, its budget, how it samples, why it stopped and where its KV is.
@@ -59,7 +65,8 @@ class Sequence:
     ``sampling`` and ``seed`` fix the row's tokens: with temperature > 0 the token at output position ``n``
     is a function of the prefix, ``seed`` and ``n`` (see :mod:`batchspec.sampling`). Rows decoded in one round
     may each sample differently. ``lookup`` (its prompt-lookup index) and ``acceptance`` (its recent acceptance
-    of drafts) are kept by the proposers and the draft-length planner.
+    of drafts) are kept by the proposers and the draft-length planner. ``max_new_tokens`` is the row's budget of new
+    tokens (an integer >= 0, checked on construction), the one the engine reads.
     """
 
     index: int
@@ -72,6 +79,9 @@ class Sequence:
     kv: KVLocation | None = None
     lookup: NgramIndex | None = field(default=None, repr=False)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance, repr=False)
+
+    def __post_init__(self) -> None:
+        check_budget(self.max_new_tokens)
 
     @property
     def content_len(self) -> int:

@@ -4,6 +4,13 @@
 :mod:`~batchspec.int8.arithmetic` for why each row's logits cannot depend on the batch.
 """
 
-from batchspec.int8.model import QUANTIZE, check_quantize, quantizable, quantization, quantize_model
+from batchspec.int8.model import (
+    QUANTIZE,
+    check_quantizable,
+    check_quantize,
+    quantizable,
+    quantization,
+    quantize_model,
+)
 
-__all__ = ["QUANTIZE", "check_quantize", "quantizable", "quantization", "quantize_model"]
+__all__ = ["QUANTIZE", "check_quantizable", "check_quantize", "quantizable", "quantization", "quantize_model"]

@@ -22,18 +22,21 @@ read on the CPU and then moved there.
 ``quantize="int8"`` (see :mod:`batchspec.int8`) turns each loaded float32 model into the exact int8 model:
 every row's logits are then bit-identical whatever the batch, so greedy output is the quantized model's own with no
 near-tie exemption. It runs on the CPU only, on float32 weights, and on its own integer kernels (not oneDNN's
-packed ones); :func:`check_quantize_for` refuses the other combinations before anything loads.
+packed ones); :func:`check_quantize_for` refuses the other combinations before anything loads. Once the models are
+loaded, :func:`settle_quantize` decides for all of them together: ``"auto"`` leaves them all unquantized unless the
+int8 forward supports every one, an asked-for ``"int8"`` is refused unless it does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from batchspec.devices import device_name, resolve_device
-from batchspec.int8 import check_quantize, quantizable, quantization, quantize_model
+from batchspec.int8 import check_quantizable, check_quantize, quantizable, quantization, quantize_model
 from batchspec.invariant import batch_invariant as is_batch_invariant
 from batchspec.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
@@ -91,8 +94,8 @@ def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str =
 
     int8 is the CPU's default because it keeps the quality of float32 and is faster: on HumanEval's first 40 problems
     (chat template, 384 new tokens) the qwen2.5-coder pair passed 37 in int8 and 35 in float32, and int8 decoded
-    1.3-2.0x faster with 0.31x the memory (docs/int8.md). A model the int8 forward does not support (see
-    :func:`batchspec.int8.model.check_quantizable`) then loads as ``"none"``.
+    1.3-2.0x faster with 0.31x the memory (docs/int8.md). Models the int8 forward does not all support (see
+    :func:`batchspec.int8.model.check_quantizable`) then load as ``"none"``, all of them (:func:`settle_quantize`).
     """
     quantize = check_quantize(quantize)
     if quantize != "auto":
@@ -135,6 +138,26 @@ def check_quantize_for(quantize: str, dtype: str, kernels: str, device: str | to
             "pass --kernels auto or default"
         )
     return quantize
+
+
+def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]]) -> str:
+    """What the loaded ``models`` (``(spec, model)`` pairs) are all made: ``resolved`` (see
+    :func:`check_quantize_for`), except that an ``"int8"`` resolved from ``asked="auto"`` is ``"none"`` unless the
+    int8 forward supports every model (:func:`batchspec.int8.quantizable`), so a pair is never half quantized.
+
+    An ``"int8"`` asked for explicitly raises ValueError naming the first model the int8 forward does not support
+    and why (before any model is quantized).
+    """
+    if resolved != "int8":
+        return resolved
+    if asked == "auto":
+        return "int8" if all(quantizable(model) for _, model in models) else "none"
+    for spec, model in models:
+        try:
+            check_quantizable(model)
+        except ValueError as error:
+            raise ValueError(f"{spec}: {error} (--quantize auto or none loads it unquantized)") from None
+    return resolved
 
 
 def _torch_dtype(dtype: str):
@@ -237,24 +260,52 @@ def load_model(
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     ``quantize="int8"`` makes the loaded model the exact int8 model (see
     :func:`batchspec.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
-    where it applies, before loading. ``batch_invariant`` runs the model on the batch-invariant kernels (CUDA only,
-    see :mod:`batchspec.invariant`).
+    where it applies, before loading, and :func:`settle_quantize` whether the int8 forward supports the model
+    (``"auto"``: else it loads as ``"none"``; ``"int8"``: else a ValueError). ``batch_invariant`` runs the model on
+    the batch-invariant kernels (CUDA only, see :mod:`batchspec.invariant`).
     """
+    (loaded,) = _load_models(
+        [spec], dtype, cache_dir=cache_dir, cache_gguf=cache_gguf, gguf_file=gguf_file, progress=progress,
+        kernels=kernels, device=device, quantize=quantize, batch_invariant=batch_invariant,
+    )
+    return loaded
+
+
+def _load_models(
+    specs: list[str], dtype: str, *, cache_dir: str | Path | None, cache_gguf: bool, gguf_file: str | None,
+    progress: bool, kernels: str, device: str, quantize: str, batch_invariant: bool,
+) -> list[tuple[Any, Any]]:
+    """``(model, tokenizer)`` for each of ``specs``, loaded on ``device``, then all quantized alike
+    (:func:`settle_quantize`) or all put on the batch-invariant or the chosen CPU kernels."""
     check_option("kernels", kernels, KERNELS)
     check_batch_invariant_for(batch_invariant, device)
     place = resolve_device(device)
-    asked = quantize
-    quantize = check_quantize_for(quantize, dtype, kernels, place)
+    resolved = check_quantize_for(quantize, dtype, kernels, place)
+    loaded = [_load_on(spec, dtype, place, cache_dir, cache_gguf, gguf_file, progress) for spec in specs]
+    models = [model for model, _ in loaded]
+    resolved = settle_quantize(quantize, resolved, list(zip(specs, models, strict=True)))
+    for model, tokenizer in loaded:
+        _finish(model, tokenizer, resolved, kernels, batch_invariant)
+    return loaded
+
+
+def _load_on(
+    spec: str, dtype: str, place: torch.device, cache_dir: str | Path | None, cache_gguf: bool,
+    gguf_file: str | None, progress: bool,
+) -> tuple[Any, Any]:
     model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress)
-    if place.type != LOAD_DEVICE:
-        model = model.to(place)
-    if quantize == "int8" and (asked == "int8" or quantizable(model)):
+    return (model if place.type == LOAD_DEVICE else model.to(place)), tokenizer
+
+
+def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invariant: bool) -> None:
+    """Make the loaded ``model`` the exact int8 one (``quantize``, settled), else batch-invariant, else put it on
+    ``kernels``."""
+    if quantize == "int8":
         quantize_model(model, tokenizer)
     elif batch_invariant:
         make_batch_invariant(model)
     else:
         use_kernels(model, kernels)
-    return model, tokenizer
 
 
 def use_kernels(model: Any, kernels: Kernels = "auto") -> bool:
@@ -358,8 +409,8 @@ def load_pair(
 ) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
     on ``device`` (``"auto"``: CUDA when available) and, on the CPU, the kernels ``kernels`` (see
-    :func:`use_kernels`), or both quantized with ``quantize="int8"``, or both batch-invariant (see
-    :func:`load_model`).
+    :func:`use_kernels`), or both quantized (``quantize``, see :func:`load_model`: ``"auto"`` quantizes both or
+    neither, see :func:`settle_quantize`), or both batch-invariant.
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
     :func:`load_model`) replace the preset's models; without a ``preset`` both must be given. The pair's
@@ -369,13 +420,10 @@ def load_pair(
     dtype = resolve_dtype(dtype)
     started = time.perf_counter()
     place = resolve_device(device)
-    quantize = check_quantize_for(quantize, dtype, kernels, place)
-    loads = {
-        "cache_dir": cache_dir, "progress": progress, "kernels": kernels, "device": str(place), "quantize": quantize,
-        "batch_invariant": batch_invariant,
-    }
-    target_model, target_tokenizer = load_model(target, dtype, **loads)
-    draft_model, draft_tokenizer = load_model(draft, dtype, **loads)
+    (target_model, target_tokenizer), (draft_model, draft_tokenizer) = _load_models(
+        [target, draft], dtype, cache_dir=cache_dir, cache_gguf=True, gguf_file=None, progress=progress,
+        kernels=kernels, device=str(place), quantize=quantize, batch_invariant=batch_invariant,
+    )
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
