@@ -419,12 +419,12 @@ def test_metrics_stay_bounded_whatever_paths_clients_send(served):
         httpx.get(f"{server.url}/no-such-path-0", timeout=TIMEOUT_S)
         before = len(httpx.get(f"{server.url}/metrics", timeout=TIMEOUT_S).content)
         with httpx.Client(timeout=TIMEOUT_S) as session:
-            for i in range(400):
+            for i in range(100):
                 assert session.get(f"{server.url}/no-such-path-{i}/{'x' * (i % 50)}").status_code == 404
             assert session.get(f"{server.url}/v1/completions").status_code == 405
         text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT_S).text
     assert len(text.encode()) - before < 2048
-    assert 'batchspec_requests_total{endpoint="unmatched",status="404"} 401.0' in text
+    assert 'batchspec_requests_total{endpoint="unmatched",status="404"} 101.0' in text
     assert 'batchspec_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
     assert 'endpoint="/v1/completions",status="405"' in text
     assert "no-such-path" not in text
