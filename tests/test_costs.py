@@ -5,9 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny_models
 from helpers import run_cli
 
-from batchspec.bench.costs import ForwardCost, measure_forward_costs, speculation_costs
+from batchspec.bench.costs import (
+    ForwardCost,
+    measure_forward_costs,
+    read_bandwidth,
+    speculation_costs,
+    step_floors,
+    weight_bytes,
+)
+from batchspec.int8 import quantize_model
+from batchspec.int8.linear import Int8Linear
 
 torch = pytest.importorskip("torch")
 
@@ -36,6 +46,40 @@ def test_without_a_measured_acceptance_only_the_break_even_length_is_given():
     assert five.break_even_accepted_length > three.break_even_accepted_length > 1.0
 
 
+def _unique_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
+
+
+def test_weight_bytes_are_what_a_step_reads():
+    """Every parameter and buffer once, the input embedding table left out unless the output layer shares it, and
+    an int8 layer's integer factors counted."""
+    untied = tiny_models.build_llama(seed=3)
+    everything = _unique_bytes([*untied.parameters(), *untied.buffers()])
+    table = untied.get_input_embeddings().weight
+    assert weight_bytes(untied) == everything - table.numel() * table.element_size()
+    tied = tiny_models.build_llama(seed=3, tie_word_embeddings=True)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    assert weight_bytes(tied) == _unique_bytes([*tied.parameters(), *tied.buffers()])
+    quantized = quantize_model(tiny_models.build_llama(seed=3))
+    factors = [f for m in quantized.modules() if isinstance(m, Int8Linear) for f in m.factors]
+    assert factors and weight_bytes(quantized) >= _unique_bytes(factors) > 0
+    assert weight_bytes(quantized) < weight_bytes(untied)
+
+
+def test_a_step_against_its_floor():
+    """The module docstring's example: 1.58 GB of weights at 50 GB/s is a 31.6 ms floor; a 76 ms step reads them at
+    20.8 GB/s, 2.4x the floor. Only one-token steps have a floor."""
+    costs = [ForwardCost("target", 1, 1, 128, 0.076), ForwardCost("target", 1, 4, 128, 0.1),
+             ForwardCost("draft", 1, 1, 128, 0.02)]
+    floors = step_floors(costs, {"target": 1_580_000_000, "draft": 500_000_000}, 50e9)
+    assert [(f.model, f.batch_size) for f in floors] == [("target", 1), ("draft", 1)]
+    target = floors[0]
+    assert target.floor_s == pytest.approx(0.0316)
+    assert target.achieved == pytest.approx(20.79e9, rel=1e-3)
+    assert target.over_floor == pytest.approx(0.076 / 0.0316)
+    assert read_bandwidth("cpu", size=1 << 22, repeats=1) > 0
+
+
 def test_measured_costs_cover_every_batch_size_and_width(bundles):
     bundle = bundles["llama"]
     costs = measure_forward_costs(bundle.target, bundle.drafts["perturbed"], (1, 3), (2, 4), context=8, repeats=1)
@@ -59,5 +103,9 @@ def test_costs_command_writes_json_and_table(tiny_dirs, tmp_path):  # noqa: F811
     assert report["dtype"] == "float32" and "(float32, " in result.stdout
     assert all(s["predicted_speedup"] > 0 for s in report["speculation"])
     assert "| 2 | 3 |" in result.stdout
+    assert [(f["model"], f["batch_size"]) for f in report["step_floors"]] == [
+        ("target", 1), ("draft", 1), ("target", 2), ("draft", 2)]
+    assert all(f["over_floor"] > 0 and f["weight_bytes"] > 0 for f in report["step_floors"])
+    assert "| read GB/s | x floor |" in result.stdout
     bad = run_cli("costs", *models, "--draft-lengths", "3,x", "-o", str(tmp_path))
     assert bad.exit_code == 1 and "--draft-lengths must be comma-separated integers" in bad.output

@@ -14,6 +14,10 @@ per row over ``B`` rows (on top of a cache of ``context`` columns)::
 Example: ``c_t(8, 1) = 0.40 s``, ``c_t(8, 6) = 0.70 s``, ``c_d(8, 1) = 0.20 s``, ``k = 5``: a round costs
 1.70 s, so speculation pays only when rows gain more than 1.70 / 0.40 = 4.25 tokens per round; with ``E = 5.5``
 the speedup is 5.5 * 0.40 / 1.70 = 1.29.
+
+Against the limit: a one-token step reads every weight it multiplies by once (:func:`weight_bytes`), so it cannot
+take less than those bytes over the device's read bandwidth (:func:`read_bandwidth`, measured). Example: 1.58 GB of
+int8 weights at 50 GB/s is a 31.6 ms floor; a step of 76 ms reads them at 20.8 GB/s, 2.4x the floor.
 """
 
 from __future__ import annotations
@@ -65,6 +69,73 @@ class SpeculationCost:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a one-token forward of ``model`` reads: every parameter and buffer (an int8 layer's
+    integer factors too), each tensor once, except the input embedding table, of which a step reads one row per
+    token. A tied output layer shares that table and reads all of it, so it counts."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    seen, total = set(), 0
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False), *getattr(module, "factors", ())]
+        if module is embedding and getattr(output, "weight", None) is not embedding.weight:
+            continue
+        for tensor in tensors:
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@torch.inference_mode()
+def read_bandwidth(device: torch.device | str = "cpu", size: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second at which ``device`` reads a ``size``-byte float32 buffer it cannot cache (a sum over it,
+    every thread torch uses; the median of ``repeats`` after a discarded first read)."""
+    runner = ModelRunner(torch.device(device))
+    buffer = torch.ones(size // 4, device=runner.device)  # [size / 4] float32
+    seconds = []
+    for _ in range(repeats + 1):
+        start = runner.mark()
+        buffer.sum()
+        end = runner.mark()
+        runner.wait()
+        seconds.append(runner.seconds(start, end))
+    return size / statistics.median(seconds[1:])
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    """A one-token step of ``model`` at ``batch_size`` against its floor: ``weight_bytes`` over the measured
+    ``bandwidth`` (bytes/s).
+
+    Attributes:
+        floor_s: ``weight_bytes / bandwidth``, the least a step can take.
+        achieved: bytes per second the step read its weights at (``weight_bytes / seconds``).
+        over_floor: ``seconds / floor_s`` (1.0 is the limit).
+    """
+
+    model: str
+    batch_size: int
+    seconds: float
+    weight_bytes: int
+    bandwidth: float
+    floor_s: float
+    achieved: float
+    over_floor: float
+
+
+def step_floors(costs: list[ForwardCost], weights: dict[str, int], bandwidth: float) -> list[StepFloor]:
+    """Each one-token step of ``costs`` (``c_t(B, 1)``, ``c_d(B, 1)``) against ``weights[model]`` bytes read at
+    ``bandwidth`` bytes/s."""
+    floors = []
+    for cost in (c for c in costs if c.new_tokens == 1):
+        size = weights[cost.model]
+        floor = size / bandwidth
+        floors.append(StepFloor(cost.model, cost.batch_size, cost.seconds, size, bandwidth, floor,
+                                size / cost.seconds, cost.seconds / floor))
+    return floors
 
 
 @torch.inference_mode()

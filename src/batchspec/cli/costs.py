@@ -9,7 +9,16 @@ from typing import Annotated
 import torch
 import typer
 
-from batchspec.bench.costs import ForwardCost, SpeculationCost, measure_forward_costs, speculation_costs
+from batchspec.bench.costs import (
+    ForwardCost,
+    SpeculationCost,
+    StepFloor,
+    measure_forward_costs,
+    read_bandwidth,
+    speculation_costs,
+    step_floors,
+    weight_bytes,
+)
 from batchspec.cli.bench import (
     BatchSizesOption,
     OutputDirOption,
@@ -29,9 +38,10 @@ DraftLengthsOption = Annotated[
 
 
 def costs_report(
-    loaded: ModelPair, context: int, costs: list[ForwardCost], summary: list[SpeculationCost]
+    loaded: ModelPair, context: int, costs: list[ForwardCost], summary: list[SpeculationCost], floors: list[StepFloor]
 ) -> dict[str, object]:
-    """What ``costs.json`` holds: the models and how they compute, the threads, the context and the costs."""
+    """What ``costs.json`` holds: the models and how they compute, the threads, the context, the costs and each
+    one-token step against the floor its weights' bytes set."""
     return {
         "model": loaded.name,
         "dtype": loaded.dtype,
@@ -41,6 +51,7 @@ def costs_report(
         "context": context,
         "forward_costs": [c.__dict__ for c in costs],
         "speculation": [s.to_dict() for s in summary],
+        "step_floors": [f.__dict__ for f in floors],
     }
 
 
@@ -73,8 +84,11 @@ def costs_command(
         loaded = load_for_methods(models, ("eqspec",))
         costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats)
         summary = speculation_costs(costs, mean_accepted_length)
+        weights = {"target": weight_bytes(loaded.target), "draft": weight_bytes(loaded.draft)}
+        floors = step_floors(costs, weights, read_bandwidth(next(loaded.target.parameters()).device))
     output.mkdir(parents=True, exist_ok=True)
-    (output / "costs.json").write_text(json.dumps(costs_report(loaded, context, costs, summary), indent=2) + "\n")
+    report = costs_report(loaded, context, costs, summary, floors)
+    (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
     typer.echo(f"{loaded.name} ({loaded.precision}, {torch.get_num_threads()} threads), {context} cached columns")
     typer.echo("| B | k | c_t(B,1) s | c_t(B,k+1) s | c_d(B,1) s | round s | break-even E | speedup | c_d needed s |")
     typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -85,5 +99,18 @@ def costs_command(
             f"| {s.batch_size} | {s.num_draft_tokens} | {s.target_step_s:.3f} | {s.verify_s:.3f} | "
             f"{s.draft_step_s:.3f} | {s.round_s:.3f} | {s.break_even_accepted_length:.2f} | {speedup} | {needed} |"
         )
+    echo_floors(floors)
     typer.echo(f"Wrote {Path(output) / 'costs.json'}", err=True)
+
+
+def echo_floors(floors: list[StepFloor]) -> None:
+    """The one-token steps against the read bandwidth: how far from the limit each runs."""
+    typer.echo(f"One-token steps against the measured read bandwidth ({floors[0].bandwidth / 1e9:.1f} GB/s):")
+    typer.echo("| model | B | weights GB | floor s | step s | read GB/s | x floor |")
+    typer.echo("| --- | --- | --- | --- | --- | --- | --- |")
+    for f in floors:
+        typer.echo(
+            f"| {f.model} | {f.batch_size} | {f.weight_bytes / 1e9:.3f} | {f.floor_s:.4f} | {f.seconds:.4f} | "
+            f"{f.achieved / 1e9:.1f} | {f.over_floor:.2f} |"
+        )
 
