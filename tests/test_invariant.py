@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from ragged import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
 
+from batchspec.graphs import graph_mode  # noqa: E402
 from batchspec.invariant import batch_invariant, check_batch_invariant, make_batch_invariant  # noqa: E402
 from batchspec.invariant.kernels import KEY_BLOCK, MATMUL_TILES, attention, matmul, rms_norm  # noqa: E402
 
@@ -209,3 +210,13 @@ def test_the_mode_names_what_it_supports(bundles):
     model.config.model_type = "gpt2"
     with pytest.raises(ValueError, match="supports llama, qwen2, qwen3, mistral models; got model_type 'gpt2'"):
         check_batch_invariant(model)
+
+
+def test_cuda_graphs_on_refuses_a_batch_invariant_model(invariant_models):
+    """Graphs capture sdpa and eager attention only: ``on`` says so for a batch-invariant model instead of running it
+    ungraphed; ``auto`` graphs what it can (its forwards run as they come)."""
+    model, plain = invariant_models["llama"], tiny_models.build_llama(seed=2)
+    with pytest.raises(ValueError, match="this one runs 'batchspec_invariant'.*use --cuda-graphs auto or off"):
+        graph_mode("on", torch.device("cuda"), (plain, model))
+    assert graph_mode("on", torch.device("cuda"), (plain,)) == "on"
+    assert graph_mode("auto", torch.device("cuda"), (model,)) == "on"

@@ -43,7 +43,8 @@ class Engine:
         self.config = config
         self.stats = GenerationStats()
         self.device = next(target.parameters()).device
-        self.runner = ModelRunner(self.device, graphs=graph_mode(config.cuda_graphs, self.device))
+        models = (target,) if draft is None else (target, draft)
+        self.runner = ModelRunner(self.device, graphs=graph_mode(config.cuda_graphs, self.device, models))
         self.timer = StageTimer(self.stats, enabled=config.timing, device=self.device)
         self.eos = frozenset(config.eos_token_ids)
         self.proposer = _proposer(draft, config)

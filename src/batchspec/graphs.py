@@ -45,18 +45,29 @@ from batchspec.kv_cache import BatchKVCache
 from batchspec.state import position_ids, visible_keys
 
 MAX_GRAPH_COLUMNS = 16  # the widest forward captured: a verification of 1 + k columns, k <= 15
+GRAPHED_ATTENTION = ("sdpa", "eager")  # the attention implementations a static-mode forward runs with
 GraphMode = Literal["off", "on", "eager"]  # no static mode; captured graphs (CUDA); static mode run eagerly (tests)
 
 
-def graph_mode(setting: str, device: torch.device) -> GraphMode:
-    """The runner's graphs for the ``cuda_graphs`` setting with the models on ``device``: captured for ``"on"``,
-    which needs a CUDA device, and for ``"auto"`` on a CUDA device (measured on an H100: the same tokens as eager
-    forwards, and a Qwen2.5-7B-shaped decode step in 8.9 ms instead of 37.5; README, "On a GPU")."""
+def graph_mode(setting: str, device: torch.device, models: tuple[torch.nn.Module, ...] = ()) -> GraphMode:
+    """The runner's graphs for the ``cuda_graphs`` setting with ``models`` on ``device``: captured for ``"on"``,
+    which needs a CUDA device and models whose attention is one of :data:`GRAPHED_ATTENTION`, and for ``"auto"`` on
+    a CUDA device (measured on an H100: the same tokens as eager forwards, and a Qwen2.5-7B-shaped decode step in
+    8.9 ms instead of 37.5; README, "On a GPU"), where the forwards of other attention implementations (the
+    batch-invariant mode's) run as they come."""
     choice, cuda = CudaGraphs(setting), torch.device(device).type == "cuda"
     if choice is CudaGraphs.OFF or (choice is CudaGraphs.AUTO and not cuda):
         return "off"
     if not cuda:
         raise ValueError(f"--cuda-graphs on needs the models on a CUDA device (--device cuda); they are on {device}")
+    for model in models if choice is CudaGraphs.ON else ():
+        implementation = getattr(model.config, "_attn_implementation", None)
+        if implementation not in GRAPHED_ATTENTION:
+            raise ValueError(
+                f"--cuda-graphs on captures models with {' or '.join(GRAPHED_ATTENTION)} attention; this one runs "
+                f"{implementation!r} (the batch-invariant mode's forwards are not graphed yet): use --cuda-graphs auto "
+                "or off"
+            )
     return "on"
 
 

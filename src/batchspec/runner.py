@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from batchspec.graphs import GraphedForwards, GraphMode
+from batchspec.graphs import GRAPHED_ATTENTION, GraphedForwards, GraphMode
 from batchspec.int8.attention import NAME as EXACT_ATTENTION
 from batchspec.invariant.model import NAME as INVARIANT_ATTENTION
 from batchspec.kv_cache import BatchKVCache
@@ -77,7 +77,7 @@ class ModelRunner:
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
         Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.graphs`)."""
         end = cache.length + input_ids.shape[1]
-        graphed = self.graphs is not None and _implementation(model) in _STATIC_MASKS
+        graphed = self.graphs is not None and _implementation(model) in GRAPHED_ATTENTION
         with attention_backends(self.device):
             if graphed and self.graphs.handles(cache, end, input_ids.shape[1]):
                 logits = self.graphs.logits(model, cache, input_ids, batch.pad, keep)
@@ -191,7 +191,6 @@ def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, inpu
 
 
 _BOOLEAN_MASKS = ("sdpa", EXACT_ATTENTION, INVARIANT_ATTENTION)
-_STATIC_MASKS = ("sdpa", "eager")  # the implementations a static-mode forward (CUDA graphs) runs with
 
 
 def _implementation(model: torch.nn.Module) -> str | None:
