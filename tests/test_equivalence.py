@@ -18,6 +18,8 @@ from helpers import Checks, forward_log, make_prompts_for, reference_greedy, rep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batchspec.engine import Engine
+from batchspec.invariants import InvariantError
 from batchspec.kv_cache import GROWTH, BatchKVCache
 from batchspec.runner import ModelRunner
 
@@ -420,6 +422,26 @@ def test_same_output_without_invariant_checks(method, bs, qwen2):
     prompts = make_prompts_for(qwen2, 9, seed=95)
     _run_checked(bs, qwen2, qwen2.drafts["perturbed"], prompts, method=method, batch_size=4, max_new=23, k=4,
                  check_invariants=False)
+
+
+@pytest.mark.parametrize("method", [E, A])
+def test_check_invariants_finds_a_broken_one(method, bs, qwen2, monkeypatch):
+    """A row whose output gains a token its stored stream lacks (broken on purpose after the first round) is found
+    by ``check_invariants=True`` with a named error, also under ``python -O`` (the checks raise, they do not
+    assert)."""
+    accept = Engine.accept
+
+    def corrupting(engine, *args, **kwargs):
+        result = accept(engine, *args, **kwargs)
+        rows = [row for row in args[0].rows if not row.finished]
+        rows[0].output.append(rows[0].output[-1] if rows[0].output else 0)
+        return result
+
+    monkeypatch.setattr(Engine, "accept", corrupting)
+    prompts = make_prompts_for(qwen2, 3, seed=95)
+    with pytest.raises(InvariantError, match="row 0: target KV misses columns"):
+        bs.generate(qwen2.target, qwen2.drafts["perturbed"], prompts, method=method, batch_size=3, max_new_tokens=12,
+                    num_draft_tokens=3, check_invariants=True)
 
 
 @settings(

@@ -13,6 +13,7 @@ import tiny_models
 from helpers import forward_log, make_prompts_for
 
 from batchspec.config import SpecConfig
+from batchspec.invariants import InvariantError
 from batchspec.schedulers.pool import PooledWindow
 from batchspec.state import Sequence
 
@@ -211,7 +212,7 @@ def test_pool_refills_in_length_order_and_check_catches_a_lost_row():
     assert [r.index for r in pool.window] == [1, 3, 0]
     pool.check(total=5)
     pool.window.pop()
-    with pytest.raises(AssertionError, match="lost or duplicated"):
+    with pytest.raises(InvariantError, match="lost or duplicated"):
         pool.check(total=5)
 
 

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchspec.invariants import InvariantError
 from batchspec.kv_cache import BatchKVCache, Slab
 from batchspec.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, layout_columns, plan_layout
 from batchspec.runner import ModelRunner
@@ -193,12 +194,12 @@ def test_check_catches_broken_invariants():
     batch = _assemble(plan_layout(rows), rows, (1, 1))
     batch.check()
     broken = HostColumns(pad=[0, 1], content=batch.host.content, draft_cached=batch.host.draft_cached)
-    with pytest.raises(AssertionError, match="I1 broken"):
+    with pytest.raises(InvariantError, match="I1 broken"):
         BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab, batch.draft_cached, broken).check()
-    with pytest.raises(AssertionError, match="differs from the host's"):
+    with pytest.raises(InvariantError, match="differs from the host's"):
         BatchState(rows, torch.tensor([0, 1]), batch.content, batch.slab, batch.draft_cached, batch.host).check()
     batch.slab.tokens[1, 2] = 9
-    with pytest.raises(AssertionError, match="token stream out of sync"):
+    with pytest.raises(InvariantError, match="token stream out of sync"):
         batch.check()
 
 

@@ -18,6 +18,7 @@ import torch
 from host_reads import HostReads
 
 from batchspec.engine import Engine
+from batchspec.invariants import InvariantError
 from batchspec.kv_cache import BatchKVCache, Slab
 from batchspec.proposers.draft import DraftModelProposer
 from batchspec.runner import Floats, ModelRunner
@@ -35,7 +36,7 @@ def test_stage_worked_example():
 
 
 def test_stage_refuses_ragged_matrices():
-    with pytest.raises(AssertionError, match="rectangular"):
+    with pytest.raises(InvariantError, match="rectangular"):
         CPU.stage([[1, 2], [3]])
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from batchspec.invariants import InvariantError
+
 GROWTH = 256
 
 
@@ -37,7 +39,8 @@ class _StoreLayer(CacheLayerMixin):
     @property
     def owner(self) -> BatchKVCache:
         owner = self._owner()
-        assert owner is not None, "a cache layer outlived its cache"
+        if owner is None:
+            raise InvariantError("a cache layer outlived its cache")
         return owner
 
     @property
@@ -96,7 +99,8 @@ class BatchKVCache(Cache):
         """Static mode for one forward: every layer writes its keys and values at ``columns`` ``[q]`` (a device
         tensor) and attends over the whole capacity; the caller masks what lies past the length, and advances
         ``length`` itself. The storage must already hold the columns (:meth:`ensure_capacity`)."""
-        assert self.storage is not None, "static mode needs allocated storage"
+        if self.storage is None:
+            raise InvariantError("static mode needs allocated storage")
         self.write_at = columns
         try:
             yield

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchspec.config import AUTO
+from batchspec.invariants import InvariantError
 from batchspec.kv_cache import BatchKVCache
 from batchspec.realign import assemble, layout_columns, plan_layout
 from batchspec.runner import ModelRunner
@@ -113,7 +114,8 @@ class Reader:
 
     def cache(self, batch: BatchState) -> BatchKVCache:
         cache = batch.slab.draft if self.draft else batch.slab.target
-        assert cache is not None, "a batch read by the draft carries a draft cache"
+        if cache is None:
+            raise InvariantError("a batch read by the draft carries a draft cache")
         return cache
 
 

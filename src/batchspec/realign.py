@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from batchspec.invariants import InvariantError
 from batchspec.kv_cache import GROWTH, BatchKVCache, Slab
 from batchspec.state import BatchState, HostColumns, Sequence
 
@@ -298,7 +299,8 @@ def _move_cache(
         cache = pick(sources[0].source.slab)
         whole = len(sources[0].source.dest) == len(layout.pad)
         if whole and cache is not None and cache.storage is not None and 0 < length <= cache.storage.shape[4]:
-            assert cache.length > 0, "a shifted cache holds columns"
+            if cache.length <= 0:
+                raise InvariantError("a shifted cache holds columns")
             return _shift_cache(cache, sources[0].shift, num_layers, length)
     return _gather_cache(sources, pad, pick, num_layers, length)
 

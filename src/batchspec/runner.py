@@ -42,6 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from batchspec.graphs import GRAPHED_ATTENTION, GraphedForwards, GraphMode
 from batchspec.int8.attention import NAME as EXACT_ATTENTION
 from batchspec.invariant.model import NAME as INVARIANT_ATTENTION
+from batchspec.invariants import InvariantError
 from batchspec.kv_cache import BatchKVCache
 from batchspec.state import BatchState, visible_keys
 
@@ -112,7 +113,8 @@ class ModelRunner:
                 shapes.append(((len(column.values),), True))
             elif column and isinstance(column[0], Seq):
                 width = len(column[0])
-                assert all(len(row) == width for row in column), "a staged matrix must be rectangular"
+                if not all(len(row) == width for row in column):
+                    raise InvariantError("a staged matrix must be rectangular")
                 for row in column:
                     flat.extend(row)
                 shapes.append(((len(column), width), False))

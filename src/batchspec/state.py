@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchspec.controller import RowAcceptance
+from batchspec.invariants import InvariantError
 from batchspec.kv_cache import Slab
 from batchspec.sampling import SamplingParams
 
@@ -125,21 +126,28 @@ class Sequence:
         self.kv = None
 
     def check_location(self) -> None:
-        """Raise ``AssertionError`` unless the row's KV location matches its tokens and the caches. A row whose
-        prompt is still being read in chunks (no output yet) may hold fewer target columns than a ready row."""
+        """Raise :class:`~batchspec.invariants.InvariantError` unless the row's KV location matches its tokens and
+        the caches. A row whose prompt is still being read in chunks (no output yet) may hold fewer target columns
+        than a ready row."""
         kv = self.kv
-        assert kv is not None, f"row {self.index} has no KV location"
-        assert 0 <= kv.row < kv.slab.size, f"row {self.index}: slab row {kv.row} out of range"
-        if self.output:
-            assert kv.target_cached == self.content_len - 1, f"row {self.index}: target KV misses columns"
-        assert 0 <= kv.target_cached <= self.content_len - 1, f"row {self.index}: target KV covers {kv.target_cached}"
-        assert 0 <= kv.draft_cached <= self.content_len - 1, f"row {self.index}: draft KV covers {kv.draft_cached}"
+        if kv is None:
+            raise InvariantError(f"row {self.index} has no KV location")
+        if not (0 <= kv.row < kv.slab.size):
+            raise InvariantError(f"row {self.index}: slab row {kv.row} out of range")
+        if self.output and kv.target_cached != self.content_len - 1:
+            raise InvariantError(f"row {self.index}: target KV misses columns")
+        if not (0 <= kv.target_cached <= self.content_len - 1):
+            raise InvariantError(f"row {self.index}: target KV covers {kv.target_cached}")
+        if not (0 <= kv.draft_cached <= self.content_len - 1):
+            raise InvariantError(f"row {self.index}: draft KV covers {kv.draft_cached}")
         stored = kv.slab.tokens[kv.row, kv.start : kv.start + self.content_len].tolist()
-        assert stored == self.prompt + self.output, f"row {self.index}: stored tokens out of sync"
-        if kv.target_cached:  # a row whose first chunk ended before its first token holds none yet
-            assert kv.slab.target.length >= kv.start + kv.target_cached, f"row {self.index}: target KV too short"
-        if kv.slab.draft is not None and kv.draft_cached:
-            assert kv.slab.draft.length >= kv.start + kv.draft_cached, f"row {self.index}: draft KV too short"
+        if stored != self.prompt + self.output:
+            raise InvariantError(f"row {self.index}: stored tokens out of sync")
+        # a row whose first chunk ended before its first token holds no target KV yet
+        if kv.target_cached and kv.slab.target.length < kv.start + kv.target_cached:
+            raise InvariantError(f"row {self.index}: target KV too short")
+        if kv.slab.draft is not None and kv.draft_cached and kv.slab.draft.length < kv.start + kv.draft_cached:
+            raise InvariantError(f"row {self.index}: draft KV too short")
 
 
 @dataclass(frozen=True)
@@ -222,28 +230,39 @@ class BatchState:
         return position_ids(torch.arange(start, end, device=self.device), self.pad)
 
     def check(self) -> None:
-        """Raise ``AssertionError`` unless I1, I2, every row's token stream and the cache lengths agree."""
+        """Raise :class:`~batchspec.invariants.InvariantError` unless I1, I2, every row's token stream and the cache
+        lengths agree."""
         width = self.width
-        assert self.tokens.shape == (self.size, width), "tokens shape does not match the rows"
-        assert self.pad.tolist() == self.host.pad, f"pad {self.pad.tolist()} differs from the host's {self.host.pad}"
-        assert self.content.tolist() == self.host.content, "content differs from the host's"
-        assert self.draft_cached.tolist() == self.host.draft_cached, "draft_cached differs from the host's"
-        assert bool((self.pad >= 0).all()), f"negative padding: {self.pad.tolist()}"
-        assert bool((self.pad + self.content == width).all()), (
-            f"I1 broken: pad {self.pad.tolist()} + content {self.content.tolist()} != {width}"
-        )
+        if self.tokens.shape != (self.size, width):
+            raise InvariantError("tokens shape does not match the rows")
+        if self.pad.tolist() != self.host.pad:
+            raise InvariantError(f"pad {self.pad.tolist()} differs from the host's {self.host.pad}")
+        if self.content.tolist() != self.host.content:
+            raise InvariantError("content differs from the host's")
+        if self.draft_cached.tolist() != self.host.draft_cached:
+            raise InvariantError("draft_cached differs from the host's")
+        if not bool((self.pad >= 0).all()):
+            raise InvariantError(f"negative padding: {self.pad.tolist()}")
+        if not bool((self.pad + self.content == width).all()):
+            raise InvariantError(f"I1 broken: pad {self.pad.tolist()} + content {self.content.tolist()} != {width}")
         from_mask = (self.attention_mask(width).cumsum(dim=1) - 1).clamp(min=0)
-        assert torch.equal(self.position_ids(0, width), from_mask), "I2 broken: position ids != mask cumsum - 1"
+        if not torch.equal(self.position_ids(0, width), from_mask):
+            raise InvariantError("I2 broken: position ids != mask cumsum - 1")
         for i, row in enumerate(self.rows):
-            assert int(self.content[i]) == row.content_len, f"row {row.index}: content length out of sync"
+            if int(self.content[i]) != row.content_len:
+                raise InvariantError(f"row {row.index}: content length out of sync")
             real = self.tokens[i, int(self.pad[i]) :].tolist()
-            assert real == row.prompt + row.output, f"row {row.index}: token stream out of sync"
-        assert 0 <= self.target_len <= width - 1, f"target KV covers {self.target_len} of {width - 1} columns"
-        assert 0 <= self.draft_len <= width - 1, f"draft KV covers {self.draft_len} of {width - 1} columns"
+            if real != row.prompt + row.output:
+                raise InvariantError(f"row {row.index}: token stream out of sync")
+        if not (0 <= self.target_len <= width - 1):
+            raise InvariantError(f"target KV covers {self.target_len} of {width - 1} columns")
+        if not (0 <= self.draft_len <= width - 1):
+            raise InvariantError(f"draft KV covers {self.draft_len} of {width - 1} columns")
         in_cache = (self.draft_len - self.pad).clamp(min=0)  # [B]
-        assert bool((self.draft_cached >= 0).all() and (self.draft_cached <= in_cache).all()), (
-            f"draft KV of rows {self.draft_cached.tolist()} beyond the cache's {self.draft_len} columns"
-        )
+        if not bool((self.draft_cached >= 0).all() and (self.draft_cached <= in_cache).all()):
+            raise InvariantError(
+                f"draft KV of rows {self.draft_cached.tolist()} beyond the cache's {self.draft_len} columns"
+            )
 
 
 def position_ids(columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:

@@ -390,7 +390,6 @@ def _pair_specs(preset: str | None, target: str | None, draft: str | None) -> tu
         get_preset(preset)
         target = target or f"{preset}:target"
         draft = draft or f"{preset}:draft"
-    assert target is not None and draft is not None
     return preset, target, draft
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from batchspec.controller import Reach
+from batchspec.invariants import InvariantError
 from batchspec.lookup import lookup_on_device
 from batchspec.proposers import Proposal, ProposalHost, ProposalPlan
 from batchspec.proposers.ngram import NgramProposer
@@ -127,7 +128,8 @@ def _check_caught_up(batch: BatchState) -> None:
     holds fewer (it lags) would attend to columns it never read."""
     columns = zip(batch.host.pad, batch.host.draft_cached, strict=True)
     lagging = [i for i, (pad, held) in enumerate(columns) if pad + held < batch.draft_len]
-    assert not lagging, f"rows {lagging} lag behind the draft's {batch.draft_len} columns; catch them up first"
+    if lagging:
+        raise InvariantError(f"rows {lagging} lag behind the draft's {batch.draft_len} columns; catch them up first")
 
 
 def _needed(lengths: list[int], sampling: tuple[int, ...], steps: int) -> list[list[bool]]:

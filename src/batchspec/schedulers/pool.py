@@ -24,6 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchspec.invariants import InvariantError
 from batchspec.realign import compact
 from batchspec.state import Sequence
 
@@ -120,21 +121,30 @@ class SequencePool:
         return sorted(self.window, key=distance)[:batch_size]
 
     def check(self, total: int) -> None:
-        """Raise ``AssertionError`` unless the pool is consistent: every sequence in exactly one place."""
-        assert len(self.window) <= self.capacity, f"window holds {len(self.window)} > W = {self.capacity}"
-        assert self.done + len(self.window) + len(self.waiting) == total, "a sequence was lost or duplicated"
-        assert len({row.index for row in self.window}) == len(self.window), "a sequence is in the window twice"
-        assert set(self.waited) == {row.index for row in self.window}, "waiting counters out of sync"
-        assert not self.window or not self.waiting or len(self.window) == self.capacity, "window not refilled"
+        """Raise :class:`~batchspec.invariants.InvariantError` unless the pool is consistent: every sequence in exactly
+        one place."""
+        if len(self.window) > self.capacity:
+            raise InvariantError(f"window holds {len(self.window)} > W = {self.capacity}")
+        if self.done + len(self.window) + len(self.waiting) != total:
+            raise InvariantError("a sequence was lost or duplicated")
+        if len({row.index for row in self.window}) != len(self.window):
+            raise InvariantError("a sequence is in the window twice")
+        if set(self.waited) != {row.index for row in self.window}:
+            raise InvariantError("waiting counters out of sync")
+        if self.window and self.waiting and len(self.window) != self.capacity:
+            raise InvariantError("window not refilled")
         for row in self.waiting:
-            assert not row.output and row.kv is None, f"row {row.index} ran before it was admitted"
+            if row.output or row.kv is not None:
+                raise InvariantError(f"row {row.index} ran before it was admitted")
         locations = set()
         for row in self.window:
-            assert not row.finished, f"finished row {row.index} is still in the window"
+            if row.finished:
+                raise InvariantError(f"finished row {row.index} is still in the window")
             if row.kv is not None:
                 row.check_location()
                 locations.add((id(row.kv.slab), row.kv.row))
-        assert len(locations) == sum(row.kv is not None for row in self.window), "two rows share one KV row"
+        if len(locations) != sum(row.kv is not None for row in self.window):
+            raise InvariantError("two rows share one KV row")
 
 
 def _in_slab_order(rows: list[Sequence]) -> list[Sequence]:

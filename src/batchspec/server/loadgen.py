@@ -156,7 +156,6 @@ def run_online_benchmark(
         model = _served_model(url)
         result = measure(url, model, workload, method="server", warmup=warmup)
         return OnlineBenchmarkResult(model, workload.rate, workload.requests, workload.max_tokens, None, [result])
-    assert models is not None
     results = []
     for method in methods:
         queue = max_queue if max_queue is not None else workload.requests
