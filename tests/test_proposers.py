@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from batchspec.config import SpecConfig
 from batchspec.engine import build_engine
-from batchspec.lookup import NgramIndex, lookup_on_device
+from batchspec.lookup import NgramIndex, _Joined, lookup_on_device
 from batchspec.schedulers import make_scheduler
 from batchspec.schedulers.drive import Offline, drive
 from batchspec.state import Sequence
@@ -170,3 +170,14 @@ def test_each_row_is_capped_by_its_own_budget(proposer, llama, reference):
     if proposer == "draft":  # the identical draft is always right: the long row gains k + 1 per round
         assert engine.stats.draft_tokens_accepted == engine.stats.draft_tokens_proposed
         assert max(engine.stats.accepted_length_histogram) == 6
+
+
+def test_joined_text_indexes_like_a_list():
+    """A row's text and the round's drafts read as one list: negative indices reach the drafts, not the text."""
+    joined = _Joined([1, 2], [3, 4])
+    assert [joined[i] for i in range(-4, 4)] == [1, 2, 3, 4, 1, 2, 3, 4]
+    assert joined[1:3] == [2, 3] and joined.tail(3) == (2, 3, 4)
+    with pytest.raises(IndexError):
+        joined[4]
+    with pytest.raises(IndexError):
+        joined[-5]

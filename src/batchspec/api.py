@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from batchspec.config import MAX_AUTO_DRAFT_TOKENS, SpecConfig
 from batchspec.engine import Engine, build_engine
+from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 from batchspec.metrics import GenerationStats
 from batchspec.model_checks import vocab_size
 from batchspec.sampling import SamplingParams, derive_row_seeds
@@ -47,8 +48,8 @@ def generate(
     num_draft_tokens: int | str = "auto",
     proposer: str | None = None,
     max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS,
-    ngram_min: int = 1,
-    ngram_max: int = 5,
+    ngram_min: int = DEFAULT_MIN_NGRAM,
+    ngram_max: int = DEFAULT_MAX_NGRAM,
     eos_token_id: int | Seq[int] | None = None,
     pad_token_id: int | None = None,
     window_size: int | None = None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+
 WINDOW_MULTIPLE = 4
 
 
@@ -81,8 +83,8 @@ class SpecConfig:
     num_draft_tokens: int | str = AUTO
     max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS
     proposer: ProposerKind | None = None
-    ngram_min: int = 1
-    ngram_max: int = 5
+    ngram_min: int = DEFAULT_MIN_NGRAM
+    ngram_max: int = DEFAULT_MAX_NGRAM
     eos_token_ids: tuple[int, ...] | None = None
     pad_token_id: int | None = None
     window_size: int | None = None

@@ -107,9 +107,13 @@ class _Joined:
         return len(self.head) + len(self.tail_tokens)
 
     def __getitem__(self, index):
+        """As a list's: ``_Joined([1, 2], [3])[-1] == 3``, ``[0:3] == [1, 2, 3]``."""
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        return self.head[index] if index < len(self.head) else self.tail_tokens[index - len(self.head)]
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} tokens")
+        return self.head[position] if position < len(self.head) else self.tail_tokens[position - len(self.head)]
 
     def tail(self, n: int) -> tuple[int, ...]:
         return tuple(self[len(self) - n : len(self)])
