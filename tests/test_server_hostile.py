@@ -31,7 +31,16 @@ from transformers import PreTrainedTokenizerFast
 from batchspec.models import ModelPair
 from batchspec.server import ServerConfig, create_app, serve_in_thread
 from batchspec.server.app import QUICK_BODY_BYTES
-from batchspec.server.bodies import MAX_MEMBERS, BodyBounds
+from batchspec.server.bodies import (
+    MAX_DEPTH,
+    MAX_MEMBERS,
+    BodyBounds,
+    BoundedDecoder,
+    TooComplex,
+    counted_within,
+    load_json,
+)
+from batchspec.server.errors import APIError
 from batchspec.server.limits import RequestLimits
 from batchspec.server.runner import HttpOptions
 
@@ -191,6 +200,33 @@ def test_bodies_past_their_bounds_get_400_without_tokenizing(bounded_server):
     assert_error(plain, 400, code="invalid_content_type")
     fits = [{"role": "user", "content": [{"type": "text", "text": "w10 "}] * 32}] * 2
     assert post_raw(bounded_server, json.dumps({"messages": fits, "max_tokens": 2}), CHAT).status_code == 200
+
+
+def test_the_c_parser_reads_only_bodies_the_scanner_would_accept_and_reads_them_alike(monkeypatch):
+    """Bodies within their bounds by the byte count go to ``json.loads`` and come out as the bounded scanner reads
+    them; past MAX_MEMBERS keys or MAX_DEPTH levels they are refused the same way; a body whose count is over goes
+    to the scanner."""
+    bounds = BodyBounds(100, 4, 4)
+    nested = lambda depth: "[" * depth + "1" + "]" * depth  # noqa: E731
+    accepted = ['{"prompt": [1, 2, 3], "stop": ["a,b", "[c]"]}', '{"m": [{"role": "u", "content": "x"}]}',
+                "7", '"text, with, commas"', '{"p": ' + nested(MAX_DEPTH - 1) + "}",
+                "{" + ", ".join(f'"k{i}": {i}' for i in range(MAX_MEMBERS)) + "}"]
+    refused = ['{"p": ' + nested(MAX_DEPTH) + "}", "{" + ", ".join(f'"k{i}": 0' for i in range(MAX_MEMBERS + 1)) + "}"]
+    monkeypatch.setattr(BoundedDecoder, "decode", lambda *_: pytest.fail("a body within its count was scanned"))
+    for body in accepted:
+        assert counted_within(body.encode(), bounds)
+        assert load_json(body.encode(), bounds) == json.loads(body)
+    for body in refused:
+        with pytest.raises(APIError, match="more than"):
+            load_json(body.encode(), bounds)
+    monkeypatch.undo()
+    for body in refused:
+        with pytest.raises(TooComplex):
+            BoundedDecoder(bounds).decode(body)
+    over = "[" + ",".join(["1"] * (bounds.max_values + 1)) + "]"
+    assert not counted_within(over.encode(), bounds)
+    with pytest.raises(APIError, match="JSON values"):
+        load_json(over.encode(), bounds)
 
 
 def test_bodies_are_parsed_off_the_event_loop(served, monkeypatch):

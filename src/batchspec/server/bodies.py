@@ -10,6 +10,13 @@ nested at most :data:`MAX_DEPTH` deep. The budget follows from the bounds (the c
 messages and content parts allowed), so a hostile body costs a few tens of milliseconds of a pool thread, and a
 legitimate one is never refused by it. Chat requests may then hold at most ``max_messages`` messages and
 ``max_content_parts`` content parts, checked before pydantic validates what is left, so validation too is short.
+
+Most bodies are far inside their bounds, and for those the C parser is both safe and 20-40x faster: a body whose
+raw bytes hold no more commas and brackets than its budget (counted in C; strings can only add to the count, so it
+never passes a body the scanner would refuse on count) is read by ``json.loads``, with the keys of each object
+counted as it is built and the nesting checked on the result. A 32k-token-id prompt (220 kB) then parses and
+validates in 2.8-4.8 ms instead of 60-89 (medians of three runs, 2026-11-25, Zen 4, ``python
+scripts/parse_bench.py``).
 """
 
 from __future__ import annotations
@@ -93,6 +100,8 @@ def load_json(raw: bytes, bounds: BodyBounds) -> Any:
     """The JSON value in ``raw``, read by :class:`BoundedDecoder`; a 400 if it is malformed or too complex."""
     try:
         text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        if counted_within(raw, bounds):
+            return _nesting_checked(json.loads(text, object_pairs_hook=_members_checked))
         return BoundedDecoder(bounds).decode(text)
     except TooComplex as error:
         raise APIError(400, str(error), code=COMPLEX_CODE) from None
@@ -100,6 +109,35 @@ def load_json(raw: bytes, bounds: BodyBounds) -> Any:
         raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from None
     except ValueError as error:  # undecodable bytes, an integer of more digits than Python converts
         raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def counted_within(raw: bytes, bounds: BodyBounds) -> bool:
+    """Whether ``raw`` certainly holds no more values and containers than ``bounds`` allow, by counting its bytes
+    in C: every array or object opens with a bracket and every value after a container's first follows a comma, so
+    values <= commas + opening brackets; characters inside strings only add to both counts."""
+    opening = raw.count(b"[") + raw.count(b"{")
+    return opening <= bounds.max_containers and raw.count(b",") + opening <= bounds.max_values
+
+
+def _members_checked(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of the C parser's, refused past :data:`MAX_MEMBERS` keys."""
+    if len(pairs) > MAX_MEMBERS:
+        raise TooComplex(f"a JSON object of the request body has more than {MAX_MEMBERS} keys")
+    return dict(pairs)
+
+
+def _nesting_checked(value: Any, depth: int = 0) -> Any:
+    """``value``, refused where arrays and objects nest more than :data:`MAX_DEPTH` deep. Arrays of scalars (a
+    prompt's token ids) are passed over at C speed (the set of their element types)."""
+    if not isinstance(value, list | dict):
+        return value
+    if depth + 1 > MAX_DEPTH:
+        raise TooComplex(f"the request body nests arrays and objects more than {MAX_DEPTH} deep")
+    children = value.values() if isinstance(value, dict) else value
+    if set(map(type, children)) & {list, dict}:
+        for child in children:
+            _nesting_checked(child, depth + 1)
+    return value
 
 
 class TooComplex(Exception):
