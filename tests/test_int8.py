@@ -141,7 +141,7 @@ def test_exact_attention_is_close_to_softmax_attention():
     query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
     visible = torch.ones(2, 1, 3, 9, dtype=torch.bool).tril(diagonal=6)
     visible[1, :, :, :2] = False  # left padding of row 1
-    got, _ = exact_attention(None, query, key, value, visible, scaling=0.25)
+    got = exact_attention(query, key, value, visible, scaling=0.25)
     expanded = [t.repeat_interleave(2, dim=1) for t in (key, value)]
     want = torch.nn.functional.scaled_dot_product_attention(
         query, *expanded, attn_mask=visible, scale=0.25
@@ -153,7 +153,7 @@ def test_exact_attention_is_close_to_softmax_attention():
 def test_a_query_that_sees_nothing_outputs_zeros():
     query, key, value = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
     visible = torch.tensor([[[[False] * 4, [True] * 4]]])
-    out, _ = exact_attention(None, query, key, value, visible, scaling=1.0)
+    out = exact_attention(query, key, value, visible, scaling=1.0)
     assert torch.equal(out[0, 0], torch.zeros(2, 8)) and out[0, 1].abs().sum() > 0
 
 

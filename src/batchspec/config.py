@@ -35,7 +35,7 @@ PROPOSERS = tuple(p.value for p in ProposerKind)
 class CudaGraphs(StrEnum):
     """Whether decode forwards on a GPU are captured as CUDA graphs (:mod:`batchspec.graphs`)."""
 
-    AUTO = "auto"  # on for a CUDA device, off elsewhere (README, "On a GPU")
+    AUTO = "auto"  # on for a CUDA device, off elsewhere (docs/gpu.md)
     ON = "on"
     OFF = "off"
 

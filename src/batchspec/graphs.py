@@ -53,7 +53,7 @@ def graph_mode(setting: str, device: torch.device, models: tuple[torch.nn.Module
     """The runner's graphs for the ``cuda_graphs`` setting with ``models`` on ``device``: captured for ``"on"``,
     which needs a CUDA device and models whose attention is one of :data:`GRAPHED_ATTENTION`, and for ``"auto"`` on
     a CUDA device (measured on an H100: the same tokens as eager forwards, and a Qwen2.5-7B-shaped decode step in
-    8.9 ms instead of 37.5; README, "On a GPU"), where the forwards of other attention implementations (the
+    8.9 ms instead of 37.5; docs/gpu.md), where the forwards of other attention implementations (the
     batch-invariant mode's) run as they come."""
     choice, cuda = CudaGraphs(setting), torch.device(device).type == "cuda"
     if choice is CudaGraphs.OFF or (choice is CudaGraphs.AUTO and not cuda):

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from batchspec.int8.arithmetic import exp2_nonpositive, quantize_rows
+from batchspec.layers import register_attention
 
 NAME = "batchspec_exact"
 QKV_LEVELS = 2**15 - 1
@@ -42,25 +43,15 @@ QUERY_CHUNK = 64  # queries per block: bounds the scores' memory and skips keys 
 
 
 def exact_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The attention function transformers calls for :data:`NAME` (its ``AttentionInterface`` signature).
-
-    ``query`` ``[B, H, q, D]``, ``key``/``value`` ``[B, Hk, L, D]`` (``H`` a multiple of ``Hk``), ``attention_mask``
-    boolean ``[B, 1, q, L]`` (True: visible), or None for a causal forward without padding; returns ``[B, q, H, D]``.
-    """
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """The attention kernel of :data:`NAME` (see :mod:`batchspec.layers`): ``query`` ``[B, H, q, D]``,
+    ``key``/``value`` ``[B, Hk, L, D]`` packed as :func:`pack` stores them (``H`` a multiple of ``Hk``), ``visible``
+    boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``."""
     batch, heads, queries, size = query.shape
     keys = key.shape[2]
     if keys >= MAX_KEYS or size >= MAX_HEAD_SIZE:
         raise ValueError(f"exact attention holds up to {MAX_KEYS - 1} keys and heads below {MAX_HEAD_SIZE} values")
-    visible = visible_or_causal(attention_mask, batch, queries, keys, query.device)  # [B, 1, q, L]
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
     v, v_scale = _unpacked(value, size)
     blocks = []
@@ -71,7 +62,7 @@ def exact_attention(
         parts = (k[:, :, seen], k_scale[:, :, seen], v[:, :, seen], v_scale[:, :, seen], visible[:, :, block, seen])
         blocks.append(_attend(query[:, :, block], *parts, scaling))
     out = torch.cat(blocks, dim=2)  # [B, H, q, D]
-    return out.transpose(1, 2).contiguous().to(query.dtype), None
+    return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,20 +105,6 @@ def pack_on_update(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     return args, kwargs
 
 
-def visible_or_causal(
-    mask: torch.Tensor | None, batch: int, queries: int, keys: int, device: torch.device
-) -> torch.Tensor:
-    """The boolean visibility ``[B, 1, q, L]`` an attention function of ours is given: the mask, or where
-    transformers passes none, causal with the queries last. (Also the batch-invariant attention's.)"""
-    if mask is None:
-        columns = torch.arange(keys, device=device)
-        rows = torch.arange(keys - queries, keys, device=device)
-        return (columns[None, :] <= rows[:, None]).expand(batch, 1, queries, keys)
-    if mask.dtype != torch.bool:
-        raise TypeError(f"batchspec's attention takes a boolean mask, not {mask.dtype}")
-    return mask
-
-
 def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Tensor:
     """One block of queries: ``query`` ``[B, H, c, D]``, ``visible`` ``[B, 1, c, L]`` -> ``[B, H, c, D]`` float64.
 
@@ -157,18 +134,6 @@ def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Ten
     return out.reshape(batch, heads, count, size)
 
 
-def mask_function(*args: Any, **kwargs: Any):
-    """The mask transformers builds for :data:`NAME` in its own forwards: sdpa's boolean 4D mask, never skipped."""
-    from transformers.masking_utils import sdpa_mask
-
-    kwargs.pop("allow_is_causal_skip", None)
-    return sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
-
-
 def register() -> None:
     """Make :data:`NAME` an attention implementation transformers knows (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, exact_attention)
-    AttentionMaskInterface.register(NAME, mask_function)
+    register_attention(NAME, exact_attention)

@@ -25,6 +25,7 @@ from batchspec.int8 import attention
 from batchspec.int8.arithmetic import row_sum
 from batchspec.int8.linear import Int8Linear, Int8MLP, SharedQuantization
 from batchspec.int8.smoothing import calibration_ids, smooth_model
+from batchspec.layers import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.model_checks import check_model
 
 QUANTIZE: tuple[str, ...] = ("auto", "none", "int8")
@@ -32,13 +33,8 @@ QUANTIZE: tuple[str, ...] = ("auto", "none", "int8")
 STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 
-class ExactRMSNorm(torch.nn.Module):
+class ExactRMSNorm(RMSNormSwap):
     """RMSNorm with its mean of squares summed in an order fixed by the hidden size (:func:`row_sum`)."""
-
-    def __init__(self, norm: torch.nn.Module) -> None:
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         mean = row_sum(x * x) / x.shape[-1]  # [..., 1]
@@ -104,7 +100,8 @@ def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     check_quantizable(model)
     smooth_model(model, calibration_ids(tokenizer, model.config.vocab_size))
     attention.register()
-    _swap_children(model, model.config, next(model.parameters()).dtype)
+    config, dtype = model.config, next(model.parameters()).dtype
+    swap_layers(model, lambda name, child: _replacement(name, child, config, dtype))
     for module in model.modules():
         projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if all(isinstance(p, Int8Linear) for p in projections):
@@ -116,22 +113,12 @@ def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     return model
 
 
-def _swap_children(parent: torch.nn.Module, config: Any, dtype: torch.dtype) -> None:
-    """Swap ``parent``'s children for their exact int8 versions, depth first, not descending into a swapped one."""
-    for name, child in list(parent.named_children()):
-        replacement = _replacement(name, child, config, dtype)
-        if replacement is None:
-            _swap_children(child, config, dtype)
-        else:
-            setattr(parent, name, replacement)
-
-
 def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype) -> torch.nn.Module | None:
     if name == "mlp":
         return Int8MLP(child)
     if isinstance(child, torch.nn.Linear):
         return Int8Linear(child)
-    if type(child).__name__.endswith("RMSNorm"):
+    if is_rms_norm(child):
         return ExactRMSNorm(child)
     if name == "rotary_emb":
         return RotaryTable(child, config.max_position_embeddings, dtype)

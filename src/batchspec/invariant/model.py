@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from batchspec.int8.attention import mask_function, visible_or_causal
+from batchspec.layers import RMSNormSwap, is_rms_norm, register_attention, swap_layers
 
 NAME = "batchspec_invariant"
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # RMSNorm as ``weight * normalised.to(dtype)``
@@ -34,13 +34,8 @@ class InvariantLinear(torch.nn.Module):
         return matmul(x, self.weight, self.bias)
 
 
-class InvariantRMSNorm(torch.nn.Module):
+class InvariantRMSNorm(RMSNormSwap):
     """An RMSNorm on :func:`~batchspec.invariant.kernels.rms_norm`."""
-
-    def __init__(self, norm: torch.nn.Module) -> None:
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         from batchspec.invariant.kernels import rms_norm
@@ -49,22 +44,13 @@ class InvariantRMSNorm(torch.nn.Module):
 
 
 def invariant_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The attention function transformers calls for :data:`NAME`: ``query`` ``[B, H, q, D]``, ``key``/``value``
-    ``[B, Hk, L, D]``, ``attention_mask`` boolean ``[B, 1, q, L]`` (None: causal, the queries last); returns
-    ``[B, q, H, D]``."""
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """The attention kernel of :data:`NAME` (see :mod:`batchspec.layers`): ``query`` ``[B, H, q, D]``,
+    ``key``/``value`` ``[B, Hk, L, D]``, ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``."""
     from batchspec.invariant.kernels import attention
 
-    visible = visible_or_causal(attention_mask, query.shape[0], query.shape[2], key.shape[2], query.device)
-    return attention(query, key.contiguous(), value.contiguous(), visible, scaling), None
+    return attention(query, key.contiguous(), value.contiguous(), visible, scaling)
 
 
 def check_batch_invariant(model: Any) -> None:
@@ -79,24 +65,18 @@ def check_batch_invariant(model: Any) -> None:
 def make_batch_invariant(model: Any) -> Any:
     """Swap ``model``'s linear layers, RMSNorms and attention for the batch-invariant kernels, in place; returns it."""
     check_batch_invariant(model)
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(NAME, invariant_attention)
-    AttentionMaskInterface.register(NAME, mask_function)  # sdpa's boolean 4D mask, as for the int8 attention
-    _swap_children(model)
+    register_attention(NAME, invariant_attention)
+    swap_layers(model, _replacement)
     model.config._attn_implementation = NAME
     return model
 
 
-def _swap_children(parent: torch.nn.Module) -> None:
-    for name, child in list(parent.named_children()):
-        if isinstance(child, torch.nn.Linear):
-            setattr(parent, name, InvariantLinear(child))
-        elif type(child).__name__.endswith("RMSNorm"):
-            setattr(parent, name, InvariantRMSNorm(child))
-        else:
-            _swap_children(child)
+def _replacement(name: str, child: torch.nn.Module) -> torch.nn.Module | None:
+    if isinstance(child, torch.nn.Linear):
+        return InvariantLinear(child)
+    if is_rms_norm(child):
+        return InvariantRMSNorm(child)
+    return None
 
 
 def batch_invariant(model: Any) -> bool:
