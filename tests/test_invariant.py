@@ -5,10 +5,15 @@ before triton is first imported), in float32; on a GPU the same tests run the co
 
 * Each kernel against a float64 reference (close), and the attention's edges (padding, GQA, a query that sees no
   key).
-* The properties: a matrix product's row is the same bits alone and among other rows; a tiny model's rows (left
-  padded, of different lengths, in forwards of 1..5 new tokens) give exactly the logits each gets alone, one token
-  at a time (hypothesis).
-* Through batchspec: greedy speculative output equals the mode's own one-prompt decoding.
+* What the kernels fix, on inputs whose block dots are exact, so that the bits are the kernels' own on any device
+  and any host BLAS (in the interpreter ``tl.dot`` is numpy's matmul, whose last bits for a row can depend on its
+  place in the tile): the matrix product adds its K blocks in order without a split; a row left-padded in a batch
+  reads its key blocks as it does alone (hypothesis).
+* On CUDA, on random inputs: a matrix product's row is the same bits alone and among other rows; a tiny model's rows
+  (left padded, of different lengths, in forwards of 1..5 new tokens) give exactly the logits each gets alone, one
+  token at a time (in the interpreter: within float32 rounding, which checks the mask, positions and cache).
+* Through batchspec: greedy speculative output equals the mode's own one-prompt decoding; ``--cuda-graphs on``
+  refuses the mode's models.
 """
 
 from __future__ import annotations
