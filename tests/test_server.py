@@ -37,8 +37,8 @@ from serving import (
 )
 
 import batchspec
+from batchspec.bench.online import OnlineWorkload, run_online_benchmark
 from batchspec.server import ServerConfig, create_app, serve_in_thread
-from batchspec.server.loadgen import OnlineWorkload, run_online_benchmark
 from batchspec.server.text import TextTracker
 
 

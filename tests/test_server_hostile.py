@@ -41,8 +41,8 @@ from batchspec.server.bodies import (
     load_json,
 )
 from batchspec.server.errors import APIError
+from batchspec.server.hosting import HttpOptions
 from batchspec.server.limits import RequestLimits
-from batchspec.server.runner import HttpOptions
 
 CHAT = "/v1/chat/completions"
 

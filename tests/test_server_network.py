@@ -48,8 +48,8 @@ from serving import (
 import batchspec
 from batchspec.models import ModelPair
 from batchspec.server import ServerConfig, create_app, serve_in_thread
+from batchspec.server.hosting import HttpOptions
 from batchspec.server.limits import RequestLimits
-from batchspec.server.runner import HttpOptions
 from batchspec.server.security import LOOPBACK_NAMES, SecurityConfig, host_name, is_loopback
 
 KEY = "sk-test-0123456789"

@@ -223,7 +223,7 @@ def _online_methods(text: str) -> tuple[str, ...]:
 
 
 def _run_online(loaded: ModelPair, workload: Workload, methods, batch_size: int, rate: float, requests: int):
-    from batchspec.server.loadgen import OnlineWorkload, run_online_benchmark
+    from batchspec.bench.online import OnlineWorkload, run_online_benchmark
     online = OnlineWorkload(
         prompts=workload.prompts, rate=rate, requests=requests, max_tokens=workload.max_new_tokens
     )

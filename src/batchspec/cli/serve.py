@@ -26,6 +26,7 @@ from batchspec.cli.errors import user_errors
 from batchspec.devices import resolve_device
 from batchspec.graphs import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
+from batchspec.server.hosting import DEFAULT_KEEP_ALIVE_S, HttpOptions
 from batchspec.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
@@ -35,7 +36,6 @@ from batchspec.server.limits import (
     DEFAULT_READ_TIMEOUT_S,
     RequestLimits,
 )
-from batchspec.server.runner import DEFAULT_KEEP_ALIVE_S, HttpOptions
 from batchspec.server.security import API_KEY_ENV, SecurityConfig
 from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PREFILL_CHUNK, DEFAULT_SHUTDOWN_TIMEOUT_S
 from batchspec.server.transport import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_IDLE

@@ -6,7 +6,7 @@ gives for it alone.
 """
 
 from batchspec.server.app import create_app
-from batchspec.server.runner import RunningServer, serve_forever, serve_in_thread
+from batchspec.server.hosting import RunningServer, serve_forever, serve_in_thread
 from batchspec.server.settings import ServerConfig
 
 __all__ = ["RunningServer", "ServerConfig", "create_app", "serve_forever", "serve_in_thread"]

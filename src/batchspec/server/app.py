@@ -3,7 +3,7 @@
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as server-sent events with ``stream: true``),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, behind the middleware of
 :mod:`~batchspec.server.middleware`. Request bodies are parsed, validated and tokenized in small thread pools, off
-the event loop (:class:`~batchspec.server.prompts.PromptReader`), so that no body stalls other clients; small
+the event loop (:class:`~batchspec.server.params.PromptReader`), so that no body stalls other clients; small
 bodies have a pool of their own, so that they never wait behind large ones. The engine
 loop starts with the application and, on shutdown, finishes the requests it holds (those still running when the
 shutdown timeout ends have been cancelled by then) before its thread ends.
@@ -37,9 +37,9 @@ from batchspec.server.formats import ChatFormat, CompletionFormat, ReplyContext,
 from batchspec.server.handlers import Reply, Tracker, answer, submit
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop
-from batchspec.server.metrics import CONTENT_TYPE, ServerMetrics, endpoint_label
 from batchspec.server.middleware import install_middleware
-from batchspec.server.prompts import ModelLimits, PromptReader, PromptSize
+from batchspec.server.params import ModelLimits, PromptReader, PromptSize
+from batchspec.server.prometheus import CONTENT_TYPE, ServerMetrics, endpoint_label
 from batchspec.server.protocol import ModelCard, ModelList, SamplingFields
 from batchspec.server.settings import ServerConfig
 from batchspec.server.validation import validation_error

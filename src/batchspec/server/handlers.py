@@ -22,7 +22,7 @@ from batchspec.server.events import Disconnected, Event, Failed, Finished, Gener
 from batchspec.server.formats import ReplyContext, ReplyFormat
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop, QueueFull, ServerClosing
-from batchspec.server.metrics import ServerMetrics
+from batchspec.server.prometheus import ServerMetrics
 from batchspec.server.protocol import wire
 
 logger = logging.getLogger(__name__)

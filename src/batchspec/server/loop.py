@@ -22,7 +22,7 @@ from batchspec.engine import Engine
 from batchspec.schedulers import Scheduler
 from batchspec.schedulers.drive import drive
 from batchspec.server.events import Failed, Finished, RequestHandle, Tokens
-from batchspec.server.metrics import ServerMetrics
+from batchspec.server.prometheus import ServerMetrics
 from batchspec.server.text import TextTracker
 from batchspec.state import FINISH_LENGTH, Sequence
 

@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from batchspec.server.errors import APIError
 from batchspec.server.limits import BodyGuard, RequestCap
-from batchspec.server.metrics import ServerMetrics, endpoint_label
+from batchspec.server.prometheus import ServerMetrics, endpoint_label
 from batchspec.server.security import ApiKeyCheck, HostCheck, Refuse
 from batchspec.server.settings import ServerConfig
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from batchspec.models.pair import ModelPair
 from batchspec.server.app import create_app
-from batchspec.server.runner import serve_in_thread
+from batchspec.server.hosting import serve_in_thread
 from batchspec.server.settings import ServerConfig
 
 MAX_REQUESTS = 10_000
