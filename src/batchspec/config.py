@@ -103,29 +103,29 @@ class SpecConfig:
             object.__setattr__(self, "cuda_graphs", CudaGraphs(self.cuda_graphs))
         except ValueError:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}; got {self.cuda_graphs!r}") from None
-        _require_int("batch_size", self.batch_size, minimum=1)
+        require_int("batch_size", self.batch_size, minimum=1)
         if self.num_draft_tokens != AUTO:
             if isinstance(self.num_draft_tokens, str):
                 raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto'; got {self.num_draft_tokens!r}")
-            _require_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
-        _require_int("max_draft_tokens", self.max_draft_tokens, minimum=1)
+            require_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
+        require_int("max_draft_tokens", self.max_draft_tokens, minimum=1)
         if self.proposer is not None:
             try:
                 object.__setattr__(self, "proposer", ProposerKind(self.proposer))
             except ValueError:
                 raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}; got {self.proposer!r}") from None
-        _require_int("ngram_min", self.ngram_min, minimum=1)
-        _require_int("ngram_max", self.ngram_max, minimum=self.ngram_min)
+        require_int("ngram_min", self.ngram_min, minimum=1)
+        require_int("ngram_max", self.ngram_max, minimum=self.ngram_min)
         if self.pad_token_id is not None:
-            _require_int("pad_token_id", self.pad_token_id, minimum=0)
+            require_int("pad_token_id", self.pad_token_id, minimum=0)
         for eos in self.eos_token_ids or ():
-            _require_int("eos_token_id", eos, minimum=0)
+            require_int("eos_token_id", eos, minimum=0)
         if self.prefill_chunk is not None and self.prefill_chunk != AUTO:
             if isinstance(self.prefill_chunk, str):
                 raise ValueError(f"prefill_chunk must be an integer >= 1, 'auto' or None; got {self.prefill_chunk!r}")
-            _require_int("prefill_chunk", self.prefill_chunk, minimum=1)
+            require_int("prefill_chunk", self.prefill_chunk, minimum=1)
         if self.window_size is not None:
-            _require_int("window_size", self.window_size, minimum=1)
+            require_int("window_size", self.window_size, minimum=1)
             if self.window_size < self.batch_size:
                 raise ValueError(
                     f"window_size must be >= batch_size ({self.batch_size}); got {self.window_size}"
@@ -150,7 +150,8 @@ class SpecConfig:
         return self.window_size if self.window_size is not None else WINDOW_MULTIPLE * self.batch_size
 
 
-def _require_int(name: str, value: object, *, minimum: int) -> None:
+def require_int(name: str, value: object, *, minimum: int) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an integer (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer; got {value!r}")
     if value < minimum:

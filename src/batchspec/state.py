@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchspec.config import require_int
 from batchspec.controller import RowAcceptance
 from batchspec.invariants import InvariantError
 from batchspec.kv_cache import Slab
@@ -55,8 +56,7 @@ class KVLocation:
 
 def check_budget(max_new_tokens: object) -> None:
     """Raise ValueError unless ``max_new_tokens`` is a budget of new tokens: an integer >= 0."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
+    require_int("max_new_tokens", max_new_tokens, minimum=0)
 
 
 @dataclass

@@ -73,15 +73,17 @@ class SpeculationCost:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a one-token forward of ``model`` reads: every parameter and buffer (an int8 layer's
-    integer factors too), each tensor once, except the input embedding table, of which a step reads one row per
-    token. A tied output layer shares that table and reads all of it, so it counts."""
+    integer factors too), each tensor once, except the tables a step reads one row of per token: the input embedding
+    table (unless a tied output layer shares it, which reads all of it) and the rotary embedding's (``rotary_emb``;
+    the int8 model's holds every position's cos and sin)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     seen, total = set(), 0
-    for module in model.modules():
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False), *getattr(module, "factors", ())]
-        if module is embedding and getattr(output, "weight", None) is not embedding.weight:
+    for name, module in model.named_modules():
+        looked_up = module is embedding and getattr(output, "weight", None) is not embedding.weight
+        if looked_up or name.endswith("rotary_emb"):
             continue
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False), *getattr(module, "factors", ())]
         for tensor in tensors:
             if tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())
