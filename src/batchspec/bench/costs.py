@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from batchspec.int8.product import PackedWeight
 from batchspec.kv_cache import BatchKVCache
 from batchspec.runner import ModelRunner
 from batchspec.state import BatchState
@@ -73,7 +74,7 @@ class SpeculationCost:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a one-token forward of ``model`` reads: every parameter and buffer (an int8 layer's
-    integer factors too), each tensor once, except the tables a step reads one row of per token: the input embedding
+    packed weight too), each tensor once, except the tables a step reads one row of per token: the input embedding
     table (unless a tied output layer shares it, which reads all of it) and the rotary embedding's (``rotary_emb``;
     the int8 model's holds every position's cos and sin)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -83,8 +84,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
         looked_up = module is embedding and getattr(output, "weight", None) is not embedding.weight
         if looked_up or name.endswith("rotary_emb"):
             continue
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False), *getattr(module, "factors", ())]
-        for tensor in tensors:
+        packed = getattr(module, "weight", None)
+        total += packed.nbytes() if isinstance(packed, PackedWeight) else 0
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())
                 total += tensor.numel() * tensor.element_size()

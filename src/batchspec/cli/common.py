@@ -23,7 +23,7 @@ from batchspec.config import AUTO, CudaGraphs, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.metrics import STAGES
 from batchspec.models.choice import ModelChoice
-from batchspec.models.presets import DEFAULT_PRESET, PRESETS, default_cache_dir
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, default_cache_dir
 
 __all__ = ["CudaGraphs", "Method", "ProposerKind"]
 

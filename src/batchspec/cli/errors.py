@@ -17,7 +17,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from batchspec.models.presets import PresetError
+from batchspec.models.obtain.catalogue import PresetError
 
 EXIT_USER_ERROR = 1
 

@@ -11,7 +11,8 @@ import typer
 
 from batchspec.cli.common import PRESET_NAMES, CacheDirOption
 from batchspec.cli.errors import user_errors
-from batchspec.models.presets import DEFAULT_PRESET, PresetPaths, get_preset, obtain_preset
+from batchspec.models.obtain import obtain_preset
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PresetPaths, get_preset
 
 FetchPresetOption = Annotated[
     str, typer.Option("--preset", "-p", metavar="NAME", help=f"The preset to obtain: {PRESET_NAMES}.")

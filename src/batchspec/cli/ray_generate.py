@@ -23,7 +23,7 @@ from batchspec.cli.output import GeneratedText, print_texts, sampling_summary, w
 from batchspec.data import PromptRecord
 from batchspec.metrics import GenerationStats
 from batchspec.models.choice import ModelChoice, presets_used
-from batchspec.models.presets import obtain_preset
+from batchspec.models.obtain import obtain_preset
 from batchspec.ray import STATS_COLUMN, BatchspecPredictor, GenerationSettings, merge_batch_stats
 from batchspec.sampling import derive_row_seeds
 

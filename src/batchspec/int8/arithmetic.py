@@ -5,9 +5,9 @@ The int8 forward is batch-invariant by construction because it only uses three k
 1. **Correctly rounded elementwise operations** (``+ - * /``, ``sqrt``, ``floor``, ``round``, comparisons):
    IEEE 754 fixes their result from their operands alone, so the vector lanes and the scalar tail of a CPU
    kernel agree, whatever the tensor's shape or where the value sits in it.
-2. **Sums of integers held exactly**: ``torch._int_mm`` accumulates int8 products in int32, and float64 holds
-   every integer below 2**53 exactly, so a matrix product of integer-valued float64 tensors whose partial sums
-   stay below 2**53 is exact, in any summation order and blocking a BLAS picks.
+2. **Sums of integers held exactly**: the int8 product accumulates in int32 (:mod:`batchspec.int8.product`), and
+   float64 holds every integer below 2**53 exactly, so a matrix product of integer-valued float64 tensors whose
+   partial sums stay below 2**53 is exact, in any summation order and blocking a BLAS picks.
 3. **Maxima** (``amax``), which are exact in any order.
 
 Transcendental functions (``exp``, ``sigmoid``, ``cos``) are not in the list: torch's CPU kernels compute them
@@ -23,7 +23,6 @@ is the largest integer a quantized value may take (127 for int8).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -45,8 +44,8 @@ def quantize_rows(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Ten
     Example: the row ``[0.5, -1.0, 0.25]`` with 127 levels has scale ``1/127`` and ``q = [64, -127, 32]``
     (63.5 rounds half to even; the row is multiplied by 1 / scale).
     """
-    top = torch.maximum(x.amax(-1, keepdim=True), -x.amin(-1, keepdim=True))  # [..., 1]: max |x|, exact
-    scale = torch.where(top > 0, top / levels, torch.ones_like(top))
+    top = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)  # [..., 1]: max |x|, exact
+    scale = torch.where(top > 0, top / levels, 1.0)
     return (x * (1.0 / scale)).round_().clamp_(-levels, levels), scale
 
 
@@ -113,40 +112,3 @@ def silu_(x: torch.Tensor) -> torch.Tensor:
         return x
     wide = torch.nn.functional.pad(x, (0, padded - width))  # [..., padded]
     return silu_(wide)[..., :width]
-
-
-@functools.cache
-def int_mm_saturates() -> bool:
-    """Whether ``torch._int_mm`` on this CPU loses exactness on full-range int8 operands.
-
-    oneDNN's int8 kernels for CPUs without VNNI multiply through ``vpmaddubsw``, whose int16 pair sums saturate
-    once weights exceed 64 in magnitude; VNNI CPUs (and GPUs) accumulate exactly. Checked once per process by
-    multiplying worst-case operands and comparing with float64, which holds these sums exactly.
-    """
-    generator = torch.Generator().manual_seed(0)
-    a = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (32, 256), dtype=torch.int8, generator=generator)
-    w = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (256, 64), dtype=torch.int8, generator=generator)
-    a[0], a[1], w[:, 0], w[:, 1] = INT8_LEVELS, -INT8_LEVELS, INT8_LEVELS, -INT8_LEVELS
-    return not torch.equal(torch._int_mm(a, w).double(), a.double() @ w.double())
-
-
-def weight_factors(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """How :func:`int_matmul` takes an int8 weight ``[K, O]`` on this CPU: ``(weight,)``, or where
-    :func:`int_mm_saturates` its exact halves (:func:`split_weight`)."""
-    return split_weight(weight) if int_mm_saturates() else (weight.contiguous(),)
-
-
-def split_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(high, low)`` int8 with ``weight = 2 * high + low``, ``high`` in ``[-64, 63]`` and ``low`` in ``{0, 1}``."""
-    high = torch.div(weight, 2, rounding_mode="floor")
-    return high.contiguous(), (weight - 2 * high).contiguous()
-
-
-def int_matmul(a: torch.Tensor, factors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``a @ weight`` exactly in int32: ``a`` ``[N, K]`` int8 and the weight ``[K, O]`` as :func:`weight_factors`
-    gives it -> ``[N, O]``; the halves are summed as ``2 * (a @ high) + a @ low``, each product with weights of at
-    most 64 in magnitude, which the saturating kernels sum exactly."""
-    if len(factors) == 1:
-        return torch._int_mm(a, factors[0])
-    high, low = factors
-    return torch._int_mm(a, high) * 2 + torch._int_mm(a, low)

@@ -61,8 +61,8 @@ def exact_attention(
         seen = slice(0, keys - queries + min(queries, start + QUERY_CHUNK))
         parts = (k[:, :, seen], k_scale[:, :, seen], v[:, :, seen], v_scale[:, :, seen], visible[:, :, block, seen])
         blocks.append(_attend(query[:, :, block], *parts, scaling))
-    out = torch.cat(blocks, dim=2)  # [B, H, q, D]
-    return out.transpose(1, 2).contiguous().to(query.dtype)
+    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, H, q, D]
+    return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)  # [B, q, H, D]
 
 
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +122,12 @@ def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Ten
     hidden = ~visible[:, :, None].expand(batch, 1, group, count, keys).reshape(batch, 1, group * count, keys)
     scores.masked_fill_(hidden, float("-inf"))
     top = scores.amax(-1, keepdim=True)  # [B, Hk, G*c, 1]
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    top = top.nan_to_num_(neginf=0.0)  # a query that sees no key: -inf -> 0
     e = exp2_nonpositive(scores.sub_(top)).masked_fill_(hidden, 0.0)  # [B, Hk, G*c, L]
     a = e * v_scale.transpose(-1, -2).to(torch.float32)  # [B, Hk, G*c, L]
     a_top = a.amax(-1, keepdim=True)  # [B, Hk, G*c, 1]
     unit = float(2**WEIGHT_BITS)
-    weights = a.div_(torch.where(a_top > 0, a_top, torch.ones_like(a_top))).mul_(unit).round_()
+    weights = a.div_(torch.where(a_top > 0, a_top, 1.0)).mul_(unit).round_()
     total = e.mul_(unit).round_().sum(-1, keepdim=True, dtype=torch.float64)  # exact: integers below 2**53
     out = (weights.to(torch.float64) @ v).mul_(a_top.to(torch.float64))  # [B, Hk, G*c, D]
     out = out.div_(total.clamp(min=1.0))  # a query that sees no key: zero weights, so zeros

@@ -8,11 +8,12 @@ output does not depend on the other tokens or rows of the call, nor on how the i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from batchspec.int8.arithmetic import int_matmul, quantize_rows, silu_, weight_factors
+from batchspec.int8.arithmetic import quantize_rows, silu_
+from batchspec.int8.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,18 +23,15 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(torch.nn.Module):
-    """``nn.Linear`` with int8 weights (``factors``: ``[K, O]`` as :func:`weight_factors` lays it out for this CPU;
-    ``scale`` ``[O]``) and per-token int8 activations.
-
-    The weight is kept ``[K, O]`` (the transpose of ``nn.Linear``'s): oneDNN's int8 product read it 1.2-1.8x faster
-    that way for 2 to 64 rows, streaming 40 different 1536 x 8960 weights from memory on an AMD EPYC Zen 5 (8 rows:
-    0.54 against 0.95 ms), and 1.4x slower for one row (0.50 against 0.36 ms)."""
+    """``nn.Linear`` with int8 weights (``weight``: laid out once for this CPU's exact product, see
+    :mod:`batchspec.int8.product`; ``scale`` ``[O]``) and per-token int8 activations."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         qweight, scale = quantize_weight(linear.weight)
-        self.factors = weight_factors(qweight.T)  # [K, O] each
+        self.dtype = linear.weight.dtype
+        self.weight: PackedWeight = pack_weight(qweight, product_kernel(self.dtype, qweight.numel()))
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.quantizer: SharedQuantization | None = None
@@ -43,8 +41,9 @@ class Int8Linear(torch.nn.Module):
 
     def apply_to(self, rows: QuantizedRows) -> torch.Tensor:
         """The layer's output for activations already quantized (several layers may share one quantization)."""
-        acc = int_matmul(rows.values, self.factors)  # [N, O] int32, exact
-        y = (acc * rows.scale).mul_(self.scale)  # [N, O] in the activations' dtype (int32 acc cast, then scaled)
+        codes = rows.codes(self.weight.kernel)  # [N, K]
+        acc = int_product(codes, self.weight, rows.dtype)  # [N, O]: the exact int32 sums, in the float dtype
+        y = acc.mul_(rows.scale).mul_(self.scale)  # [N, O]
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*rows.shape, self.out_features)
@@ -55,19 +54,27 @@ class Int8Linear(torch.nn.Module):
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """Activations quantized per token: ``values`` int8 ``[N, K]``, ``scale`` ``[N, 1]``, the float ``dtype`` and
-    the leading ``shape`` (``[...]``) they had."""
+    """Activations quantized per token: ``values`` ``[N, K]`` (integers in ``[-127, 127]``, in the float dtype),
+    ``scale`` ``[N, 1]``, the float ``dtype`` and the leading ``shape`` (``[...]``) they had. :meth:`codes` gives
+    the values as a product kernel takes them, made once per kernel."""
 
     values: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
     shape: tuple[int, ...]
+    _codes: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def codes(self, kernel: str) -> torch.Tensor:
+        """The values as ``kernel`` takes them (:func:`~batchspec.int8.product.activation_codes`)."""
+        if kernel not in self._codes:
+            self._codes[kernel] = activation_codes(self.values, kernel)
+        return self._codes[kernel]
 
 
 def quantize_activations(x: torch.Tensor) -> QuantizedRows:
     """Quantize ``x`` (``[..., K]``) per token to int8."""
     q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))  # [N, K], [N, 1]
-    return QuantizedRows(q.to(torch.int8), scale, x.dtype, tuple(x.shape[:-1]))
+    return QuantizedRows(q, scale, x.dtype, tuple(x.shape[:-1]))
 
 
 class SharedQuantization:

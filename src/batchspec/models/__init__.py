@@ -1,19 +1,12 @@
-"""Models, loading only: presets, loading, which models a method needs (:class:`ModelChoice`), CPU kernels and the
-loaded pair (:class:`ModelPair`). Which models batchspec supports is checked beside the engine
-(:mod:`batchspec.model_checks`)."""
+"""Models, loading only: presets and obtaining them (:mod:`batchspec.models.obtain`), loading, which models a method
+needs (:class:`ModelChoice`), CPU kernels and the loaded pair (:class:`ModelPair`). Which models batchspec supports is
+checked beside the engine (:mod:`batchspec.model_checks`)."""
 
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.loading import check_compatible, load_model, load_pair, resolve_dtype, use_kernels
+from batchspec.models.obtain import cached_preset, obtain_preset
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, PresetError, PresetPaths, default_cache_dir
 from batchspec.models.pair import ModelPair
-from batchspec.models.presets import (
-    DEFAULT_PRESET,
-    PRESETS,
-    PresetError,
-    PresetPaths,
-    cached_preset,
-    default_cache_dir,
-    obtain_preset,
-)
 
 __all__ = [
     "DEFAULT_PRESET",

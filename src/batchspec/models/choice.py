@@ -29,8 +29,9 @@ from batchspec.models.loading import (
     parse_preset_spec,
     resolve_dtype,
 )
+from batchspec.models.obtain import obtain_preset
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, get_preset
 from batchspec.models.pair import ModelPair
-from batchspec.models.presets import DEFAULT_PRESET, get_preset, obtain_preset
 
 
 @dataclass(frozen=True)

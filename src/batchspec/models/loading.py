@@ -3,7 +3,7 @@
 A model spec given to :func:`load_model` is one of:
 
 * ``"<preset>:<role>"`` such as ``"qwen2.5-coder:target"`` or ``"smollm2:draft"``: obtained into the
-  cache by :func:`batchspec.models.presets.obtain_preset` on first use;
+  cache by :func:`batchspec.models.obtain.obtain_preset` on first use;
 * a local ``.gguf`` file: dequantized through transformers; with ``cache_gguf`` the dense result is
   kept in ``<cache>/models/gguf/<name>-<key>/`` so later loads are fast;
 * a local directory holding a transformers checkpoint;
@@ -41,18 +41,11 @@ from batchspec.invariant import batch_invariant as is_batch_invariant
 from batchspec.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
 from batchspec.models.kernels import can_pack, pack_linears
+from batchspec.models.obtain import obtain_preset
+from batchspec.models.obtain.cache import build_directory, hub_offline
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, default_cache_dir, get_preset
+from batchspec.models.obtain.gguf import dequantize_gguf, load_dequantized
 from batchspec.models.pair import ModelPair
-from batchspec.models.presets import (
-    DEFAULT_PRESET,
-    PRESETS,
-    ROLES,
-    build_directory,
-    default_cache_dir,
-    dequantize_gguf,
-    get_preset,
-    hub_offline,
-    obtain_preset,
-)
 
 if TYPE_CHECKING:
     import torch
@@ -204,16 +197,7 @@ def _load_gguf(gguf: Path, dtype: str, cache_gguf: bool, cache_dir: Path, progre
         directory, identity = _gguf_cache_dir(gguf, cache_dir)
         build_directory(directory, identity, lambda tmp: dequantize_gguf(gguf, tmp, progress))
         return _load_dir(directory, dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    with hub_offline():
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=str(gguf), quantization_config=GgufConfig(dequantize=True),
-            dtype=_torch_dtype(dtype), local_files_only=True,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-        )
+    model, tokenizer = load_dequantized(gguf, _torch_dtype(dtype))
     return model.eval(), tokenizer
 
 
@@ -255,7 +239,7 @@ def load_model(
     ``dtype`` is ``"auto"`` (float32 on the CPU, see :func:`resolve_dtype`), ``"bfloat16"``, ``"float16"`` or
     ``"float32"``; the presets' cached bf16 weights load exactly in any of them (float32 is an exact upcast at
     twice the memory). The model is returned in eval mode. ``cache_dir``
-    defaults to :func:`batchspec.models.presets.default_cache_dir`. ``gguf_file`` names a GGUF file
+    defaults to :func:`batchspec.models.obtain.catalogue.default_cache_dir`. ``gguf_file`` names a GGUF file
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     ``quantize="int8"`` makes the loaded model the exact int8 model (see

@@ -1,0 +1,141 @@
+"""The exact int8 matrix product ``codes @ weight.T``, on the fastest kernel this CPU runs exactly.
+
+Every kernel here sums int8 products in int32, which is exact in any order or blocking; what differs is how fast it
+reads the weight and whether its products saturate. :func:`product_kernel` picks, for each layer, the first of:
+
+* ``"onednn"``: oneDNN's quantized linear with the weight **prepacked once** in the blocked layout its VNNI kernel
+  reads (``onednn::qlinear_prepack``); activations enter as ``uint8`` codes ``q + 128`` with zero point 128, and
+  the result comes back as float32 with unit scales, which is the int32 sum rounded once to float32 — the bits
+  ``acc.float()`` gives. Streaming 30 distinct 1536 x 8960 weights on a 2-core AMD EPYC Zen 4 it read 25.3 GB/s for
+  1 row and 24.0 for 8, against 14.1 and 12.0 for ``torch._int_mm`` on an unpacked weight, which oneDNN lays out
+  again on every call. Taken only where a worst-case probe is exact (CPUs without VNNI saturate u8 x s8 pairs), for
+  float32 activations (float64 ones keep the int32 sum unrounded) and for weights of at least
+  :data:`ONEDNN_MIN_WEIGHT` values.
+* ``"int_mm"``: ``torch._int_mm`` on the weight as ``[K, O]``.
+* ``"int_mm_split"``: the same on a CPU whose int8 product saturates (no VNNI), with the weight in exact halves
+  ``weight = 2 * high + low`` (:func:`split_weight`), each product small enough not to saturate.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from batchspec.int8.arithmetic import INT8_LEVELS
+
+KERNELS: tuple[str, ...] = ("onednn", "int_mm", "int_mm_split")
+_ZERO_POINT = 128  # uint8 code of the integer 0 in the onednn kernel's activations
+# weights of fewer values take torch._int_mm: oneDNN's quantized linear spends ~20 us a call before it reads the
+# weight, and _int_mm was as fast or faster below this size (576 x 576: 20 against 31 us for one row; 896 x 896:
+# 57 against 50 us), on a 2-core AMD EPYC Zen 4
+ONEDNN_MIN_WEIGHT = 1 << 19
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An int8 weight ``[O, K]`` laid out once for ``kernel``: ``tensors`` is the prepacked weight with its unit scales
+    and zero points (``onednn``), ``([K, O],)`` (``int_mm``) or its two halves ``[K, O]`` (``int_mm_split``)."""
+
+    kernel: str
+    tensors: tuple[torch.Tensor, ...]
+    out_features: int
+
+    def nbytes(self) -> int:
+        """Bytes a product reads of the weight (the prepacked or integer tensors, not the unit scales)."""
+        weights = self.tensors[:1] if self.kernel == "onednn" else self.tensors
+        return sum(t.numel() * t.element_size() for t in weights)
+
+
+def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight:
+    """``weight`` (int8 ``[O, K]``) laid out for ``kernel`` (one of :data:`KERNELS`)."""
+    out_features = weight.shape[0]
+    if kernel == "onednn":
+        ones, zeros = torch.ones(out_features), torch.zeros(out_features, dtype=torch.long)
+        packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+        return PackedWeight(kernel, (packed, ones, zeros), out_features)
+    transposed = weight.T  # [K, O]
+    tensors = split_weight(transposed) if kernel == "int_mm_split" else (transposed.contiguous(),)
+    return PackedWeight(kernel, tensors, out_features)
+
+
+def activation_codes(q: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The codes ``kernel`` takes for integer-valued ``q`` in ``[-127, 127]`` (``[N, K]``): ``uint8`` ``q + 128``
+    for ``onednn``, else ``int8`` ``q``."""
+    if kernel == "onednn":
+        return (q + _ZERO_POINT).to(torch.uint8)
+    return q.to(torch.int8)
+
+
+def int_product(codes: torch.Tensor, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``q @ W.T`` for the activations whose :func:`activation_codes` for ``weight.kernel`` are ``codes``
+    (``[N, K]``) -> ``[N, O]`` in ``dtype`` (float32 for ``onednn``): each integer sum exact, then rounded once to
+    ``dtype``."""
+    if weight.kernel == "onednn":
+        packed, ones, zeros = weight.tensors
+        return torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, _ZERO_POINT, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+    if weight.kernel == "int_mm":
+        return torch._int_mm(codes, weight.tensors[0]).to(dtype)
+    high, low = weight.tensors
+    return (torch._int_mm(codes, high) * 2 + torch._int_mm(codes, low)).to(dtype)
+
+
+def split_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(high, low)`` int8 with ``weight = 2 * high + low``, ``high`` in ``[-64, 63]`` and ``low`` in ``{0, 1}``."""
+    high = torch.div(weight, 2, rounding_mode="floor")
+    return high.contiguous(), (weight - 2 * high).contiguous()
+
+
+def product_kernel(dtype: torch.dtype = torch.float32, weight_size: int = ONEDNN_MIN_WEIGHT) -> str:
+    """The kernel :func:`int_product` runs for activations of ``dtype`` and a weight of ``weight_size`` values on
+    this CPU (one of :data:`KERNELS`)."""
+    if dtype == torch.float32 and weight_size >= ONEDNN_MIN_WEIGHT and _onednn_exact():
+        return "onednn"
+    return "int_mm_split" if int_mm_saturates() else "int_mm"
+
+
+def _extreme_operands() -> tuple[torch.Tensor, torch.Tensor]:
+    """Worst-case int8 operands ``a`` ``[33, 256]`` and ``w`` ``[64, 256]``: full-range rows and columns, both signs."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (33, 256), dtype=torch.int8, generator=generator)
+    w = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (64, 256), dtype=torch.int8, generator=generator)
+    a[0], a[1], w[0], w[1] = INT8_LEVELS, -INT8_LEVELS, INT8_LEVELS, -INT8_LEVELS
+    return a, w
+
+
+@functools.cache
+def int_mm_saturates() -> bool:
+    """Whether ``torch._int_mm`` on this CPU loses exactness on full-range int8 operands.
+
+    oneDNN's int8 kernels for CPUs without VNNI multiply through ``vpmaddubsw``, whose int16 pair sums saturate
+    once weights exceed 64 in magnitude; VNNI CPUs (and GPUs) accumulate exactly. Checked once per process by
+    multiplying worst-case operands and comparing with float64, which holds these sums exactly.
+    """
+    a, w = _extreme_operands()
+    return not torch.equal(torch._int_mm(a, w.T.contiguous()).double(), a.double() @ w.double().T)
+
+
+@functools.cache
+def _onednn_exact() -> bool:
+    """Whether oneDNN's prepacked quantized linear exists here and gives the exact sums, rounded once to float32, on
+    worst-case operands for 1, 2 and 33 rows (checked once per process)."""
+    quantized = getattr(torch.ops, "onednn", None)
+    if quantized is None or not hasattr(quantized, "qlinear_pointwise") or not torch.backends.mkldnn.is_available():
+        return False
+    a, w = _extreme_operands()
+    ones, zeros = torch.ones(w.shape[0]), torch.zeros(w.shape[0], dtype=torch.long)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        for rows in (1, 2, 33):
+            codes = (a[:rows].to(torch.int16) + _ZERO_POINT).to(torch.uint8)
+            got = torch.ops.onednn.qlinear_pointwise(
+                codes, 1.0, _ZERO_POINT, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+            if not torch.equal(got, (a[:rows].double() @ w.double().T).float()):
+                return False
+    except RuntimeError:
+        return False
+    return True
