@@ -14,8 +14,8 @@ figures are of cost, not of acceptance). Each part prints a JSON object and writ
 
 ``--batch-invariant`` runs every part's models on the batch-invariant kernels (``batchspec.invariant``), and
 ``--tiny-dtype bfloat16`` the tiny models of ``equivalence`` in bfloat16 (issue 27's matrix: run it with and without
-the mode). ``--cuda-graphs on`` runs batchspec's decode forwards as CUDA graphs in every part (``batchspec.graphs``;
-compare a run with ``off``, the default, written to another ``--out``).
+the mode). ``--cuda-graphs on`` runs batchspec's decode forwards as CUDA graphs in every part
+(``batchspec.engine.graphs``; compare a run with ``off``, the default, written to another ``--out``).
 
 A part can take minutes on a GPU (the 7B-shaped model is built in every part that uses it, and the static-cache
 ``generate`` compiles on its first call): run one part per command where commands are limited in time, and
@@ -42,13 +42,13 @@ from host_reads import HostReads  # noqa: E402
 from ragged import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
 
 import batchspec  # noqa: E402
-from batchspec.engine import Engine  # noqa: E402
-from batchspec.graphs import graph_mode  # noqa: E402
+from batchspec.engine.core import Engine  # noqa: E402
+from batchspec.engine.graphs import graph_mode  # noqa: E402
+from batchspec.engine.kv_cache import BatchKVCache  # noqa: E402
+from batchspec.engine.proposers.draft import DraftModelProposer  # noqa: E402
+from batchspec.engine.runner import ModelRunner  # noqa: E402
+from batchspec.engine.state import BatchState  # noqa: E402
 from batchspec.invariant import make_batch_invariant  # noqa: E402
-from batchspec.kv_cache import BatchKVCache  # noqa: E402
-from batchspec.proposers.draft import DraftModelProposer  # noqa: E402
-from batchspec.runner import ModelRunner  # noqa: E402
-from batchspec.state import BatchState  # noqa: E402
 
 CONFIGS = [(m, p, k) for m in ("eqspec", "exspec") for p in ("draft", "ngram", "hybrid") for k in ("auto", 4)]
 QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -27,11 +27,11 @@ from contextlib import contextmanager
 import torch
 
 import batchspec
-import batchspec.proposers.draft as draft_proposer
-import batchspec.verifier as verifier
+import batchspec.engine.proposers.draft as draft_proposer
+import batchspec.engine.verifier as verifier
 from batchspec.data.prompts import format_prompts, load_prompts
+from batchspec.engine.sampling import inverse_cdf
 from batchspec.models import load_pair
-from batchspec.sampling import inverse_cdf
 
 SPEC_BENCH = "../shared/data/spec_bench/question.jsonl"
 TEMPERATURE = 0.8

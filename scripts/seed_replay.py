@@ -20,12 +20,12 @@ import torch
 
 import batchspec
 from batchspec.config import SpecConfig
-from batchspec.engine import build_engine
+from batchspec.engine.core import build_engine
+from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.schedulers import make_scheduler
+from batchspec.engine.schedulers.drive import Offline, drive
+from batchspec.engine.state import Sequence
 from batchspec.models import load_pair
-from batchspec.sampling import SamplingParams, derive_row_seeds
-from batchspec.schedulers import make_scheduler
-from batchspec.schedulers.drive import Offline, drive
-from batchspec.state import Sequence
 
 PROMPTS = (  # the first four prompts of scripts/locustfile.py
     "def fibonacci(n):",

@@ -27,7 +27,7 @@ import tiny_models
 import torch
 from scipy import stats
 
-from batchspec.sampling import SamplingParams, warp
+from batchspec.engine.sampling import SamplingParams, warp
 
 # --------------------------------------------------------------------------------------------------
 # reference
@@ -172,7 +172,7 @@ class Checks:
 
         ``test_stats_agree_with_a_replay_and_the_clock`` checks them against an independent replay and clock.
         """
-        from batchspec.metrics import STAGES
+        from batchspec.engine.metrics import STAGES
 
         st = result.stats
         total = sum(len(s) for s in result.sequences)
@@ -196,7 +196,7 @@ class Checks:
     def clock_consistent(result, elapsed: float, forwards: dict[str, list[ForwardCall]]) -> None:
         """The stage times against clocks outside them: the whole call took ``elapsed`` seconds, and every forward
         in ``forwards[stage]`` (timed by hooks on the model) ran inside that stage."""
-        from batchspec.metrics import STAGES
+        from batchspec.engine.metrics import STAGES
 
         st = result.stats
         assert 0.0 < st.wall_s <= elapsed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from batchspec.runner import cache_keyword
+from batchspec.engine.runner import cache_keyword
 
 
 def alone_one_token_at_a_time(model, row: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from batchspec.config import SpecConfig
-from batchspec.state import Sequence
+from batchspec.engine.state import Sequence
 
 PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4, 5, 6, 7, 8]]
 

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from batchspec.controller import AdaptiveLength, Reach, RoundRecord
-from batchspec.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
-from batchspec.state import Sequence
+from batchspec.engine.controller import AdaptiveLength, Reach, RoundRecord
+from batchspec.engine.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
+from batchspec.engine.state import Sequence
 
 
 def accepted_chain(rng: random.Random, chances: list[float]) -> int:

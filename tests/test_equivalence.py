@@ -18,10 +18,10 @@ from helpers import Checks, forward_log, make_prompts_for, reference_greedy, rep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchspec.engine import Engine
+from batchspec.engine.core import Engine
+from batchspec.engine.kv_cache import GROWTH, BatchKVCache
+from batchspec.engine.runner import ModelRunner
 from batchspec.invariants import InvariantError
-from batchspec.kv_cache import GROWTH, BatchKVCache
-from batchspec.runner import ModelRunner
 
 
 class Case(NamedTuple):

@@ -1,4 +1,4 @@
-"""Static-mode forwards, the shape CUDA graphs capture (``batchspec.graphs``).
+"""Static-mode forwards, the shape CUDA graphs capture (``batchspec.engine.graphs``).
 
 * On the CPU the static mode runs eagerly (``graphs="eager"``): it writes the KV at columns held in a tensor and
   attends over the cache's whole capacity, with the mask and positions built from tensors. Every decode forward of
@@ -16,11 +16,11 @@ import pytest
 import tiny_models
 import torch
 
-from batchspec.engine import Engine
-from batchspec.graphs import GraphedForwards, graph_mode
-from batchspec.kv_cache import BatchKVCache, Slab
-from batchspec.runner import ModelRunner
-from batchspec.state import BatchState, HostColumns
+from batchspec.engine.core import Engine
+from batchspec.engine.graphs import GraphedForwards, graph_mode
+from batchspec.engine.kv_cache import BatchKVCache, Slab
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.state import BatchState, HostColumns
 
 CONFIGS = [
     ("autoregressive", None, 0.0),

@@ -25,8 +25,9 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_the_engine_loads_no_model_loading():
-    """``batchspec.engine`` checks models beside it (``model_checks``); ``batchspec.models`` is loading only."""
-    code = "import sys, batchspec.engine; print(sorted(m for m in sys.modules if m.startswith('batchspec.models')))"
+    """``batchspec.engine.core`` checks models beside it (``model_checks``); ``batchspec.models`` is loading only."""
+    code = ("import sys, batchspec.engine.core; "
+            "print(sorted(m for m in sys.modules if m.startswith('batchspec.models')))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
     assert run.stdout.strip() == "[]", run.stdout

@@ -26,13 +26,13 @@ from hypothesis import strategies as st
 from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
+from batchspec.engine.sampling import SamplingParams
 from batchspec.int8 import check_quantize, product, quantization, quantize_model
 from batchspec.int8.arithmetic import exp2_nonpositive, quantize_rows, row_sum, silu_
 from batchspec.int8.attention import exact_attention
 from batchspec.int8.linear import Int8Linear
 from batchspec.int8.product import KERNELS, activation_codes, int_product, pack_weight, product_kernel, split_weight
 from batchspec.int8.smoothing import calibration_ids, smooth_model
-from batchspec.sampling import SamplingParams
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 

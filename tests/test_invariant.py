@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from ragged import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
 
-from batchspec.graphs import graph_mode  # noqa: E402
+from batchspec.engine.graphs import graph_mode  # noqa: E402
 from batchspec.invariant import batch_invariant, check_batch_invariant, make_batch_invariant  # noqa: E402
 from batchspec.invariant.kernels import KEY_BLOCK, MATMUL_TILES, attention, matmul, rms_norm  # noqa: E402
 

@@ -19,12 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.config import SpecConfig
-from batchspec.engine import build_engine
-from batchspec.lookup import NgramIndex, _Joined, lookup_on_device
-from batchspec.schedulers import make_scheduler
-from batchspec.schedulers.drive import Offline, drive
-from batchspec.state import Sequence
-from batchspec.verifier import verify_greedy
+from batchspec.engine.core import build_engine
+from batchspec.engine.lookup import NgramIndex, _Joined, lookup_on_device
+from batchspec.engine.schedulers import make_scheduler
+from batchspec.engine.schedulers.drive import Offline, drive
+from batchspec.engine.state import Sequence
+from batchspec.engine.verifier import verify_greedy
 
 
 def brute_force_lookup(text: list[int], n_min: int, n_max: int) -> int | None:

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 import batchspec
 from batchspec.cli import app
+from batchspec.engine.sampling import derive_row_seeds
 from batchspec.ray import STATS_COLUMN, BatchspecPredictor, merge_batch_stats
-from batchspec.sampling import derive_row_seeds
 
 PROMPTS = [
     "Write a Python function that adds two numbers.",

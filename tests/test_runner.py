@@ -17,12 +17,12 @@ import tiny_models
 import torch
 from host_reads import HostReads
 
-from batchspec.engine import Engine
+from batchspec.engine.core import Engine
+from batchspec.engine.kv_cache import BatchKVCache, Slab
+from batchspec.engine.proposers.draft import DraftModelProposer
+from batchspec.engine.runner import Floats, ModelRunner
+from batchspec.engine.state import BatchState, HostColumns
 from batchspec.invariants import InvariantError
-from batchspec.kv_cache import BatchKVCache, Slab
-from batchspec.proposers.draft import DraftModelProposer
-from batchspec.runner import Floats, ModelRunner
-from batchspec.state import BatchState, HostColumns
 
 CPU = ModelRunner(torch.device("cpu"))
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

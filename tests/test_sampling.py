@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-import batchspec.verifier as verifier
-from batchspec.sampling import (
+import batchspec.engine.verifier as verifier
+from batchspec.engine.sampling import (
     RoundSampling,
     RowParams,
     RowRandom,
@@ -24,7 +24,7 @@ from batchspec.sampling import (
     warp,
     warp_rows,
 )
-from batchspec.verifier import Verdict, verify_greedy, verify_sampling
+from batchspec.engine.verifier import Verdict, verify_greedy, verify_sampling
 
 ROWS = 20_000
 PASS_P = 1e-3

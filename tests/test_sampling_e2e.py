@@ -25,16 +25,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batchspec
-import batchspec.engine as engine
-import batchspec.verifier as verifier
+import batchspec.engine.core as engine
+import batchspec.engine.verifier as verifier
 from batchspec.config import SpecConfig
-from batchspec.engine import build_engine
-from batchspec.prefill import Reader, catch_up
-from batchspec.realign import plan_layout
-from batchspec.sampling import SamplingParams, derive_row_seeds
-from batchspec.schedulers import make_scheduler
-from batchspec.schedulers.drive import Offline, drive
-from batchspec.state import Sequence
+from batchspec.engine.core import build_engine
+from batchspec.engine.prefill import Reader, catch_up
+from batchspec.engine.realign import plan_layout
+from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.schedulers import make_scheduler
+from batchspec.engine.schedulers.drive import Offline, drive
+from batchspec.engine.state import Sequence
 
 PASS_P = 1e-3
 FAIL_P = 1e-6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from batchspec.verifier import verify_greedy
+from batchspec.engine.verifier import verify_greedy
 
 
 def logits_for(argmax_rows: list[list[int]], vocab: int = 10) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 from batchspec.api import GenerationResult, generate
 from batchspec.config import SpecConfig
+from batchspec.engine.metrics import GenerationStats
 from batchspec.hf import hf_generate
-from batchspec.metrics import GenerationStats
 
 __all__ = ["GenerationResult", "GenerationStats", "SpecConfig", "generate", "hf_generate"]
 __version__ = "0.1.0"

@@ -8,15 +8,14 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from batchspec.config import MAX_AUTO_DRAFT_TOKENS, SpecConfig
-from batchspec.engine import Engine, build_engine
-from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from batchspec.metrics import GenerationStats
+from batchspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, MAX_AUTO_DRAFT_TOKENS, SpecConfig
+from batchspec.engine.core import Engine, build_engine
+from batchspec.engine.metrics import GenerationStats
+from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.schedulers import make_scheduler
+from batchspec.engine.schedulers.drive import Offline, drive
+from batchspec.engine.state import FINISH_LENGTH, Sequence, check_budget
 from batchspec.model_checks import vocab_size
-from batchspec.sampling import SamplingParams, derive_row_seeds
-from batchspec.schedulers import make_scheduler
-from batchspec.schedulers.drive import Offline, drive
-from batchspec.state import FINISH_LENGTH, Sequence, check_budget
 
 
 @dataclass

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-
 WINDOW_MULTIPLE = 4
+# the n-gram lengths prompt lookup matches by default, longest first (engine/lookup.py)
+DEFAULT_MAX_NGRAM = 5
+DEFAULT_MIN_NGRAM = 1
 
 
 class Method(StrEnum):
@@ -33,7 +34,7 @@ PROPOSERS = tuple(p.value for p in ProposerKind)
 
 
 class CudaGraphs(StrEnum):
-    """Whether decode forwards on a GPU are captured as CUDA graphs (:mod:`batchspec.graphs`)."""
+    """Whether decode forwards on a GPU are captured as CUDA graphs (:mod:`batchspec.engine.graphs`)."""
 
     AUTO = "auto"  # on for a CUDA device, off elsewhere (docs/gpu.md)
     ON = "on"
@@ -48,7 +49,7 @@ MAX_AUTO_DRAFT_TOKENS = 10
 @dataclass(frozen=True)
 class SpecConfig:
     """Everything the engine needs to know about a run, validated on construction. The budget of new tokens is not
-    here: each :class:`~batchspec.state.Sequence` carries its own (``max_new_tokens``).
+    here: each :class:`~batchspec.engine.state.Sequence` carries its own (``max_new_tokens``).
 
     Attributes:
         method: "autoregressive" (target alone, batched), "eqspec" (fixed batches, realigned every round)
@@ -56,14 +57,14 @@ class SpecConfig:
         batch_size: rows decoded together (B).
         num_draft_tokens: drafts per row and round, each row's capped by its own budget; ``"auto"`` chooses them
             every round for the best expected tokens per second, up to ``max_draft_tokens``
-            (:mod:`batchspec.controller`).
+            (:mod:`batchspec.engine.controller`).
         max_draft_tokens: the longest proposal ``"auto"`` may choose.
         proposer: ``"draft"`` (the draft model), ``"ngram"`` (prompt lookup, no draft model) or ``"hybrid"``
             (lookup where it finds a match, the draft model elsewhere); None: ``"hybrid"`` when a draft model is
-            given, else ``"ngram"`` (filled in by :func:`batchspec.engine.build_engine`).
+            given, else ``"ngram"`` (filled in by :func:`batchspec.engine.core.build_engine`).
         ngram_min, ngram_max: the shortest and longest suffix prompt lookup matches.
         eos_token_ids: tokens that end a sequence (empty: only the budget ends it; None: the target's default,
-            filled in by :func:`batchspec.engine.build_engine`).
+            filled in by :func:`batchspec.engine.core.build_engine`).
         pad_token_id: filler value written into padding columns; never read back as padding (None: the target's
             default, filled in like ``eos_token_ids``).
         window_size: exspec only: sequences active at once (W >= B); None means ``4 * batch_size``.
@@ -72,10 +73,10 @@ class SpecConfig:
         timing: measure per-stage seconds (prefill/draft/verify/realign/other); wall time is always measured.
         prefill_chunk: while other rows decode, read at most this many columns of new prompts per round (chunked
             prefill, for serving); ``"auto"``: as many as take about one decode round to read (measured as it
-            runs, :class:`batchspec.prefill.ChunkBudget`); None reads every prompt in one piece.
+            runs, :class:`batchspec.engine.prefill.ChunkBudget`); None reads every prompt in one piece.
         cuda_graphs: ``"on"`` captures the decode forwards of models on a CUDA device as CUDA graphs and replays
-            them (:mod:`batchspec.graphs`); ``"off"`` runs them as they come; ``"auto"`` is on for a CUDA device, off
-            elsewhere.
+            them (:mod:`batchspec.engine.graphs`); ``"off"`` runs them as they come; ``"auto"`` is on for a CUDA
+            device, off elsewhere.
     """
 
     method: Method = Method.EQSPEC

@@ -43,7 +43,7 @@ import torch
 from batchspec.api import GenerationResult, generate
 from batchspec.config import Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts
-from batchspec.metrics import GenerationStats
+from batchspec.engine.metrics import GenerationStats
 from batchspec.models.choice import ModelChoice, load_models
 
 PROMPT_COLUMN = "prompt"

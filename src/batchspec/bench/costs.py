@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from batchspec.engine.kv_cache import BatchKVCache
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.state import BatchState
 from batchspec.int8.product import PackedWeight
-from batchspec.kv_cache import BatchKVCache
-from batchspec.runner import ModelRunner
-from batchspec.state import BatchState
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import typer
 from batchspec.cli.errors import user_errors
 from batchspec.config import AUTO, CudaGraphs, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts, load_prompts
-from batchspec.metrics import STAGES
+from batchspec.engine.metrics import STAGES
 from batchspec.models.choice import ModelChoice
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, default_cache_dir
 

@@ -21,11 +21,11 @@ from batchspec.cli.common import Method, ProposerKind, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
 from batchspec.cli.output import GeneratedText, print_texts, sampling_summary, write_jsonl
 from batchspec.data import PromptRecord
-from batchspec.metrics import GenerationStats
+from batchspec.engine.metrics import GenerationStats
+from batchspec.engine.sampling import derive_row_seeds
 from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.obtain import obtain_preset
 from batchspec.ray import STATS_COLUMN, BatchspecPredictor, GenerationSettings, merge_batch_stats
-from batchspec.sampling import derive_row_seeds
 
 EXSPEC_WINDOW_FACTOR = 4
 

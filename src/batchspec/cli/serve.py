@@ -24,7 +24,7 @@ from batchspec.cli.common import (
 )
 from batchspec.cli.errors import user_errors
 from batchspec.devices import resolve_device
-from batchspec.graphs import graph_mode
+from batchspec.engine.graphs import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.hosting import DEFAULT_KEEP_ALIVE_S, HttpOptions
 from batchspec.server.limits import (

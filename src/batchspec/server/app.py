@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchspec.config import SpecConfig
-from batchspec.engine import build_engine
+from batchspec.engine.core import build_engine
+from batchspec.engine.schedulers import make_scheduler
 from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
-from batchspec.schedulers import make_scheduler
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder
 from batchspec.server.errors import APIError, bad_request

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from batchspec.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.sampling import SamplingParams, derive_row_seeds
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The engine loop: one thread owns the models and drives rounds (:func:`batchspec.schedulers.drive.drive`, the
+"""The engine loop: one thread owns the models and drives rounds (:func:`batchspec.engine.schedulers.drive.drive`, the
 driver ``batchspec.generate`` uses) over the requests that arrive.
 
 Between two rounds the loop hands new requests to the scheduler, which admits them while it has room (their
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from batchspec.engine import Engine
-from batchspec.schedulers import Scheduler
-from batchspec.schedulers.drive import drive
+from batchspec.engine.core import Engine
+from batchspec.engine.schedulers import Scheduler
+from batchspec.engine.schedulers.drive import drive
+from batchspec.engine.state import FINISH_LENGTH, Sequence
 from batchspec.server.events import Failed, Finished, RequestHandle, Tokens
 from batchspec.server.prometheus import ServerMetrics
 from batchspec.server.text import TextTracker
-from batchspec.state import FINISH_LENGTH, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class LoopStatus:
 
 
 class EngineLoop:
-    """Continuous admission around one :class:`~batchspec.engine.Engine`, run by a dedicated thread."""
+    """Continuous admission around one :class:`~batchspec.engine.core.Engine`, run by a dedicated thread."""
 
     def __init__(
         self, engine: Engine, scheduler: Scheduler, tokenizer, *, max_queue: int, metrics: ServerMetrics

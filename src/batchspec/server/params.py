@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from batchspec.sampling import SamplingParams
+from batchspec.engine.sampling import SamplingParams
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder, MessageCost
 from batchspec.server.errors import bad_request

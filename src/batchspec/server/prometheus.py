@@ -3,7 +3,7 @@
 Request counts (by route template and status), latencies and token counts are recorded by the HTTP handlers and
 the middleware that refuses requests; rounds, batch occupancy, cancellations and failures by the engine loop;
 the process's memory, CPU time and open files by prometheus_client's process collector; acceptance rate,
-throughput and queue depth are read from the engine's :class:`~batchspec.metrics.GenerationStats` and the
+throughput and queue depth are read from the engine's :class:`~batchspec.engine.metrics.GenerationStats` and the
 loop's status when scraped.
 """
 
@@ -16,7 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.routing import Match
 from starlette.types import Scope
 
-from batchspec.metrics import GenerationStats
+from batchspec.engine.metrics import GenerationStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 OCCUPANCY_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)

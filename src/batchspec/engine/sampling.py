@@ -1,6 +1,6 @@
 """Sampling kernels: warping logits into p and q, counter-based per-row randomness, inverse-CDF draws.
 
-The terms (p, q, accepted count ``a``, recovered token, bonus token) are defined in :mod:`batchspec.verifier`,
+The terms (p, q, accepted count ``a``, recovered token, bonus token) are defined in :mod:`batchspec.engine.verifier`,
 which uses these kernels for lossless speculative sampling.
 
 Randomness is *counter-based*: the uniform a row uses for a decision is a hash of (the row's seed, the
@@ -79,7 +79,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[..., V]`` float64 probabilities from ``[..., V]`` logits: temperature, then top-k, then top-p.
 
     Greedy params give the one-hot distribution at the argmax (the limit of temperature → 0); the greedy
-    decoding path itself is :func:`batchspec.verifier.verify_greedy`. The logits are shifted so that their
+    decoding path itself is :func:`batchspec.engine.verifier.verify_greedy`. The logits are shifted so that their
     maximum is 0 before the division: a tiny temperature (even a subnormal one) then sends the others to -inf,
     never the maximum to +inf, and the result stays a distribution (uniform over the tied maxima at worst).
     """

@@ -1,14 +1,15 @@
-"""Prompt lookup as a proposer: each row's drafts are its lookup chain (:mod:`batchspec.lookup`), with no
+"""Prompt lookup as a proposer: each row's drafts are its lookup chain (:mod:`batchspec.engine.lookup`), with no
 draft model; sampling rows get a one-hot ``q`` at every lookup draft."""
 
 from __future__ import annotations
 
-from batchspec.controller import Reach
-from batchspec.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
-from batchspec.proposers import Proposal, ProposalHost, ProposalPlan
-from batchspec.runner import ModelRunner
-from batchspec.sampling import RoundSampling
-from batchspec.state import BatchState, Sequence
+from batchspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+from batchspec.engine.controller import Reach
+from batchspec.engine.lookup import NgramIndex
+from batchspec.engine.proposers import Proposal, ProposalHost, ProposalPlan
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.sampling import RoundSampling
+from batchspec.engine.state import BatchState, Sequence
 
 
 class NgramProposer:

@@ -11,7 +11,7 @@ against, so prompts may contain the pad or EOS id as real tokens.
 
 The last real token of every row sits in column ``L - 1``. It is *pending*: no KV exists for it yet, and it
 is the first input of the next verification. Between rounds a row remembers where its KV is
-(:class:`KVLocation`): the :class:`~batchspec.kv_cache.Slab` of the batch it last ran in, its row there, the
+(:class:`KVLocation`): the :class:`~batchspec.engine.kv_cache.Slab` of the batch it last ran in, its row there, the
 column its tokens start at, and how many columns from there each model's cache holds.
 """
 
@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchspec.config import require_int
-from batchspec.controller import RowAcceptance
+from batchspec.engine.controller import RowAcceptance
+from batchspec.engine.kv_cache import Slab
+from batchspec.engine.sampling import SamplingParams
 from batchspec.invariants import InvariantError
-from batchspec.kv_cache import Slab
-from batchspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from batchspec.lookup import NgramIndex
+    from batchspec.engine.lookup import NgramIndex
 
 FINISH_EOS = "eos"
 FINISH_LENGTH = "length"
@@ -64,7 +64,7 @@ class Sequence:
     """One prompt's life: its tokens, its budget, how it samples, why it stopped and where its KV is.
 
     ``sampling`` and ``seed`` fix the row's tokens: with temperature > 0 the token at output position ``n``
-    is a function of the prefix, ``seed`` and ``n`` (see :mod:`batchspec.sampling`). Rows decoded in one round
+    is a function of the prefix, ``seed`` and ``n`` (see :mod:`batchspec.engine.sampling`). Rows decoded in one round
     may each sample differently. ``lookup`` (its prompt-lookup index) and ``acceptance`` (its recent acceptance
     of drafts) are kept by the proposers and the draft-length planner. ``max_new_tokens`` is the row's budget of new
     tokens (an integer >= 0, checked on construction), the one the engine reads.
@@ -176,7 +176,7 @@ class BatchState:
             draft cache ``draft_len <= L - 1``: a forward feeds the columns its cache lacks.
         draft_cached: ``[B]`` draft KV columns valid from each row's first real token. Rows in step with the
             batch have ``draft_len - pad``; a row whose draft lags further (it joined while the draft was idle)
-            has fewer, and is caught up before the draft runs again (see :mod:`batchspec.prefill`).
+            has fewer, and is caught up before the draft runs again (see :mod:`batchspec.engine.prefill`).
         host: ``pad``, ``content`` and ``draft_cached`` as host lists.
     """
 
@@ -272,8 +272,8 @@ def position_ids(columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
 
 def visible_keys(queries: torch.Tensor, pad: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, 1, q, width]`` (bool): which key columns ``0 .. width-1`` the queries at columns ``queries`` ``[q]`` of
-    rows padded by ``pad`` ``[B]`` see: the row's own columns up to the query's (I1; :mod:`batchspec.runner` has a
-    worked example)."""
+    rows padded by ``pad`` ``[B]`` see: the row's own columns up to the query's (I1; :mod:`batchspec.engine.runner` has
+    a worked example)."""
     keys = torch.arange(width, device=pad.device)  # [width]
     causal = keys[None, :] <= queries[:, None]  # [q, width]
     return (causal[None, :, :] & (keys[None, None, :] >= pad[:, None, None]))[:, None]  # [B, 1, q, width]

@@ -4,7 +4,7 @@ the offline and the online policy do differently (``refill``).
 
 Offline (``refill=False``): fixed batches of ``batch_size`` prompts in order, each decoded to completion before
 the next one starts. Online (``refill=True``): one running batch that queued requests join between rounds as soon
-as a row is free (their prompts are read apart, see :mod:`batchspec.prefill`).
+as a row is free (their prompts are read apart, see :mod:`batchspec.engine.prefill`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from batchspec.state import Sequence
+from batchspec.engine.state import Sequence
 
 
 @dataclass

@@ -9,15 +9,15 @@ engine stages with the round's other inputs in one copy; ``propose`` then drafts
 A proposal carries per-row lengths: row ``i`` proposes ``d_1 .. d_{lengths[i]}`` (0 .. k) and the target accepts at
 most that many. Greedy rows draft by argmax. Rows that sample also carry, at index ``lengths[i]``, a draft for the
 position after their last draft (the bonus position), each ``d_j`` drawn from the warped draft distribution ``q_j``
-with the row's ``Stream.DRAFT`` uniform for its output position (see :mod:`batchspec.verifier`).
+with the row's ``Stream.DRAFT`` uniform for its output position (see :mod:`batchspec.engine.verifier`).
 
 * :class:`NoDraftProposer` proposes nothing (the autoregressive method);
-* :class:`~batchspec.proposers.draft.DraftModelProposer` drafts with a small causal LM (``proposer="draft"``), and
-  with prompt lookup first (``"hybrid"``);
-* :class:`~batchspec.proposers.ngram.NgramProposer` copies drafts from the row's own text (``"ngram"``).
+* :class:`~batchspec.engine.proposers.draft.DraftModelProposer` drafts with a small causal LM (``proposer="draft"``),
+  and with prompt lookup first (``"hybrid"``);
+* :class:`~batchspec.engine.proposers.ngram.NgramProposer` copies drafts from the row's own text (``"ngram"``).
 
 A third, cheap method, ``reach``, tells how far each row could draft before the round's lengths are chosen
-(:mod:`batchspec.controller`).
+(:mod:`batchspec.engine.controller`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Protocol
 
 import torch
 
-from batchspec.controller import Reach
-from batchspec.runner import ModelRunner
-from batchspec.sampling import RoundSampling
-from batchspec.state import BatchState, Sequence
+from batchspec.engine.controller import Reach
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.sampling import RoundSampling
+from batchspec.engine.state import BatchState, Sequence
 
 
 @dataclass(frozen=True)

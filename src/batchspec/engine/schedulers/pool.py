@@ -1,6 +1,6 @@
 """ExSpec: cross-batch scheduling over a pool of sequences, offline and online.
 
-Every prompt is a :class:`~batchspec.state.Sequence` that carries its own tokens and the location of its KV.
+Every prompt is a :class:`~batchspec.engine.state.Sequence` that carries its own tokens and the location of its KV.
 A sliding window of ``W >= B`` sequences is active at once and is refilled from the pool (in order of prompt
 length with ``sort_by_length``) as sequences finish; finished sequences leave at once. Each round:
 
@@ -14,7 +14,7 @@ length with ``sort_by_length``) as sequences finish; finished sequences leave at
    grouped or not.
 
 Rows that run together are gathered once into one storage and stay there while they keep running together;
-see :mod:`batchspec.realign`. Storage that the window's rows fill to at most half is compacted after each round,
+see :mod:`batchspec.engine.realign`. Storage that the window's rows fill to at most half is compacted after each round,
 so the KV kept alive stays within about twice what the window's rows need.
 """
 
@@ -24,9 +24,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchspec.engine.realign import compact
+from batchspec.engine.state import Sequence
 from batchspec.invariants import InvariantError
-from batchspec.realign import compact
-from batchspec.state import Sequence
 
 
 @dataclass
@@ -81,7 +81,7 @@ class SequencePool:
 
     def ran(self, rows: list[Sequence]) -> int:
         """Account a round over ``rows``; retire finished rows and compact the storage the window no longer
-        fills (see :func:`batchspec.realign.compact`). Returns how many finished."""
+        fills (see :func:`batchspec.engine.realign.compact`). Returns how many finished."""
         ran = {row.index for row in rows}
         for row in self.window:
             self.waited[row.index] = 0 if row.index in ran else self.waited[row.index] + 1

@@ -5,11 +5,11 @@ their cost is the host launching kernels, not the kernels. A CUDA graph records 
 them with one launch. It replays the same kernels on the same addresses, so everything that changes between rounds
 must live in tensors the graph reads, never in Python numbers:
 
-* the forward runs in the KV cache's static mode (:meth:`~batchspec.kv_cache.BatchKVCache.writing_at`): it writes
+* the forward runs in the KV cache's static mode (:meth:`~batchspec.engine.kv_cache.BatchKVCache.writing_at`): it writes
   at columns held in a tensor and attends over the cache's whole capacity, not over its current length;
 * the attention mask and the position ids are computed inside the graph from three static input buffers: the input
   ids ``[B, q]``, the columns written ``[q]`` and each row's padding ``[B]`` (invariants I1/I2 of
-  :mod:`batchspec.state`): a query at column ``c`` sees the keys at columns ``pad <= j <= c``, so whatever the
+  :mod:`batchspec.engine.state`): a query at column ``c`` sees the keys at columns ``pad <= j <= c``, so whatever the
   capacity holds past the length is never seen;
 * the logits come out in a static buffer, overwritten by the next replay of the same graph (every caller consumes
   them before the next forward).
@@ -17,10 +17,10 @@ must live in tensors the graph reads, never in Python numbers:
 A graph is captured per (model, KV storage, batch size, columns, logits kept), the second time that shape runs on
 that storage (the first runs as an ordinary forward), and replayed from the third: rows in lockstep (the
 autoregressive method, rounds whose rows all accept alike) keep their storage round after round, while a batch laid
-out afresh (rows shifted, joined or finished; :mod:`batchspec.realign` gathers them into new storage) or a storage
-grown would otherwise pay a capture for one forward. The model's graphs of other storages are dropped. Forwards of
-more than :data:`MAX_GRAPH_COLUMNS` columns (prompts, a draft catching up) and forwards whose storage must first grow
-run ordinarily. All graphs share one memory pool: they replay one at a time.
+out afresh (rows shifted, joined or finished; :mod:`batchspec.engine.realign` gathers them into new storage) or a
+storage grown would otherwise pay a capture for one forward. The model's graphs of other storages are dropped. Forwards
+of more than :data:`MAX_GRAPH_COLUMNS` columns (prompts, a draft catching up) and forwards whose storage must first
+grow run ordinarily. All graphs share one memory pool: they replay one at a time.
 
 With ``capture=False`` the same static-mode forward runs eagerly every time: what the CPU tests check (the static
 mode's tokens equal the ordinary forward's), and what a GPU would replay.
@@ -41,8 +41,8 @@ from typing import Literal
 import torch
 
 from batchspec.config import CudaGraphs
-from batchspec.kv_cache import BatchKVCache
-from batchspec.state import position_ids, visible_keys
+from batchspec.engine.kv_cache import BatchKVCache
+from batchspec.engine.state import position_ids, visible_keys
 
 MAX_GRAPH_COLUMNS = 16  # the widest forward captured: a verification of 1 + k columns, k <= 15
 GRAPHED_ATTENTION = ("sdpa", "eager")  # the attention implementations a static-mode forward runs with
@@ -86,7 +86,7 @@ class GraphedForwards:
     """Static-mode decode forwards, captured as CUDA graphs (``capture=True``) or run eagerly (``capture=False``).
 
     ``forward(model, cache, input_ids, columns, pad, keep)`` is the model call of the runner
-    (:meth:`~batchspec.runner.ModelRunner.logits`), given the mask and positions built here.
+    (:meth:`~batchspec.engine.runner.ModelRunner.logits`), given the mask and positions built here.
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], *, capture: bool) -> None:

@@ -2,12 +2,12 @@
 
 Storage of a model is ``[num_layers, 2, B, H_kv, capacity, D]`` (index 0 keys, 1 values) with every row laid
 out like the batch's token matrix: cache column ``j`` holds the KV of token column ``j``. A forward appends
-into the spare capacity; moving rows to another layout is a gather done by :mod:`batchspec.realign`.
+into the spare capacity; moving rows to another layout is a gather done by :mod:`batchspec.engine.realign`.
 
 ``BatchKVCache`` plugs into transformers 5.x through its ``Cache``/``CacheLayerMixin`` API: each layer's
 ``update`` writes the new keys/values and returns views of the filled prefix. In *static* mode
-(:meth:`BatchKVCache.writing_at`, the shape CUDA graphs need: :mod:`batchspec.graphs`) it writes at columns held in a
-device tensor and returns the whole capacity, so a forward's shapes and addresses do not depend on the length.
+(:meth:`BatchKVCache.writing_at`, the shape CUDA graphs need: :mod:`batchspec.engine.graphs`) it writes at columns held
+in a device tensor and returns the whole capacity, so a forward's shapes and addresses do not depend on the length.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from batchspec.engine import Engine
-from batchspec.schedulers import Scheduler
-from batchspec.state import Sequence
+from batchspec.engine.core import Engine
+from batchspec.engine.schedulers import Scheduler
+from batchspec.engine.state import Sequence
 
 
 class Hooks(Protocol):

@@ -20,13 +20,13 @@ padding and only need finite values, since the attention mask hides them. A batc
 one slab, in order and unshifted, is in *lockstep*: the slab is reused as it is and its caches are only
 cropped (dropping rejected drafts). All of one slab's rows in order but shifted (EqSpec after rows accepted
 different counts) are shifted within the slab's own storage, which keeps its address (what CUDA graphs replay on:
-:mod:`batchspec.graphs`). Anything else — rows leaving, or joining from other slabs — is one gather per source
+:mod:`batchspec.engine.graphs`). Anything else — rows leaving, or joining from other slabs — is one gather per source
 slab into fresh storage.
 
 Each model's cache keeps one number of columns for the whole batch (``target_len``, ``draft_len``): a forward feeds
 the columns after it for every row. A row whose cache holds more loses the surplus and re-reads it; for the
 target that is waste (``recomputed``), which the engine avoids by reading prompts apart (see
-:mod:`batchspec.prefill`), so that rows decoding together all hold every column but the pending one. The draft
+:mod:`batchspec.engine.prefill`), so that rows decoding together all hold every column but the pending one. The draft
 may lag on purpose (it is not run in rounds that do not draft, nor on new prompts until it next drafts), so the
 batch keeps the draft columns at which rows re-read at most ``draft_slack`` columns each; rows that hold fewer
 keep what they have (``draft_cached``), lag, and are caught up before the draft next runs.
@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from batchspec.engine.kv_cache import GROWTH, BatchKVCache, Slab
+from batchspec.engine.state import BatchState, HostColumns, Sequence
 from batchspec.invariants import InvariantError
-from batchspec.kv_cache import GROWTH, BatchKVCache, Slab
-from batchspec.state import BatchState, HostColumns, Sequence
 
 DRAFT_SLACK = 4
 

@@ -1,8 +1,8 @@
 """The round loop: prefill → realign → propose → verify → accept. Schedulers choose the rows of every round.
 
-Greedy rows take the greedy path (argmax drafts, :func:`~batchspec.verifier.verify_greedy`); rows with temperature
-> 0 sample losslessly (sampled drafts with their ``q``, the target's warped ``p``,
-:func:`~batchspec.verifier.verify_sampling`), with random numbers keyed by each row's seed and output position.
+Greedy rows take the greedy path (argmax drafts, :func:`~batchspec.engine.verifier.verify_greedy`); rows with
+temperature > 0 sample losslessly (sampled drafts with their ``q``, the target's warped ``p``,
+:func:`~batchspec.engine.verifier.verify_sampling`), with random numbers keyed by each row's seed and output position.
 Rows of one round may each have their own sampling settings.
 
 :func:`build_engine` is the one place that checks a model pair, resolves the EOS and pad defaults and sets up
@@ -18,20 +18,20 @@ from dataclasses import replace
 import torch
 
 from batchspec.config import ProposerKind, SpecConfig
-from batchspec.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
-from batchspec.graphs import graph_mode
-from batchspec.kv_cache import Slab
-from batchspec.metrics import GenerationStats, StageTimer
+from batchspec.engine.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
+from batchspec.engine.graphs import graph_mode
+from batchspec.engine.kv_cache import Slab
+from batchspec.engine.metrics import GenerationStats, StageTimer
+from batchspec.engine.prefill import ChunkBudget, Reader, catch_up, length_groups
+from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalHost, ProposalPlan, Proposer, point_masses
+from batchspec.engine.proposers.draft import DraftModelProposer
+from batchspec.engine.proposers.ngram import NgramProposer
+from batchspec.engine.realign import assemble, draft_catch_up, layout_columns, plan_layout
+from batchspec.engine.runner import Floats, ModelRunner
+from batchspec.engine.sampling import RoundSampling, RowParams, RowRandom, warp_rows
+from batchspec.engine.state import BatchState, KVLocation, Sequence
+from batchspec.engine.verifier import Verdict, verify_greedy, verify_sampling
 from batchspec.model_checks import check_pair
-from batchspec.prefill import ChunkBudget, Reader, catch_up, length_groups
-from batchspec.proposers import NoDraftProposer, Proposal, ProposalHost, ProposalPlan, Proposer, point_masses
-from batchspec.proposers.draft import DraftModelProposer
-from batchspec.proposers.ngram import NgramProposer
-from batchspec.realign import assemble, draft_catch_up, layout_columns, plan_layout
-from batchspec.runner import Floats, ModelRunner
-from batchspec.sampling import RoundSampling, RowParams, RowRandom, warp_rows
-from batchspec.state import BatchState, KVLocation, Sequence
-from batchspec.verifier import Verdict, verify_greedy, verify_sampling
 
 
 class Engine:
@@ -106,7 +106,7 @@ class Engine:
 
     def sync_draft(self, rows: list[Sequence]) -> None:
         """Before the draft runs: rows whose draft lags so far that the others would re-read much (they joined
-        while the draft was idle) read what they lack, apart (see :func:`~batchspec.realign.draft_catch_up`)."""
+        while the draft was idle) read what they lack, apart (see :func:`~batchspec.engine.realign.draft_catch_up`)."""
         lagging = draft_catch_up(rows)
         if lagging:
             self._catch_up([rows[i] for i in lagging], [Reader(self.draft, draft=True)], None)

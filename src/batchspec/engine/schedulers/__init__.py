@@ -6,11 +6,11 @@ rows retired early, and ``capacity`` says how many rows may be admitted at once.
 any of them, for ``batchspec.generate`` (every request queued at the start) and for the server's engine thread
 (requests queued as they arrive) alike.
 
-* :class:`~batchspec.schedulers.batches.Batches` — EqSpec (and the autoregressive baseline): offline, batches of
+* :class:`~batchspec.engine.schedulers.batches.Batches` — EqSpec (and the autoregressive baseline): offline, batches of
   ``B`` prompts in order, each decoded to the end; online (``refill``), one batch of up to ``B`` rows, refilled as
   rows leave;
-* :class:`~batchspec.schedulers.pool.PooledWindow` — ExSpec, offline and online: a window of ``W`` rows from which
-  every round takes ``B`` of one length when it can.
+* :class:`~batchspec.engine.schedulers.pool.PooledWindow` — ExSpec, offline and online: a window of ``W`` rows from
+  which every round takes ``B`` of one length when it can.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from batchspec.config import Method, SpecConfig
-from batchspec.state import Sequence
+from batchspec.engine.state import Sequence
 
 
 class Scheduler(Protocol):
@@ -56,8 +56,8 @@ class Scheduler(Protocol):
 
 def make_scheduler(config: SpecConfig, *, online: bool = False) -> Scheduler:
     """The policy of ``config.method``: ExSpec's window, or EqSpec's batches (fixed offline, refilled online)."""
-    from batchspec.schedulers.batches import Batches
-    from batchspec.schedulers.pool import PooledWindow
+    from batchspec.engine.schedulers.batches import Batches
+    from batchspec.engine.schedulers.pool import PooledWindow
 
     if config.method is Method.EXSPEC:
         return PooledWindow(

@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import torch
 
-from batchspec.controller import Reach
+from batchspec.engine.controller import Reach
+from batchspec.engine.lookup import lookup_on_device
+from batchspec.engine.proposers import Proposal, ProposalHost, ProposalPlan
+from batchspec.engine.proposers.ngram import NgramProposer
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.sampling import RoundSampling, Stream, sample_draft, warp_rows
+from batchspec.engine.state import BatchState, Sequence
 from batchspec.invariants import InvariantError
-from batchspec.lookup import lookup_on_device
-from batchspec.proposers import Proposal, ProposalHost, ProposalPlan
-from batchspec.proposers.ngram import NgramProposer
-from batchspec.runner import ModelRunner
-from batchspec.sampling import RoundSampling, Stream, sample_draft, warp_rows
-from batchspec.state import BatchState, Sequence
 
 
 class DraftModelProposer:
@@ -28,11 +28,11 @@ class DraftModelProposer:
     and its cache as it was: it catches up when it next runs.
 
     With ``lookup`` (the hybrid proposer) every position is first looked up in the row's own text
-    (:mod:`batchspec.lookup`) and the draft model fills only the positions where the lookup finds nothing. A row's
-    lookups up to its first miss are its lookup chain, found on the host when the round is planned; after the draft
-    model drafts a position, the row's next lookups go on from the drafted token, on the device
-    (:func:`~batchspec.lookup.lookup_on_device`), so nothing is read back. A step runs no draft forward when every
-    row that needs it has a chain draft there (its tokens are fed at the next forward), so the draft's cache stays
+    (:mod:`batchspec.engine.lookup`) and the draft model fills only the positions where the lookup finds nothing. A
+    row's lookups up to its first miss are its lookup chain, found on the host when the round is planned; after the
+    draft model drafts a position, the row's next lookups go on from the drafted token, on the device
+    (:func:`~batchspec.engine.lookup.lookup_on_device`), so nothing is read back. A step runs no draft forward when
+    every row that needs it has a chain draft there (its tokens are fed at the next forward), so the draft's cache stays
     right for every row. Lookup drafts of sampling rows have a one-hot ``q``; which positions were looked up is read
     back with the round's verdict.
     """

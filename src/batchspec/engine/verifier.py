@@ -5,7 +5,7 @@ Terms (used throughout batchspec; ``j`` counts the new tokens of a round from 1,
     d_j: the ``j``-th drafted token; ``d_0`` is the pending token.
     p: the target's next-token distribution; ``p_j`` (scored at input ``d_{j-1}``) is the distribution of
        the ``j``-th new token, ``[B, k+1, V]`` for ``j = 1 .. k+1``. Greedy verification takes it as logits,
-       sampling as probabilities after :func:`batchspec.sampling.warp`.
+       sampling as probabilities after :func:`batchspec.engine.sampling.warp`.
     q: the draft's distribution at the same positions, warped the same way (not needed for greedy).
     accepted (``a``): number of leading drafts ``d_1 .. d_a`` accepted, ``0 <= a <= k``.
     recovered token: the token a row takes at its first rejected position instead of the rejected draft.
@@ -23,7 +23,7 @@ there. A token chosen this way has marginal ``p_j``: it is ``x`` with probabilit
 ``q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) norm(max(0, p - q))(x) = min(p(x), q(x)) + max(0, p(x) - q(x))``.
 The bonus position ``k+1`` gets the same test with ``d_{k+1}``, so its token also has marginal ``p_{k+1}``.
 Every random number a row uses is keyed by (its seed, the output position of the token, a stream)
-(:class:`batchspec.sampling.RowRandom`), so each token is a function of the prefix, the seed and its position
+(:class:`batchspec.engine.sampling.RowRandom`), so each token is a function of the prefix, the seed and its position
 (and of the draft model: another draft gives different, equally distributed text). Where a round ends, how
 many drafts it has, and which other rows share the batch do not change it. That is why the bonus position is
 treated like every other one: drawing the bonus token directly from ``p_{k+1}`` would give the same marginal,
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchspec.sampling import RowRandom, Stream, inverse_cdf
+from batchspec.engine.sampling import RowRandom, Stream, inverse_cdf
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ that occurred before: the token that followed its earliest occurrence. Each furt
 again with the drafts so far appended, so that the draft at an output position depends only on the text before
 it (within a repeated span this continues the copy). That makes a lookup the same function of the prefix whether
 a position is drafted early or late in a round, which keeps a seeded sample independent of the draft length and
-the batch (see :mod:`batchspec.verifier`).
+the batch (see :mod:`batchspec.engine.verifier`).
 
 Example (``n_max = 3``): the text ``a b c d x a b c`` ends in ``a b c``, which occurred at positions 0–2, followed
 by ``d``: the draft is ``d``; with it appended the text ends in ``b c d``, followed earlier by ``x``: the next draft
@@ -29,9 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-DEFAULT_MAX_NGRAM = 5
-DEFAULT_MIN_NGRAM = 1
 
 
 @dataclass

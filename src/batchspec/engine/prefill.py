@@ -1,7 +1,7 @@
 """Reading what a model's cache lacks, apart from the batch that decodes: new prompts, and a lagging draft.
 
 Rows decode together only when the target's KV covers every column but their pending token
-(:attr:`~batchspec.state.Sequence.ready`): a batch forward starts at the column the least-read row needs, so one
+(:attr:`~batchspec.engine.state.Sequence.ready`): a batch forward starts at the column the least-read row needs, so one
 row without KV would make every other row read its columns again. Rows that lack KV are therefore laid out on
 their own and read first:
 
@@ -14,7 +14,7 @@ their own and read first:
   one batch would compute 1,664 columns for 590 real ones;
 * **draft catch-up** — before the draft runs, rows whose draft cache lags further than the batch's slack (they
   joined while the draft was idle) read the missing columns, and so do rows that lag only once those have caught
-  up (:func:`~batchspec.realign.draft_catch_up`).
+  up (:func:`~batchspec.engine.realign.draft_catch_up`).
 
 Both feed columns up to, not including, each row's pending token, through the decoder only (no logits).
 
@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import torch
 
 from batchspec.config import AUTO
+from batchspec.engine.kv_cache import BatchKVCache
+from batchspec.engine.realign import assemble, layout_columns, plan_layout
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.state import BatchState, KVLocation, Sequence
 from batchspec.invariants import InvariantError
-from batchspec.kv_cache import BatchKVCache
-from batchspec.realign import assemble, layout_columns, plan_layout
-from batchspec.runner import ModelRunner
-from batchspec.state import BatchState, KVLocation, Sequence
 
 FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
 GROUP_SPREAD = 16  # padding columns a prompt may read to share a forward with longer ones

@@ -4,10 +4,10 @@ It owns
 
 * every forward of the target and the draft: feeding columns of a batch's padded layout into one of the batch's KV
   caches (:meth:`ModelRunner.logits`, and :meth:`ModelRunner.read` for the KV only), with the attention mask and
-  position ids built on the device from the batch's pad lengths (invariants I1/I2 of :mod:`batchspec.state`);
+  position ids built on the device from the batch's pad lengths (invariants I1/I2 of :mod:`batchspec.engine.state`);
 * the staging of host numbers a round needs on the device (:meth:`ModelRunner.stage`: one host buffer, pinned on
   CUDA, and one host→device copy per call, which does not wait for the device; the engine stages everything a
-  round needs in one call, :meth:`~batchspec.engine.Engine.stage_round`);
+  round needs in one call, :meth:`~batchspec.engine.core.Engine.stage_round`);
 * the round's one device→host read (:meth:`ModelRunner.fetch`), the only place the host waits for the device
   while rows decode;
 * device-side timing (:meth:`ModelRunner.mark` / :meth:`ModelRunner.seconds`): CUDA events on a GPU, read after
@@ -39,12 +39,12 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from batchspec.graphs import GRAPHED_ATTENTION, GraphedForwards, GraphMode
+from batchspec.engine.graphs import GRAPHED_ATTENTION, GraphedForwards, GraphMode
+from batchspec.engine.kv_cache import BatchKVCache
+from batchspec.engine.state import BatchState, visible_keys
 from batchspec.int8.attention import NAME as EXACT_ATTENTION
 from batchspec.invariant.model import NAME as INVARIANT_ATTENTION
 from batchspec.invariants import InvariantError
-from batchspec.kv_cache import BatchKVCache
-from batchspec.state import BatchState, visible_keys
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
-        Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.graphs`)."""
+        Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.engine.graphs`)."""
         end = cache.length + input_ids.shape[1]
         graphed = self.graphs is not None and _implementation(model) in GRAPHED_ATTENTION
         with attention_backends(self.device):
@@ -230,7 +230,7 @@ def _static_call(
     positions: torch.Tensor,
     keep: int,
 ) -> torch.Tensor:
-    """The model call of a static-mode forward (:mod:`batchspec.graphs`): ``visible`` ``[B, 1, q, capacity]``,
+    """The model call of a static-mode forward (:mod:`batchspec.engine.graphs`): ``visible`` ``[B, 1, q, capacity]``,
     ``positions`` ``[B, q]``."""
     inputs = {"input_ids": input_ids, "attention_mask": _as_mask(model, visible), "position_ids": positions}
     return model(**inputs, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep).logits
