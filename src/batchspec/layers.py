@@ -5,7 +5,8 @@ given, and the swap of a model's layers for their own.
 An attention *kernel* here takes ``query`` ``[B, H, q, D]``, ``key``/``value`` ``[B, Hk, L, D]`` (``H`` a multiple of
 ``Hk``), ``visible`` boolean ``[B, 1, q, L]`` (True: the query sees the key) and the softmax's ``scaling``, and returns
 ``[B, q, H, D]``, as transformers' attention functions do; :func:`register_attention` wraps it in the function
-signature transformers calls.
+signature transformers calls. Each mode's ``model.py`` (``int8/model.py``, ``invariant/model.py``) says which of a
+model's layers it swaps for its own.
 """
 
 from __future__ import annotations

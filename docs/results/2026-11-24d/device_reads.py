@@ -15,7 +15,7 @@ import tiny_models
 from torch.overrides import TorchFunctionMode
 
 import batchspec
-from batchspec.engine import Engine
+from batchspec.engine.core import Engine
 
 READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy", "equal"}
 

@@ -10,10 +10,10 @@ import json
 
 import torch
 
-from batchspec.kv_cache import BatchKVCache, Slab
+from batchspec.engine.kv_cache import BatchKVCache, Slab
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.state import BatchState, HostColumns
 from batchspec.models import load_model
-from batchspec.runner import ModelRunner
-from batchspec.state import BatchState, HostColumns
 
 torch.set_num_threads(2)
 model, _ = load_model("smollm2:target", progress=False)

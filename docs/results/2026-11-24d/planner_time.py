@@ -7,8 +7,8 @@ after 20 observed rounds. Prints one JSON line. Run from a checkout of any commi
 import json
 import time
 
-from batchspec.controller import AdaptiveLength, Reach, RoundRecord
-from batchspec.state import Sequence
+from batchspec.engine.controller import AdaptiveLength, Reach, RoundRecord
+from batchspec.engine.state import Sequence
 
 rows = [Sequence(i, [1] * 50, 200) for i in range(8)]
 planner = AdaptiveLength(10, 0.1)

@@ -14,9 +14,9 @@ import time
 
 import batchspec as bs
 from batchspec.data.prompts import format_prompts, load_prompts
-from batchspec.engine import Engine
+from batchspec.engine.core import Engine
+from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.models import load_pair
-from batchspec.proposers.draft import DraftModelProposer
 
 forwards = 0
 step = DraftModelProposer._model_step

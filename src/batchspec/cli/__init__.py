@@ -1,5 +1,7 @@
 """The ``batchspec`` command line: ``generate``, ``fetch``, ``bench``, ``bench-merge``, ``audit``, ``costs`` and
-``serve``."""
+``serve``, one module per command (or family) named after it: ``cli/costs.py`` is the ``costs`` command over the
+measurements of ``bench/costs.py``, and ``cli/errors.py`` the command line's one-line errors, as ``server/errors.py``
+is the HTTP API's."""
 
 from __future__ import annotations
 

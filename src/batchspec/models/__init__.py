@@ -1,6 +1,8 @@
 """Models, loading only: presets and obtaining them (:mod:`batchspec.models.obtain`), loading, which models a method
 needs (:class:`ModelChoice`), CPU kernels and the loaded pair (:class:`ModelPair`). Which models batchspec supports is
-checked beside the engine (:mod:`batchspec.model_checks`)."""
+checked beside the engine (:mod:`batchspec.model_checks`). ``kernels.py`` here is the float32 models' prepacked
+oneDNN linear (``--kernels``); the exact modes' own kernels live in their rooms (``int8/product.py``,
+``invariant/kernels.py``)."""
 
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.loading import check_compatible, load_model, load_pair, resolve_dtype, use_kernels
