@@ -29,7 +29,7 @@ def test_cached_preset_loads_offline(name, monkeypatch):
         raise AssertionError("a cached preset must not be fetched again")
 
     monkeypatch.setattr(obtain, "obtain_gguf", no_download)
-    pair = loading.load_pair(name, progress=False)
+    pair = loading.load_pair(name, progress=False, quantize="none", kernels="default")  # loading only, no repacking
     assert pair.name == name
     assert not pair.target.training and not pair.draft.training
     assert pair.target.dtype == pair.draft.dtype == torch.float32  # the default dtype (auto) on the CPU
