@@ -30,8 +30,7 @@ class Int8Linear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         qweight, scale = quantize_weight(linear.weight)
-        self.dtype = linear.weight.dtype
-        self.weight: PackedWeight = pack_weight(qweight, product_kernel(self.dtype, qweight.numel()))
+        self.weight: PackedWeight = pack_weight(qweight, product_kernel(linear.weight.dtype, qweight.numel()))
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.quantizer: SharedQuantization | None = None

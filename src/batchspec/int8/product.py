@@ -40,7 +40,6 @@ class PackedWeight:
 
     kernel: str
     tensors: tuple[torch.Tensor, ...]
-    out_features: int
 
     def nbytes(self) -> int:
         """Bytes a product reads of the weight (the prepacked or integer tensors, not the unit scales)."""
@@ -50,14 +49,12 @@ class PackedWeight:
 
 def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight:
     """``weight`` (int8 ``[O, K]``) laid out for ``kernel`` (one of :data:`KERNELS`)."""
-    out_features = weight.shape[0]
     if kernel == "onednn":
-        ones, zeros = torch.ones(out_features), torch.zeros(out_features, dtype=torch.long)
+        ones, zeros = torch.ones(weight.shape[0]), torch.zeros(weight.shape[0], dtype=torch.long)  # [O] each
         packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
-        return PackedWeight(kernel, (packed, ones, zeros), out_features)
+        return PackedWeight(kernel, (packed, ones, zeros))
     transposed = weight.T  # [K, O]
-    tensors = split_weight(transposed) if kernel == "int_mm_split" else (transposed.contiguous(),)
-    return PackedWeight(kernel, tensors, out_features)
+    return PackedWeight(kernel, split_weight(transposed) if kernel == "int_mm_split" else (transposed.contiguous(),))
 
 
 def activation_codes(q: torch.Tensor, kernel: str) -> torch.Tensor:
@@ -126,16 +123,11 @@ def _onednn_exact() -> bool:
     if quantized is None or not hasattr(quantized, "qlinear_pointwise") or not torch.backends.mkldnn.is_available():
         return False
     a, w = _extreme_operands()
-    ones, zeros = torch.ones(w.shape[0]), torch.zeros(w.shape[0], dtype=torch.long)
     try:
-        packed = torch.ops.onednn.qlinear_prepack(w, None)
-        for rows in (1, 2, 33):
-            codes = (a[:rows].to(torch.int16) + _ZERO_POINT).to(torch.uint8)
-            got = torch.ops.onednn.qlinear_pointwise(
-                codes, 1.0, _ZERO_POINT, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
-            )
-            if not torch.equal(got, (a[:rows].double() @ w.double().T).float()):
-                return False
+        weight, codes = pack_weight(w, "onednn"), activation_codes(a.float(), "onednn")
+        return all(
+            torch.equal(int_product(codes[:rows], weight, torch.float32), (a[:rows].double() @ w.double().T).float())
+            for rows in (1, 2, 33)
+        )
     except RuntimeError:
         return False
-    return True
