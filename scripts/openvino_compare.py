@@ -49,8 +49,8 @@ import openvino as ov
 import openvino_genai as ov_genai
 from transformers import AutoTokenizer
 
+from batchspec.config import default_cache_dir
 from batchspec.data.prompts import PromptRecord, format_prompts, load_prompts
-from batchspec.models.obtain.catalogue import default_cache_dir
 
 CACHE = default_cache_dir()  # $BATCHSPEC_CACHE, else ~/.cache/batchspec
 CPU_PROPERTIES = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "INFERENCE_NUM_THREADS", "PERFORMANCE_HINT")

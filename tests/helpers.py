@@ -323,8 +323,8 @@ CI_PRESETS = ("smollm2",)
 
 def cached_or_skip(name: str):
     """The cached preset's paths; skip when it is not cached, but fail in CI for the presets CI obtains."""
+    from batchspec.config import default_cache_dir
     from batchspec.models.obtain import cached_preset
-    from batchspec.models.obtain.catalogue import default_cache_dir
 
     paths = cached_preset(name)
     if paths is None:

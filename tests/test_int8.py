@@ -27,11 +27,20 @@ from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
 from batchspec.engine.sampling import SamplingParams
-from batchspec.int8 import check_quantize, product, quantization, quantize_model
-from batchspec.int8.arithmetic import exp2_nonpositive, quantize_rows, row_sum, silu_
-from batchspec.int8.attention import exact_attention
+from batchspec.int8 import check_quantize, linear, native, quantization, quantize_model
+from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows, row_sum, silu_
+from batchspec.int8.attention import QKV_LEVELS, exact_attention, pack
 from batchspec.int8.linear import Int8Linear
-from batchspec.int8.product import KERNELS, activation_codes, int_product, pack_weight, product_kernel, split_weight
+from batchspec.int8.model import exact_rms_norm
+from batchspec.int8.product import (
+    KERNELS,
+    activation_codes,
+    exact_kernels,
+    int_product,
+    pack_weight,
+    product_kernel,
+    split_weight,
+)
 from batchspec.int8.smoothing import calibration_ids, smooth_model
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
@@ -51,15 +60,17 @@ def quantized(bundles) -> dict[str, tuple]:
 
 @pytest.fixture(scope="module")
 def quantized_float32(bundles) -> dict[str, torch.nn.Module]:
-    """``kind -> int8 target`` made from a float32 copy, its layers on both product kernels where this CPU has the
-    onednn one exactly: the MLP and output layers on ``onednn``, the attention's smaller projections on ``_int_mm``
-    (so one shared quantization feeds both)."""
+    """``kind -> int8 target`` made from a float32 copy, its layers on this CPU's two fastest exact kernels: the MLP
+    and output layers on the fastest (``vnni`` or ``onednn`` where the CPU runs them), the attention's smaller
+    projections on the next (so one shared quantization feeds both)."""
+    fastest, *others = exact_kernels(torch.float32)
+    second = others[0] if others else fastest
     out = {}
     for kind in KINDS:
         model = copy.deepcopy(bundles[kind].target).float()
-        gate = model.model.layers[0].mlp.gate_proj.weight
+        large = model.model.layers[0].mlp.gate_proj.weight.numel()
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(product, "ONEDNN_MIN_WEIGHT", gate.numel())
+            patch.setattr(linear, "product_kernel", lambda _, size, large=large: fastest if size >= large else second)
             out[kind] = quantize_model(model)
     return out
 
@@ -113,11 +124,12 @@ def _extreme_operands(rows: int, inner: int, cols: int) -> tuple[torch.Tensor, t
 @pytest.mark.parametrize("rows, inner, cols", [(1, 64, 32), (5, 256, 96), (33, 1536, 40), (48, 8960, 24)])
 def test_every_product_kernel_gives_the_exact_sum_rounded_once(rows, inner, cols):
     """Each kernel this CPU runs gives the exact integer sums (float64 holds them), rounded once to float32: the
-    onednn kernel (where the CPU has it exactly), ``_int_mm`` and its halves; 8960 inputs take sums past 2**24."""
+    vnni and onednn kernels (where the CPU runs them exactly), ``_int_mm`` and its halves; 8960 inputs take sums past
+    2**24."""
     a, w = _extreme_operands(rows, inner, cols)
     exact = a.double() @ w.double().T  # [N, O]
     assert exact.abs().max().item() > 2**24 or inner < 8960
-    kernels = [k for k in KERNELS if k != "onednn" or product_kernel(torch.float32) == "onednn"]
+    kernels = [k for k in KERNELS if k in exact_kernels(torch.float32) or k.startswith("int_mm")]
     for kernel in kernels:
         weight = pack_weight(w, kernel)
         codes = activation_codes(a.float(), kernel)
@@ -142,7 +154,8 @@ def test_a_cpu_without_vnni_gets_the_same_bits():
     results = {}
     for isa in ("AVX2", "DEFAULT"):
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"batchspec_int8_{isa}_{os.getpid()}.pt")
-        env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa) if isa != "DEFAULT" else dict(os.environ)
+        capped = {"ONEDNN_MAX_CPU_ISA": isa, "BATCHSPEC_NATIVE_KERNELS": "0"}  # and batchspec's own VNNI kernel off
+        env = dict(os.environ, **capped) if isa != "DEFAULT" else dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(sys.path)
         subprocess.run([sys.executable, "-c", script, path], env=env, check=True, timeout=120)
         results[isa] = torch.load(path)
@@ -150,6 +163,132 @@ def test_a_cpu_without_vnni_gets_the_same_bits():
     assert results["AVX2"]["saturates"], "oneDNN capped at AVX2 should saturate on full-range int8"
     assert results["AVX2"]["kernel"] == "int_mm_split"
     assert torch.equal(results["AVX2"]["y"], results["DEFAULT"]["y"])
+
+
+def test_vnni_panels_worked_example():
+    weight = torch.arange(15, dtype=torch.int8).reshape(3, 5)  # [O=3, K=5]
+    panels, sums = native.pack(weight)
+    assert panels.shape == (1, 2, 64, 4) and panels.dtype == torch.int8
+    assert panels[0, 1, 2, 0].item() == weight[2, 4].item() == 14 and panels[0, 1, 2, 1].item() == 0
+    assert panels[0, 0, 1].tolist() == weight[1, :4].tolist() and not panels[0, :, 3:].any()
+    assert sums.tolist() == (128 * weight.sum(1)).tolist()
+    codes = native.codes(torch.tensor([[-127.0, 0.0, 127.0, 5.0, 1.0]]))  # q + 128, padded with 128 to 8 columns
+    assert codes.dtype == torch.uint8 and codes.tolist() == [[1, 128, 255, 133, 129, 128, 128, 128]]
+
+
+@pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+def test_native_kernels_reject_what_does_not_fit():
+    panels, sums = native.pack(torch.ones(70, 8, dtype=torch.int8))
+    ones = torch.ones(2, 1), torch.ones(70)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.linear(torch.zeros(2, 12, dtype=torch.uint8), panels, sums, *ones)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.linear(torch.zeros(2, 8, dtype=torch.int8), panels, sums, *ones)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.linear(torch.zeros(2, 8, dtype=torch.uint8), panels, sums, torch.ones(3, 1), torch.ones(70))
+    with pytest.raises(ValueError, match="float32"):
+        native.quantize(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32"):
+        native.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
+
+
+@pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 70), inner=st.integers(1, 300), outputs=st.integers(1, 150), seed=st.integers(0, 2**16),
+    log_scale=st.floats(-30, 30), bias=st.booleans(),
+)
+def test_native_kernels_give_the_torch_paths_bits(rows, inner, outputs, seed, log_scale, bias):
+    """Quantization, the scaled int8 product and RMSNorm in C: the float32 bits of the torch code they replace, for
+    any shape (inner sizes not a multiple of 4, partial panels, rows past a micro-kernel's 6) and magnitude."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inner, generator=generator) * 2.0**log_scale  # [N, K]
+    x[0, : inner // 2] *= 1000.0  # an outlier block
+    if rows > 2:
+        x[2] = 0.0  # a zero row takes scale 1
+    q, scale = quantize_rows(x)
+    codes, native_scale = native.quantize(x)
+    assert torch.equal(codes, activation_codes(q, "vnni")) and torch.equal(native_scale, scale)
+    w = torch.randint(-127, 128, (outputs, inner), dtype=torch.int8, generator=generator)
+    w_scale = torch.rand(outputs, generator=generator) * 2.0**log_scale
+    b = torch.randn(outputs, generator=generator) if bias else None
+    want = (q.double() @ w.double().T).float().mul_(scale).mul_(w_scale)  # [N, O]
+    want = want if b is None else want.add_(b)
+    assert torch.equal(native.linear(codes, *native.pack(w), scale, w_scale, b), want)
+    norm_weight = torch.randn(inner, generator=generator)
+    assert torch.equal(native.rms_norm(x, norm_weight, 1e-6), exact_rms_norm(x, norm_weight, 1e-6))
+    three_d = x.reshape(1, rows, inner)
+    assert torch.equal(native.rms_norm(three_d, norm_weight, 1e-5), exact_rms_norm(three_d, norm_weight, 1e-5))
+
+
+@pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 2**16), log_scale=st.floats(-20, 20)
+)
+def test_native_attention_arithmetic_gives_the_torch_paths_bits(shape, seed, log_scale):
+    """The attention's 15-bit quantization (plain and packed) and ``2**t`` in C: the bits of the torch code."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * 2.0**log_scale
+    t = -torch.rand(shape, generator=generator) * 2.0 ** (log_scale / 3)
+    t.view(-1)[0] = float("-inf")  # a masked score
+    q, scale = native.quantize_wide(x, QKV_LEVELS)
+    packed, native_exp2 = pack(x), exp2_nonpositive(t.clone())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "available", lambda: False)
+        want_q, want_scale = quantize_rows(x, QKV_LEVELS)
+        want_packed, want_exp2 = pack(x), exp2_nonpositive(t.clone())
+    assert torch.equal(q, want_q.double()) and torch.equal(scale, want_scale.double())
+    assert torch.equal(packed, want_packed) and torch.equal(native_exp2, want_exp2)
+
+
+@pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 3), queries=st.integers(1, 16),
+    length=st.integers(1, 90), size=st.sampled_from([1, 5, 8, 64]), seed=st.integers(0, 2**16),
+)
+def test_native_attention_gives_the_torch_paths_bits(batch, kv_heads, group, queries, length, size, seed):
+    """The exact attention in one C call: the bits of the torch path, for keys and values read in place from a
+    larger packed cache, GQA groups, any visibility (a query that sees nothing included)."""
+    generator = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    query = torch.randn(batch, heads, queries, size, generator=generator).transpose(1, 2).contiguous().transpose(1, 2)
+    storage = torch.stack([pack(torch.randn(batch, kv_heads, length + 7, size, generator=generator)) for _ in "kv"])
+    key, value = storage[0, :, :, :length], storage[1, :, :, :length]  # [B, Hk, L, D + 1], strided
+    visible = torch.rand(batch, 1, queries, length, generator=generator) < 0.7
+    visible[0, 0, 0] = False
+    got = native.attention(query, key, value, visible, size**-0.5, QKV_LEVELS, EXP2_COEFFICIENTS)
+    assert got is not None and torch.equal(exact_attention(query, key, value, visible, scaling=size**-0.5), got)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "available", lambda: False)
+        want = exact_attention(query, key, value, visible, scaling=size**-0.5)
+    assert got.shape == (batch, queries, heads, size) and torch.equal(got, want)
+    assert not got[0, 0].any()
+
+
+def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):
+    """With no C compiler the native kernels are not built: one log line, another exact kernel, the same output."""
+    script = (
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from batchspec.int8.product import product_kernel\n"
+        "from batchspec.int8.linear import Int8Linear\n"
+        "torch.manual_seed(0)\n"
+        "layer = Int8Linear(torch.nn.Linear(1030, 1100))\n"
+        "torch.save({'kernel': product_kernel(), 'y': layer(torch.randn(9, 1030))}, sys.argv[1])\n"
+    )
+    env = dict(os.environ, BATCHSPEC_CACHE=str(tmp_path), CC=str(tmp_path / "missing-cc"))
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    path = tmp_path / "y.pt"
+    run = subprocess.run([sys.executable, "-c", script, path], env=env, check=True, timeout=120, capture_output=True)
+    fallback = torch.load(path)
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(1030, 1100))
+    assert fallback["kernel"] != "vnni"
+    assert torch.equal(fallback["y"], layer(torch.randn(9, 1030)))
+    if native.available():
+        assert layer.weight.kernel == "vnni" and "the AVX-512 VNNI kernels did not build" in run.stderr.decode()
 
 
 def test_exact_attention_is_close_to_softmax_attention():
@@ -176,9 +315,11 @@ def test_a_query_that_sees_nothing_outputs_zeros():
 # ------------------------------------------------------------------------------------------------ the model
 
 
-def test_float32_layers_take_both_kernels_where_onednn_is_exact(quantized_float32):
+def test_float32_layers_take_the_two_fastest_exact_kernels(quantized_float32):
     kernels = {m.weight.kernel for m in quantized_float32["llama"].modules() if isinstance(m, Int8Linear)}
-    assert kernels == ({"onednn", "int_mm"} if product_kernel(torch.float32) == "onednn" else {product_kernel()})
+    assert kernels == set(exact_kernels(torch.float32)[:2])
+    assert product_kernel(torch.float32) == exact_kernels(torch.float32)[0]
+    assert product_kernel(torch.float64) in ("int_mm", "int_mm_split")
 
 
 def test_quantize_swaps_every_layer_and_stays_close(bundles):

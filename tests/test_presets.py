@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from fabricated import FakeDequantizer, FakeFetcher, make_wheel, save_tiny_model, split_source, tiny_tokenizer
 
+from batchspec.config import default_cache_dir
 from batchspec.models import ModelPair, loading
 from batchspec.models.obtain import catalogue, obtain_preset, wheels
 from batchspec.models.obtain import gguf as gguf_module
@@ -230,12 +231,12 @@ def test_load_pair_from_preset(tmp_path, preset_store):
 def test_cache_dir_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path / "explicit"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert catalogue.default_cache_dir() == tmp_path / "explicit"
+    assert default_cache_dir() == tmp_path / "explicit"
     monkeypatch.delenv("BATCHSPEC_CACHE")
-    assert catalogue.default_cache_dir() == tmp_path / "xdg" / "batchspec"
+    assert default_cache_dir() == tmp_path / "xdg" / "batchspec"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert catalogue.default_cache_dir() == tmp_path / "home" / ".cache" / "batchspec"
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "batchspec"
 
 
 def test_obtain_preset_uses_env_cache(tmp_path, preset_store, monkeypatch):

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 WINDOW_MULTIPLE = 4
 # the n-gram lengths prompt lookup matches by default, longest first (engine/lookup.py)
 DEFAULT_MAX_NGRAM = 5
 DEFAULT_MIN_NGRAM = 1
+
+
+def default_cache_dir() -> Path:
+    """``$BATCHSPEC_CACHE``, else ``$XDG_CACHE_HOME/batchspec``, else ``~/.cache/batchspec``."""
+    explicit = os.environ.get("BATCHSPEC_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "batchspec"
+    return Path.home() / ".cache" / "batchspec"
 
 
 class Method(StrEnum):

@@ -19,11 +19,11 @@ from typing import Annotated, Any
 import typer
 
 from batchspec.cli.errors import user_errors
-from batchspec.config import AUTO, CudaGraphs, Method, ProposerKind
+from batchspec.config import AUTO, CudaGraphs, Method, ProposerKind, default_cache_dir
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.engine.metrics import STAGES
 from batchspec.models.choice import ModelChoice
-from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, default_cache_dir
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS
 
 __all__ = ["CudaGraphs", "Method", "ProposerKind"]
 

@@ -27,9 +27,11 @@ import math
 
 import torch
 
+from batchspec.int8 import native
+
 INT8_LEVELS = 127
 # 2**f on [0, 1) as a polynomial in f: the Taylor terms of exp(f ln 2); the degree-10 remainder is below 1e-8.
-_EXP2_COEFFICIENTS = tuple(math.log(2.0) ** i / math.factorial(i) for i in range(10))
+EXP2_COEFFICIENTS = tuple(math.log(2.0) ** i / math.factorial(i) for i in range(10))
 # the smallest exponent kept: 2**-126 is float32's smallest normal number
 _MIN_EXPONENT = -126.0
 
@@ -54,13 +56,16 @@ def exp2_nonpositive(t: torch.Tensor) -> torch.Tensor:
 
     ``2**t = 2**n * 2**f`` with ``n = floor(t)``, ``f = t - n`` in ``[0, 1)``: ``2**f`` is a degree-9 polynomial
     (relative error below 1e-8 before rounding) and ``2**n`` is built from its exponent bits. Arguments below -126
-    give ``2**-126``; callers mask what must be exactly zero. ``t`` may be overwritten.
+    give ``2**-126``; callers mask what must be exactly zero. ``t`` may be overwritten. A contiguous float32 ``t`` on
+    a CPU with batchspec's native kernels takes :func:`~batchspec.int8.native.exp2_nonpositive_`, the same bits.
     """
+    if t.dtype == torch.float32 and t.is_contiguous() and native.available():
+        return native.exp2_nonpositive_(t, EXP2_COEFFICIENTS)
     t = t.clamp_(min=_MIN_EXPONENT, max=0.0)
     n = torch.floor(t)
     f = t.sub_(n)
-    power = torch.full_like(f, _EXP2_COEFFICIENTS[-1])
-    for coefficient in reversed(_EXP2_COEFFICIENTS[:-1]):
+    power = torch.full_like(f, EXP2_COEFFICIENTS[-1])
+    for coefficient in reversed(EXP2_COEFFICIENTS[:-1]):
         power.mul_(f).add_(coefficient)
     return power.mul_(_power_of_two(n))
 

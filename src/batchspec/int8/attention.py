@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from batchspec.int8.arithmetic import exp2_nonpositive, quantize_rows
+from batchspec.int8 import native
+from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows
 from batchspec.layers import register_attention
 
 NAME = "batchspec_exact"
@@ -40,6 +41,9 @@ WEIGHT_BITS = 20
 MAX_KEYS = 2**18  # sum_j W[j] V[j] stays below 2**53 for fewer keys than this
 MAX_HEAD_SIZE = 2**16  # sum_d Q[d] K[d] stays below 2**53 for smaller heads than this
 QUERY_CHUNK = 64  # queries per block: bounds the scores' memory and skips keys a causal block cannot see
+# forwards of at most this many queries (decoding, verifying drafts) take batchspec's native kernel where the CPU runs
+# it: one C call for the whole attention, the same bits; longer ones (prefill) keep torch's batched float64 products
+NATIVE_QUERIES = 16
 
 
 def exact_attention(
@@ -52,6 +56,10 @@ def exact_attention(
     keys = key.shape[2]
     if keys >= MAX_KEYS or size >= MAX_HEAD_SIZE:
         raise ValueError(f"exact attention holds up to {MAX_KEYS - 1} keys and heads below {MAX_HEAD_SIZE} values")
+    if queries <= NATIVE_QUERIES and native.available():
+        out = native.attention(query, key, value, visible, scaling, QKV_LEVELS, EXP2_COEFFICIENTS)
+        if out is not None:
+            return out
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
     v, v_scale = _unpacked(value, size)
     blocks = []
@@ -66,12 +74,16 @@ def exact_attention(
 
 
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype == torch.float32 and native.available():
+        return native.quantize_wide(x, QKV_LEVELS)
     q, scale = quantize_rows(x, QKV_LEVELS)
     return q.to(torch.float64), scale.to(torch.float64)
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
     """Keys or values ``[B, Hk, q, D]`` quantized per token and head: ``[B, Hk, q, D + 1]`` float64."""
+    if x.dtype == torch.float32 and native.available():
+        return native.quantize_wide(x, QKV_LEVELS, packed=True)
     q, scale = _quantized(x)
     return torch.cat([q, scale], dim=-1)
 

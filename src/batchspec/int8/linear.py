@@ -8,11 +8,11 @@ output does not depend on the other tokens or rows of the call, nor on how the i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from batchspec.int8 import native
 from batchspec.int8.arithmetic import quantize_rows, silu_
+from batchspec.int8.native import ZERO_POINT
 from batchspec.int8.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
 
 
@@ -41,6 +41,9 @@ class Int8Linear(torch.nn.Module):
     def apply_to(self, rows: QuantizedRows) -> torch.Tensor:
         """The layer's output for activations already quantized (several layers may share one quantization)."""
         codes = rows.codes(self.weight.kernel)  # [N, K]
+        if self.weight.kernel == "vnni":  # the scales and bias applied in the kernel, in the order below
+            y = native.linear(codes, *self.weight.tensors, rows.scale, self.scale, self.bias)  # [N, O]
+            return y.reshape(*rows.shape, self.out_features)
         acc = int_product(codes, self.weight, rows.dtype)  # [N, O]: the exact int32 sums, in the float dtype
         y = acc.mul_(rows.scale).mul_(self.scale)  # [N, O]
         if self.bias is not None:
@@ -51,17 +54,25 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-@dataclass(frozen=True)
 class QuantizedRows:
-    """Activations quantized per token: ``values`` ``[N, K]`` (integers in ``[-127, 127]``, in the float dtype),
-    ``scale`` ``[N, 1]``, the float ``dtype`` and the leading ``shape`` (``[...]``) they had. :meth:`codes` gives
-    the values as a product kernel takes them, made once per kernel."""
+    """Activations quantized per token: ``scale`` ``[N, 1]``, the float ``dtype`` and the leading ``shape``
+    (``[...]``) they had, and the integers in ``[-127, 127]`` as each product kernel takes them (:meth:`codes`, made
+    once per kernel). :attr:`values` holds the integers in the float dtype (``[N, K]``)."""
 
-    values: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    _codes: dict[str, torch.Tensor] = field(default_factory=dict)
+    def __init__(self, scale: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], inner: int,
+                 values: torch.Tensor | None = None, codes: dict[str, torch.Tensor] | None = None) -> None:
+        if values is None and not codes:
+            raise ValueError("quantized rows need their values or the codes of one kernel")
+        self.scale, self.dtype, self.shape, self.inner = scale, dtype, shape, inner
+        self._values, self._codes = values, dict(codes or {})
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The integers in the float dtype, ``[N, K]`` (derived exactly from the ``vnni`` codes when only those
+        were made)."""
+        if self._values is None:
+            self._values = self._codes["vnni"][:, : self.inner].to(self.dtype).sub_(ZERO_POINT)
+        return self._values
 
     def codes(self, kernel: str) -> torch.Tensor:
         """The values as ``kernel`` takes them (:func:`~batchspec.int8.product.activation_codes`)."""
@@ -71,9 +82,14 @@ class QuantizedRows:
 
 
 def quantize_activations(x: torch.Tensor) -> QuantizedRows:
-    """Quantize ``x`` (``[..., K]``) per token to int8."""
-    q, scale = quantize_rows(x.reshape(-1, x.shape[-1]))  # [N, K], [N, 1]
-    return QuantizedRows(q, scale, x.dtype, tuple(x.shape[:-1]))
+    """Quantize ``x`` (``[..., K]``) per token to int8; float32 on a CPU with batchspec's native kernels goes
+    straight to the ``vnni`` codes (:func:`~batchspec.int8.native.quantize`, the same bits)."""
+    flat = x.reshape(-1, x.shape[-1])  # [N, K]
+    if x.dtype == torch.float32 and native.available():
+        codes, scale = native.quantize(flat)
+        return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"vnni": codes})
+    q, scale = quantize_rows(flat)  # [N, K], [N, 1]
+    return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], values=q)
 
 
 class SharedQuantization:

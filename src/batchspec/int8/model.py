@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from batchspec.int8 import attention
+from batchspec.int8 import attention, native
 from batchspec.int8.arithmetic import row_sum
 from batchspec.int8.linear import Int8Linear, Int8MLP, SharedQuantization
 from batchspec.int8.smoothing import calibration_ids, smooth_model
@@ -34,11 +34,21 @@ STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 
 class ExactRMSNorm(RMSNormSwap):
-    """RMSNorm with its mean of squares summed in an order fixed by the hidden size (:func:`row_sum`)."""
+    """RMSNorm with its mean of squares summed in an order fixed by the hidden size (:func:`exact_rms_norm`); in
+    float32 on a CPU that runs batchspec's native kernels, :func:`~batchspec.int8.native.rms_norm` gives the same
+    bits in one call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        mean = row_sum(x * x) / x.shape[-1]  # [..., 1]
-        return self.weight * (x * (1.0 / torch.sqrt(mean + self.eps)))
+        if x.dtype == self.weight.dtype == torch.float32 and native.available():
+            return native.rms_norm(x, self.weight, self.eps)
+        return exact_rms_norm(x, self.weight, self.eps)
+
+
+def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x * x) + eps))`` over the last dimension (``[..., H]``), the mean summed by
+    :func:`row_sum` and every other operation elementwise."""
+    mean = row_sum(x * x) / x.shape[-1]  # [..., 1]
+    return weight * (x * (1.0 / torch.sqrt(mean + eps)))
 
 
 class RotaryTable(torch.nn.Module):

@@ -4,10 +4,11 @@ checked beside the engine (:mod:`batchspec.model_checks`). ``kernels.py`` here i
 oneDNN linear (``--kernels``); the exact modes' own kernels live in their rooms (``int8/product.py``,
 ``invariant/kernels.py``)."""
 
+from batchspec.config import default_cache_dir
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.loading import check_compatible, load_model, load_pair, resolve_dtype, use_kernels
 from batchspec.models.obtain import cached_preset, obtain_preset
-from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, PresetError, PresetPaths, default_cache_dir
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, PresetError, PresetPaths
 from batchspec.models.pair import ModelPair
 
 __all__ = [

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from batchspec.config import default_cache_dir
 from batchspec.devices import device_name, resolve_device
 from batchspec.int8 import check_quantizable, check_quantize, quantizable, quantization, quantize_model
 from batchspec.invariant import batch_invariant as is_batch_invariant
@@ -43,7 +44,7 @@ from batchspec.model_checks import vocab_size
 from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.cache import build_directory, hub_offline
-from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, default_cache_dir, get_preset
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, get_preset
 from batchspec.models.obtain.gguf import dequantize_gguf, load_dequantized
 from batchspec.models.pair import ModelPair
 
@@ -239,7 +240,7 @@ def load_model(
     ``dtype`` is ``"auto"`` (float32 on the CPU, see :func:`resolve_dtype`), ``"bfloat16"``, ``"float16"`` or
     ``"float32"``; the presets' cached bf16 weights load exactly in any of them (float32 is an exact upcast at
     twice the memory). The model is returned in eval mode. ``cache_dir``
-    defaults to :func:`batchspec.models.obtain.catalogue.default_cache_dir`. ``gguf_file`` names a GGUF file
+    defaults to :func:`batchspec.config.default_cache_dir`. ``gguf_file`` names a GGUF file
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     ``quantize="int8"`` makes the loaded model the exact int8 model (see

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from batchspec.config import default_cache_dir
 from batchspec.models.obtain.cache import build_directory, is_complete
 from batchspec.models.obtain.catalogue import (
     DEFAULT_PRESET,
@@ -34,7 +35,6 @@ from batchspec.models.obtain.catalogue import (
     PresetError,
     PresetPaths,
     Role,
-    default_cache_dir,
     get_preset,
 )
 from batchspec.models.obtain.drafts import derive_draft

