@@ -19,8 +19,11 @@
 #include <string.h>
 
 #define PANEL 64     /* outputs per panel: four 16-lane int32 accumulators per row */
-#define ROWS 6       /* activation rows per micro-kernel pass: 24 accumulators + 4 weight registers */
+#define ROWS 4       /* activation rows per micro-kernel pass: 16 accumulators + 4 weight registers */
 #define ROW_BLOCK 60 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
+
+/* the larger of two floats (neither is NaN here); fmaxf is a library call */
+static inline float larger(float a, float b) { return a > b ? a : b; }
 
 static inline __m512i broadcast_group(const uint8_t *a) {
     int32_t four;
@@ -81,9 +84,7 @@ static void panel_block(const uint8_t *a, int64_t rows, int64_t lda, const int8_
         case 1: panel_rows(1, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         case 2: panel_rows(2, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         case 3: panel_rows(3, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
-        case 4: panel_rows(4, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
-        case 5: panel_rows(5, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
-        default: panel_rows(6, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
+        default: panel_rows(4, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         }
     }
 }
@@ -114,7 +115,7 @@ void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8
     for (int64_t r = 0; r < n; r++) {
         const float *xr = x + r * k;
         float top = 0.0f;
-        for (int64_t i = 0; i < k; i++) top = fmaxf(top, fabsf(xr[i]));
+        for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(xr[i]));
         float s = top > 0.0f ? top / 127.0f : 1.0f;
         float inverse = 1.0f / s;
         uint8_t *cr = codes + r * ldc;
@@ -165,7 +166,7 @@ void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels,
     for (int64_t r = 0; r < n; r++) {
         const float *xr = x + r * k;
         float top = 0.0f;
-        for (int64_t i = 0; i < k; i++) top = fmaxf(top, fabsf(xr[i]));
+        for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(xr[i]));
         float s = top > 0.0f ? top / levels : 1.0f;
         float inverse = 1.0f / s;
         for (int64_t i = 0; i < k; i++) {
@@ -202,53 +203,105 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
  * (float)((dot * (sq * scaling / ln 2)) * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden);
  * a[j] = e[j] * (float)sv[j]; W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j
  * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end. */
-/* k, v: one head's packed keys and values, a key's row D + 1 doubles (D integers, then the scale) */
-static void attend_row(const float *query, const double *k, const double *v, const uint8_t *visible, int64_t visible_stride,
-                       int64_t keys, int64_t size, double factor, float levels, const float *c, float *scratch,
-                       float *out) {
-    double q[size], sum[size];
-    float top = 0.0f;
-    for (int64_t d = 0; d < size; d++) top = fmaxf(top, fabsf(query[d]));
-    float s = top > 0.0f ? top / levels : 1.0f, inverse = 1.0f / s;
-    for (int64_t d = 0; d < size; d++) {
-        float x = rintf(query[d] * inverse);
-        q[d] = x < -levels ? -levels : (x > levels ? levels : x);
-    }
-    factor = (double)s * factor;
-    float *score = scratch, *a = scratch + keys;
-    float best = -INFINITY;
-    for (int64_t j = 0; j < keys; j++) {
-        if (!visible[j * visible_stride]) {
-            score[j] = -INFINITY;
-            continue;
+/* sum_d q[d] * k[d] for integer-valued doubles whose partial sums stay below 2**53: exact in any order, so four
+ * independent vector chains (the FMA's latency hidden) give the same value as any other order. */
+static inline double integer_dot(const double *q, const double *k, int64_t size) {
+    int64_t d = 0;
+    double dot = 0.0;
+    if (size >= 32) {
+        __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+        __m512d acc2 = _mm512_setzero_pd(), acc3 = _mm512_setzero_pd();
+        for (; d + 32 <= size; d += 32) {
+            acc0 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d), _mm512_loadu_pd(k + d), acc0);
+            acc1 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d + 8), _mm512_loadu_pd(k + d + 8), acc1);
+            acc2 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d + 16), _mm512_loadu_pd(k + d + 16), acc2);
+            acc3 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d + 24), _mm512_loadu_pd(k + d + 24), acc3);
         }
+        dot = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc0, acc1), _mm512_add_pd(acc2, acc3)));
+    }
+    for (; d < size; d++) dot += q[d] * k[d];
+    return dot;
+}
+
+/* out[d] = sum_j w[j] * v[j][d] for integer-valued w (below 2**21) and v (below 2**15), v's rows D + 1 doubles
+ * apart: products and sums exact integers below 2**53, so in any order; 64 channels at a time in registers. */
+static void weighted_sum(const float *w, const double *v, int64_t keys, int64_t size, double *out) {
+    int64_t d = 0;
+    for (; d + 64 <= size; d += 64) {
+        __m512d acc[8];
+        for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_pd();
+        for (int64_t j = 0; j < keys; j++) {
+            if (w[j] == 0.0f) continue;
+            __m512d wj = _mm512_set1_pd((double)w[j]);
+            const double *vj = v + j * (size + 1) + d;
+            for (int t = 0; t < 8; t++) acc[t] = _mm512_fmadd_pd(wj, _mm512_loadu_pd(vj + 8 * t), acc[t]);
+        }
+        for (int t = 0; t < 8; t++) _mm512_storeu_pd(out + d + 8 * t, acc[t]);
+    }
+    for (; d < size; d++) {
+        double total = 0.0;
+        for (int64_t j = 0; j < keys; j++) total += (double)w[j] * v[j * (size + 1) + d];
+        out[d] = total;
+    }
+}
+
+/* One KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head hk * G + g and query
+ * i, read each key and value once. query: the group's rows, D floats each; k, v: packed keys and values, a key's row
+ * D + 1 doubles (D integers, then the scale); out: row r at out + r_offset(r). */
+typedef struct {
+    int64_t queries, rows, keys, size, visible_stride, visible_row;
+    double factor;
+    float levels;
+    const float *c;
+} group_t;
+
+static void attend_group(group_t g, const float *query, const double *k, const double *v, const uint8_t *visible,
+                         double *q, double *sum, float *score, float *out, int64_t out_head, int64_t out_query) {
+    int64_t size = g.size, keys = g.keys;
+    double factor[g.rows];
+    for (int64_t r = 0; r < g.rows; r++) {
+        const float *x = query + r * size;
+        float top = 0.0f;
+        for (int64_t d = 0; d < size; d++) top = larger(top, fabsf(x[d]));
+        float s = top > 0.0f ? top / g.levels : 1.0f, inverse = 1.0f / s;
+        for (int64_t d = 0; d < size; d++) {
+            float y = rintf(x[d] * inverse);
+            q[r * size + d] = y < -g.levels ? -g.levels : (y > g.levels ? g.levels : y);
+        }
+        factor[r] = (double)s * g.factor;
+    }
+    for (int64_t j = 0; j < keys; j++) {
         const double *kj = k + j * (size + 1);
-        double dot = 0.0;
-        #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < size; d++) dot += q[d] * kj[d];
-        score[j] = (float)((dot * factor) * kj[size]);
-        best = fmaxf(best, score[j]);
+        for (int64_t r = 0; r < g.rows; r++) {
+            int seen = visible[(r % g.queries) * g.visible_row + j * g.visible_stride];
+            score[r * keys + j] = seen ? (float)((integer_dot(q + r * size, kj, size) * factor[r]) * kj[size])
+                                       : -INFINITY;
+        }
     }
-    if (best == -INFINITY) best = 0.0f;
-    float a_top = 0.0f;
-    double total = 0.0;
-    for (int64_t j = 0; j < keys; j++) {
-        float e = visible[j * visible_stride] ? exp2_nonpositive(score[j] - best, c) : 0.0f;
-        a[j] = e * (float)v[j * (size + 1) + size];
-        a_top = fmaxf(a_top, a[j]);
-        total += (double)rintf(e * 1048576.0f);
+    double scale[g.rows], denominator[g.rows];
+    for (int64_t r = 0; r < g.rows; r++) {
+        float *sr = score + r * keys, best = -INFINITY, a_top = 0.0f;
+        const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
+        for (int64_t j = 0; j < keys; j++) best = larger(best, sr[j]);
+        if (best == -INFINITY) best = 0.0f;
+        for (int64_t j = 0; j < keys; j++) sr[j] = exp2_nonpositive(sr[j] - best, g.c); /* one vector loop */
+        double total = 0.0;
+        for (int64_t j = 0; j < keys; j++) {
+            float e = seen[j * g.visible_stride] ? sr[j] : 0.0f;
+            total += (double)rintf(e * 1048576.0f);
+            sr[j] = e * (float)v[j * (size + 1) + size]; /* a[j] */
+            a_top = larger(a_top, sr[j]);
+        }
+        float divisor = a_top > 0.0f ? a_top : 1.0f;
+        for (int64_t j = 0; j < keys; j++) sr[j] = rintf((sr[j] / divisor) * 1048576.0f); /* W[j] */
+        scale[r] = (double)a_top;
+        denominator[r] = total > 1.0 ? total : 1.0;
     }
-    float divisor = a_top > 0.0f ? a_top : 1.0f;
-    for (int64_t d = 0; d < size; d++) sum[d] = 0.0;
-    for (int64_t j = 0; j < keys; j++) {
-        double w = (double)rintf((a[j] / divisor) * 1048576.0f);
-        if (w == 0.0) continue;
-        const double *vj = v + j * (size + 1);
-        #pragma omp simd
-        for (int64_t d = 0; d < size; d++) sum[d] += w * vj[d];
+    for (int64_t r = 0; r < g.rows; r++) weighted_sum(score + r * keys, v, keys, size, sum + r * size);
+    for (int64_t r = 0; r < g.rows; r++) {
+        float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
+        for (int64_t d = 0; d < size; d++) o[d] = (float)((sum[r * size + d] * scale[r]) / denominator[r]);
     }
-    double scale = (double)a_top, denominator = total > 1.0 ? total : 1.0;
-    for (int64_t d = 0; d < size; d++) out[d] = (float)((sum[d] * scale) / denominator);
 }
 
 /* query: float32 [B, H, Q, D] contiguous; keys, values: packed float64 [B, Hk, L, D + 1] with the given batch and
@@ -258,17 +311,20 @@ void batchspec_attention(const float *query, const double *keys, int64_t k_batch
                          int64_t vq, int64_t vl, int64_t batch, int64_t heads, int64_t kv_heads, int64_t queries,
                          int64_t length, int64_t size, double factor, float levels, const float *c, float *out,
                          int threads) {
-    int64_t units = batch * heads * queries, group = heads / kv_heads;
+    int64_t group = heads / kv_heads, rows = group * queries;
+    group_t g = {queries, rows, length, size, vl, vq, factor, levels, c};
     #pragma omp parallel num_threads(threads)
     {
-        float *scratch = (float *)malloc(2 * (size_t)(length > 0 ? length : 1) * sizeof(float));
+        double *q = (double *)malloc(2 * (size_t)(rows * size) * sizeof(double));
+        float *score = (float *)malloc((size_t)(rows * (length > 0 ? length : 1)) * sizeof(float));
         #pragma omp for schedule(static)
-        for (int64_t u = 0; u < units; u++) {
-            int64_t b = u / (heads * queries), h = (u / queries) % heads, i = u % queries, hk = h / group;
-            const double *k = keys + b * k_batch + hk * k_head, *v = values + b * v_batch + hk * v_head;
-            attend_row(query + u * size, k, v, visible + b * vb + i * vq, vl, length, size, factor, levels, c,
-                       scratch, out + ((b * queries + i) * heads + h) * size);
+        for (int64_t u = 0; u < batch * kv_heads; u++) {
+            int64_t b = u / kv_heads, hk = u % kv_heads;
+            attend_group(g, query + (b * heads + hk * group) * queries * size, keys + b * k_batch + hk * k_head,
+                         values + b * v_batch + hk * v_head, visible + b * vb, q, q + rows * size, score,
+                         out + (b * queries * heads + hk * group) * size, size, heads * size);
         }
-        free(scratch);
+        free(q);
+        free(score);
     }
 }

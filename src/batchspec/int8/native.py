@@ -215,7 +215,9 @@ def library() -> types.SimpleNamespace | None:
     try:
         shared = ctypes.CDLL(str(_build()), mode=os.RTLD_LOCAL)
     except (OSError, subprocess.SubprocessError) as error:
-        logger.warning("batchspec: the AVX-512 VNNI kernels did not build (%s); using oneDNN", error)
+        output = getattr(error, "stderr", None) or b""
+        reason = output.decode(errors="replace").strip().splitlines()[:1] or [str(error)]
+        logger.warning("batchspec: the AVX-512 VNNI kernels did not build (%s); using oneDNN", reason[0])
         return None
     i64, pointer, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
