@@ -93,6 +93,16 @@ def test_exp2_nonpositive_is_accurate(dtype, tolerance):
     assert exp2_nonpositive(torch.tensor([0.0, -1.0, -3.0], dtype=dtype)).tolist() == [1.0, 0.5, 0.125]
 
 
+def test_sqrt_gives_a_value_the_same_bits_at_any_offset():
+    """torch's CPU sqrt need not be correctly rounded, but RMSNorm relies on it giving a value the same bits wherever
+    the value sits in the tensor (vector lanes and a loop's tail alike)."""
+    values = torch.rand(4096, generator=torch.Generator().manual_seed(5)) * 10.0
+    whole = torch.sqrt(values)
+    for start in range(0, 40):
+        for count in (1, 3, 17, 33, 100):
+            assert torch.equal(torch.sqrt(values[start : start + count]), whole[start : start + count])
+
+
 def test_row_sum_order_is_a_pairwise_tree():
     a, b, c = 1e16, 1.0, -1e16
     # the tree adds a + c first, then b: exactly 1.0, where a left-to-right sum loses b

@@ -5,9 +5,9 @@ reads the weight and whether its products saturate. :func:`product_kernel` picks
 
 * ``"vnni"``: batchspec's own AVX-512 VNNI kernel (:func:`batchspec.int8.native.linear`), on a weight prepacked
   in panels of 64 outputs, activations as ``uint8`` ``q + 128``, the zero point's share subtracted in int32, the sum
-  rounded once to float32. It read a 1536 x 8960 weight at 56 GB/s for 1 row and 38 for 8, against oneDNN's 25 and
-  24 (2-core AMD EPYC Zen 4), and has no per-call overhead to speak of. Taken where the CPU has AVX-512 VNNI, the
-  kernels build and a worst-case probe is exact, for float32 activations.
+  rounded once to float32. It read a 1536 x 8960 weight at 46.6 GB/s for 1 row and 34.5 for 8, against oneDNN's 28.5
+  and 24.8 (2-core AMD EPYC Zen 4 reading 50 GB/s), and has no per-call overhead to speak of. Taken where the CPU
+  has AVX-512 VNNI, the kernels build and a worst-case probe is exact, for float32 activations.
 * ``"onednn"``: oneDNN's quantized linear with the weight **prepacked once** in the blocked layout its VNNI kernel
   reads (``onednn::qlinear_prepack``); activations enter as ``uint8`` codes ``q + 128`` with zero point 128, and
   the result comes back as float32 with unit scales, which is the int32 sum rounded once to float32 — the bits
