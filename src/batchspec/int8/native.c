@@ -246,79 +246,100 @@ static void weighted_sum(const float *w, const double *v, int64_t keys, int64_t 
 }
 
 /* One KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head hk * G + g and query
- * i, read each key and value once. query: the group's rows, D floats each; k, v: packed keys and values, a key's row
- * D + 1 doubles (D integers, then the scale); out: row r at out + r_offset(r). */
+ * i, read each key and value once. Keys and values are packed, a key's row D + 1 doubles (D integers, the scale). */
 typedef struct {
     int64_t queries, rows, keys, size, visible_stride, visible_row;
-    double factor;
+    double factor; /* scaling / ln 2 */
     float levels;
     const float *c;
 } group_t;
 
-static void attend_group(group_t g, const float *query, const double *k, const double *v, const uint8_t *visible,
-                         double *q, double *sum, float *score, float *out, int64_t out_head, int64_t out_query) {
-    int64_t size = g.size, keys = g.keys;
-    double factor[g.rows];
+/* q[r] = the 15-bit integers of query row r (in doubles); factor[r] = its scale * scaling / ln 2 */
+static void quantize_queries(group_t g, const float *query, double *q, double *factor) {
     for (int64_t r = 0; r < g.rows; r++) {
-        const float *x = query + r * size;
+        const float *x = query + r * g.size;
         float top = 0.0f;
-        for (int64_t d = 0; d < size; d++) top = larger(top, fabsf(x[d]));
+        for (int64_t d = 0; d < g.size; d++) top = larger(top, fabsf(x[d]));
         float s = top > 0.0f ? top / g.levels : 1.0f, inverse = 1.0f / s;
-        for (int64_t d = 0; d < size; d++) {
+        for (int64_t d = 0; d < g.size; d++) {
             float y = rintf(x[d] * inverse);
-            q[r * size + d] = y < -g.levels ? -g.levels : (y > g.levels ? g.levels : y);
+            q[r * g.size + d] = y < -g.levels ? -g.levels : (y > g.levels ? g.levels : y);
         }
         factor[r] = (double)s * g.factor;
     }
-    for (int64_t j = 0; j < keys; j++) {
-        const double *kj = k + j * (size + 1);
+}
+
+/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j */
+static void scores(group_t g, const double *q, const double *factor, const double *k, const uint8_t *visible,
+                   float *score) {
+    for (int64_t j = 0; j < g.keys; j++) {
+        const double *kj = k + j * (g.size + 1);
         for (int64_t r = 0; r < g.rows; r++) {
             int seen = visible[(r % g.queries) * g.visible_row + j * g.visible_stride];
-            score[r * keys + j] = seen ? (float)((integer_dot(q + r * size, kj, size) * factor[r]) * kj[size])
-                                       : -INFINITY;
+            score[r * g.keys + j] = seen ? (float)((integer_dot(q + r * g.size, kj, g.size) * factor[r]) * kj[g.size])
+                                         : -INFINITY;
         }
     }
-    double scale[g.rows], denominator[g.rows];
+}
+
+/* One row's scores in place -> W[j] = rint(a[j] / max a * 2**20) with e[j] = 2**(score - max), a[j] = e[j] * sv[j];
+ * *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1). */
+static void softmax_weights(group_t g, float *score, const uint8_t *seen, const double *v, double *scale,
+                            double *denominator) {
+    float best = -INFINITY, a_top = 0.0f;
+    for (int64_t j = 0; j < g.keys; j++) best = larger(best, score[j]);
+    if (best == -INFINITY) best = 0.0f;
+    for (int64_t j = 0; j < g.keys; j++) score[j] = exp2_nonpositive(score[j] - best, g.c); /* one vector loop */
+    double total = 0.0;
+    for (int64_t j = 0; j < g.keys; j++) {
+        float e = seen[j * g.visible_stride] ? score[j] : 0.0f;
+        total += (double)rintf(e * 1048576.0f);
+        score[j] = e * (float)v[j * (g.size + 1) + g.size]; /* a[j] */
+        a_top = larger(a_top, score[j]);
+    }
+    float divisor = a_top > 0.0f ? a_top : 1.0f;
+    for (int64_t j = 0; j < g.keys; j++) score[j] = rintf((score[j] / divisor) * 1048576.0f);
+    *scale = (double)a_top;
+    *denominator = total > 1.0 ? total : 1.0;
+}
+
+/* q, sum: [R, D] doubles of scratch; score: [R, L] floats; out: row r at out + (r / Q) * out_head + (r % Q) *
+ * out_query */
+static void attend_group(group_t g, const float *query, const double *k, const double *v, const uint8_t *visible,
+                         double *q, double *sum, float *score, float *out, int64_t out_head, int64_t out_query) {
+    double factor[g.rows], scale[g.rows], denominator[g.rows];
+    quantize_queries(g, query, q, factor);
+    scores(g, q, factor, k, visible, score);
     for (int64_t r = 0; r < g.rows; r++) {
-        float *sr = score + r * keys, best = -INFINITY, a_top = 0.0f;
         const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
-        for (int64_t j = 0; j < keys; j++) best = larger(best, sr[j]);
-        if (best == -INFINITY) best = 0.0f;
-        for (int64_t j = 0; j < keys; j++) sr[j] = exp2_nonpositive(sr[j] - best, g.c); /* one vector loop */
-        double total = 0.0;
-        for (int64_t j = 0; j < keys; j++) {
-            float e = seen[j * g.visible_stride] ? sr[j] : 0.0f;
-            total += (double)rintf(e * 1048576.0f);
-            sr[j] = e * (float)v[j * (size + 1) + size]; /* a[j] */
-            a_top = larger(a_top, sr[j]);
-        }
-        float divisor = a_top > 0.0f ? a_top : 1.0f;
-        for (int64_t j = 0; j < keys; j++) sr[j] = rintf((sr[j] / divisor) * 1048576.0f); /* W[j] */
-        scale[r] = (double)a_top;
-        denominator[r] = total > 1.0 ? total : 1.0;
+        softmax_weights(g, score + r * g.keys, seen, v, scale + r, denominator + r);
+        weighted_sum(score + r * g.keys, v, g.keys, g.size, sum + r * g.size);
     }
-    for (int64_t r = 0; r < g.rows; r++) weighted_sum(score + r * keys, v, keys, size, sum + r * size);
     for (int64_t r = 0; r < g.rows; r++) {
         float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
-        for (int64_t d = 0; d < size; d++) o[d] = (float)((sum[r * size + d] * scale[r]) / denominator[r]);
+        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((sum[r * g.size + d] * scale[r]) / denominator[r]);
     }
 }
 
 /* query: float32 [B, H, Q, D] contiguous; keys, values: packed float64 [B, Hk, L, D + 1] with the given batch and
- * head strides; visible: bool [B, 1, Q, L] with strides (vb, vq, vl); out: float32 [B, Q, H, D]. */
-void batchspec_attention(const float *query, const double *keys, int64_t k_batch, int64_t k_head,
-                         const double *values, int64_t v_batch, int64_t v_head, const uint8_t *visible, int64_t vb,
-                         int64_t vq, int64_t vl, int64_t batch, int64_t heads, int64_t kv_heads, int64_t queries,
-                         int64_t length, int64_t size, double factor, float levels, const float *c, float *out,
-                         int threads) {
+ * head strides; visible: bool [B, 1, Q, L] with strides (vb, vq, vl); out: float32 [B, Q, H, D]. Returns 0, or 1
+ * where scratch memory could not be allocated (out is then incomplete; the caller raises). */
+int batchspec_attention(const float *query, const double *keys, int64_t k_batch, int64_t k_head,
+                        const double *values, int64_t v_batch, int64_t v_head, const uint8_t *visible, int64_t vb,
+                        int64_t vq, int64_t vl, int64_t batch, int64_t heads, int64_t kv_heads, int64_t queries,
+                        int64_t length, int64_t size, double factor, float levels, const float *c, float *out,
+                        int threads) {
     int64_t group = heads / kv_heads, rows = group * queries;
     group_t g = {queries, rows, length, size, vl, vq, factor, levels, c};
-    #pragma omp parallel num_threads(threads)
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         double *q = (double *)malloc(2 * (size_t)(rows * size) * sizeof(double));
         float *score = (float *)malloc((size_t)(rows * (length > 0 ? length : 1)) * sizeof(float));
+        failed = q == NULL || score == NULL;
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < batch * kv_heads; u++) {
+            if (failed) continue;
             int64_t b = u / kv_heads, hk = u % kv_heads;
             attend_group(g, query + (b * heads + hk * group) * queries * size, keys + b * k_batch + hk * k_head,
                          values + b * v_batch + hk * v_head, visible + b * vb, q, q + rows * size, score,
@@ -327,4 +348,5 @@ void batchspec_attention(const float *query, const double *keys, int64_t k_batch
         free(q);
         free(score);
     }
+    return failed;
 }

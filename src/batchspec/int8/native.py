@@ -182,10 +182,13 @@ def attention(
     query, out = query.contiguous(), torch.empty(batch, queries, heads, size)  # [B, Q, H, D]
     table = (ctypes.c_float * 10)(*coefficients)
     vb, _, vq, vl = visible.stride()
-    _library().attention(query.data_ptr(), key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(),
-                         value.stride(0), value.stride(1), visible.data_ptr(), vb, vq, vl, batch, heads, kv_heads,
-                         queries, length, size, scaling / math.log(2.0), levels, table, out.data_ptr(),
-                         torch.get_num_threads())
+    failed = _library().attention(
+        query.data_ptr(), key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+        value.stride(1), visible.data_ptr(), vb, vq, vl, batch, heads, kv_heads, queries, length, size,
+        scaling / math.log(2.0), levels, table, out.data_ptr(), torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError(f"the native attention found no memory for {queries} queries over {length} keys")
     return out
 
 
@@ -234,7 +237,7 @@ def library() -> types.SimpleNamespace | None:
     functions = {}
     for name, arguments in signatures.items():
         function = getattr(shared, f"batchspec_{name}")
-        function.argtypes, function.restype = arguments, None
+        function.argtypes, function.restype = arguments, ctypes.c_int if name == "attention" else None
         functions[name] = function
     return types.SimpleNamespace(**functions)
 
