@@ -2,13 +2,13 @@
  * batchspec/int8/native.py. Compiled with -ffp-contract=off: every float operation below is one correctly rounded
  * IEEE operation, the same one torch runs in the Python path it replaces, so the bits are the same.
  *
- * 1. The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]), where
- * out[n][o] = (float)(sum_k a[n][k] * w[o][k] - comp[o]) with a[n][k] = q[n][k] + 128 as uint8 and
- * comp[o] = 128 * sum_k w[o][k]. vpdpbusd adds its four u8 x s8 products to the int32 accumulator and vpsubd
- * subtracts, both modulo 2^32 without saturating, so the difference is q . w modulo 2^32: q . w itself, since
- * |q . w| <= 127 * 127 * K < 2^31 for K <= MAX_INNER (vnni.py). It is rounded once to float32 by vcvtdq2ps under the
- * default round-to-nearest-even: the bits of (float)(q . w); the scales multiply in that order afterwards. No float
- * operation depends on the row count or the blocking, so every row gets the same bits in any batch.
+ * 1. The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]), with q . w computed
+ * as sum_k a[n][k] * w[o][k] - comp[o] for a[n][k] = q[n][k] + 128 as uint8 and comp[o] = 128 * sum_k w[o][k].
+ * vpdpbusd adds its four u8 x s8 products to the int32 accumulator and vpsubd subtracts, both modulo 2^32 without
+ * saturating, so the difference is q . w modulo 2^32: q . w itself, since |q . w| <= 127 * 127 * K < 2^31 for
+ * K <= MAX_INNER (native.py). It is rounded once to float32 by vcvtdq2ps under the default round-to-nearest-even;
+ * the scales multiply in that order afterwards. No float operation depends on the row count or the blocking, so
+ * every row gets the same bits in any batch.
  *
  * The weight is prepacked as panels of 64 outputs: w[p][g][j][i] = W[64 p + j][4 g + i] ([P, G, 64, 4] int8), so a
  * panel streams from memory in one pass and each group g is four 16-lane registers, one per 16 outputs. */

@@ -78,8 +78,6 @@ def codes(q: torch.Tensor) -> torch.Tensor:
     return F.pad((q + ZERO_POINT).to(torch.uint8), (0, padding), value=ZERO_POINT)
 
 
-
-
 def linear(
     codes: torch.Tensor, panels: torch.Tensor, sums: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -157,8 +155,7 @@ def exp2_nonpositive_(t: torch.Tensor, coefficients: tuple[float, ...]) -> torch
     its polynomial's ten ``coefficients`` (lowest degree first)."""
     if t.dtype != torch.float32 or not t.is_contiguous() or len(coefficients) != 10:
         raise ValueError("native exp2 takes a contiguous float32 tensor and ten coefficients")
-    table = (ctypes.c_float * 10)(*coefficients)
-    _library().exp2_nonpositive(t.data_ptr(), t.numel(), table, torch.get_num_threads())
+    _library().exp2_nonpositive(t.data_ptr(), t.numel(), _float_table(coefficients), torch.get_num_threads())
     return t
 
 
@@ -180,16 +177,21 @@ def attention(
     if not laid_out or visible.shape != (batch, 1, queries, length) or len(coefficients) != 10:
         return None
     query, out = query.contiguous(), torch.empty(batch, queries, heads, size)  # [B, Q, H, D]
-    table = (ctypes.c_float * 10)(*coefficients)
     vb, _, vq, vl = visible.stride()
     failed = _library().attention(
         query.data_ptr(), key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
         value.stride(1), visible.data_ptr(), vb, vq, vl, batch, heads, kv_heads, queries, length, size,
-        scaling / math.log(2.0), levels, table, out.data_ptr(), torch.get_num_threads(),
+        scaling / math.log(2.0), levels, _float_table(coefficients), out.data_ptr(), torch.get_num_threads(),
     )
     if failed:
         raise MemoryError(f"the native attention found no memory for {queries} queries over {length} keys")
     return out
+
+
+@functools.cache
+def _float_table(values: tuple[float, ...]) -> ctypes.Array:
+    """``values`` as a C array of floats (each rounded to float32, as torch rounds a Python scalar), made once."""
+    return (ctypes.c_float * len(values))(*values)
 
 
 def available() -> bool:

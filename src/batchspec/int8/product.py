@@ -32,7 +32,6 @@ from batchspec.int8 import native
 from batchspec.int8.arithmetic import INT8_LEVELS
 
 KERNELS: tuple[str, ...] = ("vnni", "onednn", "int_mm", "int_mm_split")
-_ZERO_POINT = 128  # uint8 code of the integer 0 in the onednn kernel's activations
 # weights of fewer values take torch._int_mm: oneDNN's quantized linear spends ~20 us a call before it reads the
 # weight, and _int_mm was as fast or faster below this size (576 x 576: 20 against 31 us for one row; 896 x 896:
 # 57 against 50 us), on a 2-core AMD EPYC Zen 4
@@ -72,7 +71,7 @@ def activation_codes(q: torch.Tensor, kernel: str) -> torch.Tensor:
     if kernel == "vnni":
         return native.codes(q)
     if kernel == "onednn":
-        return (q + _ZERO_POINT).to(torch.uint8)
+        return (q + native.ZERO_POINT).to(torch.uint8)
     return q.to(torch.int8)
 
 
@@ -86,7 +85,7 @@ def int_product(codes: torch.Tensor, weight: PackedWeight, dtype: torch.dtype) -
     if weight.kernel == "onednn":
         packed, ones, zeros = weight.tensors
         return torch.ops.onednn.qlinear_pointwise(
-            codes, 1.0, _ZERO_POINT, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            codes, 1.0, native.ZERO_POINT, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
         )
     if weight.kernel == "int_mm":
         return torch._int_mm(codes, weight.tensors[0]).to(dtype)
@@ -140,12 +139,7 @@ def _vnni_exact() -> bool:
     if not native.available():
         return False
     a, w = _extreme_operands()
-    a, w = a[:, :-3], w[:, :-3]  # [33, 253], [64, 253]
-    weight, codes = pack_weight(w, "vnni"), activation_codes(a.float(), "vnni")
-    return all(
-        torch.equal(int_product(codes[:rows], weight, torch.float32), (a[:rows].double() @ w.double().T).float())
-        for rows in (1, 7, 33)
-    )
+    return _exact_on("vnni", a[:, :-3], w[:, :-3], (1, 7, 33))  # [33, 253], [64, 253]
 
 
 @functools.cache
@@ -155,12 +149,15 @@ def _onednn_exact() -> bool:
     quantized = getattr(torch.ops, "onednn", None)
     if quantized is None or not hasattr(quantized, "qlinear_pointwise") or not torch.backends.mkldnn.is_available():
         return False
-    a, w = _extreme_operands()
     try:
-        weight, codes = pack_weight(w, "onednn"), activation_codes(a.float(), "onednn")
-        return all(
-            torch.equal(int_product(codes[:rows], weight, torch.float32), (a[:rows].double() @ w.double().T).float())
-            for rows in (1, 2, 33)
-        )
+        return _exact_on("onednn", *_extreme_operands(), (1, 2, 33))
     except RuntimeError:
         return False
+
+
+def _exact_on(kernel: str, a: torch.Tensor, w: torch.Tensor, counts: tuple[int, ...]) -> bool:
+    """Whether ``kernel`` gives ``a @ w.T`` (int8 ``[N, K]``, ``[O, K]``) as the exact sums rounded once to float32
+    for the first ``counts`` rows of ``a``."""
+    weight, codes = pack_weight(w, kernel), activation_codes(a.float(), kernel)
+    exact = (a.double() @ w.double().T).float()  # [N, O]
+    return all(torch.equal(int_product(codes[:n], weight, torch.float32), exact[:n]) for n in counts)
