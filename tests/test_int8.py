@@ -254,7 +254,7 @@ def test_native_attention_arithmetic_gives_the_torch_paths_bits(shape, seed, log
 @settings(max_examples=40, deadline=None)
 @given(
     batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 3), queries=st.integers(1, 16),
-    length=st.integers(1, 90), size=st.sampled_from([1, 5, 8, 64]), seed=st.integers(0, 2**16),
+    length=st.integers(1, 90), size=st.sampled_from([1, 5, 8, 40, 64, 128]), seed=st.integers(0, 2**16),
 )
 def test_native_attention_gives_the_torch_paths_bits(batch, kv_heads, group, queries, length, size, seed):
     """The exact attention in one C call: the bits of the torch path, for keys and values read in place from a
@@ -263,7 +263,7 @@ def test_native_attention_gives_the_torch_paths_bits(batch, kv_heads, group, que
     heads = kv_heads * group
     query = torch.randn(batch, heads, queries, size, generator=generator).transpose(1, 2).contiguous().transpose(1, 2)
     storage = torch.stack([pack(torch.randn(batch, kv_heads, length + 7, size, generator=generator)) for _ in "kv"])
-    key, value = storage[0, :, :, :length], storage[1, :, :, :length]  # [B, Hk, L, D + 1], strided
+    key, value = storage[0, :, :, :length], storage[1, :, :, :length]  # [B, Hk, L, W] int16, strided
     visible = torch.rand(batch, 1, queries, length, generator=generator) < 0.7
     visible[0, 0, 0] = False
     got = native.attention(query, key, value, visible, size**-0.5, QKV_LEVELS, EXP2_COEFFICIENTS)
@@ -273,6 +273,37 @@ def test_native_attention_gives_the_torch_paths_bits(batch, kv_heads, group, que
         want = exact_attention(query, key, value, visible, scaling=size**-0.5)
     assert got.shape == (batch, queries, heads, size) and torch.equal(got, want)
     assert not got[0, 0].any()
+
+
+@pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+@pytest.mark.parametrize("size", [32, 250, 256])
+def test_native_attention_at_its_integer_bounds(size):
+    """Queries and keys all at +-(2**15 - 1) in heads of up to 256 values: the largest int32 sums the C kernel's
+    split products reach (256 * 32767 * D < 2**31) still give the torch path's bits."""
+    generator = torch.Generator().manual_seed(size)
+    signs = torch.randint(0, 2, (1, 2, 3, size), generator=generator) * 2.0 - 1.0  # [B, H, Q, D] of +-1
+    query, keys = signs.clone(), signs[:, :1].expand(1, 1, 3, size).contiguous()
+    query[:, :, 1], keys[:, :, 1] = -1.0, 1.0  # a dot of -(2**15 - 1)**2 * D
+    key, value = pack(keys), pack(-keys)  # [1, 1, 3, W]
+    visible = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    got = native.attention(query, key, value, visible, size**-0.5, QKV_LEVELS, EXP2_COEFFICIENTS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "available", lambda: False)
+        want = exact_attention(query, key, value, visible, scaling=size**-0.5)
+    assert got is not None and torch.equal(got, want)
+
+
+def test_packed_keys_hold_their_integers_and_scale():
+    """The int16 cache layout of the docstring example: 15-bit integers, zeros to a multiple of four, then the scale's
+    float64 bits; 2 bytes per value."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "available", lambda: False)
+        torch_packed = pack(torch.tensor([[0.5, -1.0, 0.25]]))
+    packed = pack(torch.tensor([[0.5, -1.0, 0.25]]))
+    assert packed.dtype == torch.int16 and torch.equal(packed, torch_packed)
+    assert packed[0, :4].tolist() == [16384, -32767, 8192, 0]
+    assert packed[0, 4:].view(torch.float64).item() == torch.tensor(1.0 / 32767).item()
+    assert pack(torch.randn(2, 3, 5, 128)).shape == (2, 3, 5, 132)
 
 
 def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):

@@ -16,8 +16,9 @@ No float sum runs over keys or head channels, so padding (masked keys), the numb
 batch change nothing. A query with no visible key (a padding position) outputs zeros.
 
 Keys and values are quantized once, when they enter the KV cache: :func:`pack_on_update` hands the attention module a
-cache whose ``update`` stores them *packed*, ``[..., D + 1]`` in float64 (the 15-bit integers, then the scale), so a
-decoding step does not quantize the whole cache again in every layer.
+cache whose ``update`` stores them *packed* as int16 (:func:`pack`: a token's 15-bit integers, then its scale's
+bits), so a decoding step does not quantize the whole cache again in every layer, and the cache holds 2 bytes per
+value (and 8 per token and head for the scale) where float32 keys take 4.
 
 Worked example (one head, D = 1, two visible keys): with ``e = [1, 0.5]``, ``sv = [0.1, 0.2]`` and ``V = [10, -5]``,
 ``a = [0.1, 0.1]``, ``max a = 0.1``, ``W = [2**20, 2**20]``, ``E = [2**20, 2**19]``; ``sum W V = 5 * 2**20`` and
@@ -30,6 +31,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from batchspec.int8 import native
 from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows
@@ -50,8 +52,8 @@ def exact_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """The attention kernel of :data:`NAME` (see :mod:`batchspec.layers`): ``query`` ``[B, H, q, D]``,
-    ``key``/``value`` ``[B, Hk, L, D]`` packed as :func:`pack` stores them (``H`` a multiple of ``Hk``), ``visible``
-    boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``."""
+    ``key``/``value`` ``[B, Hk, L, W]`` packed as :func:`pack` stores them, or raw ``[B, Hk, L, D]`` (``H`` a
+    multiple of ``Hk``), ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``."""
     batch, heads, queries, size = query.shape
     keys = key.shape[2]
     if keys >= MAX_KEYS or size >= MAX_HEAD_SIZE:
@@ -80,18 +82,31 @@ def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.float64), scale.to(torch.float64)
 
 
+def packed_width(size: int) -> int:
+    """int16 per token and head in the cache for heads of ``size`` values: the integers, zeros up to a multiple of
+    four (so the scale is aligned), and the four quarters of the float64 scale. Example: 128 -> 132, 5 -> 12."""
+    return -(-size // 4) * 4 + 4
+
+
 def pack(x: torch.Tensor) -> torch.Tensor:
-    """Keys or values ``[B, Hk, q, D]`` quantized per token and head: ``[B, Hk, q, D + 1]`` float64."""
+    """Keys or values ``[B, Hk, q, D]`` quantized per token and head: ``[B, Hk, q, W]`` int16 (``W`` =
+    :func:`packed_width`), the 15-bit integers of :func:`~batchspec.int8.arithmetic.quantize_rows`, zeros, then the
+    bits of its scale as float64. Example: a head ``[0.5, -1.0, 0.25]`` is ``[16384, -32767, 8192, 0, s0, s1, s2,
+    s3]`` with ``s0 .. s3`` the int16 quarters of the float64 ``1 / 32767`` (rounded to float32 first for a float32
+    head)."""
+    width = packed_width(x.shape[-1])
     if x.dtype == torch.float32 and native.available():
-        return native.quantize_wide(x, QKV_LEVELS, packed=True)
-    q, scale = _quantized(x)
-    return torch.cat([q, scale], dim=-1)
+        return native.pack_kv(x, QKV_LEVELS, width)
+    q, scale = quantize_rows(x, QKV_LEVELS)  # [..., D], [..., 1]
+    bits = scale.to(torch.float64).view(torch.int16)  # [..., 4]
+    return torch.cat([F.pad(q.to(torch.int16), (0, width - 4 - x.shape[-1])), bits], dim=-1)
 
 
 def _unpacked(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(integers [..., D], scale [..., 1])`` of packed keys or values; raw ones (no cache) are quantized here."""
-    if x.shape[-1] == size + 1:
-        return x[..., :size], x[..., size:]
+    """``(integers [..., D], scale [..., 1])`` in float64 of packed keys or values; raw ones (no cache) are quantized
+    here."""
+    if x.dtype == torch.int16:
+        return x[..., :size].to(torch.float64), x[..., -4:].contiguous().view(torch.float64)
     return _quantized(x)
 
 

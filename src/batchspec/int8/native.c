@@ -158,22 +158,44 @@ void batchspec_rms_apply(const float *x, int64_t n, int64_t h, const float *root
     }
 }
 
-/* 4. Per-token quantization to `levels` held in float64 (batchspec_quantize_wide), as attention.py's keys, values
- * and queries take it from quantize_rows in float32: q[r][i] at q + r * ldq + i, the scale at scale + r * lds. */
+/* 4. Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
+ * scale = top > 0 ? top / levels : 1, q = clamp(rint(x * (1 / scale)), -levels, levels). batchspec_quantize_wide
+ * holds q and the scale in float64 (q[r][i] at q + r * ldq + i, the scale at scale + r * lds); batchspec_pack_kv
+ * stores keys and values for the KV cache as attention.py's pack does: a token's q as int16, zeros, then the scale's
+ * bits as a double in the last four int16 of its `width` (a multiple of four, at least k + 4). */
+static inline float token_scale(const float *x, int64_t k, float levels) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
+    return top > 0.0f ? top / levels : 1.0f;
+}
+
+static inline float token_code(float x, float inverse, float levels) {
+    float v = rintf(x * inverse);
+    return v < -levels ? -levels : (v > levels ? levels : v);
+}
+
 void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels, double *q, int64_t ldq,
                              double *scale, int64_t lds, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) {
         const float *xr = x + r * k;
-        float top = 0.0f;
-        for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(xr[i]));
-        float s = top > 0.0f ? top / levels : 1.0f;
-        float inverse = 1.0f / s;
-        for (int64_t i = 0; i < k; i++) {
-            float v = rintf(xr[i] * inverse);
-            q[r * ldq + i] = v < -levels ? -levels : (v > levels ? levels : v);
-        }
+        float s = token_scale(xr, k, levels), inverse = 1.0f / s;
+        for (int64_t i = 0; i < k; i++) q[r * ldq + i] = token_code(xr[i], inverse, levels);
         scale[r * lds] = s;
+    }
+}
+
+void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
+                       int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * k;
+        int16_t *o = out + r * width;
+        float s = token_scale(xr, k, levels), inverse = 1.0f / s;
+        for (int64_t i = 0; i < k; i++) o[i] = (int16_t)token_code(xr[i], inverse, levels);
+        double wide = s;
+        for (int64_t i = k; i < width - 4; i++) o[i] = 0;
+        memcpy(o + width - 4, &wide, sizeof wide);
     }
 }
 
@@ -201,151 +223,270 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
 /* 6. The exact attention of one query row (batchspec_attention), as attention.py's _attend computes it: the query
  * quantized to 15 bits; dot[j] = q . K[j] (an exact integer in float64, so in any order); the score
  * (float)((dot * (sq * scaling / ln 2)) * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden);
- * a[j] = e[j] * (float)sv[j]; W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j
- * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end. */
-/* sum_d q[d] * k[d] for integer-valued doubles whose partial sums stay below 2**53: exact in any order, so four
- * independent vector chains (the FMA's latency hidden) give the same value as any other order. */
-static inline double integer_dot(const double *q, const double *k, int64_t size) {
-    int64_t d = 0;
-    double dot = 0.0;
-    if (size >= 32) {
-        __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
-        __m512d acc2 = _mm512_setzero_pd(), acc3 = _mm512_setzero_pd();
-        for (; d + 32 <= size; d += 32) {
-            acc0 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d), _mm512_loadu_pd(k + d), acc0);
-            acc1 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d + 8), _mm512_loadu_pd(k + d + 8), acc1);
-            acc2 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d + 16), _mm512_loadu_pd(k + d + 16), acc2);
-            acc3 = _mm512_fmadd_pd(_mm512_loadu_pd(q + d + 24), _mm512_loadu_pd(k + d + 24), acc3);
-        }
-        dot = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc0, acc1), _mm512_add_pd(acc2, acc3)));
-    }
-    for (; d < size; d++) dot += q[d] * k[d];
-    return dot;
-}
+ * a[j] = e[j] * sv[j]; W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j
+ * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
+ *
+ * One call handles one KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head
+ * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: D
+ * integers, the scale's bits last; see section 4). Both sums over keys and channels run as small matrix products in
+ * float64 whose every product and partial sum is an integer below 2**53 (|q|, |K|, |V| <= 2**15 - 1, W <= 2**20,
+ * D < 2**16 and L < 2**18, attention.py's bounds): exact, so the blocking below cannot change a bit. */
+#define KEY_BLOCK 8  /* keys per score pass: their dots end as one vector of doubles */
+#define PASS_ROWS 6  /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
+#define CHANNELS 32  /* value channels per weighted-sum pass: four vectors of doubles per row */
 
-/* out[d] = sum_j w[j] * v[j][d] for integer-valued w (below 2**21) and v (below 2**15), v's rows D + 1 doubles
- * apart: products and sums exact integers below 2**53, so in any order; 64 channels at a time in registers. */
-static void weighted_sum(const float *w, const double *v, int64_t keys, int64_t size, double *out) {
-    int64_t d = 0;
-    for (; d + 64 <= size; d += 64) {
-        __m512d acc[8];
-        for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_pd();
-        for (int64_t j = 0; j < keys; j++) {
-            if (w[j] == 0.0f) continue;
-            __m512d wj = _mm512_set1_pd((double)w[j]);
-            const double *vj = v + j * (size + 1) + d;
-            for (int t = 0; t < 8; t++) acc[t] = _mm512_fmadd_pd(wj, _mm512_loadu_pd(vj + 8 * t), acc[t]);
-        }
-        for (int t = 0; t < 8; t++) _mm512_storeu_pd(out + d + 8 * t, acc[t]);
-    }
-    for (; d < size; d++) {
-        double total = 0.0;
-        for (int64_t j = 0; j < keys; j++) total += (double)w[j] * v[j * (size + 1) + d];
-        out[d] = total;
-    }
-}
-
-/* One KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head hk * G + g and query
- * i, read each key and value once. Keys and values are packed, a key's row D + 1 doubles (D integers, the scale). */
 typedef struct {
-    int64_t queries, rows, keys, size, visible_stride, visible_row;
+    int64_t queries, rows, padded, keys, size, lanes, width, visible_stride, visible_row;
     double factor; /* scaling / ln 2 */
     float levels;
     const float *c;
 } group_t;
 
-/* q[r] = the 15-bit integers of query row r (in doubles); factor[r] = its scale * scaling / ln 2 */
-static void quantize_queries(group_t g, const float *query, double *q, double *factor) {
+/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, lanes] and w [padded, L]
+ * doubles; score [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to a multiple of 32) */
+typedef struct {
+    int16_t *hi, *lo;
+    double *sum, *w;
+    float *score, *v_scale;
+} scratch_t;
+
+static inline double token_scale_of(const int16_t *token, int64_t width) {
+    double s;
+    memcpy(&s, token + width - 4, sizeof s);
+    return s;
+}
+
+/* Query row r's 15-bit integers q split as q = 256 * hi + lo with lo in [0, 255] and hi in [-128, 127], each as
+ * int16 zero-padded to `lanes` (D rounded up to 32), with zero rows up to `padded`; factor[r] = its scale *
+ * scaling / ln 2. vpdpwssd then sums hi . K and lo . K exactly in int32 lanes: both stay below 2**31 in magnitude
+ * (|lo . K|, |hi . K| <= 256 * 32767 * D < 2**31 for D <= 256, native.py's MAX_HEAD_SIZE), and the int32 sums wrap
+ * modulo 2**32 without saturating, so they are the sums themselves whatever the order. */
+static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t *lo, double *factor) {
+    for (int64_t i = 0; i < g.padded * g.lanes; i++) hi[i] = lo[i] = 0;
     for (int64_t r = 0; r < g.rows; r++) {
         const float *x = query + r * g.size;
-        float top = 0.0f;
-        for (int64_t d = 0; d < g.size; d++) top = larger(top, fabsf(x[d]));
-        float s = top > 0.0f ? top / g.levels : 1.0f, inverse = 1.0f / s;
+        float s = token_scale(x, g.size, g.levels), inverse = 1.0f / s;
         for (int64_t d = 0; d < g.size; d++) {
-            float y = rintf(x[d] * inverse);
-            q[r * g.size + d] = y < -g.levels ? -g.levels : (y > g.levels ? g.levels : y);
+            int32_t q = (int32_t)token_code(x[d], inverse, g.levels);
+            hi[r * g.lanes + d] = (int16_t)(q >> 8);
+            lo[r * g.lanes + d] = (int16_t)(q & 0xFF);
         }
         factor[r] = (double)s * g.factor;
     }
 }
 
-/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j */
-static void scores(group_t g, const double *q, const double *factor, const double *k, const uint8_t *visible,
-                   float *score) {
-    for (int64_t j = 0; j < g.keys; j++) {
-        const double *kj = k + j * (g.size + 1);
+/* which of the first n <= 16 keys a query sees, from its visibility bytes `stride` apart */
+static inline __mmask16 seen_mask(const uint8_t *seen, int64_t stride, int64_t n) {
+    __mmask16 valid = (__mmask16)((1u << n) - 1);
+    if (stride == 1) {
+        __m128i bytes = _mm_maskz_loadu_epi8(valid, seen);
+        return _mm_test_epi8_mask(bytes, bytes);
+    }
+    __mmask16 mask = 0;
+    for (int64_t t = 0; t < n; t++) mask |= (__mmask16)((seen[t * stride] != 0) << t);
+    return mask;
+}
+
+/* out[i] = the sum of a[i]'s sixteen int32 lanes for eight vectors (modulo 2**32, see quantize_queries), in int32
+ * lanes 0..7: neighbours folded within 128-bit lanes, then the 128-bit lanes folded */
+static inline __m256i lane_sums(const __m512i a[KEY_BLOCK]) {
+    __m512i pair[4], quad[2];
+    for (int i = 0; i < 4; i++)
+        pair[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                   _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        quad[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(pair[2 * i], pair[2 * i + 1]),
+                                   _mm512_unpackhi_epi64(pair[2 * i], pair[2 * i + 1]));
+    /* quad[0]: keys 0-3 in each 128-bit lane, quad[1]: keys 4-7; fold the four lanes of each */
+    __m512i half = _mm512_add_epi32(_mm512_shuffle_i32x4(quad[0], quad[1], 0x88),
+                                    _mm512_shuffle_i32x4(quad[0], quad[1], 0xDD));
+    __m512i whole = _mm512_add_epi32(half, _mm512_shuffle_i32x4(half, half, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castsi512_si256(_mm512_shuffle_i32x4(whole, whole, _MM_SHUFFLE(2, 0, 2, 0)));
+}
+
+/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j; eight keys
+ * at a time, read in place from the int16 cache, q . K = 256 * (hi . K) + lo . K in float64 (exact: below 2**53) */
+static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor, const int16_t *k,
+                   const uint8_t *visible, float *score) {
+    __mmask8 seen[g.queries];
+    for (int64_t j0 = 0; j0 < g.keys; j0 += KEY_BLOCK) {
+        int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
+        double scales[KEY_BLOCK];
+        for (int64_t i = 0; i < KEY_BLOCK; i++) scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width, g.width) : 0.0;
+        __m512d key_scale = _mm512_loadu_pd(scales);
+        for (int64_t i = 0; i < g.queries; i++)
+            seen[i] = (__mmask8)seen_mask(visible + i * g.visible_row + j0 * g.visible_stride, g.visible_stride, n);
         for (int64_t r = 0; r < g.rows; r++) {
-            int seen = visible[(r % g.queries) * g.visible_row + j * g.visible_stride];
-            score[r * g.keys + j] = seen ? (float)((integer_dot(q + r * g.size, kj, g.size) * factor[r]) * kj[g.size])
-                                         : -INFINITY;
+            __m512i high[KEY_BLOCK], low[KEY_BLOCK];
+            for (int i = 0; i < KEY_BLOCK; i++) high[i] = low[i] = _mm512_setzero_si512();
+            for (int64_t d = 0; d < g.size; d += 32) {
+                __mmask32 valid = g.size - d >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (g.size - d)) - 1);
+                __m512i qh = _mm512_loadu_si512(hi + r * g.lanes + d), ql = _mm512_loadu_si512(lo + r * g.lanes + d);
+                for (int i = 0; i < KEY_BLOCK; i++) {
+                    __m512i key = _mm512_maskz_loadu_epi16(i < n ? valid : 0, k + (j0 + i) * g.width + d);
+                    high[i] = _mm512_dpwssd_epi32(high[i], qh, key);
+                    low[i] = _mm512_dpwssd_epi32(low[i], ql, key);
+                }
+            }
+            __m512d dot = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(lane_sums(high)), _mm512_set1_pd(256.0)),
+                                        _mm512_cvtepi32_pd(lane_sums(low)));
+            __m512d value = _mm512_mul_pd(_mm512_mul_pd(dot, _mm512_set1_pd(factor[r])), key_scale);
+            __m256 f = _mm256_mask_blend_ps(seen[r % g.queries], _mm256_set1_ps(-INFINITY), _mm512_cvtpd_ps(value));
+            _mm256_mask_storeu_ps(score + r * g.keys + j0, (__mmask8)((1u << n) - 1), f);
         }
     }
 }
 
-/* One row's scores in place -> W[j] = rint(a[j] / max a * 2**20) with e[j] = 2**(score - max), a[j] = e[j] * sv[j];
- * *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1). */
-static void softmax_weights(group_t g, float *score, const uint8_t *seen, const double *v, double *scale,
-                            double *denominator) {
-    float best = -INFINITY, a_top = 0.0f;
-    for (int64_t j = 0; j < g.keys; j++) best = larger(best, score[j]);
-    if (best == -INFINITY) best = 0.0f;
-    for (int64_t j = 0; j < g.keys; j++) score[j] = exp2_nonpositive(score[j] - best, g.c); /* one vector loop */
-    double total = 0.0;
-    for (int64_t j = 0; j < g.keys; j++) {
-        float e = seen[j * g.visible_stride] ? score[j] : 0.0f;
-        total += (double)rintf(e * 1048576.0f);
-        score[j] = e * (float)v[j * (g.size + 1) + g.size]; /* a[j] */
-        a_top = larger(a_top, score[j]);
-    }
-    float divisor = a_top > 0.0f ? a_top : 1.0f;
-    for (int64_t j = 0; j < g.keys; j++) score[j] = rintf((score[j] / divisor) * 1048576.0f);
-    *scale = (double)a_top;
-    *denominator = total > 1.0 ? total : 1.0;
+/* 2**t for sixteen t <= 0, each lane the bits of exp2_nonpositive (the same operations) */
+static inline __m512 exp2_vector(__m512 t, const float *c) {
+    __m512 v = _mm512_min_ps(_mm512_setzero_ps(), _mm512_max_ps(_mm512_set1_ps(-126.0f), t));
+    __m512 whole = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(v, whole), power = _mm512_set1_ps(c[9]);
+    for (int j = 8; j >= 0; j--) power = _mm512_add_ps(_mm512_mul_ps(power, f), _mm512_set1_ps(c[j]));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(power, _mm512_castsi512_ps(bits));
 }
 
-/* q, sum: [R, D] doubles of scratch; score: [R, L] floats; out: row r at out + (r / Q) * out_head + (r % Q) *
- * out_query */
-static void attend_group(group_t g, const float *query, const double *k, const double *v, const uint8_t *visible,
-                         double *q, double *sum, float *score, float *out, int64_t out_head, int64_t out_query) {
-    double factor[g.rows], scale[g.rows], denominator[g.rows];
-    quantize_queries(g, query, q, factor);
-    scores(g, q, factor, k, visible, score);
-    for (int64_t r = 0; r < g.rows; r++) {
-        const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
-        softmax_weights(g, score + r * g.keys, seen, v, scale + r, denominator + r);
-        weighted_sum(score + r * g.keys, v, g.keys, g.size, sum + r * g.size);
+/* sixteen floats, rounded to integers (ties to even), as doubles added to sum[0] (low eight) and sum[1] */
+static inline __m512 add_rounded(__m512 x, __m512d sum[2]) {
+    __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    sum[0] = _mm512_add_pd(sum[0], _mm512_cvtps_pd(_mm512_castps512_ps256(whole)));
+    sum[1] = _mm512_add_pd(sum[1], _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(whole), 1))));
+    return whole;
+}
+
+/* One row's scores -> w[j] = rint(a[j] / max a * 2**20) as doubles, with e[j] = 2**(score - max) (0 where hidden),
+ * a[j] = e[j] * sv[j] (in place in score); *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1). Sixteen
+ * keys at a time; the sums are of integers below 2**21, exact in any order. */
+static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, double *w,
+                            double *scale, double *denominator) {
+    const __m512 unit = _mm512_set1_ps(1048576.0f);
+    __m512 best = _mm512_set1_ps(-INFINITY), top = _mm512_setzero_ps();
+    for (int64_t j = 0; j < g.keys; j += 16) {
+        __mmask16 valid = (__mmask16)((1u << (g.keys - j < 16 ? g.keys - j : 16)) - 1);
+        best = _mm512_max_ps(best, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, score + j));
     }
+    float most = _mm512_reduce_max_ps(best);
+    __m512 shift = _mm512_set1_ps(most == -INFINITY ? 0.0f : most);
+    __m512d total[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, ignored[2];
+    for (int64_t j = 0; j < g.keys; j += 16) {
+        int64_t n = g.keys - j < 16 ? g.keys - j : 16;
+        __mmask16 valid = (__mmask16)((1u << n) - 1);
+        __m512 e = exp2_vector(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, score + j), shift), g.c);
+        e = _mm512_maskz_mov_ps(seen_mask(seen + j * g.visible_stride, g.visible_stride, n), e);
+        add_rounded(_mm512_mul_ps(e, unit), total);
+        __m512 a = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, v_scale + j));
+        _mm512_mask_storeu_ps(score + j, valid, a);
+        top = _mm512_max_ps(top, a);
+    }
+    float a_top = _mm512_reduce_max_ps(top);
+    __m512 divisor = _mm512_set1_ps(a_top > 0.0f ? a_top : 1.0f);
+    for (int64_t j = 0; j < g.keys; j += 16) {
+        int64_t n = g.keys - j < 16 ? g.keys - j : 16;
+        __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), score + j);
+        ignored[0] = ignored[1] = _mm512_setzero_pd();
+        __m512 weight = add_rounded(_mm512_mul_ps(_mm512_div_ps(a, divisor), unit), ignored);
+        __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(weight));
+        __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(weight), 1)));
+        _mm512_mask_storeu_pd(w + j, (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), low);
+        if (n > 8) _mm512_mask_storeu_pd(w + j + 8, (__mmask8)((1u << (n - 8)) - 1), high);
+    }
+    double sum = _mm512_reduce_add_pd(_mm512_add_pd(total[0], total[1]));
+    *scale = (double)a_top;
+    *denominator = sum > 1.0 ? sum : 1.0;
+}
+
+/* 32 int16 values as four vectors of doubles */
+static inline void widen(const int16_t *x, __m512d out[4]) {
+    __m512i all = _mm512_loadu_si512(x);
+    __m512i low = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(all));
+    __m512i high = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(all, 1));
+    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(low));
+    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(low, 1));
+    out[2] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(high));
+    out[3] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(high, 1));
+}
+
+/* sum[r][d] = sum_j w[r][j] * V[j][d] for every padded row r: PASS_ROWS rows by CHANNELS channels per pass, each
+ * value widened once per pass; channels past the last whole CHANNELS block one at a time */
+static void weighted_sums(group_t g, const double *w, const int16_t *v, double *sum) {
+    int64_t d0 = 0;
+    for (; d0 + CHANNELS <= g.size; d0 += CHANNELS)
+        for (int64_t r0 = 0; r0 < g.padded; r0 += PASS_ROWS) {
+            __m512d acc[PASS_ROWS][4], value[4];
+            for (int i = 0; i < PASS_ROWS; i++)
+                for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_pd();
+            for (int64_t j = 0; j < g.keys; j++) {
+                widen(v + j * g.width + d0, value);
+                for (int i = 0; i < PASS_ROWS; i++) {
+                    __m512d wj = _mm512_set1_pd(w[(r0 + i) * g.keys + j]);
+                    for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_pd(wj, value[c], acc[i][c]);
+                }
+            }
+            for (int i = 0; i < PASS_ROWS; i++)
+                for (int c = 0; c < 4; c++) _mm512_storeu_pd(sum + (r0 + i) * g.size + d0 + 8 * c, acc[i][c]);
+        }
+    for (; d0 < g.size; d0++)
+        for (int64_t r = 0; r < g.padded; r++) {
+            double total = 0.0;
+            for (int64_t j = 0; j < g.keys; j++) total += w[r * g.keys + j] * (double)v[j * g.width + d0];
+            sum[r * g.size + d0] = total;
+        }
+}
+
+/* out: row r at out + (r / Q) * out_head + (r % Q) * out_query */
+static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
+                         scratch_t s, float *out, int64_t out_head, int64_t out_query) {
+    double factor[g.padded], scale[g.padded], denominator[g.padded];
+    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = (float)token_scale_of(v + j * g.width, g.width);
+    quantize_queries(g, query, s.hi, s.lo, factor);
+    scores(g, s.hi, s.lo, factor, k, visible, s.score);
+    for (int64_t r = 0; r < g.padded; r++) {
+        if (r < g.rows) {
+            const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
+            softmax_weights(g, s.score + r * g.keys, seen, s.v_scale, s.w + r * g.keys, scale + r, denominator + r);
+        } else {
+            for (int64_t j = 0; j < g.keys; j++) s.w[r * g.keys + j] = 0.0;
+        }
+    }
+    weighted_sums(g, s.w, v, s.sum);
     for (int64_t r = 0; r < g.rows; r++) {
         float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
-        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((sum[r * g.size + d] * scale[r]) / denominator[r]);
+        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((s.sum[r * g.size + d] * scale[r]) / denominator[r]);
     }
 }
 
-/* query: float32 [B, H, Q, D] contiguous; keys, values: packed float64 [B, Hk, L, D + 1] with the given batch and
- * head strides; visible: bool [B, 1, Q, L] with strides (vb, vq, vl); out: float32 [B, Q, H, D]. Returns 0, or 1
- * where scratch memory could not be allocated (out is then incomplete; the caller raises). */
-int batchspec_attention(const float *query, const double *keys, int64_t k_batch, int64_t k_head,
-                        const double *values, int64_t v_batch, int64_t v_head, const uint8_t *visible, int64_t vb,
-                        int64_t vq, int64_t vl, int64_t batch, int64_t heads, int64_t kv_heads, int64_t queries,
-                        int64_t length, int64_t size, double factor, float levels, const float *c, float *out,
-                        int threads) {
+/* query: float32 [B, H, Q, D] contiguous; keys, values: the int16 cache [B, Hk, L, width] with the given batch and
+ * head strides (tokens `width` apart); visible: bool [B, 1, Q, L] with strides (vb, vq, vl); out: float32
+ * [B, Q, H, D]. Returns 0, or 1 where scratch memory could not be allocated (out is then incomplete; the caller
+ * raises). */
+int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch, int64_t k_head,
+                        const int16_t *values, int64_t v_batch, int64_t v_head, int64_t width,
+                        const uint8_t *visible, int64_t vb, int64_t vq, int64_t vl, int64_t batch, int64_t heads,
+                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float levels,
+                        const float *c, float *out, int threads) {
     int64_t group = heads / kv_heads, rows = group * queries;
-    group_t g = {queries, rows, length, size, vl, vq, factor, levels, c};
+    int64_t padded = (rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, columns = length > 0 ? length : 1;
+    int64_t lanes = (size + 31) / 32 * 32;
+    group_t g = {queries, rows, padded, length, size, lanes, width, vl, vq, factor, levels, c};
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        double *q = (double *)malloc(2 * (size_t)(rows * size) * sizeof(double));
-        float *score = (float *)malloc((size_t)(rows * (length > 0 ? length : 1)) * sizeof(float));
-        failed = q == NULL || score == NULL;
+        size_t doubles = (size_t)(padded * lanes + padded * columns + padded * lanes / 2);
+        double *block = (double *)malloc(doubles * sizeof(double));
+        float *score = (float *)malloc((size_t)((padded + 1) * columns) * sizeof(float));
+        failed = block == NULL || score == NULL;
+        int16_t *halves = (int16_t *)(block + padded * lanes + padded * columns);
+        scratch_t s = {halves, halves + padded * lanes, block, block + padded * lanes, score, score + padded * columns};
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < batch * kv_heads; u++) {
             if (failed) continue;
             int64_t b = u / kv_heads, hk = u % kv_heads;
             attend_group(g, query + (b * heads + hk * group) * queries * size, keys + b * k_batch + hk * k_head,
-                         values + b * v_batch + hk * v_head, visible + b * vb, q, q + rows * size, score,
+                         values + b * v_batch + hk * v_head, visible + b * vb, s,
                          out + (b * queries * heads + hk * group) * size, size, heads * size);
         }
-        free(q);
+        free(block);
         free(score);
     }
     return failed;

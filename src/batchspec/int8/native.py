@@ -5,7 +5,8 @@
 * :func:`quantize`: a token's quantization, straight to that kernel's codes;
 * :func:`rms_norm`: :class:`~batchspec.int8.model.ExactRMSNorm`;
 * :func:`attention`: :func:`~batchspec.int8.attention.exact_attention` for a few queries (decoding, verifying);
-  :func:`quantize_wide` and :func:`exp2_nonpositive_`, its 15-bit quantization and its ``2**t``, for the rest.
+  :func:`pack_kv`, :func:`quantize_wide` and :func:`exp2_nonpositive_`, its 15-bit quantization (into the int16 KV
+  cache, or float64) and its ``2**t``, for the rest.
 
 Each gives the float32 bits of the torch code it replaces (the same correctly rounded operations in the same order,
 compiled without contracting multiply-adds), in one call where torch runs 10 to 40 operations; at ~5 us of dispatch
@@ -51,6 +52,8 @@ GROUP = 4  # inner positions per vpdpbusd lane
 ZERO_POINT = 128  # the uint8 code of the integer 0
 # |q . w| <= 127 * 127 * K stays below 2^31 (native.c's modular int32 sum is then the sum itself)
 MAX_INNER = (2**31 - 1) // (127 * 127)
+# the attention's query halves times 15-bit keys, 256 * 32767 * D, stay below 2^31 (native.c, quantize_queries)
+MAX_HEAD_SIZE = 256
 _SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared",
           "-fPIC")
@@ -132,22 +135,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def quantize_wide(x: torch.Tensor, levels: int, packed: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~batchspec.int8.arithmetic.quantize_rows` of float32 ``x`` ``[..., D]`` to ``levels``, in float64, bit
-    for bit: ``(q [..., D], scale [..., 1])``, or with ``packed`` one tensor ``[..., D + 1]``, the scale last."""
-    if x.dtype != torch.float32 or not 0 < levels < 2**24:
-        raise ValueError(f"native quantization takes float32 and levels below 2**24, not {x.dtype}, {levels}")
-    x, size = x.contiguous(), x.shape[-1]
-    rows = x.numel() // max(size, 1)
-    if packed:
-        out = torch.empty(*x.shape[:-1], size + 1, dtype=torch.float64)  # [..., D + 1]
-        q_pointer, scale_pointer, q_stride, scale_stride = out.data_ptr(), out.data_ptr() + 8 * size, size + 1, size + 1
-    else:
-        q, scale = torch.empty(x.shape, dtype=torch.float64), torch.empty(*x.shape[:-1], 1, dtype=torch.float64)
-        q_pointer, scale_pointer, q_stride, scale_stride = q.data_ptr(), scale.data_ptr(), size, 1
-    _library().quantize_wide(x.data_ptr(), rows, size, levels, q_pointer, q_stride, scale_pointer, scale_stride,
-                             torch.get_num_threads())
-    return out if packed else (q, scale)
+    for bit: ``(q [..., D], scale [..., 1])``."""
+    x = _wide_input(x, levels)
+    size = x.shape[-1]
+    q, scale = torch.empty(x.shape, dtype=torch.float64), torch.empty(*x.shape[:-1], 1, dtype=torch.float64)
+    _library().quantize_wide(x.data_ptr(), x.numel() // max(size, 1), size, levels, q.data_ptr(), size,
+                             scale.data_ptr(), 1, torch.get_num_threads())
+    return q, scale
+
+
+def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
+    """:func:`~batchspec.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit: ``[..., width]``
+    int16, each token's integers, zeros up to ``width - 4``, then its scale's bits as float64 in the last four."""
+    x = _wide_input(x, levels)
+    size = x.shape[-1]
+    if width < size + 4 or width % 4:
+        raise ValueError(f"keys of {size} values need a width of at least {size + 4}, a multiple of 4, not {width}")
+    out = torch.empty(*x.shape[:-1], width, dtype=torch.int16)  # [..., width]
+    _library().pack_kv(x.data_ptr(), x.numel() // max(size, 1), size, levels, out.data_ptr(), width,
+                       torch.get_num_threads())
+    return out
+
+
+def _wide_input(x: torch.Tensor, levels: int) -> torch.Tensor:
+    if x.dtype != torch.float32 or not 0 < levels < 2**15:
+        raise ValueError(f"native 15-bit quantization takes float32 and levels below 2**15, not {x.dtype}, {levels}")
+    return x.contiguous()
 
 
 def exp2_nonpositive_(t: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
@@ -163,15 +178,17 @@ def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float, levels: int,
     coefficients: tuple[float, ...],
 ) -> torch.Tensor | None:
-    """:func:`~batchspec.int8.attention.exact_attention`, bit for bit, for float32 ``query`` ``[B, H, Q, D]``,
-    packed float64 ``key``/``value`` ``[B, Hk, L, D + 1]`` (rows of ``D + 1`` contiguous values), ``visible`` bool
-    ``[B, 1, Q, L]``, the queries' 15-bit ``levels`` and ``2**t``'s ``coefficients``: ``[B, Q, H, D]`` float32;
-    None where the tensors are not laid out so (the caller then runs torch's path)."""
+    """:func:`~batchspec.int8.attention.exact_attention`, bit for bit, for float32 ``query`` ``[B, H, Q, D]``, the
+    int16 cache's ``key``/``value`` ``[B, Hk, L, W]`` as :func:`pack_kv` stores them (tokens contiguous),
+    ``visible`` bool ``[B, 1, Q, L]``, the queries' 15-bit ``levels`` and ``2**t``'s ``coefficients``:
+    ``[B, Q, H, D]`` float32; None where the tensors are not laid out so or heads are larger than
+    :data:`MAX_HEAD_SIZE` (the caller then runs torch's path)."""
     batch, heads, queries, size = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+    kv_heads, length, width = key.shape[1], key.shape[2], key.shape[3]
     laid_out = query.dtype == torch.float32 and visible.dtype == torch.bool and heads % kv_heads == 0
+    laid_out = laid_out and size <= MAX_HEAD_SIZE and 0 < levels < 2**15 and width >= size + 4 and width % 4 == 0
     laid_out = laid_out and all(
-        t.dtype == torch.float64 and t.shape == (batch, kv_heads, length, size + 1) and t.stride()[2:] == (size + 1, 1)
+        t.dtype == torch.int16 and t.shape == (batch, kv_heads, length, width) and t.stride()[2:] == (width, 1)
         for t in (key, value)
     )
     if not laid_out or visible.shape != (batch, 1, queries, length) or len(coefficients) != 10:
@@ -180,7 +197,7 @@ def attention(
     vb, _, vq, vl = visible.stride()
     failed = _library().attention(
         query.data_ptr(), key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
-        value.stride(1), visible.data_ptr(), vb, vq, vl, batch, heads, kv_heads, queries, length, size,
+        value.stride(1), width, visible.data_ptr(), vb, vq, vl, batch, heads, kv_heads, queries, length, size,
         scaling / math.log(2.0), levels, _float_table(coefficients), out.data_ptr(), torch.get_num_threads(),
     )
     if failed:
@@ -208,7 +225,7 @@ def _library() -> types.SimpleNamespace:
 
 @functools.cache
 def library() -> types.SimpleNamespace | None:
-    """The C functions (``linear``, ``quantize``, ``rms_mean``, ``rms_apply``, ``quantize_wide``,
+    """The C functions (``linear``, ``quantize``, ``rms_mean``, ``rms_apply``, ``quantize_wide``, ``pack_kv``,
     ``exp2_nonpositive``, ``attention``), built for this machine on first use; None (with one log line) where they
     cannot run or ``BATCHSPEC_NATIVE_KERNELS=0`` turns them off."""
     if os.environ.get("BATCHSPEC_NATIVE_KERNELS", "1") == "0":
@@ -232,9 +249,10 @@ def library() -> types.SimpleNamespace | None:
         "rms_mean": [pointer, i64, i64, ctypes.c_float, pointer, threads],
         "rms_apply": [pointer, i64, i64, pointer, pointer, pointer, threads],
         "quantize_wide": [pointer, i64, i64, ctypes.c_float, pointer, i64, pointer, i64, threads],
+        "pack_kv": [pointer, i64, i64, ctypes.c_float, pointer, i64, threads],
         "exp2_nonpositive": [pointer, i64, pointer, threads],
-        "attention": [pointer, pointer, i64, i64, pointer, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64, i64,
-                      i64, ctypes.c_double, ctypes.c_float, pointer, pointer, threads],
+        "attention": [pointer, pointer, i64, i64, pointer, i64, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64,
+                      i64, i64, ctypes.c_double, ctypes.c_float, pointer, pointer, threads],
     }
     functions = {}
     for name, arguments in signatures.items():
