@@ -147,8 +147,9 @@ def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
-    """:func:`~batchspec.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit: ``[..., width]``
-    int16, each token's integers, zeros up to ``width - 4``, then its scale's bits as float64 in the last four."""
+    """:func:`~batchspec.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
+    ``[..., width]`` int16, each token's integers, zeros up to ``width - 4``, then its scale's bits as float64 in the
+    last four."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
     if width < size + 4 or width % 4:
