@@ -43,9 +43,6 @@ WEIGHT_BITS = 20
 MAX_KEYS = 2**18  # sum_j W[j] V[j] stays below 2**53 for fewer keys than this
 MAX_HEAD_SIZE = 2**16  # sum_d Q[d] K[d] stays below 2**53 for smaller heads than this
 QUERY_CHUNK = 64  # queries per block: bounds the scores' memory and skips keys a causal block cannot see
-# forwards of at most this many queries (decoding, verifying drafts) take batchspec's native kernel where the CPU runs
-# it: one C call for the whole attention, the same bits; longer ones (prefill) keep torch's batched float64 products
-NATIVE_QUERIES = 16
 
 
 def exact_attention(
@@ -53,25 +50,26 @@ def exact_attention(
 ) -> torch.Tensor:
     """The attention kernel of :data:`NAME` (see :mod:`batchspec.layers`): ``query`` ``[B, H, q, D]``,
     ``key``/``value`` ``[B, Hk, L, W]`` packed as :func:`pack` stores them, or raw ``[B, Hk, L, D]`` (``H`` a
-    multiple of ``Hk``), ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``."""
+    multiple of ``Hk``), ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``.
+
+    Queries go in blocks of :data:`QUERY_CHUNK`, each over the keys it can see: to batchspec's native kernel where
+    the CPU runs it and the cache is packed, else to torch's batched float64 products (the same bits)."""
     batch, heads, queries, size = query.shape
     keys = key.shape[2]
     if keys >= MAX_KEYS or size >= MAX_HEAD_SIZE:
         raise ValueError(f"exact attention holds up to {MAX_KEYS - 1} keys and heads below {MAX_HEAD_SIZE} values")
-    if queries <= NATIVE_QUERIES and native.available():
-        out = native.attention(query, key, value, visible, scaling, QKV_LEVELS, EXP2_COEFFICIENTS)
-        if out is not None:
-            return out
+    blocks = [(slice(start, start + QUERY_CHUNK), slice(0, keys - queries + min(queries, start + QUERY_CHUNK)))
+              for start in range(0, queries, QUERY_CHUNK)]  # (queries, the keys a causal block can see)
+    if native.available():
+        out = [native.attention(query[:, :, block], key[:, :, seen], value[:, :, seen], visible[:, :, block, seen],
+                                scaling, QKV_LEVELS, EXP2_COEFFICIENTS) for block, seen in blocks]
+        if all(part is not None for part in out):
+            return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, q, H, D]
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
     v, v_scale = _unpacked(value, size)
-    blocks = []
-    for start in range(0, queries, QUERY_CHUNK):
-        block = slice(start, start + QUERY_CHUNK)
-        # the keys a causal block can see: those before its last query (the others are masked for all of it)
-        seen = slice(0, keys - queries + min(queries, start + QUERY_CHUNK))
-        parts = (k[:, :, seen], k_scale[:, :, seen], v[:, :, seen], v_scale[:, :, seen], visible[:, :, block, seen])
-        blocks.append(_attend(query[:, :, block], *parts, scaling))
-    out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, H, q, D]
+    out = [_attend(query[:, :, block], k[:, :, seen], k_scale[:, :, seen], v[:, :, seen], v_scale[:, :, seen],
+                   visible[:, :, block, seen], scaling) for block, seen in blocks]
+    out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [B, H, q, D]
     return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)  # [B, q, H, D]
 
 
