@@ -4,7 +4,8 @@
   :mod:`batchspec.int8.product`);
 * :func:`quantize`: a token's quantization, straight to that kernel's codes;
 * :func:`rms_norm`: :class:`~batchspec.int8.model.ExactRMSNorm`;
-* :func:`attention`: :func:`~batchspec.int8.attention.exact_attention` for a few queries (decoding, verifying);
+* :func:`attention`: :func:`~batchspec.int8.attention.exact_attention` over the int16 KV cache, a call per block of
+  queries;
   :func:`pack_kv`, :func:`quantize_wide` and :func:`exp2_nonpositive_`, its 15-bit quantization (into the int16 KV
   cache, or float64) and its ``2**t``, for the rest.
 
