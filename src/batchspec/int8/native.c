@@ -228,9 +228,10 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
  *
  * One call handles one KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head
  * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: D
- * integers, the scale's bits last; see section 4). Both sums over keys and channels run as small matrix products in
- * float64 whose every product and partial sum is an integer below 2**53 (|q|, |K|, |V| <= 2**15 - 1, W <= 2**20,
- * D < 2**16 and L < 2**18, attention.py's bounds): exact, so the blocking below cannot change a bit. */
+ * integers, the scale's bits last; see section 4). The dots are summed in int32 on the query's two halves
+ * (quantize_queries states the bound), then joined in float64; the weighted sum runs in float64, six rows by 32
+ * channels at a time, every product and partial sum an integer below 2**53 (|V| <= 2**15 - 1, W <= 2**20 and
+ * L < 2**18, attention.py's bounds). Both are exact, so the blocking below cannot change a bit. */
 #define KEY_BLOCK 8  /* keys per score pass: their dots end as one vector of doubles */
 #define PASS_ROWS 6  /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
 #define CHANNELS 32  /* value channels per weighted-sum pass: four vectors of doubles per row */
