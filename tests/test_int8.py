@@ -286,7 +286,8 @@ def test_native_attention_at_its_integer_bounds(size):
     generator = torch.Generator().manual_seed(size)
     signs = torch.randint(0, 2, (1, 2, 3, size), generator=generator) * 2.0 - 1.0  # [B, H, Q, D] of +-1
     query, keys = signs.clone(), signs[:, :1].expand(1, 1, 3, size).contiguous()
-    query[:, :, 1], keys[:, :, 1] = -1.0, 1.0  # a dot of -(2**15 - 1)**2 * D
+    query[:, :, 1], keys[:, :, 1] = -1.0, 1.0  # the query's high half at -128 throughout: hi . K = -128 * 32767 * D
+    query[:, :, 2], keys[:, :, 2] = 1.0, 1.0  # its low half at 255 throughout: lo . K = 255 * 32767 * D
     key, value = pack(keys), pack(-keys)  # [1, 1, 3, W]
     visible = torch.ones(1, 1, 3, 3, dtype=torch.bool)
     got = native.attention(query, key, value, visible, size**-0.5, QKV_LEVELS, EXP2_COEFFICIENTS)

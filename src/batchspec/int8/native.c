@@ -221,7 +221,7 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
 }
 
 /* 6. The exact attention of one query row (batchspec_attention), as attention.py's _attend computes it: the query
- * quantized to 15 bits; dot[j] = q . K[j] (an exact integer in float64, so in any order); the score
+ * quantized to 15 bits; dot[j] = q . K[j] (an exact integer, so in any order); the score
  * (float)((dot * (sq * scaling / ln 2)) * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden);
  * a[j] = e[j] * sv[j]; W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j
  * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
@@ -243,7 +243,7 @@ typedef struct {
     const float *c;
 } group_t;
 
-/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, lanes] and w [padded, L]
+/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, D] and w [padded, L]
  * doubles; score [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to a multiple of 32) */
 typedef struct {
     int16_t *hi, *lo;
@@ -313,7 +313,8 @@ static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double
     for (int64_t j0 = 0; j0 < g.keys; j0 += KEY_BLOCK) {
         int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
         double scales[KEY_BLOCK];
-        for (int64_t i = 0; i < KEY_BLOCK; i++) scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width, g.width) : 0.0;
+        for (int64_t i = 0; i < KEY_BLOCK; i++)
+            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width, g.width) : 0.0;
         __m512d key_scale = _mm512_loadu_pd(scales);
         for (int64_t i = 0; i < g.queries; i++)
             seen[i] = (__mmask8)seen_mask(visible + i * g.visible_row + j0 * g.visible_stride, g.visible_stride, n);
@@ -348,12 +349,15 @@ static inline __m512 exp2_vector(__m512 t, const float *c) {
     return _mm512_mul_ps(power, _mm512_castsi512_ps(bits));
 }
 
-/* sixteen floats, rounded to integers (ties to even), as doubles added to sum[0] (low eight) and sum[1] */
-static inline __m512 add_rounded(__m512 x, __m512d sum[2]) {
-    __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    sum[0] = _mm512_add_pd(sum[0], _mm512_cvtps_pd(_mm512_castps512_ps256(whole)));
-    sum[1] = _mm512_add_pd(sum[1], _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(whole), 1))));
-    return whole;
+/* sixteen floats rounded to integers, ties to even (rintf's rounding) */
+static inline __m512 rounded(__m512 x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* sixteen floats as two vectors of eight doubles (exact) */
+static inline void to_doubles(__m512 x, __m512d out[2]) {
+    out[0] = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    out[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 }
 
 /* One row's scores -> w[j] = rint(a[j] / max a * 2**20) as doubles, with e[j] = 2**(score - max) (0 where hidden),
@@ -369,13 +373,15 @@ static void softmax_weights(group_t g, float *score, const uint8_t *seen, const 
     }
     float most = _mm512_reduce_max_ps(best);
     __m512 shift = _mm512_set1_ps(most == -INFINITY ? 0.0f : most);
-    __m512d total[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, ignored[2];
+    __m512d total[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, part[2];
     for (int64_t j = 0; j < g.keys; j += 16) {
         int64_t n = g.keys - j < 16 ? g.keys - j : 16;
         __mmask16 valid = (__mmask16)((1u << n) - 1);
         __m512 e = exp2_vector(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, score + j), shift), g.c);
         e = _mm512_maskz_mov_ps(seen_mask(seen + j * g.visible_stride, g.visible_stride, n), e);
-        add_rounded(_mm512_mul_ps(e, unit), total);
+        to_doubles(rounded(_mm512_mul_ps(e, unit)), part);
+        total[0] = _mm512_add_pd(total[0], part[0]);
+        total[1] = _mm512_add_pd(total[1], part[1]);
         __m512 a = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, v_scale + j));
         _mm512_mask_storeu_ps(score + j, valid, a);
         top = _mm512_max_ps(top, a);
@@ -385,12 +391,9 @@ static void softmax_weights(group_t g, float *score, const uint8_t *seen, const 
     for (int64_t j = 0; j < g.keys; j += 16) {
         int64_t n = g.keys - j < 16 ? g.keys - j : 16;
         __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), score + j);
-        ignored[0] = ignored[1] = _mm512_setzero_pd();
-        __m512 weight = add_rounded(_mm512_mul_ps(_mm512_div_ps(a, divisor), unit), ignored);
-        __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(weight));
-        __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(weight), 1)));
-        _mm512_mask_storeu_pd(w + j, (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), low);
-        if (n > 8) _mm512_mask_storeu_pd(w + j + 8, (__mmask8)((1u << (n - 8)) - 1), high);
+        to_doubles(rounded(_mm512_mul_ps(_mm512_div_ps(a, divisor), unit)), part);
+        _mm512_mask_storeu_pd(w + j, (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), part[0]);
+        if (n > 8) _mm512_mask_storeu_pd(w + j + 8, (__mmask8)((1u << (n - 8)) - 1), part[1]);
     }
     double sum = _mm512_reduce_add_pd(_mm512_add_pd(total[0], total[1]));
     *scale = (double)a_top;
