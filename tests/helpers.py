@@ -343,12 +343,17 @@ MIN_EXPECTED = 5  # chi-square cells expecting fewer samples are pooled into one
 
 
 @torch.no_grad()
-def exact_joint(target: torch.nn.Module, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """``[V, V]`` probability of the first two new tokens ``(t1, t2)``: warped target ``P(t1) P(t2 | t1)``."""
+def exact_joint(
+    target: torch.nn.Module, prompt: list[int], params: SamplingParams, shaped=None
+) -> torch.Tensor:
+    """``[V, V]`` probability of the first two new tokens ``(t1, t2)``: warped target ``P(t1) P(t2 | t1)``, the
+    logits passed first through ``shaped(logits [V], output so far)`` when given."""
     vocab = target.config.vocab_size
-    first = warp(target(torch.tensor([prompt])).logits[0, -1], params)  # [V]
+    shaped = shaped or (lambda logits, output: logits)
+    first = warp(shaped(target(torch.tensor([prompt])).logits[0, -1], []), params)  # [V]
     extended = torch.tensor([prompt + [t] for t in range(vocab)])  # [V, len + 1]
-    second = warp(target(extended).logits[:, -1], params)  # [V, V]
+    logits = target(extended).logits[:, -1]  # [V, V]
+    second = torch.stack([warp(shaped(logits[t], [t]), params) for t in range(vocab)])  # [V, V]
     return first[:, None] * second
 
 

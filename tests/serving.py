@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import tiny_models
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import batchspec
@@ -40,6 +40,19 @@ def word_tokenizer(eos_id: int) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def byte_tokenizer(eos_id: int) -> PreTrainedTokenizerFast:
+    """One printable ASCII character per token id (95 of them, byte-level like GPT-2's, so that llguidance can read
+    it and JSON can be written), EOS at ``eos_id``; the word tokenizer's chat template."""
+    chars = iter("Ġ" if code == ord(" ") else chr(code) for code in range(ord(" "), ord("~") + 1))
+    vocab = {("</s>" if i == eos_id else next(chars)): i for i in range(tiny_models.VOCAB_SIZE)}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

@@ -21,7 +21,8 @@ from batchspec.models import ModelPair
 FIELDS = {
     "method", "proposer", "batch_size", "model", "dtype", "kernels", "prompts", "max_new_tokens", "num_draft_tokens",
     "torch_threads", "machine", "tokens_per_s", "wall_s", "generated_tokens", "acceptance_rate",
-    "mean_accepted_length", "recomputed_columns", "prefill_s", "draft_s", "verify_s", "realign_s", "other_s",
+    "mean_accepted_length", "recomputed_columns", "cached_tokens", "prefill_s", "draft_s", "verify_s", "realign_s",
+    "other_s",
     "prefill_share", "draft_share", "verify_share", "realign_share", "other_share", "grouping_rate", "exact_match",
     "partial_match", "device", "quantize",
 }

@@ -287,7 +287,7 @@ def test_bad_requests_get_400_with_openai_errors(eqspec_server):
     assert_error(post_raw(eqspec_server, b"[1, 2]"), 400)
     bodies = {
         "max_tokens": {"prompt": "w10", "max_tokens": "many"},
-        "n": {"prompt": "w10", "n": 2},
+        "n": {"prompt": "w10", "n": 17},
         "prompt": {"prompt": ""},
         "top_p": {"prompt": "w10", "top_p": 0},
         "frobnicate": {"prompt": "w10", "frobnicate": True},

@@ -10,10 +10,13 @@ from tqdm.auto import tqdm
 
 from batchspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, MAX_AUTO_DRAFT_TOKENS, SpecConfig
 from batchspec.engine.core import Engine, build_engine
+from batchspec.engine.grammar import Grammar
+from batchspec.engine.logprobs import TokenLogprob
 from batchspec.engine.metrics import GenerationStats
 from batchspec.engine.sampling import SamplingParams, derive_row_seeds
 from batchspec.engine.schedulers import make_scheduler
 from batchspec.engine.schedulers.drive import Offline, drive
+from batchspec.engine.shaping import Penalties
 from batchspec.engine.state import FINISH_LENGTH, Sequence, check_budget
 from batchspec.model_checks import vocab_size
 
@@ -28,12 +31,14 @@ class GenerationResult:
         finish_reasons: ``"eos"`` or ``"length"`` for each prompt.
         stats: counters and timings of the run.
         texts: the decoded sequences when a tokenizer was given, else None.
+        logprobs: with ``logprobs=n``, each sequence's tokens with their logprobs, else None.
     """
 
     sequences: list[list[int]]
     finish_reasons: list[str]
     stats: GenerationStats
     texts: list[str] | None = None
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 def generate(
@@ -62,6 +67,10 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | Seq[int] | None = None,
+    penalties: Penalties | None = None,
+    grammar: Grammar | None = None,
+    logprobs: int | None = None,
+    prefix_cache_size: int | str = "auto",
 ) -> GenerationResult:
     """Generation with ``target``, batched, optionally sped up by speculative decoding with ``draft``.
 
@@ -108,6 +117,16 @@ def generate(
         top_p: sampling only: keep the smallest set of most probable tokens with mass at least ``top_p``.
         seed: sampling only: an int (prompt ``i`` gets a seed derived from it and ``i``), one int in
             ``[0, 2**63)`` per prompt, or None for fresh random seeds.
+        penalties: presence, frequency and repetition penalties and a logit bias, applied to the target's
+            distribution at every verified position (:mod:`batchspec.engine.shaping`); greedy output is then the
+            penalised greedy output and sampling follows the penalised distribution.
+        grammar: every output follows it (``batchspec.engine.grammar.GrammarCompiler`` makes one from a JSON schema
+            or a Lark grammar).
+        logprobs: report each output token's logprob under the target and its ``logprobs`` most probable
+            alternatives (0 .. 20) in ``result.logprobs``.
+        prefix_cache_size: bytes of prompt KV kept for later prompts that start the same way (0: off; ``"auto"``: a
+            quarter of free memory, at most 4 GiB). Outputs are the same either way; with int8 models the reused
+            KV is the same bits as a recomputation (:mod:`batchspec.engine.prefix_cache`).
     """
     check_budget(max_new_tokens)  # before anything is built, and for an empty prompt list (no Sequence) too
     config = SpecConfig(
@@ -125,13 +144,15 @@ def generate(
         check_invariants=check_invariants,
         timing=timing,
         cuda_graphs=cuda_graphs,
+        prefix_cache_size=prefix_cache_size,
     )
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     engine = build_engine(target, draft, config)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
     seeds = derive_row_seeds(seed, len(token_prompts))
+    shaping = {"penalties": penalties or Penalties(), "grammar": grammar, "logprobs": logprobs}
     sequences = [
-        Sequence(i, p, max_new_tokens, sampling=sampling, seed=s)
+        Sequence(i, p, max_new_tokens, sampling=sampling, seed=s, **shaping)
         for i, (p, s) in enumerate(zip(token_prompts, seeds, strict=True))
     ]
     _decode(engine, sequences, progress)
@@ -141,6 +162,7 @@ def generate(
         finish_reasons=[s.finish_reason or FINISH_LENGTH for s in sequences],
         stats=engine.stats,
         texts=texts,
+        logprobs=None if logprobs is None else [s.token_logprobs for s in sequences],
     )
 
 

@@ -90,6 +90,9 @@ class SpecConfig:
         cuda_graphs: ``"on"`` captures the decode forwards of models on a CUDA device as CUDA graphs and replays
             them (:mod:`batchspec.engine.graphs`); ``"off"`` runs them as they come; ``"auto"`` is on for a CUDA
             device, off elsewhere.
+        prefix_cache_size: bytes of prompt KV the prefix cache may keep for later prompts that start the same way
+            (:mod:`batchspec.engine.prefix_cache`); 0 turns it off; ``"auto"``: a quarter of the device's free
+            memory when the engine is built, at most 4 GiB.
     """
 
     method: Method = Method.EQSPEC
@@ -107,6 +110,7 @@ class SpecConfig:
     timing: bool = True
     prefill_chunk: int | str | None = None
     cuda_graphs: CudaGraphs = CudaGraphs.AUTO
+    prefix_cache_size: int | str = AUTO
 
     def __post_init__(self) -> None:
         try:
@@ -138,6 +142,11 @@ class SpecConfig:
             if isinstance(self.prefill_chunk, str):
                 raise ValueError(f"prefill_chunk must be an integer >= 1, 'auto' or None; got {self.prefill_chunk!r}")
             require_int("prefill_chunk", self.prefill_chunk, minimum=1)
+        if self.prefix_cache_size != AUTO:
+            if isinstance(self.prefix_cache_size, str):
+                raise ValueError(f"prefix_cache_size must be a number of bytes >= 0 or 'auto'; "
+                                 f"got {self.prefix_cache_size!r}")
+            require_int("prefix_cache_size", self.prefix_cache_size, minimum=0)
         if self.window_size is not None:
             require_int("window_size", self.window_size, minimum=1)
             if self.window_size < self.batch_size:
@@ -164,9 +173,11 @@ class SpecConfig:
         return self.window_size if self.window_size is not None else WINDOW_MULTIPLE * self.batch_size
 
 
-def require_int(name: str, value: object, *, minimum: int) -> None:
-    """Raise ValueError naming ``name`` unless ``value`` is an integer (not a bool) of at least ``minimum``."""
+def require_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an integer (not a bool) in ``[minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer; got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}; got {value}")

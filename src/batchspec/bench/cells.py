@@ -37,6 +37,7 @@ class Cell:
     acceptance_rate: float | None
     mean_accepted_length: float | None
     recomputed_columns: int | None
+    cached_tokens: int | None
     prefill_s: float | None
     draft_s: float | None
     verify_s: float | None
@@ -66,6 +67,7 @@ class Cell:
             "device": "cpu",
             "quantize": "none",
             "recomputed_columns": None,
+            "cached_tokens": None,
             "prefill_s": None,
             "prefill_share": None,
         }
@@ -110,6 +112,7 @@ def make_cell(
         acceptance_rate=stats.acceptance_rate if speculative else None,
         mean_accepted_length=stats.mean_accepted_length if speculative else None,
         recomputed_columns=None if stats is None else stats.recomputed_columns,
+        cached_tokens=None if stats is None else stats.cached_tokens,
         **seconds,
         **shares,
         grouping_rate=stats.grouping_rate if speculative and method == "exspec" else None,

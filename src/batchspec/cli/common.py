@@ -174,6 +174,34 @@ def parse_auto_or_count(value: str) -> int | str:
     return k
 
 
+SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def parse_size(value: str) -> int | str:
+    """``"auto"`` or a number of bytes >= 0, with an optional unit (``512MiB``, ``2GB``; typer callback of
+    ``--prefix-cache-size``)."""
+    if value == AUTO:
+        return AUTO
+    number = value.rstrip("kKmMgGiIbB")
+    unit = value[len(number):].upper()
+    try:
+        size = int(float(number) * SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise typer.BadParameter(f"expected 'auto' or a size such as 0, 512MiB or 2GB; got {value!r}") from None
+    if size < 0:
+        raise typer.BadParameter(f"expected a size >= 0; got {value!r}")
+    return size
+
+
+PrefixCacheOption = Annotated[
+    str,
+    typer.Option(
+        "--prefix-cache-size", metavar="BYTES|auto", callback=parse_size,
+        help="Keys and values of read prompts kept for later prompts that start the same way (multi-turn chats, "
+        "shared system prompts), least recently used first out: 0 turns it off; auto: a quarter of free memory, "
+        "at most 4 GiB. Outputs are the same either way (with int8, the reused KV is the same bits).",
+    ),
+]
 NumDraftTokensOption = Annotated[
     str,
     typer.Option(

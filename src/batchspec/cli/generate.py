@@ -16,6 +16,7 @@ from batchspec.cli.common import (
     Method,
     MethodOption,
     NumDraftTokensOption,
+    PrefixCacheOption,
     PromptChoice,
     ProposerOption,
     SeedOption,
@@ -70,6 +71,7 @@ def generate_command(
     seed: SeedOption = None,
     output: OutputOption = None,
     cuda_graphs: CudaGraphsOption = CudaGraphs.AUTO,
+    prefix_cache_size: PrefixCacheOption = "auto",
 ) -> None:
     """Generate for a prompt set: greedy by default, and then every output is the target's own greedy output,
     exactly in float32 (--dtype auto, the default on the CPU) and up to near-ties (the two best tokens within a few
@@ -110,6 +112,7 @@ def generate_command(
             proposer=None if proposer is None else proposer.value, batch_size=batch_size,
             max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, progress=True,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, cuda_graphs=cuda_graphs.value,
+            prefix_cache_size=prefix_cache_size,
         )
         results = collect_results(records, result, loaded.tokenizer)
         if output is None:

@@ -17,6 +17,7 @@ from batchspec.cli.common import (
     Method,
     MethodOption,
     NumDraftTokensOption,
+    PrefixCacheOption,
     ProposerOption,
     model_choice,
     parse_auto_or_count,
@@ -240,6 +241,7 @@ def serve_command(
     default_max_tokens: DefaultMaxTokensOption = DEFAULT_MAX_TOKENS,
     shutdown_timeout: ShutdownTimeoutOption = DEFAULT_SHUTDOWN_TIMEOUT_S,
     cuda_graphs: CudaGraphsOption = CudaGraphs.AUTO,
+    prefix_cache_size: PrefixCacheOption = "auto",
 ) -> None:
     """Serve the models over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions (also streaming),
     /v1/models, /health and /metrics (Prometheus).
@@ -269,6 +271,7 @@ def serve_command(
             max_batch_size=max_batch_size, max_queue=max_queue, num_draft_tokens=num_draft_tokens,
             window_size=window_size, served_model_name=served_model_name, prefill_chunk=prefill_chunk, timing=timing,
             shutdown_timeout_s=shutdown_timeout, limits=limits, security=security, cuda_graphs=cuda_graphs.value,
+            prefix_cache_size=prefix_cache_size,
         )
         loaded = load_models(models, method, proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)

@@ -21,14 +21,17 @@ from batchspec.config import ProposerKind, SpecConfig
 from batchspec.engine.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
 from batchspec.engine.graphs import graph_mode
 from batchspec.engine.kv_cache import Slab
+from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked
 from batchspec.engine.metrics import GenerationStats, StageTimer
 from batchspec.engine.prefill import ChunkBudget, Reader, catch_up, length_groups
+from batchspec.engine.prefix_cache import PrefixCache, prefix_cache_bytes
 from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalHost, ProposalPlan, Proposer, point_masses
 from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.engine.proposers.ngram import NgramProposer
 from batchspec.engine.realign import assemble, draft_catch_up, layout_columns, plan_layout
 from batchspec.engine.runner import Floats, ModelRunner
 from batchspec.engine.sampling import RoundSampling, RowParams, RowRandom, warp_rows
+from batchspec.engine.shaping import shape, shaped_rows
 from batchspec.engine.state import BatchState, KVLocation, Sequence
 from batchspec.engine.verifier import Verdict, verify_greedy, verify_sampling
 from batchspec.model_checks import check_pair
@@ -51,6 +54,8 @@ class Engine:
         self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
         self.planner = _planner(target, draft if self.proposer.uses_draft_model else None, config)
         self.chunks = ChunkBudget(config.prefill_chunk)
+        size = prefix_cache_bytes(config.prefix_cache_size, self.device)
+        self.prefixes = PrefixCache(size) if size else None
 
     def step(self, rows: list[Sequence]) -> None:
         """One round over ``rows`` (unfinished, at most ``batch_size``): read what prompts it may, then decode
@@ -73,9 +78,9 @@ class Engine:
             proposal = self.proposer.propose(batch, plan, sampling, self.runner)
             drafted = self.runner.mark()
         with self.timer.stage("verify"):
-            verdict = self.verify(batch, proposal, sampling)
+            verdict, scores = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
-            accepted, gained, host = self.accept(batch, proposal, verdict)
+            accepted, gained, host = self.accept(batch, proposal, verdict, scores)
             seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
             proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
             record = _record(replace(proposal, host=host), accepted, gained, reach, sampling, seconds, proposing)
@@ -90,19 +95,42 @@ class Engine:
         """Read the prompts of rows that are not ready (a prompt read in chunks first, at most
         ``config.prefill_chunk`` columns while other rows decode; read whole, rows of similar length together);
         returns the rows ready to decode, in order."""
-        unread = [row for row in rows if not row.ready]
+        unread = self._linked([row for row in rows if not row.ready])
         if unread:
-            group = [row for row in unread if row.kv is not None] or unread
-            limit = self.chunks.limit(len(group)) if len(unread) < len(rows) else None
+            held = [row for row in unread if row.kv is not None]
+            group = held or unread
+            limit = self.chunks.limit(len(group)) if any(row.ready for row in rows) else None
             readers = [Reader(self.target)]
             if self.proposer.uses_draft_model and self.planner.drafting:
                 readers.append(Reader(self.draft, draft=True))
-            held = sum(_target_cached(row) for row in group)
+            cached = sum(_target_cached(row) for row in group)
             started = time.perf_counter()
-            for part in [group] if limit is not None else length_groups(group):
+            parts = length_groups(group) if limit is None else [length_groups(held)[0] if held else group]
+            for part in parts:
                 self._catch_up(part, readers, limit)
-            self.chunks.read(sum(_target_cached(row) for row in group) - held, time.perf_counter() - started)
+            self.chunks.read(sum(_target_cached(row) for row in group) - cached, time.perf_counter() - started)
+            self._keep([row for row in unread if row.ready])
         return [row for row in rows if row.ready]
+
+    def _linked(self, unread: list[Sequence]) -> list[Sequence]:
+        """``unread`` after each new row took the longest prefix the prefix cache holds of its prompt; less the rows
+        that wait for an earlier one's prompt (:meth:`~batchspec.engine.prefix_cache.PrefixCache.followers`)."""
+        if self.prefixes is None:
+            return unread
+        for row in unread:
+            before = row.cached_tokens
+            self.prefixes.link(row)
+            self.stats.cached_tokens += row.cached_tokens - before
+            self.stats.prefix_hits += before == 0 < row.cached_tokens
+        waiting = self.prefixes.followers([row for row in unread if not row.ready])
+        pending = [row for row in unread if not row.ready]
+        return [row for i, row in enumerate(pending) if i not in waiting]
+
+    def _keep(self, rows: list[Sequence]) -> None:
+        """Rows whose prompts were just read feed the prefix cache."""
+        if self.prefixes is not None:
+            for row in rows:
+                self.prefixes.keep(row)
 
     def sync_draft(self, rows: list[Sequence]) -> None:
         """Before the draft runs: rows whose draft lags so far that the others would re-read much (they joined
@@ -141,48 +169,46 @@ class Engine:
             batch.check()
         return batch, _round_sampling(rows, staged[cut[0] : cut[1]]), plan.staged_as(staged[cut[1] :])
 
-    def verify(self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None) -> Verdict:
-        """Target forward over the pending token followed by the drafts ``d_1 .. d_k``; greedy acceptance, and for
-        sampling rows speculative sampling against the warped target distribution ``p``."""
+    def verify(
+        self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None
+    ) -> tuple[Verdict, torch.Tensor | None]:
+        """Target forward over the pending token followed by the drafts ``d_1 .. d_k``, the rows' shaping applied
+        (penalties, bias, grammar: :mod:`batchspec.engine.shaping`); greedy acceptance, and for sampling rows
+        speculative sampling against the warped target distribution ``p``. Returns the verdict and, where rows ask
+        for logprobs, their :func:`~batchspec.engine.logprobs.scored` ``[B, (k+1)·(1 + 2·MAX_TOP)]``."""
         cache = batch.slab.target
         k = proposal.k
         inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens[:, :k]], dim=1)  # [B, 1 + k]
-        target_logits = self.runner.logits(self.target, batch, cache, inputs, keep=k + 1)  # [B, k+1, V]
+        raw_logits = self.runner.logits(self.target, batch, cache, inputs, keep=k + 1)  # [B, k+1, V]
+        target_logits = _shaped(batch, proposal, raw_logits)  # [B, k+1, V]
         verdict = verify_greedy(proposal.tokens[:, :k], target_logits, proposal.lengths)
-        if sampling is None:
-            return verdict
-        rows = sampling.index  # [s]
-        p = warp_rows(target_logits[rows], sampling.params.select(rows))  # [s, k+1, V] float64
-        q = point_masses(proposal.tokens[rows], p.shape[-1]) if proposal.q is None else proposal.q[rows]
-        bonus = None if proposal.bonus_drafted is None else proposal.bonus_drafted[rows]
-        if bonus is None:
-            bonus = torch.zeros_like(rows, dtype=torch.bool)
-        rand = sampling.rand.select(rows)
-        sampled = verify_sampling(proposal.tokens[rows], q, p, rand, proposal.lengths[rows], bonus)
-        return Verdict(
-            accepted=verdict.accepted.index_copy(0, rows, sampled.accepted),
-            tokens=verdict.tokens.index_copy(0, rows, sampled.tokens),
-        )
+        if sampling is not None:
+            verdict = _sampled(verdict, proposal, sampling, target_logits)
+        return verdict, _scores(batch.rows, raw_logits, verdict.tokens)
 
     def accept(
-        self, batch: BatchState, proposal: Proposal, verdict: Verdict
+        self, batch: BatchState, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None = None
     ) -> tuple[list[int], list[list[int]], ProposalHost]:
         """Read the verdict back (the round's one device→host read, with the proposal's lookup positions where the
-        host does not know them), append each row's gained tokens (cut at EOS or budget) and record where its KV now
-        lives. Returns, per row, the drafts accepted and the tokens gained, and the proposal as the host now knows
-        it."""
+        host does not know them, and the logprobs rows asked for), append each row's gained tokens (cut at EOS or
+        budget), advance their grammars and record where its KV now lives. Returns, per row, the drafts accepted
+        and the tokens gained, and the proposal as the host now knows it."""
         mask = () if proposal.lookup_mask is None else (proposal.lookup_mask,)
-        read = self.runner.fetch(verdict.accepted, verdict.tokens, *mask)  # [B][1 + k+1 (+ k+1)]: the sync
+        logprobs = () if scores is None else (scores,)
+        read = self.runner.fetch(verdict.accepted, verdict.tokens, *mask, *logprobs)  # [B][1 + k+1 (+ ...)]: the sync
         accepted = [values[0] for values in read]
         gained = [values[1 : values[0] + 2] for values in read]
         host = proposal.host
         if mask:
-            looked_up = [[bool(found) for found in values[2 + proposal.k :]] for values in read]
+            looked_up = [[bool(found) for found in values[2 + proposal.k : 3 + 2 * proposal.k]] for values in read]
             host = replace(host, looked_up=looked_up)
         slab = Slab(torch.cat([batch.tokens, verdict.tokens], dim=1), batch.slab.target, batch.slab.draft)
         draft_cached = self.proposer.cached_after(batch, proposal, accepted)
+        scored_from = 2 + proposal.k + (proposal.k + 1 if mask else 0)
         for i, (row, tokens, pad) in enumerate(zip(batch.rows, gained, batch.host.pad, strict=True)):
-            self.stats.generated_tokens += row.append(tokens, self.eos)
+            kept = row.append(tokens, self.eos)
+            self.stats.generated_tokens += kept
+            _record_row(row, tokens[:kept], read[i][scored_from:], proposal.k)
             if not row.finished:
                 row.kv = KVLocation(slab, i, start=pad, target_cached=row.content_len - 1, draft_cached=draft_cached[i])
         self.stats.record_round(accepted, proposal.host.lengths)
@@ -267,6 +293,55 @@ def _round_sampling(rows: list[Sequence], staged: tuple[torch.Tensor, ...]) -> R
     params = RowParams(temperature, top_k, top_p, **RowParams.flags([row.sampling for row in rows]))
     sampled = tuple(i for i, row in enumerate(rows) if not row.sampling.greedy)
     return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets), rows=sampled, index=index)
+
+
+def _shaped(batch: BatchState, proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[B, k+1, V]`` with the shaping of the rows that have some (:mod:`batchspec.engine.shaping`)."""
+    rows = shaped_rows(batch.rows)
+    if not rows:
+        return logits
+    index = torch.tensor(rows, device=logits.device)  # [r]
+    lengths = [proposal.host.lengths[i] for i in rows]
+    part = shape(logits[index], [batch.rows[i] for i in rows], proposal.tokens[index, : proposal.k], lengths)
+    return logits.index_copy(0, index, part)
+
+
+def _sampled(verdict: Verdict, proposal: Proposal, sampling: RoundSampling, logits: torch.Tensor) -> Verdict:
+    """``verdict`` with the sampling rows' outcomes: speculative sampling against the warped ``logits``."""
+    rows = sampling.index  # [s]
+    p = warp_rows(logits[rows], sampling.params.select(rows))  # [s, k+1, V] float64
+    q = point_masses(proposal.tokens[rows], p.shape[-1]) if proposal.q is None else proposal.q[rows]
+    bonus = None if proposal.bonus_drafted is None else proposal.bonus_drafted[rows]
+    if bonus is None:
+        bonus = torch.zeros_like(rows, dtype=torch.bool)
+    rand = sampling.rand.select(rows)
+    sampled = verify_sampling(proposal.tokens[rows], q, p, rand, proposal.lengths[rows], bonus)
+    return Verdict(
+        accepted=verdict.accepted.index_copy(0, rows, sampled.accepted),
+        tokens=verdict.tokens.index_copy(0, rows, sampled.tokens),
+    )
+
+
+def _scores(rows: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+    """``[B, (k+1)·(1 + 2·MAX_TOP)]`` the logprobs of the rows that ask for them (zeros elsewhere), or None."""
+    asking = [i for i, row in enumerate(rows) if row.logprobs is not None]
+    if not asking:
+        return None
+    index = torch.tensor(asking, device=logits.device)  # [r]
+    top = min(MAX_TOP, logits.shape[-1])
+    part = scored(logits[index], tokens[index], top).flatten(1)  # [r, (k+1)·(1 + 2·MAX_TOP)]
+    return torch.zeros(len(rows), part.shape[1], dtype=part.dtype, device=part.device).index_copy(0, index, part)
+
+
+def _record_row(row: Sequence, kept: list[int], scores: list[int], k: int) -> None:
+    """After ``row`` kept ``kept`` of its gained tokens: advance its grammar and keep their logprobs (``scores``:
+    its row of :func:`_scores`, for ``k + 1`` positions)."""
+    if row.grammar is not None and kept:
+        row.grammar_state().advance(kept)
+    if row.logprobs is not None:
+        top = (len(scores) // (k + 1) - 1) // 2
+        for token, (logprob, alternatives) in zip(kept, unpacked(scores, top, len(kept)), strict=True):
+            row.token_logprobs.append(TokenLogprob(token, logprob, alternatives[: row.logprobs]))
 
 
 def _record(

@@ -135,11 +135,14 @@ class Slab:
         tokens: ``[B, C]`` token ids in the batch's column layout (padding columns hold a filler value).
         target: the target model's KV cache of these rows.
         draft: the draft model's KV cache of these rows (None without a draft model).
+        shared: its caches belong to the prefix cache (:mod:`batchspec.engine.prefix_cache`): rows laid out from it
+            are always copied out, never run or shifted in place.
     """
 
     tokens: torch.Tensor  # [B, C]
     target: BatchKVCache
     draft: BatchKVCache | None
+    shared: bool = False
 
     @property
     def size(self) -> int:

@@ -32,7 +32,8 @@ class GenerationStats:
     ``recomputed_columns`` counts target KV columns that rows already held and were fed again (a batch forward
     starts at the column its least-read row needs); the engine reads prompts apart so that it stays 0.
     ``prefill_chunks`` counts prompt readings (one per group of similar-length prompts read whole, several per
-    prompt read in chunks).
+    prompt read in chunks). ``prefix_hits`` counts rows that took a cached prompt prefix
+    (:mod:`batchspec.engine.prefix_cache`) and ``cached_tokens`` the prompt tokens they did not read.
     """
 
     generated_tokens: int = 0
@@ -45,6 +46,8 @@ class GenerationStats:
     cache_gathers: int = 0
     recomputed_columns: int = 0
     prefill_chunks: int = 0
+    prefix_hits: int = 0
+    cached_tokens: int = 0
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)
     rows_per_round_histogram: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0

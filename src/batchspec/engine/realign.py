@@ -114,7 +114,8 @@ def plan_layout(rows: list[Sequence], *, draft_slack: int | None = DRAFT_SLACK) 
     recomputed = _reread(pad, target, target_len)
     draft_len = _draft_length(pad, draft, draft_slack)
     sources, fresh = _sources(rows, pad)
-    lockstep = len(sources) == 1 and not fresh and sources[0].in_order and not any(sources[0].shift)
+    lockstep = (len(sources) == 1 and not fresh and sources[0].in_order and not any(sources[0].shift)
+                and not sources[0].slab.shared)
     return Layout(
         pad=pad,
         content=content,
@@ -295,7 +296,7 @@ def _move_cache(
 ) -> BatchKVCache:
     """The cache of the new layout (``pick`` chooses the target's or the draft's): shifted within its storage where
     the batch is all of one slab's rows, in order, and the storage holds ``length`` columns; else gathered."""
-    if len(sources) == 1 and not layout.fresh and sources[0].source.in_order:
+    if len(sources) == 1 and not layout.fresh and sources[0].source.in_order and not sources[0].source.slab.shared:
         cache = pick(sources[0].source.slab)
         whole = len(sources[0].source.dest) == len(layout.pad)
         if whole and cache is not None and cache.storage is not None and 0 < length <= cache.storage.shape[4]:

@@ -25,10 +25,13 @@ import torch
 from batchspec.config import require_int
 from batchspec.engine.controller import RowAcceptance
 from batchspec.engine.kv_cache import Slab
+from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
 from batchspec.engine.sampling import SamplingParams
+from batchspec.engine.shaping import Penalties
 from batchspec.invariants import InvariantError
 
 if TYPE_CHECKING:
+    from batchspec.engine.grammar import Grammar, GrammarState
     from batchspec.engine.lookup import NgramIndex
 
 FINISH_EOS = "eos"
@@ -68,6 +71,13 @@ class Sequence:
     may each sample differently. ``lookup`` (its prompt-lookup index) and ``acceptance`` (its recent acceptance
     of drafts) are kept by the proposers and the draft-length planner. ``max_new_tokens`` is the row's budget of new
     tokens (an integer >= 0, checked on construction), the one the engine reads.
+
+    ``prefix_namespace`` is who may share the row's prompt prefix through the prefix cache
+    (:mod:`batchspec.engine.prefix_cache`), and ``cached_tokens`` how many prompt tokens it reused from there.
+
+    ``penalties`` and ``grammar`` shape the target's distribution (:mod:`batchspec.engine.shaping`); with
+    ``logprobs`` set (the number of top alternatives, 0 for the chosen token's only) every output token gets its
+    :class:`~batchspec.engine.logprobs.TokenLogprob` in ``token_logprobs``.
     """
 
     index: int
@@ -80,9 +90,28 @@ class Sequence:
     kv: KVLocation | None = None
     lookup: NgramIndex | None = field(default=None, repr=False)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance, repr=False)
+    penalties: Penalties = field(default_factory=Penalties)
+    grammar: Grammar | None = None
+    logprobs: int | None = None
+    token_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+    prefix_namespace: str = ""
+    cached_tokens: int = 0
+    _grammar_state: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_budget(self.max_new_tokens)
+        if self.logprobs is not None:
+            require_int("logprobs", self.logprobs, minimum=0, maximum=MAX_TOP)
+
+    def grammar_state(self) -> GrammarState:
+        """The row's grammar matcher, started on first use and advanced past the output so far."""
+        if self.grammar is None:
+            raise InvariantError(f"row {self.index} has no grammar")
+        if self._grammar_state is None:
+            self._grammar_state = self.grammar.start()
+            if self.output:
+                self._grammar_state.advance(self.output)
+        return self._grammar_state
 
     @property
     def content_len(self) -> int:

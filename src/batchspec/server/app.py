@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI-compatible routes around one engine loop.
 
-``POST /v1/completions``, ``POST /v1/chat/completions`` (both also as server-sent events with ``stream: true``),
-``GET /v1/models``, ``GET /health`` and ``GET /metrics``, behind the middleware of
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (all also as server-sent events
+with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, behind the middleware of
 :mod:`~batchspec.server.middleware`. Request bodies are parsed, validated and tokenized in small thread pools, off
 the event loop (:class:`~batchspec.server.params.PromptReader`), so that no body stalls other clients; small
 bodies have a pool of their own, so that they never wait behind large ones. The engine
@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -33,15 +33,25 @@ from batchspec.models.pair import ModelPair
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder
 from batchspec.server.errors import APIError, bad_request
-from batchspec.server.formats import ChatFormat, CompletionFormat, ReplyContext, ReplyFormat, new_request_id
+from batchspec.server.formats import (
+    ChatFormat,
+    CompletionFormat,
+    ReplyContext,
+    ReplyFormat,
+    TokenTexts,
+    new_request_id,
+)
 from batchspec.server.handlers import Reply, Tracker, answer, submit
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop
 from batchspec.server.middleware import install_middleware
-from batchspec.server.params import ModelLimits, PromptReader, PromptSize
+from batchspec.server.params import ModelLimits, PromptReader, PromptSize, StructuredOutputs
 from batchspec.server.prometheus import CONTENT_TYPE, ServerMetrics, endpoint_label
 from batchspec.server.protocol import ModelCard, ModelList, SamplingFields
+from batchspec.server.responses import ResponsesFormat, read_request
+from batchspec.server.security import cache_namespace
 from batchspec.server.settings import ServerConfig
+from batchspec.server.tools import ToolUse
 from batchspec.server.validation import validation_error
 
 logger = logging.getLogger(__name__)
@@ -60,6 +70,8 @@ class ServingState:
     limits: ModelLimits
     model_name: str
     config: ServerConfig
+    structured: StructuredOutputs
+    texts: TokenTexts
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -73,17 +85,19 @@ def build_state(models: ModelPair, config: ServerConfig) -> ServingState:
         method=config.method, batch_size=config.max_batch_size, num_draft_tokens=config.num_draft_tokens,
         proposer=config.proposer,
         window_size=config.window_size, check_invariants=config.check_invariants, timing=config.timing,
-        prefill_chunk=config.prefill_chunk, cuda_graphs=config.cuda_graphs,
+        prefill_chunk=config.prefill_chunk, cuda_graphs=config.cuda_graphs, prefix_cache_size=config.prefix_cache_size,
     )
     engine = build_engine(models.target, models.draft, spec)
     metrics = ServerMetrics()
     scheduler = make_scheduler(engine.config, online=True)
     loop = EngineLoop(engine, scheduler, models.tokenizer, max_queue=config.max_queue, metrics=metrics)
-    metrics.watch(engine.stats, lambda: loop.status().queued, lambda: loop.status().running)
+    held = (lambda: 0) if engine.prefixes is None else (lambda: engine.prefixes.stats.bytes_held)
+    metrics.watch(engine.stats, lambda: loop.status().queued, lambda: loop.status().running, held)
     context = context_length(models.target, engine.draft)
     limits = ModelLimits(context_length=context, vocab_size=vocab_size(models.target))
     name = config.served_model_name or models.name
-    return ServingState(loop, metrics, models.tokenizer, limits, name, config)
+    structured = StructuredOutputs.of(models.tokenizer, limits.vocab_size, engine.config.eos_token_ids)
+    return ServingState(loop, metrics, models.tokenizer, limits, name, config, structured, TokenTexts(models.tokenizer))
 
 
 def context_length(target: Any, draft: Any | None) -> int:
@@ -99,7 +113,7 @@ def prompt_reader(models: ModelPair, state: ServingState) -> PromptReader:
     return PromptReader(
         BodyBounds(context, limits.max_messages, limits.max_content_parts),
         PromptSize.of(models.tokenizer, context, chat.cost), models.tokenizer, chat, state.limits,
-        limits.default_max_tokens, state.check_model,
+        limits.default_max_tokens, state.check_model, state.structured,
     )
 
 
@@ -155,6 +169,7 @@ def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
     install_middleware(app, config, state.metrics, front.inflight.expired)
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/responses")(responses)
     app.get("/v1/models")(list_models)
     app.get("/health")(health)
     app.get("/metrics")(metrics)
@@ -178,7 +193,15 @@ async def completions(http: Request) -> Response:
 async def chat_completions(http: Request) -> Response:
     front = _front(http)
     body, params = await front.prepare(front.reader.chat_completion, await _json_body(http))
-    return await _serve(http, _state(http), params, ChatFormat(), body)
+    return await _serve(http, _state(http), params, ChatFormat(parse_calls=ToolUse.of(body).parsed), body)
+
+
+async def responses(http: Request) -> Response:
+    """``POST /v1/responses``, served as the chat request it stands for (:mod:`~batchspec.server.responses`)."""
+    front = _front(http)
+    body, chat, params = await front.prepare(partial(read_request, front.reader), await _json_body(http))
+    fmt = ResponsesFormat(body, parse_calls=ToolUse.of(chat).parsed)
+    return await _serve(http, _state(http), params, fmt, chat)
 
 
 async def _json_body(http: Request) -> bytes:
@@ -194,7 +217,9 @@ async def _json_body(http: Request) -> bytes:
 
 async def _serve(http: Request, state: ServingState, params, fmt: ReplyFormat, body: SamplingFields) -> Response:
     inflight = _front(http).inflight
-    ctx = ReplyContext(new_request_id(fmt.id_prefix), state.model_name, params.prompt, body.return_token_ids)
+    params = replace(params, cache_namespace=cache_namespace(http.scope, body.cache_salt))
+    ctx = ReplyContext(new_request_id(fmt.id_prefix), state.model_name, params.prompt, body.return_token_ids,
+                       state.texts)
     handle = submit(state.loop, state.metrics, inflight, ctx.request_id, params)
     tracker = Tracker(handle, state.metrics, endpoint_label(http.scope))
     return await answer(http, handle, tracker, Reply(fmt, ctx, body.stream, body.include_usage), inflight)

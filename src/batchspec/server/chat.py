@@ -8,7 +8,8 @@ Otherwise every special-token string in the content is swapped for a placeholder
 the rendered text is cut at the special tokens the template placed, the placeholders are put back, and the text
 between is tokenized with ``split_special_tokens=True``, so that the content's ``<|im_start|>`` becomes ordinary
 tokens (``<``, ``|``, ``im``, ...). A special token that strips the whitespace beside it (``lstrip``/``rstrip``)
-strips it here too.
+strips it here too. The same holds for every string of the tools and of the history's tool calls (names,
+descriptions, schemas, arguments), which the template writes into the prompt too.
 
 :class:`MessageCost` is what the template adds for each message, measured once at startup: the prompt-size check
 counts it before anything is tokenized.
@@ -17,15 +18,20 @@ counts it before anything is tokenized.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from batchspec.server.errors import APIError, bad_request
+from batchspec.server.protocol import ChatMessage
+from batchspec.server.tools import template_tool_calls
 
 PRIVATE_USE = range(0xE000, 0xF900)
 PROBE_ROLES = ("user", "assistant", "system")
-Messages = list[dict[str, str]]
+PROBE_TOOL = "batchspec_probe_tool"
+Messages = list[dict[str, Any]]
+Tools = list[dict[str, Any]] | None
 
 
 @dataclass(frozen=True)
@@ -115,24 +121,40 @@ class ChatEncoder:
         specials = SpecialTokens.of(tokenizer)
         return cls(tokenizer, specials, MessageCost.probe(tokenizer, specials))
 
-    def encode(self, messages: Messages) -> list[int]:
-        """The prompt's token ids, with the generation prompt; a 400 when the template cannot render them."""
+    def encode(self, messages: Messages, tools: Tools = None) -> list[int]:
+        """The prompt's token ids, with the generation prompt and the ``tools`` (function definitions, as
+        ``apply_chat_template`` takes them); a 400 when the template cannot render them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+        if tools is not None and not self.supports_tools:
+            raise bad_request("this model's chat template does not render tools, so the model cannot be offered "
+                              "any", param="tools")
         try:
-            if any(self.specials.found_in(m["content"]) for m in messages):
-                return self.encode_guarded(messages)
-            return _as_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            if any(self.specials.found_in(text) for text in strings_of([messages, tools])):
+                return self.encode_guarded(messages, tools)
+            return _as_ids(self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True))
         except APIError:
             raise
         except Exception as error:
             raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from error
 
-    def encode_guarded(self, messages: Messages) -> list[int]:
-        """The prompt's token ids with every special-token string of the content read as text."""
-        mask = Mask.free_of(self.specials, [m["content"] for m in messages], self.tokenizer.chat_template)
-        masked = [{**m, "content": mask.hide(m["content"])} for m in messages]
-        pieces = self.specials.split(_render(self.tokenizer, masked, add_generation_prompt=True))
+    @cached_property
+    def supports_tools(self) -> bool:
+        """Whether the template writes the tools it is given into the prompt (checked with a probe tool)."""
+        tool = {"type": "function", "function": {"name": PROBE_TOOL, "description": "", "parameters": {}}}
+        try:
+            text = _render(self.tokenizer, [{"role": "user", "content": "a"}], add_generation_prompt=True, tools=[tool])
+        except Exception:
+            return False
+        return PROBE_TOOL in text
+
+    def encode_guarded(self, messages: Messages, tools: Tools = None) -> list[int]:
+        """The prompt's token ids with every special-token string of the content (and of the tools and calls) read
+        as text."""
+        mask = Mask.free_of(self.specials, list(strings_of([messages, tools])), self.tokenizer.chat_template)
+        rendered = _render(self.tokenizer, mask.hide(messages), add_generation_prompt=True, tools=mask.hide(tools))
+        pieces = self.specials.split(rendered)
         texts = [mask.reveal(self._stripped(pieces, i)) for i in range(0, len(pieces), 2)]
         encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         ids = [int(t) for t in encoded[0]]
@@ -168,17 +190,54 @@ class Mask:
             raise bad_request("the messages use every private-use character", param="messages")
         return cls(specials, marker)
 
-    def hide(self, text: str) -> str:
-        index = {special: i for i, special in enumerate(self.specials.ordered)}
-        return self.specials.pattern.sub(lambda m: f"{self.marker}{index[m.group()]}{self.marker}", text)
+    def hide(self, value: Any) -> Any:
+        """``value`` with the special-token strings of its every string (keys too, at any depth) hidden."""
+        if isinstance(value, str):
+            index = {special: i for i, special in enumerate(self.specials.ordered)}
+            return self.specials.pattern.sub(lambda m: f"{self.marker}{index[m.group()]}{self.marker}", value)
+        if isinstance(value, dict):
+            return {self.hide(k): self.hide(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.hide(v) for v in value]
+        return value
 
     def reveal(self, text: str) -> str:
         marker = re.escape(self.marker)
         return re.sub(f"{marker}(\\d+){marker}", lambda m: self.specials.ordered[int(m.group(1))], text)
 
 
-def _render(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def strings_of(value: Any) -> Iterator[str]:
+    """Every string in ``value`` (nested lists and dicts, keys included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from strings_of(key)
+            yield from strings_of(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings_of(item)
+
+
+def template_messages(messages: list[ChatMessage]) -> Messages:
+    """The request's messages as chat templates take them: ``developer`` as ``system``, content as one text (null
+    in an assistant message that only calls tools), calls with their arguments as objects."""
+    rendered = []
+    for message in messages:
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
+        item["content"] = None if message.content is None else message.text()
+        if message.tool_calls is not None:
+            item["tool_calls"] = template_tool_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        rendered.append(item)
+    return rendered
+
+
+def _render(tokenizer: Any, messages: Messages, *, add_generation_prompt: bool, tools: Tools = None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
 
 
 def _as_ids(encoded: Any) -> list[int]:

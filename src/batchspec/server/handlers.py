@@ -1,4 +1,5 @@
-"""Serving one request: submit it to the engine loop, then answer with one body or a server-sent event stream.
+"""Serving one request: submit it to the engine loop (one row per choice), then answer with one body or a
+server-sent event stream once every choice finished.
 
 A stream's response headers are sent only once the request's first round is done, so that a failure in that
 round is still a plain 500. While the request runs, a watcher notices the client leaving and cancels the request,
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from batchspec.server.errors import APIError
 from batchspec.server.events import Disconnected, Event, Failed, Finished, GenerationParams, RequestHandle, Tokens
-from batchspec.server.formats import ReplyContext, ReplyFormat
+from batchspec.server.formats import ChoiceOutput, ReplyContext, ReplyFormat
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop, QueueFull, ServerClosing
 from batchspec.server.prometheus import ServerMetrics
@@ -32,24 +33,31 @@ CLIENT_CLOSED = 499
 
 @dataclass
 class Tracker:
-    """Records one request's timing and outcome into the metrics (errors answered before any body is sent are
-    counted by the application's error handlers)."""
+    """Records one request's timing and outcome into the metrics once its last choice finished (errors answered
+    before any body is sent are counted by the application's error handlers)."""
 
     handle: RequestHandle
     metrics: ServerMetrics
     endpoint: str
     first_token_at: float | None = None
+    finished: list[Finished] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.handle.params.n
 
     def saw(self, event: Event) -> None:
         if isinstance(event, Tokens) and event.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
             self.metrics.ttft.observe(self.first_token_at - self.handle.created)
         elif isinstance(event, Finished):
-            latency = time.perf_counter() - self.handle.created
-            self.metrics.observe_finished(
-                prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens, latency_s=latency
-            )
-            self.count(200)
+            self.finished.append(event)
+            if self.done:
+                self.metrics.observe_finished(
+                    prompt_tokens=event.prompt_tokens, latency_s=time.perf_counter() - self.handle.created,
+                    completion_tokens=sum(f.completion_tokens for f in self.finished),
+                )
+                self.count(200)
         elif isinstance(event, Disconnected):
             self.count(CLIENT_CLOSED)
 
@@ -163,20 +171,25 @@ class ClientGone(Exception):
 
 
 async def _whole(handle: RequestHandle, tracker: Tracker, reply: Reply) -> JSONResponse:
-    parts: list[str] = []
-    while not isinstance(event := await _next(handle, tracker), Finished):
-        parts.append(event.text)
-    return JSONResponse(wire(reply.fmt.full(reply.ctx, "".join(parts), event)))
+    choices = [ChoiceOutput() for _ in range(handle.params.n)]
+    while not tracker.done:
+        event = await _next(handle, tracker)
+        choices[event.index].add(event)
+    return JSONResponse(wire(reply.fmt.full(reply.ctx, choices)))
 
 
 async def _sse(first: Tokens | Finished, handle: RequestHandle, tracker: Tracker, reply: Reply) -> AsyncIterator[str]:
+    """Every choice's chunks as its events come (each chunk names its choice's ``index``), then the usage."""
     fmt, ctx = reply.fmt, reply.ctx
-    for chunk in fmt.opening(ctx):
-        yield _data(wire(chunk))
+    for chunk in fmt.opening(ctx, handle.params.n):
+        yield _data(wire(chunk), fmt.sse_events)
     event: Tokens | Finished = first
     try:
-        while isinstance(event, Tokens):
-            yield _data(wire(fmt.delta(ctx, event)))
+        while True:
+            for chunk in fmt.delta(ctx, event) if isinstance(event, Tokens) else fmt.closing(ctx, event):
+                yield _data(wire(chunk), fmt.sse_events)
+            if tracker.done:
+                break
             event = await _next(handle, tracker)
     except APIError as error:
         tracker.count(error.status)
@@ -184,11 +197,13 @@ async def _sse(first: Tokens | Finished, handle: RequestHandle, tracker: Tracker
         return
     except ClientGone:
         return
-    yield _data(wire(fmt.closing(ctx, event)))
     if reply.include_usage:
-        yield _data(wire(fmt.usage(ctx, event)))
-    yield "data: [DONE]\n\n"
+        yield _data(wire(fmt.usage(ctx, tracker.finished)))
+    if not fmt.sse_events:
+        yield "data: [DONE]\n\n"
 
 
-def _data(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _data(payload: dict, named: bool = False) -> str:
+    """One SSE event; ``named``: with an ``event:`` line giving the payload's ``type``."""
+    name = f"event: {payload['type']}\n" if named else ""
+    return f"{name}data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -48,9 +48,10 @@ class ServerClosing(Exception):
 
 @dataclass
 class Job:
-    """A request inside the loop: its handle, its row and its text so far."""
+    """One choice of a request inside the loop: its handle, the choice's index, its row and its text so far."""
 
     handle: RequestHandle
+    choice: int
     row: Sequence
     text: TextTracker
     sent_tokens: int = 0
@@ -104,19 +105,24 @@ class EngineLoop:
                           alive=self._thread.is_alive())
 
     def submit(self, handle: RequestHandle) -> None:
-        """Queue ``handle``'s request; raises :class:`QueueFull` or :class:`ServerClosing`."""
+        """Queue ``handle``'s request, one row per choice (each counts against ``max_queue``); raises
+        :class:`QueueFull` or :class:`ServerClosing`."""
         params = handle.params
-        row = Sequence(
-            next(self._ids), list(params.prompt), params.max_tokens, sampling=params.sampling, seed=params.row_seed()
-        )
-        job = Job(handle, row, TextTracker(self.tokenizer, params.stop))
+        jobs = [
+            Job(handle, choice, Sequence(
+                next(self._ids), list(params.prompt), params.max_tokens, sampling=params.sampling, seed=seed,
+                penalties=params.penalties, grammar=params.grammar, logprobs=params.logprobs,
+                prefix_namespace=params.cache_namespace,
+            ), TextTracker(self.tokenizer, params.stop))
+            for choice, seed in enumerate(params.row_seeds())
+        ]
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise ServerClosing("the server is shutting down")
             free = self.scheduler.capacity - self._running
-            if len(self._inbox) + self._queued - free >= self.max_queue:
+            if len(self._inbox) + self._queued + len(jobs) - free > self.max_queue:
                 raise QueueFull(self.max_queue)
-            self._inbox.append(job)
+            self._inbox.extend(jobs)
             self._cond.notify()
 
     def _run(self) -> None:
@@ -197,10 +203,11 @@ class EngineLoop:
         job.sent_tokens = end
         events: list[Tokens | Finished] = []
         if update.delta or new_tokens:
-            events.append(Tokens(update.delta, new_tokens))
+            logprobs = None if row.logprobs is None else row.token_logprobs[end - len(new_tokens) : end]
+            events.append(Tokens(update.delta, new_tokens, logprobs, job.choice))
         if row.finished:
             reason = FINISH_LENGTH if row.finish_reason == FINISH_LENGTH else FINISH_STOP
-            events.append(Finished(reason, len(row.prompt), row.output[:end]))
+            events.append(Finished(reason, len(row.prompt), row.output[:end], job.choice, row.cached_tokens))
             del self._jobs[row.index]
         return events
 

@@ -1,19 +1,32 @@
 """From a request body to :class:`~batchspec.server.events.GenerationParams`: parsing and validation, the checks
 against the model's context length and vocabulary (each a 400 naming the field), the chat template and
-tokenization."""
+tokenization, the penalties and logit bias, and the grammar of a ``response_format``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from batchspec.engine.grammar import Grammar, GrammarCompiler, GrammarError
 from batchspec.engine.sampling import SamplingParams
+from batchspec.engine.shaping import Penalties
 from batchspec.server.bodies import BodyBounds
-from batchspec.server.chat import ChatEncoder, MessageCost
+from batchspec.server.chat import ChatEncoder, MessageCost, template_messages
 from batchspec.server.errors import bad_request
 from batchspec.server.events import GenerationParams
-from batchspec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from batchspec.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    ResponseFormat,
+    SamplingFields,
+)
+from batchspec.server.tools import ToolUse
+
+logger = logging.getLogger(__name__)
 
 CONTEXT_CODE = "context_length_exceeded"
 
@@ -32,6 +45,41 @@ class ModelLimits:
             raise ValueError(f"context_length must be >= 2; got {self.context_length}")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1; got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """The server's one grammar compiler (built at startup: reading a tokenizer takes about a second), or, when
+    llguidance cannot read the tokenizer, why structured outputs are unavailable."""
+
+    compiler: GrammarCompiler | None
+    unavailable: str = ""
+
+    @classmethod
+    def of(cls, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> StructuredOutputs:
+        """``eos_token_ids``: the ids the engine stops at, what a complete output allows next."""
+        try:
+            return cls(GrammarCompiler(tokenizer, vocab_size, eos_token_ids))
+        except ValueError as error:
+            logger.warning("structured outputs are unavailable: llguidance cannot read the tokenizer: %s", error)
+            return cls(None, f"llguidance cannot read this model's tokenizer ({error})")
+
+    def require(self, param: str) -> GrammarCompiler:
+        """The compiler; a 400 naming ``param`` when there is none."""
+        if self.compiler is None:
+            raise bad_request(f"{param} is not available on this server: {self.unavailable}", param=param)
+        return self.compiler
+
+    def response_format(self, fmt: ResponseFormat | None) -> Grammar | None:
+        """The grammar of a ``response_format`` (None for plain text); a 400 with llguidance's reason for a schema
+        it cannot compile."""
+        if not isinstance(fmt, JsonObjectFormat | JsonSchemaFormat):
+            return None
+        schema = fmt.json_schema.schema_ if isinstance(fmt, JsonSchemaFormat) else None
+        try:
+            return self.require("response_format").json_schema(schema)
+        except GrammarError as error:
+            raise bad_request(f"response_format: {error}", param="response_format") from None
 
 
 @dataclass(frozen=True)
@@ -83,7 +131,8 @@ class PromptSize:
 class PromptReader:
     """A request from its body to :class:`GenerationParams`, all of it in the prompt pool, off the event loop:
     the body parsed and validated within ``bounds``, the model checked (``check_model``), the prompt's size
-    bounded before it is tokenized, and the prompt tokenized (chat: by ``chat``, content as text)."""
+    bounded before it is tokenized, the prompt tokenized (chat: by ``chat``, content as text), and a
+    ``response_format`` compiled by ``structured``."""
 
     bounds: BodyBounds
     size: PromptSize
@@ -92,14 +141,33 @@ class PromptReader:
     limits: ModelLimits
     default_max_tokens: int
     check_model: Callable[[str | None], None]
+    structured: StructuredOutputs
 
     def completion(self, raw: bytes) -> tuple[CompletionRequest, GenerationParams]:
         request = self._request(raw, CompletionRequest)
-        return request, completion_params(request, self.tokenizer, self.limits, self.default_max_tokens)
+        params = completion_params(request, self.tokenizer, self.limits, self.default_max_tokens)
+        return request, self._shaped(request, params)
 
     def chat_completion(self, raw: bytes) -> tuple[ChatCompletionRequest, GenerationParams]:
         request = self._request(raw, ChatCompletionRequest)
-        return request, chat_params(request, self.chat, self.limits, self.default_max_tokens)
+        return request, self.chat_request(request)
+
+    def chat_request(self, request: ChatCompletionRequest) -> GenerationParams:
+        """A validated chat request's params (a ``/v1/responses`` request's too, once translated), with the
+        grammar that forces a tool call where ``tool_choice`` asks for one."""
+        tools = ToolUse.of(request)
+        params = self._shaped(request, chat_params(request, self.chat, self.limits, self.default_max_tokens, tools))
+        if tools.forced is None:
+            return params
+        if params.grammar is not None:
+            raise bad_request("a tool_choice that forces a tool call cannot be combined with a JSON response_format",
+                              param="tool_choice")
+        return replace(params, grammar=tools.compile(self.structured.require("tools")))
+
+    def _shaped(self, request: CompletionRequest | ChatCompletionRequest, params: GenerationParams) -> GenerationParams:
+        """``params`` with the logprobs asked for and the grammar of the request's ``response_format``."""
+        grammar = self.structured.response_format(request.response_format)
+        return replace(params, grammar=grammar, logprobs=request.logprob_alternatives)
 
     def _request(self, raw: bytes, model: type[Request]) -> Request:
         request = self.bounds.parse(raw, model)
@@ -121,15 +189,11 @@ def completion_params(
 
 
 def chat_params(
-    request: ChatCompletionRequest, chat: ChatEncoder, limits: ModelLimits, default_max_tokens: int
+    request: ChatCompletionRequest, chat: ChatEncoder, limits: ModelLimits, default_max_tokens: int,
+    tools: ToolUse | None = None,
 ) -> GenerationParams:
-    messages = [{"role": _role(m.role), "content": m.text()} for m in request.messages]
-    ids = chat.encode(messages)
+    ids = chat.encode(template_messages(request.messages), (tools or ToolUse()).template_tools)
     return _params(ids, Budget(request.token_budget, default_max_tokens), request, limits, "messages")
-
-
-def _role(role: str) -> str:
-    return "system" if role == "developer" else role
 
 
 @dataclass(frozen=True)
@@ -157,6 +221,19 @@ def _params(
         stop=request.stop_strings,
         sampling=sampling_params(request),
         seed=request.seed,
+        penalties=penalties(request, limits),
+        n=request.n,
+    )
+
+
+def penalties(request: SamplingFields, limits: ModelLimits) -> Penalties:
+    """The request's penalties and logit bias; a 400 for a biased token id outside the vocabulary."""
+    bad = next((token for token, _ in request.bias if token >= limits.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param="logit_bias")
+    return Penalties(
+        presence=request.presence_penalty, frequency=request.frequency_penalty,
+        repetition=request.repetition_penalty, logit_bias=request.bias,
     )
 
 

@@ -67,8 +67,11 @@ class ServerMetrics:
         self.completion_tokens.inc(completion_tokens)
         self.latency.observe(latency_s)
 
-    def watch(self, stats: GenerationStats, queued: Callable[[], int], running: Callable[[], int]) -> None:
-        """Gauges read at scrape time from the engine's stats and the loop's status."""
+    def watch(
+        self, stats: GenerationStats, queued: Callable[[], int], running: Callable[[], int],
+        prefix_bytes: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """Gauges read at scrape time from the engine's stats, the loop's status and the prefix cache's size."""
         r = self.registry
         gauges: dict[str, tuple[str, Callable[[], float]]] = {
             "batchspec_queue_depth": ("Requests waiting for admission", queued),
@@ -80,6 +83,10 @@ class ServerMetrics:
                                                 lambda: stats.acceptance_rate),
             "batchspec_mean_accepted_length": ("Tokens gained per row per round", lambda: stats.mean_accepted_length),
             "batchspec_rounds": ("Engine rounds run", lambda: stats.rounds),
+            "batchspec_prefix_cache_hits": ("Requests that reused a cached prompt prefix", lambda: stats.prefix_hits),
+            "batchspec_prefix_cache_tokens": ("Prompt tokens reused from the prefix cache, not read",
+                                              lambda: stats.cached_tokens),
+            "batchspec_prefix_cache_bytes": ("Bytes of keys and values the prefix cache holds", prefix_bytes),
         }
         for name, (documentation, read) in gauges.items():
             Gauge(name, documentation, registry=r).set_function(read)

@@ -12,6 +12,7 @@ Refusals have OpenAI's error shape.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable
@@ -130,3 +131,11 @@ class ApiKeyCheck:
     def _authorized(self, scope: Scope) -> bool:
         scheme, _, token = (header(scope, b"authorization") or b"").strip().partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+def cache_namespace(scope: Scope, salt: str | None) -> str:
+    """Who may share cached prompt prefixes with this request (:mod:`batchspec.engine.prefix_cache`): requests
+    sending the same ``Authorization`` header (the same API key, or none) and the same ``cache_salt``. The header is
+    hashed, so the key itself is not kept."""
+    credential = hashlib.sha256(header(scope, b"authorization") or b"").hexdigest()
+    return f"{credential}:{salt or ''}"

@@ -38,6 +38,9 @@ class ServerConfig:
             prompt delays the running streams a bounded amount per round); ``"auto"`` (default): as many as take
             about one decode round to read; None reads each prompt in one piece.
         cuda_graphs: ``"on"``, ``"off"`` or ``"auto"``: as :class:`~batchspec.config.SpecConfig` takes it.
+        prefix_cache_size: bytes of prompt KV kept for reuse (0: off; ``"auto"``), as
+            :class:`~batchspec.config.SpecConfig` takes it; entries are shared only between requests of one API key
+            and ``cache_salt``.
     """
 
     method: str = "eqspec"
@@ -54,6 +57,7 @@ class ServerConfig:
     timing: bool = True
     prefill_chunk: int | str | None = DEFAULT_PREFILL_CHUNK
     cuda_graphs: str = "auto"
+    prefix_cache_size: int | str = AUTO
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

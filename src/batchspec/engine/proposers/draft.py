@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from batchspec.engine.controller import Reach
+from batchspec.engine.grammar import DraftGuide
 from batchspec.engine.lookup import lookup_on_device
 from batchspec.engine.proposers import Proposal, ProposalHost, ProposalPlan
 from batchspec.engine.proposers.ngram import NgramProposer
@@ -75,18 +76,23 @@ class DraftModelProposer:
         step_sampling = sampling if sampled else None
         q, runs = None, []
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
+        guide = _guide(batch.rows)
         for j in range(steps):
             if drafts.past_chains(j, needed):
                 drafts.look_up(j, read=runner.free_reads)
             if drafts.chained(j, needed):
                 inputs = torch.cat([inputs, drafts.tokens[:, j : j + 1]], dim=1)  # fed at the next forward
-                continue
-            if not runs:
-                _check_caught_up(batch)
-            drafted, q = self._model_step(batch, inputs, runner, drafts.tokens.shape, q, j, step_sampling)
-            drafts.fill(j, drafted)
-            inputs = drafts.tokens[:, j : j + 1]
-            runs.append(j)
+            else:
+                if not runs:
+                    _check_caught_up(batch)
+                drafted, q = self._model_step(batch, inputs, runner, (drafts.tokens.shape, q, j, guide), step_sampling)
+                drafts.fill(j, drafted)
+                inputs = drafts.tokens[:, j : j + 1]
+                runs.append(j)
+            if guide is not None:
+                guide.follow(drafts.tokens[:, j].tolist())  # a read of the device: grammar rows only
+        if guide is not None:
+            guide.finish()
         kept = dict(draft_fed=max(runs, default=None), draft_forwards=len(runs))
         if not sampled:
             return drafts.proposal(plan.host, **kept)
@@ -99,14 +105,16 @@ class DraftModelProposer:
         batch: BatchState,
         inputs: torch.Tensor,
         runner: ModelRunner,
-        shape: torch.Size,
-        q: torch.Tensor | None,
-        j: int,
+        at: tuple[torch.Size, torch.Tensor | None, int, DraftGuide | None],
         sampling: RoundSampling | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft forward over ``inputs``: ``[B]`` its argmax, or for sampling rows a draw from their ``q_j``,
-        and ``q`` ``[B, k+1, V]`` with ``q_j`` filled in (None when no row samples)."""
+        and ``q`` ``[B, k+1, V]`` with ``q_j`` filled in (None when no row samples). ``at`` is the drafts' shape, ``q``
+        so far, the position ``j`` and the grammar rows' guide (their refused tokens are never drafted)."""
+        shape, q, j, guide = at
         logits = runner.logits(self.model, batch, batch.slab.draft, inputs, keep=1)[:, -1]  # [B, V]
+        if guide is not None:
+            logits = guide.mask(logits)
         drafted = logits.argmax(dim=-1)  # [B]
         if sampling is not None:
             rows = sampling.index  # [s]
@@ -121,6 +129,12 @@ class DraftModelProposer:
         if proposal.draft_fed is None:
             return batch.host.draft_cached
         return [c + min(a, proposal.draft_fed) for c, a in zip(batch.host.content, accepted, strict=True)]
+
+
+def _guide(rows: list[Sequence]) -> DraftGuide | None:
+    """The guide of the round's grammar rows (None when no row has a grammar)."""
+    states = {i: row.grammar_state() for i, row in enumerate(rows) if row.grammar is not None}
+    return DraftGuide(states) if states else None
 
 
 def _check_caught_up(batch: BatchState) -> None:

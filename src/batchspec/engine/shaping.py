@@ -1,0 +1,126 @@
+"""Per-row changes to the target's next-token distribution: repetition, frequency and presence penalties, a logit
+bias, and a grammar's allowed tokens. They are part of the distribution a request asks for, so verification
+applies them to the target's logits at every verified position, each with the history that position has in plain
+decoding (the row's output so far, then the drafts before it); speculation stays lossless against the shaped
+distribution, and greedy output is the shaped greedy output, token for token.
+
+Order, as in vLLM: the repetition penalty (a seen token's logit is divided by ``r`` if positive, multiplied by it
+otherwise; "seen" is in the prompt or the output), then ``frequency × count`` and ``presence × (count > 0)`` are
+subtracted (counts over the output only), then the bias is added, then the grammar's refused tokens are set to
+``-inf``. Every operation is elementwise in a row, so a row's shaped logits do not depend on the batch.
+
+Terms: ``k`` drafts per row, verified position ``j = 0 .. k`` (it scores the ``j+1``-th new token, after the drafts
+``d_1 .. d_j``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from batchspec.engine.state import Sequence
+
+MAX_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """A row's penalties and logit bias (the defaults change nothing).
+
+    Attributes:
+        presence: subtracted from the logit of every token the output holds (OpenAI's ``presence_penalty``).
+        frequency: subtracted once per occurrence in the output (``frequency_penalty``).
+        repetition: > 0; a token seen in the prompt or output has its logit divided by it if positive, multiplied
+            by it otherwise (``repetition_penalty``; 1 is none).
+        logit_bias: ``(token id, bias)`` pairs added to the logits, each bias in ``[-100, 100]``.
+    """
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("presence", "frequency", "repetition"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.repetition <= 0:
+            raise ValueError(f"repetition must be > 0, got {self.repetition}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r}")
+
+    @property
+    def neutral(self) -> bool:
+        return self.presence == 0 and self.frequency == 0 and self.repetition == 1 and not self.logit_bias
+
+
+def shaped_rows(rows: list[Sequence]) -> list[int]:
+    """The rows (indices in the round) whose distribution is shaped: penalties, a bias or a grammar."""
+    return [i for i, row in enumerate(rows) if not row.penalties.neutral or row.grammar is not None]
+
+
+def shape(logits: torch.Tensor, rows: list[Sequence], drafts: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """``[r, k+1, V]`` shaped logits of ``rows`` from their target ``logits`` ``[r, k+1, V]``, with the rows'
+    ``drafts`` ``[r, k]`` (row ``i`` proposed its first ``lengths[i]``)."""
+    vocab = logits.shape[-1]
+    history = _histories(rows, drafts, vocab)  # [r, k+1, V] output counts, [r, k+1, V] seen
+    shaped = _penalised(logits, rows, *history)
+    if any(row.grammar is not None for row in rows):
+        host_drafts = drafts.tolist()
+        allowed = torch.stack([
+            _allowed(row, draft[:n], logits.shape[1], vocab) for row, draft, n in zip(rows, host_drafts, lengths,
+                                                                                       strict=True)
+        ]).to(logits.device)  # [r, k+1, V]
+        shaped = shaped.masked_fill(~allowed, -math.inf)
+    return shaped
+
+
+def _allowed(row: Sequence, drafts: list[int], positions: int, vocab: int) -> torch.Tensor:
+    if row.grammar is None:
+        return torch.ones(positions, vocab, dtype=torch.bool)
+    return row.grammar_state().masks(drafts, positions)
+
+
+def _histories(rows: list[Sequence], drafts: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[r, k+1, V]`` per verified position: how often each token is in the output (the drafts before the position
+    included), and whether it is in the prompt or that output."""
+    device = drafts.device
+    positions = drafts.shape[1] + 1
+    output = torch.stack([_counts(row.output, vocab) for row in rows]).to(device)  # [r, V]
+    prompt = torch.stack([_counts(row.prompt, vocab) > 0 for row in rows]).to(device)  # [r, V]
+    step = torch.zeros(len(rows), positions, vocab, dtype=output.dtype, device=device)  # [r, k+1, V]
+    step[:, 1:].scatter_add_(-1, drafts[..., None], torch.ones_like(drafts[..., None], dtype=output.dtype))
+    counts = output[:, None, :] + step.cumsum(dim=1)  # [r, k+1, V]
+    return counts, (counts > 0) | prompt[:, None, :]
+
+
+def _counts(tokens: list[int], vocab: int) -> torch.Tensor:
+    """``[V]`` float32 occurrences of each token id in ``tokens``."""
+    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab)[:vocab].float()
+
+
+def _penalised(logits: torch.Tensor, rows: list[Sequence], counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[r, k+1, V]`` with each row's repetition, frequency and presence penalties and bias."""
+    def column(values: list[float]) -> torch.Tensor:  # [r, 1, 1]
+        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None, None]
+
+    penalties = [row.penalties for row in rows]
+    repetition = column([p.repetition for p in penalties])
+    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)  # [r, k+1, V]
+    shaped = torch.where(seen, repeated, logits)
+    shaped = shaped - column([p.frequency for p in penalties]) * counts.to(logits.dtype)
+    shaped = shaped - column([p.presence for p in penalties]) * (counts > 0).to(logits.dtype)
+    bias = torch.zeros(len(rows), logits.shape[-1], dtype=logits.dtype)  # [r, V]
+    for i, p in enumerate(penalties):
+        for token, value in p.logit_bias:
+            if token < bias.shape[1]:
+                bias[i, token] += value
+    return shaped + bias.to(logits.device)[:, None, :]
