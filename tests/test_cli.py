@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from fabricated import FakeDequantizer, FakeFetcher, save_tiny_model, split_source
 from typer.testing import CliRunner
 
@@ -340,3 +341,16 @@ def test_a_cpu_run_names_its_kernels_not_a_device(tiny_pair, tmp_path):
     result = run(*tiny_args(tiny_pair, "--max-new-tokens", "3", "--device", "cpu", "--output", str(out)))
     assert result.exit_code == 0, result.output
     assert "(float32, int8 exact)" in result.stdout  # a CPU run names its arithmetic (int8 by default), not a device
+
+
+def test_prefix_cache_sizes_read_with_their_units():
+    from batchspec.cli.common import parse_size
+
+    assert parse_size("auto") == "auto"
+    assert parse_size("0") == 0
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("2GB") == 2_000_000_000
+    assert parse_size("1.5GiB") == 3 << 29
+    for bad in ("-1", "12XB", "lots"):
+        with pytest.raises(typer.BadParameter):
+            parse_size(bad)

@@ -67,6 +67,7 @@ def _batchspec_runner(method: str) -> Runner:
             eos_token_id=list(workload.eos_token_ids),
             pad_token_id=workload.pad_token_id,
             progress=progress,
+            prefix_cache_size=workload.prefix_cache_size,
         )
         return RunOutput(result.sequences, result.stats, result.stats.wall_s)
 

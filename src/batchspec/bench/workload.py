@@ -32,6 +32,7 @@ class Workload:
         device: where the models run (``cpu``, or the GPU's name: see :func:`batchspec.devices.device_name`).
         quantize: ``"int8"`` when the models are the exact int8 ones (see :mod:`batchspec.int8`), else
             ``"none"``.
+        prefix_cache_size: batchspec's prefix cache in bytes, 0 or ``"auto"`` (it changes times, never outputs).
     """
 
     model: str
@@ -45,6 +46,7 @@ class Workload:
     kernels: str = "default"
     device: str = "cpu"
     quantize: str = "none"
+    prefix_cache_size: int | str = AUTO
 
     def __post_init__(self) -> None:
         if not self.prompts:

@@ -17,6 +17,7 @@ from batchspec.cli.common import (
     MaxNewTokensOption,
     Method,
     NumDraftTokensOption,
+    PrefixCacheOption,
     PromptChoice,
     encode_prompts,
     load_prompt_records,
@@ -100,6 +101,7 @@ class Cells:
     proposers: tuple[str, ...]
     max_new_tokens: int
     num_draft_tokens: int | str
+    prefix_cache_size: int | str = "auto"
 
 
 def cells_choice(
@@ -107,9 +109,12 @@ def cells_choice(
     proposers: ProposersOption = "draft",
     max_new_tokens: MaxNewTokensOption = 128,
     num_draft_tokens: NumDraftTokensOption = "auto",
+    prefix_cache_size: PrefixCacheOption = "auto",
 ) -> Cells:
-    """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens`` and ``--num-draft-tokens``."""
-    return Cells(parse_batch_sizes(batch_sizes), parse_proposers(proposers), max_new_tokens, num_draft_tokens)
+    """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens``, ``--num-draft-tokens`` and
+    ``--prefix-cache-size``."""
+    return Cells(parse_batch_sizes(batch_sizes), parse_proposers(proposers), max_new_tokens, num_draft_tokens,
+                 prefix_cache_size)
 
 
 def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Workload:
@@ -129,6 +134,7 @@ def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Wo
         kernels=kernels_in_use(loaded.target),
         device=loaded.device,
         quantize=loaded.quantize,
+        prefix_cache_size=cells.prefix_cache_size,
     )
 
 
