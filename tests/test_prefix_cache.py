@@ -149,3 +149,15 @@ def test_clients_see_their_cached_tokens_and_tenants_never_share(server):
     held = next(line for line in metrics.splitlines() if line.startswith("batchspec_prefix_cache_bytes "))
     assert float(held.split()[1]) > 0
     assert "batchspec_prefix_cache_tokens " in metrics
+
+
+def test_rows_wait_for_a_shared_prompt_only_where_it_saves_much():
+    cache = PrefixCache(capacity=1 << 20)
+    template = list(range(1, 2 * BLOCK + 1))
+    articles = [Sequence(i, template + [100 + i] * 800, 4) for i in range(8)]
+    assert cache.followers(articles) == set()  # 32 shared tokens of 832 each: all read at once
+    system = list(range(1, 1500))
+    agents = [Sequence(i, system + [100 + i] * 60, 4) for i in range(8)]
+    assert cache.followers(agents) == set(range(1, 8))  # the first reads, the others link it
+    other = Sequence(8, [7] * 1600, 4, prefix_namespace="someone else")
+    assert 8 not in cache.followers([*agents, other])

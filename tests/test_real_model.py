@@ -153,3 +153,37 @@ def test_int8_rows_are_bit_identical_alone_and_padded(smollm2_int8, humaneval_id
         batched = target(ids, attention_mask=mask, position_ids=positions, logits_to_keep=8).logits
         alone = [target(torch.tensor([row]), logits_to_keep=8).logits[0] for row in (short, long)]
     assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
+
+
+@pytest.mark.parametrize("preset", ["smollm2", "qwen2.5-coder"])
+def test_int8_penalties_grammar_and_logprobs_on_the_preset(preset, request):
+    """Issue 38's features on a real int8 pair: with penalties, a logit bias and a JSON schema, speculative batches
+    give each prompt the constrained, penalised greedy output of plain decoding alone, and the same logprobs, bit
+    for bit; every finished answer is a valid object. (qwen2.5-coder runs where a developer has fetched it.)"""
+    from batchspec.engine.grammar import GrammarCompiler
+    from batchspec.engine.shaping import Penalties
+
+    cached_or_skip(preset)
+    pair = request.getfixturevalue("smollm2_int8") if preset == "smollm2" else loading.load_pair(preset, progress=False)
+    tokenizer = pair.tokenizer
+    eos = pair.target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}
+    grammar = GrammarCompiler(tokenizer, pair.target.config.vocab_size, eos).json_schema(schema)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"A weather request for {city} as JSON"}],
+                                             add_generation_prompt=True, tokenize=True) for city in
+               ("Paris", "Lima", "Oslo", "Tokyo")]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    common = {"max_new_tokens": 32, "eos_token_id": eos, "logprobs": 2, "grammar": grammar,
+              "penalties": Penalties(presence=0.3, frequency=0.2, repetition=1.1, logit_bias=((eos[0], -1.0),))}
+    alone = batchspec.generate(pair.target, None, prompts, method="autoregressive", batch_size=1, **common)
+    batched = batchspec.generate(pair.target, pair.draft, prompts, batch_size=4, num_draft_tokens=4,
+                                 check_invariants=True, **common)
+    assert batched.sequences == alone.sequences
+    assert batched.logprobs == alone.logprobs
+    finished = [tokenizer.decode(s, skip_special_tokens=True) for s in alone.sequences if s[-1] in eos]
+    assert finished
+    for text in finished:
+        assert set(json.loads(text)) == {"city", "days"}

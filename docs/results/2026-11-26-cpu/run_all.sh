@@ -20,3 +20,15 @@ for side in before after; do
     PYTHONPATH=$src python -m batchspec bench --preset qwen2.5-coder "${SUMMARIES[@]}" -n 8 --max-new-tokens 64 \
         --batch-sizes 1,8 --methods autoregressive,eqspec --proposers ngram,hybrid -o $R/summaries64_$side
 done
+# The summarization run above showed the cache costing B=8 (rows waited for a row sharing only the chat template's
+# 32 tokens, then decoded out of step: realignments). With rows waiting only where they share >= 25% of what they
+# would read (prefix_cache.worth_waiting), summarization again, alternated before/after twice (this host's memory
+# bandwidth drifts between runs minutes apart):
+for round in 1 2; do
+    for side in before after; do
+        src=src; [ $side = before ] && src=$BEFORE/src
+        PYTHONPATH=$src python -m batchspec bench --preset qwen2.5-coder "${SUMMARIES[@]}" -n 8 --max-new-tokens 64 \
+            --batch-sizes 1,8 --methods autoregressive,eqspec --proposers ngram,hybrid --no-compare \
+            -o $R/ab${round}_summaries64_$side
+    done
+done
