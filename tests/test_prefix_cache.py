@@ -45,7 +45,7 @@ def shared_prefix_prompts(draw, vocab: int) -> list[list[int]]:
     return prompts
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 @pytest.mark.parametrize("method, proposer", [("eqspec", "hybrid"), ("exspec", "draft"), ("autoregressive", None)])
 def test_outputs_with_the_cache_are_those_without(method, proposer, pair, reference, data):

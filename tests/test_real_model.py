@@ -12,6 +12,7 @@ instead of skipping.
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -155,7 +156,11 @@ def test_int8_rows_are_bit_identical_alone_and_padded(smollm2_int8, humaneval_id
     assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
 
 
-@pytest.mark.parametrize("preset", ["smollm2", "qwen2.5-coder"])
+LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
+                           reason="loads the 1.5B preset (about 35 s); set BATCHSPEC_LARGE_TESTS=1 to run it")
+
+
+@pytest.mark.parametrize("preset", ["smollm2", pytest.param("qwen2.5-coder", marks=LARGE)])
 def test_int8_penalties_grammar_and_logprobs_on_the_preset(preset, request):
     """Issue 38's features on a real int8 pair: with penalties, a logit bias and a JSON schema, speculative batches
     give each prompt the constrained, penalised greedy output of plain decoding alone, and the same logprobs, bit
