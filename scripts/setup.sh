@@ -17,10 +17,10 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     exit 1
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
+pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet --no-compile)
 # torch first, pinned, so nothing later resolves a CUDA build
-"${pip[@]}" install --no-compile -c constraints/cpu.txt torch
-"${pip[@]}" install --no-compile -c constraints/cpu.txt -e ".[test,ray,load]"
+"${pip[@]}" install -c constraints/cpu.txt torch
+"${pip[@]}" install -c constraints/cpu.txt -e ".[test,ray,load]"
 
 case "$job" in
     env) ;;
