@@ -17,7 +17,7 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
     exit 1
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet --no-compile)
+pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
 # torch first, pinned, so nothing later resolves a CUDA build
 "${pip[@]}" install -c constraints/cpu.txt torch
 "${pip[@]}" install -c constraints/cpu.txt -e ".[test,ray,load]"
