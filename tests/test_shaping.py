@@ -76,7 +76,7 @@ def test_penalised_greedy_output_is_plain_penalised_decoding(method, proposer, k
     assert plain.sequences != result.sequences  # the penalties changed something
 
 
-def test_a_large_bias_forces_its_token_and_rows_keep_their_own_shaping(pair):
+def test_a_large_bias_forces_its_token(pair):
     target, draft, bundle = pair
     prompts = [prompt for prompt, _ in bundle.probe[:4]]
     forced = batchspec.generate(target, draft, prompts, batch_size=4, max_new_tokens=6, eos_token_id=bundle.eos_id,
@@ -141,6 +141,12 @@ def word_pair(tokenizer):
     target = tiny_models.build_llama(seed=3, **shape)
     draft = quantize_model(tiny_models.perturbed_copy(target, 0.3, seed=4))
     return quantize_model(target), draft
+
+
+def test_counts_worked_example():
+    from batchspec.engine.shaping import _counts
+
+    assert _counts([[1, 1], [0]], 2).tolist() == [[0, 2], [1, 0]]
 
 
 def test_unpack_worked_example():

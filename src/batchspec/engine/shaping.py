@@ -71,8 +71,9 @@ def shape(logits: torch.Tensor, rows: list[Sequence], drafts: torch.Tensor, leng
     """``[r, k+1, V]`` shaped logits of ``rows`` from their target ``logits`` ``[r, k+1, V]``, with the rows'
     ``drafts`` ``[r, k]`` (row ``i`` proposed its first ``lengths[i]``)."""
     vocab = logits.shape[-1]
-    history = _histories(rows, drafts, vocab)  # [r, k+1, V] output counts, [r, k+1, V] seen
-    shaped = _penalised(logits, rows, *history)
+    shaped = logits
+    if not all(row.penalties.neutral for row in rows):
+        shaped = _penalised(logits, rows, *_histories(rows, drafts, vocab))
     if any(row.grammar is not None for row in rows):
         host_drafts = drafts.tolist()
         allowed = torch.stack([
@@ -94,33 +95,37 @@ def _histories(rows: list[Sequence], drafts: torch.Tensor, vocab: int) -> tuple[
     included), and whether it is in the prompt or that output."""
     device = drafts.device
     positions = drafts.shape[1] + 1
-    output = torch.stack([_counts(row.output, vocab) for row in rows]).to(device)  # [r, V]
-    prompt = torch.stack([_counts(row.prompt, vocab) > 0 for row in rows]).to(device)  # [r, V]
+    output = _counts([row.output for row in rows], vocab).to(device)  # [r, V]
+    prompt = _counts([row.prompt for row in rows], vocab).to(device) > 0  # [r, V]
     step = torch.zeros(len(rows), positions, vocab, dtype=output.dtype, device=device)  # [r, k+1, V]
     step[:, 1:].scatter_add_(-1, drafts[..., None], torch.ones_like(drafts[..., None], dtype=output.dtype))
     counts = output[:, None, :] + step.cumsum(dim=1)  # [r, k+1, V]
     return counts, (counts > 0) | prompt[:, None, :]
 
 
-def _counts(tokens: list[int], vocab: int) -> torch.Tensor:
-    """``[V]`` float32 occurrences of each token id in ``tokens``."""
-    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab)[:vocab].float()
+def _counts(tokens: list[list[int]], vocab: int) -> torch.Tensor:
+    """``[r, V]`` float32 occurrences of each token id in each row's ``tokens``, by one count over ``row · V + id``.
+
+    Example: ``_counts([[1, 1], [0]], 2)`` → ``[[0, 2], [1, 0]]``.
+    """
+    flat = torch.tensor([i * vocab + t for i, row in enumerate(tokens) for t in row], dtype=torch.long)
+    return torch.bincount(flat, minlength=len(tokens) * vocab).view(len(tokens), vocab).float()
 
 
 def _penalised(logits: torch.Tensor, rows: list[Sequence], counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     """``logits`` ``[r, k+1, V]`` with each row's repetition, frequency and presence penalties and bias."""
-    def column(values: list[float]) -> torch.Tensor:  # [r, 1, 1]
-        return torch.tensor(values, dtype=logits.dtype, device=logits.device)[:, None, None]
-
     penalties = [row.penalties for row in rows]
-    repetition = column([p.repetition for p in penalties])
+    settings = torch.tensor([[p.repetition, p.frequency, p.presence] for p in penalties], dtype=logits.dtype)
+    repetition, frequency, presence = settings.to(logits.device).T[..., None, None]  # [r, 1, 1] each
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)  # [r, k+1, V]
     shaped = torch.where(seen, repeated, logits)
-    shaped = shaped - column([p.frequency for p in penalties]) * counts.to(logits.dtype)
-    shaped = shaped - column([p.presence for p in penalties]) * (counts > 0).to(logits.dtype)
+    shaped = shaped - frequency * counts.to(logits.dtype)
+    shaped = shaped - presence * (counts > 0).to(logits.dtype)
+    biased = [(i, token, value) for i, p in enumerate(penalties) for token, value in p.logit_bias
+              if token < logits.shape[-1]]
     bias = torch.zeros(len(rows), logits.shape[-1], dtype=logits.dtype)  # [r, V]
-    for i, p in enumerate(penalties):
-        for token, value in p.logit_bias:
-            if token < bias.shape[1]:
-                bias[i, token] += value
+    if biased:
+        row, token, value = zip(*biased, strict=True)
+        bias.index_put_((torch.tensor(row), torch.tensor(token)), torch.tensor(value, dtype=logits.dtype),
+                        accumulate=True)
     return shaped + bias.to(logits.device)[:, None, :]
