@@ -20,7 +20,8 @@ the mode). ``--cuda-graphs on`` runs batchspec's decode forwards as CUDA graphs 
 A part can take minutes on a GPU (the 7B-shaped model is built in every part that uses it, and the static-cache
 ``generate`` compiles on its first call): run one part per command where commands are limited in time, and
 ``--sizes 8`` (or ``--sizes 1,8``) to split ``throughput`` further. ``--device cpu --small`` runs every part on the
-CPU with small shapes (a smoke test of the script itself).
+CPU with small shapes (a smoke test of the script itself). ``scripts/gpu_session.sh`` runs the parts issue 39 asks
+for, one after another, under one deadline.
 """
 
 from __future__ import annotations
