@@ -164,7 +164,8 @@ LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
 def test_int8_penalties_grammar_and_logprobs_on_the_preset(preset, request):
     """Issue 38's features on a real int8 pair: with penalties, a logit bias and a JSON schema, speculative batches
     give each prompt the constrained, penalised greedy output of plain decoding alone, and the same logprobs, bit
-    for bit; every finished answer is a valid object. (qwen2.5-coder runs where a developer has fetched it.)"""
+    for bit; every finished answer is a valid object, and the prompt and answer read back as one prompt (completions'
+    echo) give the answer those logprobs again. (qwen2.5-coder runs where a developer has fetched it.)"""
     from batchspec.engine.grammar import GrammarCompiler
     from batchspec.engine.shaping import Penalties
 
@@ -192,3 +193,7 @@ def test_int8_penalties_grammar_and_logprobs_on_the_preset(preset, request):
     assert finished
     for text in finished:
         assert set(json.loads(text)) == {"city", "days"}
+    echoed = [p + s for p, s in zip(prompts, alone.sequences, strict=True)]  # completions' echo: the prompt scored
+    scored = batchspec.generate(pair.target, pair.draft, echoed, max_new_tokens=0, prompt_logprobs=2).prompt_logprobs
+    for prompt, scores, generated in zip(prompts, scored, alone.logprobs, strict=True):
+        assert scores[len(prompt) - 1 :] == generated

@@ -162,6 +162,34 @@ def test_completion_logprobs_shape(spec, plain):
     assert [t for p in parts for t in p.token_logprobs] == logprobs.token_logprobs
 
 
+def test_echo_scores_the_prompt_with_the_bits_its_tokens_had_when_generated(spec, plain):
+    """What evaluation harnesses send to score a continuation (``echo``, ``logprobs``, ``max_tokens: 1``): the
+    echoed prompt's logprobs, the first token's null, and a continuation the model generated scored with the very
+    logprobs it was generated with, by the speculative server and the plain one alike."""
+    completions = client(spec).completions
+    generated = completions.create(model="tiny", prompt="tell me", max_tokens=6, logprobs=2,
+                                   extra_body={"return_token_ids": True})
+    text, prompt = "tell me" + generated.choices[0].text, generated.choices[0].prompt_token_ids
+    options = {"model": "tiny", "max_tokens": 1, "logprobs": 2, "echo": True}
+    scored = completions.create(prompt=text, **options).choices[0]
+    assert scored.text.startswith(text) and len(scored.text) == len(text) + 1
+    logprobs = scored.logprobs
+    assert logprobs == client(plain).completions.create(prompt=text, **options).choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens) == scored.text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    continuation = slice(len(prompt), len(prompt) + 6)
+    assert logprobs.token_logprobs[continuation] == generated.choices[0].logprobs.token_logprobs
+    assert logprobs.top_logprobs[continuation] == generated.choices[0].logprobs.top_logprobs
+    by_ids = completions.create(prompt=prompt + generated.choices[0].token_ids, **options).choices[0]
+    assert (by_ids.text, by_ids.logprobs) == (scored.text, logprobs)
+    streamed = list(completions.create(prompt=text, stream=True, **options))
+    assert "".join(c.choices[0].text for c in streamed) == scored.text
+    parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
+    assert [v for p in parts for v in p.token_logprobs] == logprobs.token_logprobs
+    assert completions.create(prompt=text, model="tiny", max_tokens=2, echo=True).choices[0].text.startswith(text)
+
+
 # --------------------------------------------------------------------------------------------------
 # n
 
@@ -296,6 +324,7 @@ def test_bad_fields_get_400_naming_them(spec):
         "response_format": {"response_format": {"type": "xml"}},
     }.items():
         assert_error(post_raw(spec, json.dumps({"messages": MESSAGES, **extra}), CHAT), 400, param=param)
-    completion_bodies = {"logprobs": {"logprobs": 21}, "echo": {"echo": True}, "logit_bias": {"logit_bias": {"1": 101}}}
+    completion_bodies = {"logprobs": {"logprobs": 21}, "suffix": {"suffix": "!"},
+                         "logit_bias": {"logit_bias": {"1": 101}}}
     for param, extra in completion_bodies.items():
         assert_error(post_raw(spec, json.dumps({"prompt": "tell me", **extra})), 400, param=param)

@@ -19,6 +19,7 @@ from helpers import cached_or_skip, exact_joint, joint_pvalue
 
 import batchspec
 from batchspec.engine.grammar import GrammarCompiler, GrammarError, unpack
+from batchspec.engine.prefill import prompt_logprobs
 from batchspec.engine.sampling import SamplingParams
 from batchspec.engine.shaping import Penalties
 from batchspec.int8 import quantize_model
@@ -101,6 +102,33 @@ def test_logprobs_are_the_same_bits_alone_and_batched(method, proposer, k, pair)
             assert [lp.token for lp in logprobs] == tokens
             assert [lp.logprob for lp in logprobs] == expected.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
             assert all(len(lp.top) == 3 and lp.top[0][0] == token for lp, token in zip(logprobs, tokens, strict=True))
+
+
+def test_prompt_logprobs_are_the_bits_of_the_same_tokens_generated(pair):
+    """Completions' ``echo``: a prompt that ends with tokens the model generated gives those tokens the logprobs they
+    had when generated (int8: the same bits, read alone in chunks or while a batch decodes), and every earlier
+    prompt token the log_softmax of one full forward."""
+    target, draft, bundle = pair
+    prompts = [prompt for prompt, _ in bundle.probe[:4]]
+    common = {"eos_token_id": [], "pad_token_id": bundle.pad_id}
+    generated = batchspec.generate(target, None, prompts, method="autoregressive", batch_size=1, max_new_tokens=6,
+                                   logprobs=3, **common)
+    echoed = [prompt + tokens for prompt, tokens in zip(prompts, generated.sequences, strict=True)]
+    scored_only = batchspec.generate(target, draft, echoed, max_new_tokens=0, prompt_logprobs=3, **common)
+    while_decoding = batchspec.generate(target, draft, echoed, batch_size=4, max_new_tokens=5, num_draft_tokens=3,
+                                        prompt_logprobs=3, **common)
+    engine = batchspec.engine.core.build_engine(target, None, batchspec.SpecConfig(method="autoregressive"))
+    for i, (prompt, prompt_and_output) in enumerate(zip(prompts, echoed, strict=True)):
+        scores = scored_only.prompt_logprobs[i]
+        assert scores == while_decoding.prompt_logprobs[i]
+        assert scores == prompt_logprobs(target, engine.runner, prompt_and_output, 3, chunk=3)
+        assert [lp.token for lp in scores] == prompt_and_output[1:]
+        assert scores[len(prompt) - 1 :] == generated.logprobs[i]
+        with torch.no_grad():
+            full = torch.log_softmax(target(torch.tensor([prompt_and_output])).logits[0, :-1].double(), dim=-1)
+        chosen = full.gather(1, torch.tensor(prompt_and_output[1:])[:, None])[:, 0]  # [S - 1]
+        assert [lp.logprob for lp in scores] == chosen.tolist()
+    assert batchspec.generate(target, None, [[5]], max_new_tokens=0, prompt_logprobs=0).prompt_logprobs == [[]]
 
 
 def test_sampled_pairs_follow_the_penalised_distribution():

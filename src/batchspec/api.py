@@ -32,6 +32,8 @@ class GenerationResult:
         stats: counters and timings of the run.
         texts: the decoded sequences when a tokenizer was given, else None.
         logprobs: with ``logprobs=n``, each sequence's tokens with their logprobs, else None.
+        prompt_logprobs: with ``prompt_logprobs=n``, each prompt's tokens after the first with their logprobs,
+            else None.
     """
 
     sequences: list[list[int]]
@@ -39,6 +41,7 @@ class GenerationResult:
     stats: GenerationStats
     texts: list[str] | None = None
     logprobs: list[list[TokenLogprob]] | None = None
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
 
 
 def generate(
@@ -70,6 +73,7 @@ def generate(
     penalties: Penalties | None = None,
     grammar: Grammar | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     prefix_cache_size: int | str = "auto",
 ) -> GenerationResult:
     """Generation with ``target``, batched, optionally sped up by speculative decoding with ``draft``.
@@ -124,6 +128,9 @@ def generate(
             or a Lark grammar).
         logprobs: report each output token's logprob under the target and its ``logprobs`` most probable
             alternatives (0 .. 20) in ``result.logprobs``.
+        prompt_logprobs: likewise for every prompt token after the first (given the tokens before it), in
+            ``result.prompt_logprobs``; each prompt is then read once more, on its own (scoring a prompt's
+            likelihood: ``max_new_tokens=0`` reads it only for this).
         prefix_cache_size: bytes of prompt KV kept for later prompts that start the same way (0: off; ``"auto"``: a
             quarter of free memory, at most 4 GiB). Outputs are the same either way; with int8 models the reused
             KV is the same bits as a recomputation (:mod:`batchspec.engine.prefix_cache`).
@@ -150,7 +157,8 @@ def generate(
     engine = build_engine(target, draft, config)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
     seeds = derive_row_seeds(seed, len(token_prompts))
-    shaping = {"penalties": penalties or Penalties(), "grammar": grammar, "logprobs": logprobs}
+    shaping = {"penalties": penalties or Penalties(), "grammar": grammar, "logprobs": logprobs,
+               "prompt_logprobs": prompt_logprobs}
     sequences = [
         Sequence(i, p, max_new_tokens, sampling=sampling, seed=s, **shaping)
         for i, (p, s) in enumerate(zip(token_prompts, seeds, strict=True))
@@ -163,6 +171,7 @@ def generate(
         stats=engine.stats,
         texts=texts,
         logprobs=None if logprobs is None else [s.token_logprobs for s in sequences],
+        prompt_logprobs=None if prompt_logprobs is None else [s.prompt_token_logprobs for s in sequences],
     )
 
 
@@ -172,6 +181,8 @@ def _decode(engine: Engine, sequences: list[Sequence], progress: bool) -> None:
     for row in sequences:
         if row.max_new_tokens == 0:
             row.finish_reason = FINISH_LENGTH
+            with torch.inference_mode():
+                engine.score_prompt(row)
         else:
             scheduler.add(row)
     bar = tqdm(total=scheduler.waiting, desc=engine.config.method.value, unit="prompt", disable=not progress)

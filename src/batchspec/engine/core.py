@@ -23,7 +23,7 @@ from batchspec.engine.graphs import graph_mode
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked
 from batchspec.engine.metrics import GenerationStats, StageTimer
-from batchspec.engine.prefill import ChunkBudget, Reader, catch_up, length_groups
+from batchspec.engine.prefill import ChunkBudget, Reader, catch_up, length_groups, prompt_logprobs
 from batchspec.engine.prefix_cache import PrefixCache, prefix_cache_bytes
 from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalHost, ProposalPlan, Proposer, point_masses
 from batchspec.engine.proposers.draft import DraftModelProposer
@@ -94,7 +94,9 @@ class Engine:
     def prefill(self, rows: list[Sequence]) -> list[Sequence]:
         """Read the prompts of rows that are not ready (a prompt read in chunks first, at most
         ``config.prefill_chunk`` columns while other rows decode; read whole, rows of similar length together);
-        returns the rows ready to decode, in order."""
+        returns the rows ready to decode, in order. Rows that ask for prompt logprobs get them first."""
+        for row in rows:
+            self.score_prompt(row)
         unread = self._linked([row for row in rows if not row.ready])
         if unread:
             held = [row for row in unread if row.kv is not None]
@@ -111,6 +113,12 @@ class Engine:
             self.chunks.read(sum(_target_cached(row) for row in group) - cached, time.perf_counter() - started)
             self._keep([row for row in unread if row.ready])
         return [row for row in rows if row.ready]
+
+    def score_prompt(self, row: Sequence) -> None:
+        """Fill ``row.prompt_token_logprobs`` (:func:`~batchspec.engine.prefill.prompt_logprobs`) if it asks for
+        them and has none yet."""
+        if row.prompt_logprobs is not None and row.prompt_token_logprobs is None:
+            row.prompt_token_logprobs = prompt_logprobs(self.target, self.runner, row.prompt, row.prompt_logprobs)
 
     def _linked(self, unread: list[Sequence]) -> list[Sequence]:
         """``unread`` after each new row took the longest prefix the prefix cache holds of its prompt; less the rows

@@ -12,6 +12,8 @@ their own and read first:
 * **length groups** — prompts read whole are read in groups of similar length (:func:`length_groups`): reading
   is compute-bound, and a padded column costs as much as a real one, so eight prompts of 43 to 208 tokens read as
   one batch would compute 1,664 columns for 590 real ones;
+* **prompt logprobs** — a row that asks for them (completions' ``echo``) has its prompt read once more on its own
+  by the target, with logits (:func:`prompt_logprobs`), before it joins the batch;
 * **draft catch-up** — before the draft runs, rows whose draft cache lags further than the batch's slack (they
   joined while the draft was idle) read the missing columns, and so do rows that lag only once those have caught
   up (:func:`~batchspec.engine.realign.draft_catch_up`).
@@ -36,6 +38,7 @@ import torch
 
 from batchspec.config import AUTO
 from batchspec.engine.kv_cache import BatchKVCache
+from batchspec.engine.logprobs import TokenLogprob, scored, unpacked
 from batchspec.engine.realign import assemble, layout_columns, plan_layout
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.state import BatchState, KVLocation, Sequence
@@ -44,6 +47,7 @@ from batchspec.invariants import InvariantError
 FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
 GROUP_SPREAD = 16  # padding columns a prompt may read to share a forward with longer ones
 MIN_AUTO_CHUNK = 8
+SCORE_CHUNK = 256  # prompt columns per forward of prompt_logprobs: bounds its [1, chunk, V] logits
 TIMING_DECAY = 0.5  # weight of earlier measurements in the running estimates
 
 
@@ -170,3 +174,28 @@ def _locate(batch: BatchState, *, draft_read: bool) -> None:
     draft = [max(0, batch.draft_len - pad) for pad in pads] if draft_read else batch.host.draft_cached
     for i, (row, pad) in enumerate(zip(batch.rows, pads, strict=True)):
         row.kv = KVLocation(batch.slab, i, start=pad, target_cached=target[i], draft_cached=draft[i])
+
+
+def prompt_logprobs(
+    model: torch.nn.Module, runner: ModelRunner, prompt: list[int], top: int, chunk: int = SCORE_CHUNK
+) -> list[TokenLogprob]:
+    """The model's logprob of each prompt token after the first, given the tokens before it, with its ``top``
+    most probable alternatives there (:func:`~batchspec.engine.logprobs.scored`): ``len(prompt) - 1`` entries.
+
+    The prompt is read on its own, in a cache of its own, ``chunk`` columns per forward. With the int8 forward the
+    logits of a position do not depend on the batch or the chunking, so these are the bits of the logprob the same
+    token gets when the model generates it after the same tokens.
+
+    Example: prompt ``[5, 9, 2]`` gives the logprobs of 9 after ``[5]`` and of 2 after ``[5, 9]``.
+    """
+    tokens = torch.tensor([prompt], device=runner.device)  # [1, S]
+    cache = BatchKVCache.for_model(model)
+    batch = BatchState.dense(tokens, cache)
+    out: list[TokenLogprob] = []
+    for start in range(0, len(prompt) - 1, chunk):
+        end = min(start + chunk, len(prompt) - 1)
+        logits = runner.logits(model, batch, cache, tokens[:, start:end], keep=end - start)  # [1, c, V]
+        values = scored(logits, tokens[:, start + 1 : end + 1], top)  # [1, c, 1 + 2·top]
+        cells = unpacked(values.flatten().tolist(), top, end - start)
+        out.extend(TokenLogprob(t, lp, alt) for t, (lp, alt) in zip(prompt[start + 1 : end + 1], cells, strict=True))
+    return out

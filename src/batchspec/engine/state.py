@@ -77,7 +77,8 @@ class Sequence:
 
     ``penalties`` and ``grammar`` shape the target's distribution (:mod:`batchspec.engine.shaping`); with
     ``logprobs`` set (the number of top alternatives, 0 for the chosen token's only) every output token gets its
-    :class:`~batchspec.engine.logprobs.TokenLogprob` in ``token_logprobs``.
+    :class:`~batchspec.engine.logprobs.TokenLogprob` in ``token_logprobs``; with ``prompt_logprobs`` set, so does
+    every prompt token after the first, in ``prompt_token_logprobs`` (filled before the row's prompt is read).
     """
 
     index: int
@@ -94,6 +95,8 @@ class Sequence:
     grammar: Grammar | None = None
     logprobs: int | None = None
     token_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)
+    prompt_logprobs: int | None = None
+    prompt_token_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
     prefix_namespace: str = ""
     cached_tokens: int = 0
     _grammar_state: GrammarState | None = field(default=None, repr=False)
@@ -102,6 +105,8 @@ class Sequence:
         check_budget(self.max_new_tokens)
         if self.logprobs is not None:
             require_int("logprobs", self.logprobs, minimum=0, maximum=MAX_TOP)
+        if self.prompt_logprobs is not None:
+            require_int("prompt_logprobs", self.prompt_logprobs, minimum=0, maximum=MAX_TOP)
 
     def grammar_state(self) -> GrammarState:
         """The row's grammar matcher, started on first use and advanced past the output so far."""

@@ -187,7 +187,11 @@ def _front(http: Request) -> Front:
 async def completions(http: Request) -> Response:
     front = _front(http)
     body, params = await front.prepare(front.reader.completion, await _json_body(http))
-    return await _serve(http, _state(http), params, CompletionFormat(), body)
+    state = _state(http)
+    echo = None
+    if body.echo:
+        echo = body.prompt if isinstance(body.prompt, str) else state.texts.tokenizer.decode(params.prompt)
+    return await _serve(http, state, params, CompletionFormat(echo), body)
 
 
 async def chat_completions(http: Request) -> Response:

@@ -37,6 +37,8 @@ class GenerationParams:
         penalties: presence, frequency and repetition penalties and the logit bias (default: none).
         grammar: the grammar the output must follow (structured outputs, tool calls), or None.
         logprobs: None for no logprobs; else how many top alternatives each output token reports (0: its own only).
+        prompt_logprobs: likewise for the prompt's tokens after the first (completions' ``echo``); each choice's
+            row reads the prompt once more for them.
         n: how many choices (rows) to generate for the prompt; choice ``i`` samples with ``row_seeds()[i]``.
     """
 
@@ -49,6 +51,7 @@ class GenerationParams:
     penalties: Penalties = field(default_factory=Penalties)
     grammar: Grammar | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -68,12 +71,14 @@ class GenerationParams:
 @dataclass(frozen=True)
 class Tokens:
     """New output of choice ``index``: ``text`` (final, may be empty while text is held back) and the ``token_ids``
-    behind it, with their logprobs when the request asked for them."""
+    behind it, with their logprobs when the request asked for them; the choice's first event carries its prompt's
+    logprobs when the request asked for those."""
 
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     index: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

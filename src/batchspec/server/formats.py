@@ -67,11 +67,12 @@ class ReplyContext:
 
 @dataclass
 class ChoiceOutput:
-    """One choice of a whole (not streamed) reply, gathered from its events: text, token logprobs (None when not
-    asked for) and its end."""
+    """One choice of a whole (not streamed) reply, gathered from its events: text, token logprobs and the prompt's
+    (None when not asked for) and its end."""
 
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: Finished | None = None
 
     def add(self, event: Tokens | Finished) -> None:
@@ -79,6 +80,8 @@ class ChoiceOutput:
             self.finished = event
             return
         self.parts.append(event.text)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.logprobs is not None:
             self.logprobs = [*(self.logprobs or []), *event.logprobs]
 
@@ -141,37 +144,48 @@ def chat_logprobs(ctx: ReplyContext, logprobs: list[TokenLogprob] | None) -> Cha
 
 
 def completion_logprobs(
-    ctx: ReplyContext, logprobs: list[TokenLogprob] | None, offset: int
+    ctx: ReplyContext, logprobs: list[TokenLogprob] | None, offset: int, prompt: list[TokenLogprob] | None = None
 ) -> CompletionLogprobs | None:
-    """The completions ``logprobs``, the first token at character ``offset`` of the choice's text."""
-    if logprobs is None:
+    """The completions ``logprobs``, the first token at character ``offset`` of the choice's text; with ``prompt``
+    (an echoed prompt's logprobs) the prompt's tokens first: its first token with none, then ``prompt``'s.
+
+    Example (echo, prompt ids ``[5, 9]``, one output token 4): tokens ``[text(5), text(9), text(4)]``, logprobs
+    ``[None, lp(9), lp(4)]``, top alternatives ``[None, {...}, {...}]``.
+    """
+    if logprobs is None and prompt is None:
         return None
-    tokens = [ctx.token_text(t.token) for t in logprobs]
+    entries = [*(prompt or ()), *(logprobs or ())]
+    tokens = [ctx.token_text(t.token) for t in entries]
+    values: list[float | None] = [t.logprob for t in entries]
+    tops: list[dict[str, float] | None] = [{ctx.token_text(i): lp for i, lp in t.top} for t in entries]
+    if prompt is not None:
+        tokens, values, tops = [ctx.token_text(ctx.prompt_ids[0]), *tokens], [None, *values], [None, *tops]
     starts = [offset]
     for text in tokens[:-1]:
         starts.append(starts[-1] + len(text))
-    return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[t.logprob for t in logprobs], text_offset=starts,
-        top_logprobs=[{ctx.token_text(i): lp for i, lp in t.top} for t in logprobs],
-    )
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, text_offset=starts, top_logprobs=tops)
 
 
 class CompletionFormat:
     """One request's completions reply (it counts, per streamed choice, the characters of its logprob tokens so
-    far: their ``text_offset``)."""
+    far: their ``text_offset``). With ``echo`` (the prompt's text) each choice's text starts with the prompt, and
+    its logprobs with the prompt's when the request asked for logprobs; a stream sends the prompt in each choice's
+    first chunk."""
 
     id_prefix = "cmpl"
     sse_events = False
 
-    def __init__(self) -> None:
+    def __init__(self, echo: str | None = None) -> None:
+        self.echo = echo
         self._offsets: dict[int, int] = {}
+        self._echoed: set[int] = set()
 
     def full(self, ctx: ReplyContext, choices: list[ChoiceOutput]) -> CompletionResponse:
         ids = ctx.return_token_ids
         bodies = [
             CompletionChoice(
-                index=i, text=c.text, finish_reason=c.end.finish_reason,
-                logprobs=completion_logprobs(ctx, c.logprobs, 0),
+                index=i, text=(self.echo or "") + c.text, finish_reason=c.end.finish_reason,
+                logprobs=completion_logprobs(ctx, c.logprobs, 0, c.prompt_logprobs),
                 prompt_token_ids=ctx.prompt_ids if ids else None, token_ids=c.end.token_ids if ids else None,
             )
             for i, c in enumerate(choices)
@@ -184,16 +198,24 @@ class CompletionFormat:
     def delta(self, ctx: ReplyContext, tokens: Tokens) -> list[CompletionResponse]:
         ids = tokens.token_ids if ctx.return_token_ids else None
         start = self._offsets.get(tokens.index, 0)
-        logprobs = completion_logprobs(ctx, tokens.logprobs, start)
+        logprobs = completion_logprobs(ctx, tokens.logprobs, start, tokens.prompt_logprobs)
         if logprobs is not None:
             self._offsets[tokens.index] = start + sum(len(text) for text in logprobs.tokens)
-        choice = CompletionChoice(index=tokens.index, text=tokens.text, finish_reason=None, logprobs=logprobs,
-                                  token_ids=ids)
+        choice = CompletionChoice(index=tokens.index, text=self._echo(tokens.index) + tokens.text, finish_reason=None,
+                                  logprobs=logprobs, token_ids=ids)
         return [self._body(ctx, [choice])]
 
     def closing(self, ctx: ReplyContext, finished: Finished) -> list[CompletionResponse]:
-        choice = CompletionChoice(index=finished.index, text="", finish_reason=finished.finish_reason)
+        choice = CompletionChoice(index=finished.index, text=self._echo(finished.index),
+                                  finish_reason=finished.finish_reason)
         return [self._body(ctx, [choice])]
+
+    def _echo(self, index: int) -> str:
+        """The prompt's text the first time choice ``index`` streams, else nothing."""
+        if self.echo is None or index in self._echoed:
+            return ""
+        self._echoed.add(index)
+        return self.echo
 
     def usage(self, ctx: ReplyContext, finished: list[Finished]) -> CompletionResponse:
         return self._body(ctx, [], usage_of(finished))

@@ -55,6 +55,7 @@ class Job:
     row: Sequence
     text: TextTracker
     sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class EngineLoop:
             Job(handle, choice, Sequence(
                 next(self._ids), list(params.prompt), params.max_tokens, sampling=params.sampling, seed=seed,
                 penalties=params.penalties, grammar=params.grammar, logprobs=params.logprobs,
+                prompt_logprobs=params.prompt_logprobs,
                 prefix_namespace=params.cache_namespace,
             ), TextTracker(self.tokenizer, params.stop))
             for choice, seed in enumerate(params.row_seeds())
@@ -202,9 +204,11 @@ class EngineLoop:
         new_tokens = row.output[job.sent_tokens : end]
         job.sent_tokens = end
         events: list[Tokens | Finished] = []
-        if update.delta or new_tokens:
+        prompt_logprobs = None if job.sent_prompt_logprobs else row.prompt_token_logprobs
+        job.sent_prompt_logprobs = True
+        if update.delta or new_tokens or prompt_logprobs is not None:
             logprobs = None if row.logprobs is None else row.token_logprobs[end - len(new_tokens) : end]
-            events.append(Tokens(update.delta, new_tokens, logprobs, job.choice))
+            events.append(Tokens(update.delta, new_tokens, logprobs, job.choice, prompt_logprobs))
         if row.finished:
             reason = FINISH_LENGTH if row.finish_reason == FINISH_LENGTH else FINISH_STOP
             events.append(Finished(reason, len(row.prompt), row.output[:end], job.choice, row.cached_tokens))

@@ -167,7 +167,8 @@ class PromptReader:
     def _shaped(self, request: CompletionRequest | ChatCompletionRequest, params: GenerationParams) -> GenerationParams:
         """``params`` with the logprobs asked for and the grammar of the request's ``response_format``."""
         grammar = self.structured.response_format(request.response_format)
-        return replace(params, grammar=grammar, logprobs=request.logprob_alternatives)
+        return replace(params, grammar=grammar, logprobs=request.logprob_alternatives,
+                       prompt_logprobs=request.prompt_logprob_alternatives)
 
     def _request(self, raw: bytes, model: type[Request]) -> Request:
         request = self.bounds.parse(raw, model)

@@ -1,16 +1,16 @@
 """The OpenAI wire format the server speaks: request bodies, responses, stream chunks and error bodies.
 
 Requests are validated strictly: an unknown field, a value of the wrong type or out of range, or a feature the
-server does not offer (``echo``, ``suffix``, ``best_of > 1``) is a 400 that names the field. ``temperature``
+server does not offer (``suffix``, ``best_of > 1``) is a 400 that names the field. ``temperature``
 defaults to 0 (greedy decoding, the output the target's own greedy ``generate`` gives), not to OpenAI's 1.
 
 Supported beyond plain sampling: ``n`` choices per request, ``logprobs`` (the target's raw logprobs, with up to
-:data:`MAX_TOP_LOGPROBS` alternatives), ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and
-``response_format`` (JSON object or JSON schema), and on chat ``tools``, ``tool_choice`` and ``parallel_tool_calls``
-with a history of assistant ``tool_calls`` and ``tool`` messages (:mod:`~batchspec.server.tools`). Three
-extensions: ``top_k`` (sampling: keep the k most probable tokens), ``repetition_penalty`` (vLLM's) and
-``return_token_ids: true``, which adds the prompt's and the output's token ids to each choice so that a client can
-compare outputs token for token.
+:data:`MAX_TOP_LOGPROBS` alternatives; on completions with ``echo`` the prompt's too), ``presence_penalty``,
+``frequency_penalty``, ``logit_bias`` and ``response_format`` (JSON object or JSON schema), and on chat ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` with a history of assistant ``tool_calls`` and ``tool`` messages
+(:mod:`~batchspec.server.tools`). Three extensions: ``top_k`` (sampling: keep the k most probable tokens),
+``repetition_penalty`` (vLLM's) and ``return_token_ids: true``, which adds the prompt's and the output's token ids
+to each choice so that a client can compare outputs token for token.
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ class SamplingFields(StrictRequest):
     user: str | None = None
     return_token_ids: bool = False
 
+    @property
+    def prompt_logprob_alternatives(self) -> int | None:
+        """Alternatives per prompt token's logprobs; None: none (only completions' ``echo`` asks for them)."""
+        return None
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -126,17 +131,15 @@ class CompletionRequest(SamplingFields):
     best_of: Literal[1] | None = None
     suffix: None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
     @property
     def logprob_alternatives(self) -> int | None:
         """Alternatives per output token's logprobs; None: no logprobs."""
         return self.logprobs
+
+    @property
+    def prompt_logprob_alternatives(self) -> int | None:
+        """Alternatives per prompt token's logprobs: ``logprobs`` when the prompt is echoed, else None."""
+        return self.logprobs if self.echo else None
 
 
 class TextPart(StrictRequest):
@@ -271,12 +274,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: per output token its text, logprob, top alternatives (text → logprob) and
-    its character offset in the choice's text."""
+    """The legacy completions shape: per token its text, logprob, top alternatives (text → logprob) and its
+    character offset in the choice's text; with ``echo`` the prompt's tokens come first, the first with no logprob."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
