@@ -148,28 +148,6 @@ def test_every_product_kernel_gives_the_exact_sum_rounded_once(rows, inner, cols
     assert high.abs().max().item() <= 64 and set(low.unique().tolist()) <= {0, 1}
 
 
-@pytest.mark.parametrize("kernel", exact_kernels(torch.float32))
-@pytest.mark.parametrize("rows", [1, 7])
-def test_stacked_layers_give_each_layer_its_own_bits(kernel, rows, monkeypatch):
-    """q, k and v as one product (of 70 + 3 + 130 outputs: panels straddle the layers; one layer without a bias), and
-    an MLP's gate and up as one: each layer's output is the bits of its own ``Int8Linear``."""
-    monkeypatch.setattr(linear, "product_kernel", lambda *_: kernel)
-    torch.manual_seed(3)
-    layers = [torch.nn.Linear(96, out, bias=bias) for out, bias in ((70, True), (3, False), (130, True))]
-    x = torch.randn(rows, 96) * 3  # [N, K]
-    shared = linear.SharedProduct(layers)
-    parts = [linear.ProductPart(shared, reader)(x) for reader in range(3)]
-    for layer, part in zip(layers, parts, strict=True):
-        alone = Int8Linear(layer)(x)  # [N, O]
-        assert torch.equal(part.view(torch.int32), alone.view(torch.int32))
-    mlp = torch.nn.Module()
-    mlp.gate_proj, mlp.up_proj, mlp.down_proj = (torch.nn.Linear(*shape, bias=False) for shape in
-                                                 ((96, 200), (96, 200), (200, 96)))
-    gate, up, down = (Int8Linear(layer) for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    separate = down(silu_(gate(x)).mul_(up(x)))  # [N, 96]
-    assert torch.equal(linear.Int8MLP(mlp)(x).view(torch.int32), separate.view(torch.int32))
-
-
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's ISA cap is an x86 setting")
 def test_a_cpu_without_vnni_gets_the_same_bits(tmp_path):
     """oneDNN capped at AVX2 (no VNNI, and batchspec's own VNNI kernels off) saturates on full-range int8; the layer

@@ -4,15 +4,9 @@ For one token ``x`` (``[K]``) and output channel ``o``: ``y[o] = (acc[o] * sx) *
 ``acc = round(x / sx) . W8[o]`` summed exactly in int32, ``sx = max|x| / 127`` and ``sw[o] = max|W[o]| / 127``.
 Every step is elementwise or an exact integer sum (see :mod:`batchspec.int8.arithmetic`), so a token's
 output does not depend on the other tokens or rows of the call, nor on how the integer kernel blocks the product.
-
-Nor does a channel's value depend on the other channels of the call, so layers that read one input are one product
-over their stacked weights (:func:`stacked`): an attention's q, k and v projections (:class:`SharedProduct`), an
-MLP's gate and up projections (:class:`Int8MLP`). One call reads all their weights, with the bits each gives alone.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 
@@ -39,9 +33,13 @@ class Int8Linear(torch.nn.Module):
         self.weight: PackedWeight = pack_weight(qweight, product_kernel(linear.weight.dtype, qweight.numel()))
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.quantizer: SharedQuantization | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
-        rows = quantize_activations(x)
+        return self.apply_to(quantize_activations(x) if self.quantizer is None else self.quantizer(x))
+
+    def apply_to(self, rows: QuantizedRows) -> torch.Tensor:
+        """The layer's output for activations already quantized (several layers may share one quantization)."""
         codes = rows.codes(self.weight.kernel)  # [N, K]
         if self.weight.kernel == "vnni":  # the scales and bias applied in the kernel, in the order below
             y = native.linear(codes, *self.weight.tensors, rows.scale, self.scale, self.bias)  # [N, O]
@@ -94,76 +92,36 @@ def quantize_activations(x: torch.Tensor) -> QuantizedRows:
     return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], values=q)
 
 
-def stacked(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
-    """One ``nn.Linear`` whose output is the ``linears``' outputs side by side (they share ``in_features``). A layer
-    without a bias among ones with biases gets zeros: its ``y + 0`` is ``y``, bit for bit, since an int8 layer's
-    ``y`` is never ``-0`` (a zero sum is ``+0``, and the scales are positive)."""
-    first = linears[0]
-    outputs = sum(layer.out_features for layer in linears)
-    merged = torch.nn.Linear(first.in_features, outputs, bias=False, device="meta")
-    merged.weight = torch.nn.Parameter(torch.cat([layer.weight.detach() for layer in linears]), requires_grad=False)
-    if any(layer.bias is not None for layer in linears):
-        biases = [layer.weight.new_zeros(layer.out_features) if layer.bias is None else layer.bias.detach()
-                  for layer in linears]
-        merged.bias = torch.nn.Parameter(torch.cat(biases), requires_grad=False)
-    return merged
+class SharedQuantization:
+    """One quantization for ``readers`` layers called one after another on the same input tensor (an attention's q,
+    k and v projections read one ``hidden_states``): the rows are reused while the input is that same tensor object,
+    which is held (so no other tensor can take its place in memory) until the last reader has had them."""
 
-
-class SharedProduct:
-    """One :class:`Int8Linear` product for layers called one after another on the same input tensor (an attention's
-    q, k and v projections read one ``hidden_states``), each served its slice of the output (:class:`ProductPart`).
-    The product runs when the first reader asks; it is reused while the input is that same tensor object, which is
-    held (so no other tensor can take its place in memory) until the last reader has had its part.
-
-    Example: q, k, v of 1536, 256 and 256 outputs are one product of 2048; k's part is ``out[..., 1536:1792]``.
-    """
-
-    def __init__(self, linears: list[torch.nn.Linear]) -> None:
-        self.product = Int8Linear(stacked(linears))
-        ends = list(itertools.accumulate(layer.out_features for layer in linears))
-        self.bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, readers: int) -> None:
+        self.readers = readers
+        self._last: tuple[torch.Tensor, QuantizedRows] | None = None
         self._served = 0
 
-    def part(self, x: torch.Tensor, reader: int) -> torch.Tensor:  # [..., K] -> [..., O_reader]
+    def __call__(self, x: torch.Tensor) -> QuantizedRows:
         if self._last is None or self._last[0] is not x:
-            self._last, self._served = (x, self.product(x)), 0
-        out = self._last[1]
+            self._last, self._served = (x, quantize_activations(x)), 0
+        rows = self._last[1]
         self._served += 1
-        if self._served == len(self.bounds):
+        if self._served == self.readers:
             self._last = None
-        start, end = self.bounds[reader]
-        return out[..., start:end]
-
-
-class ProductPart(torch.nn.Module):
-    """Layer ``reader`` of a :class:`SharedProduct`, in the model where its ``nn.Linear`` was (the shared product is
-    each part's submodule ``product``, so ``model.modules()`` lists it once)."""
-
-    def __init__(self, shared: SharedProduct, reader: int) -> None:
-        super().__init__()
-        self.shared, self.reader, self.product = shared, reader, shared.product
-        start, end = shared.bounds[reader]
-        self.in_features, self.out_features = shared.product.in_features, end - start
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
-        return self.shared.part(x, self.reader)
-
-    def extra_repr(self) -> str:
-        return f"part {self.reader} of {len(self.shared.bounds)}, out_features={self.out_features}"
+        return rows
 
 
 class Int8MLP(torch.nn.Module):
     """The gated SiLU MLP of Llama-like models on :class:`Int8Linear` layers: ``down(silu(gate(x)) * up(x))``,
-    gate and up one product (``gate_up``, :func:`stacked`) and the activation computed in place."""
+    with ``x`` quantized once for gate and up and the activation computed in place."""
 
     def __init__(self, mlp: torch.nn.Module) -> None:
         super().__init__()
-        self.intermediate = mlp.gate_proj.out_features
-        self.gate_up = Int8Linear(stacked([mlp.gate_proj, mlp.up_proj]))
+        self.gate_proj, self.up_proj = Int8Linear(mlp.gate_proj), Int8Linear(mlp.up_proj)
         self.down_proj = Int8Linear(mlp.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)  # [..., F] each
-        hidden = silu_(gate.contiguous())  # [..., F]: a view of the product for one token, else a copy
-        return self.down_proj(hidden.mul_(up))
+        rows = quantize_activations(x)
+        hidden = silu_(self.gate_proj.apply_to(rows))  # [..., F]
+        return self.down_proj(hidden.mul_(self.up_proj.apply_to(rows)))

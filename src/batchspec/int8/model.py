@@ -4,9 +4,9 @@
 swaps, in place:
 
 * every MLP for an :class:`~batchspec.int8.linear.Int8MLP` (its activation on torch's vector path only);
-* an attention's q, k and v projections for the parts of one product (:class:`~batchspec.int8.linear.SharedProduct`),
-  and its keys and values enter the KV cache quantized (:func:`~batchspec.int8.attention.pack_on_update`);
-* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.int8.linear.Int8Linear`;
+* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.int8.linear.Int8Linear`; an
+  attention's q, k and v projections share one quantization of their input, and its keys and values enter the KV
+  cache quantized (:func:`~batchspec.int8.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
 * the rotary embedding for :class:`RotaryTable` (cos/sin computed once per position, then looked up);
 * the attention implementation for :data:`~batchspec.int8.attention.NAME`.
@@ -23,7 +23,7 @@ import torch
 
 from batchspec.int8 import attention, native
 from batchspec.int8.arithmetic import row_sum
-from batchspec.int8.linear import Int8Linear, Int8MLP, ProductPart, SharedProduct
+from batchspec.int8.linear import Int8Linear, Int8MLP, SharedQuantization
 from batchspec.int8.smoothing import calibration_ids, smooth_model
 from batchspec.layers import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.model_checks import check_model
@@ -111,15 +111,14 @@ def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     smooth_model(model, calibration_ids(tokenizer, model.config.vocab_size))
     attention.register()
     config, dtype = model.config, next(model.parameters()).dtype
-    for module in list(model.modules()):
-        names = ("q_proj", "k_proj", "v_proj")
-        projections = [getattr(module, name, None) for name in names]
-        if all(isinstance(p, torch.nn.Linear) for p in projections):
-            shared = SharedProduct(projections)
-            for reader, name in enumerate(names):
-                setattr(module, name, ProductPart(shared, reader))
-            module.register_forward_pre_hook(attention.pack_on_update, with_kwargs=True)
     swap_layers(model, lambda name, child: _replacement(name, child, config, dtype))
+    for module in model.modules():
+        projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        if all(isinstance(p, Int8Linear) for p in projections):
+            shared = SharedQuantization(readers=len(projections))
+            for projection in projections:
+                projection.quantizer = shared
+            module.register_forward_pre_hook(attention.pack_on_update, with_kwargs=True)
     model.config._attn_implementation = attention.NAME
     return model
 
