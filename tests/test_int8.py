@@ -131,11 +131,13 @@ def _extreme_operands(rows: int, inner: int, cols: int) -> tuple[torch.Tensor, t
     return a, w
 
 
-@pytest.mark.parametrize("rows, inner, cols", [(1, 64, 32), (5, 256, 96), (33, 1536, 40), (48, 8960, 24)])
+@pytest.mark.parametrize(
+    "rows, inner, cols", [(1, 64, 32), (5, 256, 96), (33, 1536, 40), (48, 8960, 24), (250, 96, 70)]
+)
 def test_every_product_kernel_gives_the_exact_sum_rounded_once(rows, inner, cols):
     """Each kernel this CPU runs gives the exact integer sums (float64 holds them), rounded once to float32: the
     vnni and onednn kernels (where the CPU runs them exactly), ``_int_mm`` and its halves; 8960 inputs take sums past
-    2**24."""
+    2**24; 250 rows take two passes over the weight (native.c's ROW_BLOCK)."""
     a, w = _extreme_operands(rows, inner, cols)
     exact = a.double() @ w.double().T  # [N, O]
     assert exact.abs().max().item() > 2**24 or inner < 8960

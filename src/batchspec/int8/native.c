@@ -20,7 +20,7 @@
 
 #define PANEL 64     /* outputs per panel: four 16-lane int32 accumulators per row */
 #define ROWS 4       /* activation rows per micro-kernel pass: 16 accumulators + 4 weight registers */
-#define ROW_BLOCK 60 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
+#define ROW_BLOCK 240 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
 
 /* the larger of two floats (neither is NaN here); fmaxf is a library call */
 static inline float larger(float a, float b) { return a > b ? a : b; }

@@ -16,8 +16,8 @@ per operation, those operations were half of a one-row decode step once the prod
 A one-row decode step is a matrix-vector product per layer, whose cost is reading the weight. oneDNN's prepacked
 quantized linear read a 1536 x 8960 weight at 28.5 GB/s on a 2-core AMD EPYC Zen 4 whose memory streams 50 GB/s,
 and spent ~20 us a call before reading anything. ``native.c`` streams a weight laid out as panels of 64 outputs
-``[P, G, 64, 4]`` once per 60 rows, with ``vpdpbusd`` summing four u8 x s8 products per int32 lane; it read 46.6 GB/s
-for 1 row and 34.5 for 8 on that machine, and a 1536 x 256 weight took 19 us against oneDNN's 44
+``[P, G, 64, 4]`` once per 240 rows, with ``vpdpbusd`` summing four u8 x s8 products per int32 lane; it read
+46.6 GB/s for 1 row and 34.5 for 8 on that machine, and a 1536 x 256 weight took 19 us against oneDNN's 44
 (``docs/results/2026-11-25c-cpu/kernels.txt``).
 
 The C source is compiled with the system C compiler (``$CC``, else ``cc``) into the cache directory the first time a
