@@ -47,7 +47,7 @@ from batchspec.invariants import InvariantError
 FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
 GROUP_SPREAD = 16  # padding columns a prompt may read to share a forward with longer ones
 MIN_AUTO_CHUNK = 8
-SCORE_CHUNK = 256  # prompt columns per forward of prompt_logprobs: bounds its [1, chunk, V] logits
+SCORE_CHUNK = 64  # prompt columns per forward of prompt_logprobs: its float64 [1, chunk, V] logprobs stay ~80 MB
 TIMING_DECAY = 0.5  # weight of earlier measurements in the running estimates
 
 
