@@ -43,6 +43,7 @@ from batchspec.engine.graphs import GRAPHED_ATTENTION, GraphedForwards, GraphMod
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.state import BatchState, visible_keys
 from batchspec.int8.attention import NAME as EXACT_ATTENTION
+from batchspec.int8.forward import int8_forward
 from batchspec.invariant.model import NAME as INVARIANT_ATTENTION
 from batchspec.invariants import InvariantError
 
@@ -77,6 +78,9 @@ class ModelRunner:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
         Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.engine.graphs`)."""
+        forward = int8_forward(model) if cache.write_at is None else None
+        if forward is not None:  # the int8 model's own forward: the same bits as the model's, in fewer calls
+            return forward.logits(input_ids, *_placement(model, batch, cache, input_ids), cache, keep)
         end = cache.length + input_ids.shape[1]
         graphed = self.graphs is not None and _implementation(model) in GRAPHED_ATTENTION
         with attention_backends(self.device):
@@ -89,6 +93,10 @@ class ModelRunner:
     def read(self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> None:
         """Feed ``input_ids`` ``[B, q]`` like :meth:`logits`, for their KV only: the decoder runs, the output layer
         (``[B, q, V]`` logits, the largest matrix product of a prefill) does not."""
+        forward = int8_forward(model) if cache.write_at is None else None
+        if forward is not None:
+            forward.read(input_ids, *_placement(model, batch, cache, input_ids), cache)
+            return
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         if decoder is None:
             self.logits(model, batch, cache, input_ids, keep=1)
@@ -180,16 +188,19 @@ def _bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
-def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> dict:
+def _placement(
+    model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids [B, q], attention mask)`` of ``input_ids`` ``[B, q]`` appended to ``cache`` (:func:`_mask`)."""
     start = cache.length
     end = start + input_ids.shape[1]
-    return {
-        "input_ids": input_ids,
-        "attention_mask": _mask(model, batch, start, end),
-        "position_ids": batch.position_ids(start, end),
-        cache_keyword(model): cache,
-        "use_cache": True,
-    }
+    return batch.position_ids(start, end), _mask(model, batch, start, end)
+
+
+def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> dict:
+    positions, mask = _placement(model, batch, cache, input_ids)
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, cache_keyword(model): cache,
+            "use_cache": True}
 
 
 _BOOLEAN_MASKS = ("sdpa", EXACT_ATTENTION, INVARIANT_ATTENTION)

@@ -115,7 +115,8 @@ def silu_(x: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1]
     padded = -(-width // _VECTOR_ALIGN) * _VECTOR_ALIGN
     if padded == width:
-        for part in x.view(-1).split(_VECTOR_CALL):
+        flat = x.view(-1)
+        for part in flat.split(_VECTOR_CALL) if flat.numel() > _VECTOR_CALL else (flat,):
             torch.nn.functional.silu(part, inplace=True)
         return x
     wide = torch.nn.functional.pad(x, (0, padded - width))  # [..., padded]

@@ -61,8 +61,10 @@ def exact_attention(
     blocks = [(slice(start, start + QUERY_CHUNK), slice(0, keys - queries + min(queries, start + QUERY_CHUNK)))
               for start in range(0, queries, QUERY_CHUNK)]  # (queries, the keys a causal block can see)
     if native.available():
-        out = [native.attention(query[:, :, block], key[:, :, seen], value[:, :, seen], visible[:, :, block, seen],
-                                scaling, QKV_LEVELS, EXP2_COEFFICIENTS) for block, seen in blocks]
+        parts = [(query, key, value, visible)] if queries <= QUERY_CHUNK else [  # one block sees every key
+            (query[:, :, block], key[:, :, seen], value[:, :, seen], visible[:, :, block, seen])
+            for block, seen in blocks]
+        out = [native.attention(*part, scaling, QKV_LEVELS, EXP2_COEFFICIENTS) for part in parts]
         if all(part is not None for part in out):
             return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, q, H, D]
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]

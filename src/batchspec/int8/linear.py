@@ -38,20 +38,66 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
         return self.apply_to(quantize_activations(x) if self.quantizer is None else self.quantizer(x))
 
-    def apply_to(self, rows: QuantizedRows) -> torch.Tensor:
-        """The layer's output for activations already quantized (several layers may share one quantization)."""
+    def apply_to(self, rows: QuantizedRows, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for activations already quantized (several layers may share one quantization), plus
+        ``residual`` (``[..., O]``) where given: ``residual + y``, a decoder layer's residual connection."""
         codes = rows.codes(self.weight.kernel)  # [N, K]
-        if self.weight.kernel == "vnni":  # the scales and bias applied in the kernel, in the order below
-            y = native.linear(codes, *self.weight.tensors, rows.scale, self.scale, self.bias)  # [N, O]
+        flat = None if residual is None else residual.reshape(-1, self.out_features)  # [N, O]
+        if self.weight.kernel == "vnni":  # the scales, bias and residual applied in the kernel, in the order below
+            y = native.linear(codes, *self.weight.tensors, rows.scale, self.scale, self.bias, flat)  # [N, O]
             return y.reshape(*rows.shape, self.out_features)
         acc = int_product(codes, self.weight, rows.dtype)  # [N, O]: the exact int32 sums, in the float dtype
         y = acc.mul_(rows.scale).mul_(self.scale)  # [N, O]
         if self.bias is not None:
             y.add_(self.bias)
+        if flat is not None:
+            y.add_(flat)
         return y.reshape(*rows.shape, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Stack:
+    """Layers that read one input (an attention's q, k and v; an MLP's gate and up) as one product: their ``vnni``
+    weights stacked in one buffer, which each layer then reads through views of it (its outputs are unchanged:
+    each output channel's sum is its own). One pass over the stacked weight gives every layer's output in its own
+    tensor (:func:`~batchspec.int8.native.linear_parts`); a one-row step reads the small k and v weights at the
+    memory's speed only as part of a larger read."""
+
+    def __init__(self, layers: list[Int8Linear]) -> None:
+        self.widths = tuple(layer.out_features for layer in layers)
+        panels, sums = (torch.cat([layer.weight.tensors[i] for layer in layers]) for i in (0, 1))
+        self.scale = torch.cat([layer.scale for layer in layers])  # [O]
+        self.bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])  # [O]
+        self.tensors = (panels, sums)
+        start = 0
+        for layer, width in zip(layers, self.widths, strict=True):
+            first = start // native.PANEL
+            count = -(-width // native.PANEL)
+            layer.weight = PackedWeight("vnni", (panels[first : first + count], sums[start : start + width]))
+            layer.scale = self.scale[start : start + width]
+            if self.bias is not None:
+                layer.bias = torch.nn.Parameter(self.bias[start : start + width], requires_grad=False)
+            start += width
+
+    @classmethod
+    def of(cls, layers: list[Int8Linear]) -> Int8Stack | None:
+        """The stack of ``layers`` where they can be one (all on the ``vnni`` kernel, one input size, every width
+        but the last a multiple of the kernel's panel, all with a bias or none; float32), else None."""
+        first = layers[0]
+        if any(layer.weight.kernel != "vnni" or layer.in_features != first.in_features for layer in layers):
+            return None
+        if any(layer.out_features % native.PANEL for layer in layers[:-1]):
+            return None
+        if len({layer.bias is None for layer in layers}) > 1 or first.scale.dtype != torch.float32:
+            return None
+        return cls(layers)
+
+    def __call__(self, rows: QuantizedRows) -> list[torch.Tensor]:
+        """Each layer's output for ``rows`` (``[..., K]`` quantized): ``[..., width]`` per layer."""
+        outs = native.linear_parts(rows.codes("vnni"), *self.tensors, rows.scale, self.scale, self.bias, self.widths)
+        return [out.view(*rows.shape, out.shape[-1]) for out in outs]
 
 
 class QuantizedRows:
@@ -123,5 +169,10 @@ class Int8MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         rows = quantize_activations(x)
-        hidden = silu_(self.gate_proj.apply_to(rows))  # [..., F]
-        return self.down_proj(hidden.mul_(self.up_proj.apply_to(rows)))
+        return self.down_proj(gated(self.gate_proj.apply_to(rows), self.up_proj.apply_to(rows)))
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (``[..., F]`` each), in ``gate``'s memory: the MLP's activation, each value rounded as
+    torch's vector path rounds it (:func:`~batchspec.int8.arithmetic.silu_`)."""
+    return silu_(gate).mul_(up)

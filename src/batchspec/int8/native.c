@@ -31,12 +31,14 @@ static inline __m512i broadcast_group(const uint8_t *a) {
     return _mm512_set1_epi32(four);
 }
 
-/* out[r][0..valid) for rows r < NR of one panel; NR is a constant at each call so the loops unroll. */
+/* outputs col .. col+valid-1 of rows r < NR, to out[r * ldo + 0 .. valid); NR is a constant at each call so the
+ * loops unroll. */
 typedef struct {
     const int32_t *comp;    /* [o] 128 * sum_k w[o][k] */
     const float *row_scale; /* [n] */
     const float *col_scale; /* [o] */
     const float *bias;      /* [o], or NULL */
+    const float *residual;  /* added last, laid out as the output (offset to the panel's first column), or NULL */
 } epilogue_t;
 
 static inline __attribute__((always_inline)) void panel_rows(
@@ -68,7 +70,8 @@ static inline __attribute__((always_inline)) void panel_rows(
             __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], zero_point));
             y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(e.row_scale[r])), col_scale);
             if (e.bias) y = _mm512_add_ps(y, bias);
-            _mm512_mask_storeu_ps(out + r * ldo + o, lanes, y);
+            if (e.residual) y = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, e.residual + r * ldo + 16 * c), y);
+            _mm512_mask_storeu_ps(out + r * ldo + 16 * c, lanes, y);
         }
     }
 }
@@ -80,6 +83,7 @@ static void panel_block(const uint8_t *a, int64_t rows, int64_t lda, const int8_
         float *outr = out + r * ldo;
         epilogue_t er = e;
         er.row_scale = e.row_scale + r;
+        er.residual = e.residual ? e.residual + r * ldo : NULL;
         switch (rows - r < ROWS ? rows - r : ROWS) {
         case 1: panel_rows(1, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         case 2: panel_rows(2, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
@@ -90,18 +94,28 @@ static void panel_block(const uint8_t *a, int64_t rows, int64_t lda, const int8_
 }
 
 /* a: uint8 [n, 4 groups] (row stride lda); w: int8 [panels, groups, 64, 4]; comp, col_scale, bias: [o] (bias may
- * be NULL); row_scale: [n]; out: float32 [n, o], 64 (panels - 1) < o <= 64 panels. */
+ * be NULL); row_scale: [n]; 64 (panels - 1) < o <= 64 panels. The outputs go to `segments` float32 matrices:
+ * outs[s] is [n, starts[s + 1] - starts[s]] and takes outputs starts[s] .. starts[s + 1] - 1, with starts[0] = 0,
+ * starts[segments] = o and every other start a multiple of 64 (the layers of one stacked weight each get their own
+ * output; one layer is one segment). With one segment, `residual` (float32 [n, o], or NULL) is added to each output
+ * last: a decoder layer's residual connection, residual + y rounded once as torch's addition rounds it. */
 void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w, const int32_t *comp,
                       const float *row_scale, const float *col_scale, const float *bias, int64_t groups,
-                      int64_t panels, int64_t o, float *out, int threads) {
+                      int64_t panels, int64_t o, float *const *outs, const int64_t *starts, int64_t segments,
+                      const float *residual, int threads) {
     for (int64_t r0 = 0; r0 < n; r0 += ROW_BLOCK) {
         int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
-        epilogue_t e = {comp, row_scale + r0, col_scale, bias};
+        epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t p = 0; p < panels; p++) {
-            int64_t valid = o - p * PANEL < PANEL ? o - p * PANEL : PANEL;
-            panel_block(a + r0 * lda, rows, lda, w + p * groups * 4 * PANEL, groups, e, p * PANEL,
-                        out + r0 * o, o, valid);
+            int64_t col = p * PANEL, s = 0;
+            while (s + 1 < segments && starts[s + 1] <= col) s++;
+            int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
+            int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
+            epilogue_t ep = e;
+            ep.residual = residual ? residual + at : NULL;
+            panel_block(a + r0 * lda, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at, width,
+                        valid);
         }
     }
 }
@@ -109,24 +123,24 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
 /* 2. Per-token quantization to the product's codes (batchspec_quantize), as int8/arithmetic.py's quantize_rows and
  * product.py's activation_codes compute it in float32: top = max |x|; scale = top > 0 ? top / 127 : 1;
  * q = clamp(rint(x * (1 / scale)), -127, 127); code = q + 128, and 128 in the padding columns k..ldc. */
+static inline void quantize_row(const float *x, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
+    float s = top > 0.0f ? top / 127.0f : 1.0f;
+    float inverse = 1.0f / s;
+    for (int64_t i = 0; i < k; i++) {
+        float q = rintf(x[i] * inverse);
+        q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+        codes[i] = (uint8_t)(int32_t)(q + 128.0f);
+    }
+    for (int64_t i = k; i < ldc; i++) codes[i] = 128;
+    *scale = s;
+}
+
 void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8_t *codes, float *scale,
                         int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        const float *xr = x + r * k;
-        float top = 0.0f;
-        for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(xr[i]));
-        float s = top > 0.0f ? top / 127.0f : 1.0f;
-        float inverse = 1.0f / s;
-        uint8_t *cr = codes + r * ldc;
-        for (int64_t i = 0; i < k; i++) {
-            float q = rintf(xr[i] * inverse);
-            q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
-            cr[i] = (uint8_t)(int32_t)(q + 128.0f);
-        }
-        for (int64_t i = k; i < ldc; i++) cr[i] = 128;
-        scale[r] = s;
-    }
+    for (int64_t r = 0; r < n; r++) quantize_row(x + r * k, k, ldc, codes + r * ldc, scale + r);
 }
 
 /* 3. RMSNorm as int8/model.py's exact_rms_norm computes it in float32, in two halves around torch's own sqrt (torch's
@@ -149,12 +163,26 @@ void batchspec_rms_mean(const float *x, int64_t n, int64_t h, float eps, float *
     }
 }
 
+static inline void rms_apply_row(const float *x, int64_t h, float root, const float *weight, float *out) {
+    float inverse = 1.0f / root;
+    for (int64_t i = 0; i < h; i++) out[i] = weight[i] * (x[i] * inverse);
+}
+
 void batchspec_rms_apply(const float *x, int64_t n, int64_t h, const float *root, const float *weight, float *out,
                          int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) rms_apply_row(x + r * h, h, root[r], weight, out + r * h);
+}
+
+/* batchspec_rms_apply, then batchspec_quantize of its rows, without writing the normalized rows out: a decoder
+ * layer's norm feeds only the quantization of its products' input. */
+void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, const float *root, const float *weight,
+                             int64_t ldc, uint8_t *codes, float *scale, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) {
-        float inverse = 1.0f / root[r];
-        for (int64_t i = 0; i < h; i++) out[r * h + i] = weight[i] * (x[r * h + i] * inverse);
+        float normed[h];
+        rms_apply_row(x + r * h, h, root[r], weight, normed);
+        quantize_row(normed, h, ldc, codes + r * ldc, scale + r);
     }
 }
 
@@ -185,17 +213,55 @@ void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels,
     }
 }
 
+static inline void pack_token(const float *x, int64_t k, float levels, int16_t *o, int64_t width) {
+    float s = token_scale(x, k, levels), inverse = 1.0f / s;
+    for (int64_t i = 0; i < k; i++) o[i] = (int16_t)token_code(x[i], inverse, levels);
+    double wide = s;
+    for (int64_t i = k; i < width - 4; i++) o[i] = 0;
+    memcpy(o + width - 4, &wide, sizeof wide);
+}
+
 void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
                        int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        const float *xr = x + r * k;
-        int16_t *o = out + r * width;
-        float s = token_scale(xr, k, levels), inverse = 1.0f / s;
-        for (int64_t i = 0; i < k; i++) o[i] = (int16_t)token_code(xr[i], inverse, levels);
-        double wide = s;
-        for (int64_t i = k; i < width - 4; i++) o[i] = 0;
-        memcpy(o + width - 4, &wide, sizeof wide);
+    for (int64_t r = 0; r < n; r++) pack_token(x + r * k, k, levels, out + r * width, width);
+}
+
+/* 4b. A layer's queries, keys and values on their way to the attention (batchspec_rotary_into): the rotary
+ * embedding as transformers' apply_rotary_pos_emb computes it in float32 (rotate_half, then two products and a sum,
+ * each rounded): y[i] = x[i] * cos[i] + r[i] * sin[i] with r[i] = -x[i + d/2] for i < d/2 and x[i - d/2] after;
+ * queries rotated into `query` (float32), keys rotated and values as they are packed into the KV cache as
+ * batchspec_pack_kv packs them. q is [batch, seq, heads, d] contiguous, k and v [batch, seq, kv_heads, d], cos and
+ * sin [batch, seq, d]; token (b, s) of head h goes to out + b * st[0] + h * st[1] + s * st[2] of its output. */
+static inline void rotate(const float *x, const float *cos, const float *sin, int64_t d, float *y) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        float r = i < half ? -x[i + half] : x[i - half];
+        y[i] = x[i] * cos[i] + r * sin[i];
+    }
+}
+
+void batchspec_rotary_into(const float *q, const float *k, const float *v, int64_t batch, int64_t seq,
+                           int64_t heads, int64_t kv_heads, int64_t d, const float *cos, const float *sin,
+                           float *query, const int64_t *qst, int16_t *keys, const int64_t *kst, int16_t *values,
+                           const int64_t *vst, int64_t width, float levels, int threads) {
+    int64_t per_token = heads + 2 * kv_heads, rows = batch * seq * per_token;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * d > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t token = r / per_token, j = r % per_token, b = token / seq, s = token % seq;
+        const float *c = cos + token * d, *n = sin + token * d;
+        if (j < heads) {
+            rotate(q + (token * heads + j) * d, c, n, d, query + b * qst[0] + j * qst[1] + s * qst[2]);
+        } else if (j < heads + kv_heads) {
+            int64_t h = j - heads;
+            float rotated[d];
+            rotate(k + (token * kv_heads + h) * d, c, n, d, rotated);
+            pack_token(rotated, d, levels, keys + b * kst[0] + h * kst[1] + s * kst[2], width);
+        } else {
+            int64_t h = j - heads - kv_heads;
+            pack_token(v + (token * kv_heads + h) * d, d, levels, values + b * vst[0] + h * vst[1] + s * vst[2],
+                       width);
+        }
     }
 }
 

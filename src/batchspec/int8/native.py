@@ -5,7 +5,9 @@
 * :func:`quantize`: a token's quantization, straight to that kernel's codes;
 * :func:`rms_norm`: :class:`~batchspec.int8.model.ExactRMSNorm`;
 * :func:`attention`: :func:`~batchspec.int8.attention.exact_attention` over the int16 KV cache, a call per block of
-  queries;
+  queries; :func:`rotary_into`, :func:`norm_quantize` and :func:`linear`'s residual, what
+  :mod:`batchspec.int8.forward` fuses of a decoder layer (the rotary embedding, the keys' and values' way into that
+  cache, the norms' way into the products, the residual connections);
   :func:`pack_kv`, :func:`quantize_wide` and :func:`exp2_nonpositive_`, its 15-bit quantization (into the int16 KV
   cache, or float64) and its ``2**t``, for the rest.
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -84,26 +87,47 @@ def codes(q: torch.Tensor) -> torch.Tensor:
 
 def linear(
     codes: torch.Tensor, panels: torch.Tensor, sums: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``((q @ W.T) * row_scale) * col_scale (+ bias)`` as float32 ``[N, O]`` for :func:`codes` ``[N, 4 G]`` of
-    ``q``, :func:`pack` of ``W``, ``row_scale`` ``[N, 1]``, ``col_scale`` and ``bias`` ``[O]``, all float32: each
-    int32 sum exact and rounded once, then each multiplication and the addition rounded once, in that order."""
+    """``((q @ W.T) * row_scale) * col_scale (+ bias) (+ residual)`` as float32 ``[N, O]`` for :func:`codes`
+    ``[N, 4 G]`` of ``q``, :func:`pack` of ``W``, ``row_scale`` ``[N, 1]``, ``col_scale`` and ``bias`` ``[O]``,
+    ``residual`` ``[N, O]``, all float32: each int32 sum exact and rounded once, then each multiplication and
+    addition rounded once, in that order."""
+    return linear_parts(codes, panels, sums, row_scale, col_scale, bias, (sums.numel(),), residual)[0]
+
+
+def linear_parts(
+    codes: torch.Tensor, panels: torch.Tensor, sums: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
+    bias: torch.Tensor | None, widths: tuple[int, ...], residual: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """:func:`linear`'s ``[N, O]`` as one contiguous float32 ``[N, width]`` per part, for a weight stacked from
+    layers of ``widths`` outputs (``O`` in all; each but the last a multiple of :data:`PANEL`), in one pass.
+
+    Example: q, k and v of widths ``(1536, 256, 256)`` stacked as one ``[2048, K]`` weight give ``[N, 1536]``,
+    ``[N, 256]`` and ``[N, 256]``. ``residual`` (``[N, O]``, one part only) is added last, as in :func:`linear`."""
     (rows, inner), (count, groups), outputs = codes.shape, panels.shape[:2], sums.numel()
     fits = panels.shape[2:] == (PANEL, GROUP) and PANEL * (count - 1) < outputs <= PANEL * count
     fits = fits and inner == groups * GROUP <= MAX_INNER and row_scale.numel() == rows
     fits = fits and (codes.dtype, panels.dtype, sums.dtype) == (torch.uint8, torch.int8, torch.int32)
-    vectors = [col_scale] if bias is None else [col_scale, bias]
-    fits = fits and row_scale.dtype == torch.float32 and all(v.numel() == outputs for v in vectors)
-    if not fits or any(v.dtype != torch.float32 for v in vectors):
+    fits = fits and sum(widths) == outputs and min(widths) > 0 and all(w % PANEL == 0 for w in widths[:-1])
+    floats = [(row_scale, rows), (col_scale, outputs), (bias, outputs), (residual, rows * outputs)]
+    fits = fits and all(t is None or (t.dtype == torch.float32 and t.numel() == size) for t, size in floats)
+    fits = fits and (residual is None or (len(widths) == 1 and residual.shape[-1] == outputs))
+    if not fits:
         raise ValueError(f"codes {tuple(codes.shape)} do not fit panels {tuple(panels.shape)} and their scales")
-    codes, row_scale, *vectors = (t.contiguous() for t in (codes, row_scale, *vectors))
-    out = torch.empty(rows, outputs)  # [N, O] float32
-    bias_pointer = vectors[1].data_ptr() if len(vectors) == 2 else None
+    codes, row_scale, col_scale, bias, residual = (
+        None if t is None else t.contiguous() for t in (codes, row_scale, col_scale, bias, residual))
+    outs = [torch.empty(rows, width) for width in widths]  # [N, width] float32 each
+    starts = (ctypes.c_int64 * (len(widths) + 1))(0, *itertools.accumulate(widths))
+    pointers = (ctypes.c_void_p * len(outs))(*(out.data_ptr() for out in outs))
     _library().linear(codes.data_ptr(), rows, inner, panels.data_ptr(), sums.data_ptr(), row_scale.data_ptr(),
-                      vectors[0].data_ptr(), bias_pointer, groups, count, outputs, out.data_ptr(),
-                      torch.get_num_threads())
-    return out
+                      col_scale.data_ptr(), _pointer(bias), groups, count, outputs, pointers, starts, len(outs),
+                      _pointer(residual), torch.get_num_threads())
+    return outs
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,16 +148,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`~batchspec.int8.model.exact_rms_norm` of float32 ``x`` ``[..., H]`` with ``weight`` ``[H]``, bit for
     bit: the mean of squares and the scaling in C, the square root in between torch's own (its vectorized ``sqrt`` is
     not always correctly rounded, so C's would differ)."""
+    x, root = _rooted(x, weight, eps)
+    out = torch.empty_like(x)
+    _library().rms_apply(x.data_ptr(), root.numel(), x.shape[-1], root.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                         torch.get_num_threads())
+    return out
+
+
+def norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of :func:`rms_norm` of float32 ``x`` ``[N, H]``, bit for bit, in two calls and torch's
+    ``sqrt``: ``(codes [N, 4 G], scale [N, 1])``, the normalized rows never written out."""
+    x, root = _rooted(x, weight, eps)
+    rows, inner = x.shape
+    codes, scale = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8), torch.empty(rows, 1)
+    _library().norm_quantize(x.data_ptr(), rows, inner, root.data_ptr(), weight.data_ptr(), codes.shape[1],
+                             codes.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    return codes, scale
+
+
+def _rooted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x contiguous, sqrt(mean(x * x) + eps) [N])``: RMSNorm's first half, the mean in C, torch's ``sqrt``."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
         raise ValueError(f"native RMSNorm takes float32 [..., H] and [H], not {x.dtype} {tuple(x.shape)}")
-    x, weight, functions, threads = x.contiguous(), weight.contiguous(), _library(), torch.get_num_threads()
+    if not weight.is_contiguous():
+        raise ValueError("native RMSNorm takes a contiguous weight")
+    x = x.contiguous()
     size = x.shape[-1]
-    rows = x.numel() // max(size, 1)
-    mean = torch.empty(rows)  # [N]: mean of squares + eps
-    functions.rms_mean(x.data_ptr(), rows, size, eps, mean.data_ptr(), threads)
-    root, out = mean.sqrt_(), torch.empty_like(x)
-    functions.rms_apply(x.data_ptr(), rows, size, root.data_ptr(), weight.data_ptr(), out.data_ptr(), threads)
-    return out
+    mean = torch.empty(x.numel() // max(size, 1))  # [N]: mean of squares + eps
+    _library().rms_mean(x.data_ptr(), mean.numel(), size, eps, mean.data_ptr(), torch.get_num_threads())
+    return x, mean.sqrt_()
 
 
 def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +202,31 @@ def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
     _library().pack_kv(x.data_ptr(), x.numel() // max(size, 1), size, levels, out.data_ptr(), width,
                        torch.get_num_threads())
     return out
+
+
+def rotary_into(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor,
+    keys: torch.Tensor, values: torch.Tensor, levels: int,
+) -> None:
+    """A layer's float32 ``q`` ``[B, S, H, D]``, ``k`` and ``v`` ``[B, S, Hk, D]`` on their way to the attention, bit
+    for bit as transformers' ``apply_rotary_pos_emb`` (with ``cos``/``sin`` ``[B, S, D]``) and :func:`pack_kv` give
+    them: ``q`` rotated into ``query`` ``[B, H, S, D]`` float32, ``k`` rotated and ``v`` as it is packed into the
+    cache's ``keys``/``values`` ``[B, Hk, S, W]`` int16 (any strides but the last, 1), in one call."""
+    batch, seq, heads, size = q.shape
+    kv_heads, width = k.shape[2], keys.shape[-1]
+    inputs = all(t.dtype == torch.float32 and t.is_contiguous() for t in (q, k, v, cos, sin))
+    inputs = inputs and k.shape == v.shape == (batch, seq, kv_heads, size)
+    inputs = inputs and cos.shape == sin.shape == (batch, seq, size)
+    outputs = query.dtype == torch.float32 and query.shape == (batch, heads, seq, size)
+    outputs = outputs and all(t.dtype == torch.int16 and t.shape == (batch, kv_heads, seq, width)
+                              for t in (keys, values))
+    fits = inputs and outputs and size % 2 == 0 and all(t.stride(3) == 1 for t in (query, keys, values))
+    if not fits or width < size + 4 or width % 4 or not 0 < levels < 2**15:
+        raise ValueError(f"queries {tuple(q.shape)}, keys {tuple(k.shape)} do not fit their outputs' layout")
+    strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, keys, values)]
+    _library().rotary_into(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, seq, heads, kv_heads, size,
+                           cos.data_ptr(), sin.data_ptr(), query.data_ptr(), strides[0], keys.data_ptr(), strides[1],
+                           values.data_ptr(), strides[2], width, levels, torch.get_num_threads())
 
 
 def _wide_input(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -228,8 +296,8 @@ def _library() -> types.SimpleNamespace:
 @functools.cache
 def library() -> types.SimpleNamespace | None:
     """The C functions (``linear``, ``quantize``, ``rms_mean``, ``rms_apply``, ``quantize_wide``, ``pack_kv``,
-    ``exp2_nonpositive``, ``attention``), built for this machine on first use; None (with one log line) where they
-    cannot run or ``BATCHSPEC_NATIVE_KERNELS=0`` turns them off."""
+    ``norm_quantize``, ``rotary_into``, ``exp2_nonpositive``, ``attention``), built for this machine on first use;
+    None (with one log line) where they cannot run or ``BATCHSPEC_NATIVE_KERNELS=0`` turns them off."""
     if os.environ.get("BATCHSPEC_NATIVE_KERNELS", "1") == "0":
         logger.info("batchspec: BATCHSPEC_NATIVE_KERNELS=0, the AVX-512 VNNI kernels are off")
         return None
@@ -246,12 +314,16 @@ def library() -> types.SimpleNamespace | None:
         return None
     i64, pointer, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     signatures = {
-        "linear": [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, i64, i64, pointer, threads],
+        "linear": [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, i64, i64, pointer, pointer, i64,
+                   pointer, threads],
         "quantize": [pointer, i64, i64, i64, pointer, pointer, threads],
         "rms_mean": [pointer, i64, i64, ctypes.c_float, pointer, threads],
         "rms_apply": [pointer, i64, i64, pointer, pointer, pointer, threads],
         "quantize_wide": [pointer, i64, i64, ctypes.c_float, pointer, i64, pointer, i64, threads],
         "pack_kv": [pointer, i64, i64, ctypes.c_float, pointer, i64, threads],
+        "norm_quantize": [pointer, i64, i64, pointer, pointer, i64, pointer, pointer, threads],
+        "rotary_into": [pointer, pointer, pointer, i64, i64, i64, i64, i64, pointer, pointer, pointer, pointer, pointer,
+                        pointer, pointer, pointer, i64, ctypes.c_float, threads],
         "exp2_nonpositive": [pointer, i64, pointer, threads],
         "attention": [pointer, pointer, i64, i64, pointer, i64, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64,
                       i64, i64, ctypes.c_double, ctypes.c_float, pointer, pointer, threads],

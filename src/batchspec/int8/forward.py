@@ -1,0 +1,173 @@
+"""The exact int8 model's forward as batchspec runs it: each decoder layer a short sequence of native kernels.
+
+transformers' decoder layer, run around the int8 modules (:mod:`batchspec.int8.model`), costs ~5,000 torch
+operations and Python calls in a one-token step of a 28-layer model, ~9 ms at ~2 us each: as much as a sixth of
+the step. :class:`Int8Forward` runs the same operations on the same modules' tensors, a layer being::
+
+    h = RMSNorm(x); rows = quantize(h)                                   # one quantization for q, k and v
+    q, k, v = products of rows                                           # [B, S, H, D] / [B, S, Hk, D] each
+    query = rotary(q)                                                    # [B, H, S, D]
+    cache[layer, 0, :, :, start:end] = pack(rotary(k)); ... 1 = pack(v)   # int16 in place, one call each
+    x = x + o(exact_attention(query, cache[layer, :, :, :, :end]))
+    x = x + mlp(RMSNorm(x))
+
+Every value is computed by the operation transformers' forward of the int8 model runs for it, rounded the same way
+(:func:`~batchspec.int8.native.rotary` is ``apply_rotary_pos_emb``'s products and sum; the rest are the int8
+modules' own calls), so the logits are the same bits; that forward stays the reference the tests compare this one
+with. It runs where the native kernels do, on float32 Llama, Qwen2, Qwen3 and Mistral models
+(:meth:`Int8Forward.of`); elsewhere the runner calls the model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchspec.int8 import native
+from batchspec.int8.attention import QKV_LEVELS, exact_attention, packed_width
+from batchspec.int8.linear import Int8Linear, Int8MLP, Int8Stack, QuantizedRows, gated, quantize_activations
+from batchspec.int8.model import ExactRMSNorm, RotaryTable
+
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Int8Forward | None
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's modules: its two norms, the attention's products and (Qwen3) per-head norms, the MLP's;
+    q, k and v, and gate and up, each stacked as one product where they can be (:class:`Int8Stack`)."""
+
+    before: ExactRMSNorm
+    after: ExactRMSNorm
+    qkv: list[Int8Linear] | Int8Stack
+    o: Int8Linear
+    q_norm: ExactRMSNorm | None
+    k_norm: ExactRMSNorm | None
+    gate_up: list[Int8Linear] | Int8Stack
+    down: Int8Linear
+    scaling: float
+
+
+def int8_forward(model: torch.nn.Module) -> Int8Forward | None:
+    """:meth:`Int8Forward.of` ``model``, made once per model."""
+    if model not in _FORWARDS:
+        _FORWARDS[model] = Int8Forward.of(model)
+    return _FORWARDS[model]
+
+
+class Int8Forward:
+    """The int8 model's forward over a :class:`~batchspec.engine.kv_cache.BatchKVCache` (see the module docstring).
+
+    Attributes:
+        heads, kv_heads, size: query heads, key/value heads and the head size of every layer.
+    """
+
+    def __init__(self, model: Any, layers: list[_Layer], heads: int, kv_heads: int, size: int) -> None:
+        decoder = model.get_decoder()
+        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.head: Int8Linear = model.lm_head
+        self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size
+
+    @classmethod
+    def of(cls, model: Any) -> Int8Forward | None:
+        """The forward of a model :func:`~batchspec.int8.model.quantize_model` made, where the native kernels run
+        and the model is float32 and laid out as Llama-like decoders are; else None."""
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if decoder is None or not all(hasattr(decoder, name) for name in parts) or not native.available():
+            return None
+        if not isinstance(decoder.rotary_emb, RotaryTable) or not isinstance(decoder.norm, ExactRMSNorm):
+            return None
+        head = getattr(model, "lm_head", None)
+        if not isinstance(head, Int8Linear) or decoder.embed_tokens.weight.dtype != torch.float32:
+            return None
+        if not decoder.layers or not all(_laid_out(module) for module in decoder.layers):
+            return None
+        size = decoder.layers[0].self_attn.head_dim
+        widths = {(m.self_attn.q_proj.out_features, m.self_attn.k_proj.out_features) for m in decoder.layers}
+        (queries, keys), = widths if len(widths) == 1 else ((0, 0),)
+        if queries == 0 or queries % size or keys % size:
+            return None
+        return cls(model, [_layer(module) for module in decoder.layers], queries // size, keys // size, size)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any,
+               keep: int) -> torch.Tensor:
+        """``input_ids`` ``[B, S]`` at ``positions`` ``[B, S]`` appended to ``cache``, queries seeing the keys
+        ``visible`` ``[B, 1, S, L]`` marks; the logits of the last ``keep`` inputs, ``[B, keep, V]``."""
+        hidden = self._decode(input_ids, positions, visible, cache)[:, -keep:]  # [B, keep, H]
+        return self.head(self.norm(hidden))  # [B, keep, V]
+
+    def read(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any) -> None:
+        """:meth:`logits` for the KV only: the final norm and the output layer do not run."""
+        self._decode(input_ids, positions, visible, cache)
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                cache: Any) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        start, end = cache.length, cache.length + seq
+        shape = (batch, self.kv_heads, 0, packed_width(self.size))
+        store = cache.ensure_capacity(torch.empty(shape, dtype=torch.int16), end)  # [layers, 2, B, Hk, C, W]
+        x = self.embed(input_ids)  # [B, S, H]
+        cos, sin = self.rotary(x, positions)  # [B, S, D] each
+        for index, layer in enumerate(self.layers):
+            x = self._layer(layer, x, cos, sin, visible, store[index], start, end)
+        cache.length = end
+        return x
+
+    def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
+               store: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """One decoder layer on ``x`` ``[B, S, H]``, its keys and values written to ``store`` ``[2, B, Hk, C, W]``
+        at columns ``start .. end-1``."""
+        batch, seq, _ = x.shape
+        q, k, v = _products(layer.qkv, _normed(layer.before, x))  # [B, S, Hq*D], [B, S, Hk*D] x 2
+        q, k = q.view(batch, seq, self.heads, self.size), k.view(batch, seq, self.kv_heads, self.size)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        query = x.new_empty(batch, self.heads, seq, self.size)  # [B, Hq, S, D]
+        native.rotary_into(q, k, v.view(batch, seq, self.kv_heads, self.size), cos, sin, query,
+                           store[0, :, :, start:end], store[1, :, :, start:end], QKV_LEVELS)
+        out = exact_attention(query, store[0, :, :, :end], store[1, :, :, :end], visible, layer.scaling)
+        # out: [B, S, Hq, D]
+        x = layer.o.apply_to(quantize_activations(out.view(batch, seq, self.heads * self.size)), residual=x)
+        gate, up = _products(layer.gate_up, _normed(layer.after, x))  # [B, S, F] each
+        return layer.down.apply_to(quantize_activations(gated(gate, up)), residual=x)
+
+
+def _normed(norm: ExactRMSNorm, x: torch.Tensor) -> QuantizedRows:
+    """``quantize_activations(norm(x))`` for ``x`` ``[..., H]``, by :func:`~batchspec.int8.native.norm_quantize`."""
+    codes, scale = native.norm_quantize(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps)  # [N, 4 G], [N, 1]
+    return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"vnni": codes})
+
+
+def _products(layers: list[Int8Linear] | Int8Stack, rows: QuantizedRows) -> list[torch.Tensor]:
+    """Each layer's output for the same quantized ``rows``: one pass over a stack, else a product per layer."""
+    return layers(rows) if isinstance(layers, Int8Stack) else [layer.apply_to(rows) for layer in layers]
+
+
+def _laid_out(module: torch.nn.Module) -> bool:
+    """Whether a decoder layer is laid out as Llama-like decoders' are, on the int8 modules, with no other part."""
+    attention = getattr(module, "self_attn", None)
+    if {name for name, _ in module.named_children()} != _LAYER_PARTS or attention is None:
+        return False
+    names = {name for name, _ in attention.named_children()}
+    if not names <= _ATTENTION_PARTS or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:
+        return False
+    linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    norms = [module.input_layernorm, module.post_attention_layernorm]
+    norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
+    return (all(isinstance(linear, Int8Linear) for linear in linears) and isinstance(module.mlp, Int8MLP)
+            and all(isinstance(norm, ExactRMSNorm) for norm in norms) and hasattr(attention, "scaling"))
+
+
+def _layer(module: torch.nn.Module) -> _Layer:
+    """The parts of a decoder layer :func:`_laid_out` accepts, its q, k, v and gate, up stacked where they can be."""
+    attention, mlp = module.self_attn, module.mlp
+    qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
+    gate_up = [mlp.gate_proj, mlp.up_proj]
+    return _Layer(module.input_layernorm, module.post_attention_layernorm, Int8Stack.of(qkv) or qkv, attention.o_proj,
+                  getattr(attention, "q_norm", None), getattr(attention, "k_norm", None),
+                  Int8Stack.of(gate_up) or gate_up, mlp.down_proj, float(attention.scaling))

@@ -1,0 +1,196 @@
+"""The int8 model's own forward (:mod:`batchspec.int8.forward`) against transformers' forward of the same model.
+
+* Its fused native calls give the bits of the torch code they replace (rotary embedding and KV packing, norm then
+  quantization, products with a residual, stacked products).
+* The forward gives transformers' forward's logits and KV cache bit for bit: ragged, left-padded batches, prefill
+  then forwards of 1..5 tokens, on every supported family, with q/k/v and gate/up stacked and not.
+* The runner takes it for float32 int8 models, and batchspec's output through it equals the model's own ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import tiny_models
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from batchspec.engine.kv_cache import BatchKVCache
+from batchspec.engine.runner import cache_keyword
+from batchspec.int8 import native, quantize_model
+from batchspec.int8.attention import QKV_LEVELS, pack, packed_width
+from batchspec.int8.forward import Int8Forward, int8_forward
+from batchspec.int8.linear import Int8Stack
+from batchspec.int8.model import exact_rms_norm
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+
+KINDS = ("llama", "qwen2", "qwen3", "mistral")
+# widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
+STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[tuple[str, bool], torch.nn.Module]:
+    """``(kind, stackable) -> float32 int8 model``: the tiny targets (48 wide: nothing stacks) and 128-wide ones."""
+    builders = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
+                "mistral": tiny_models.build_mistral}
+    out = {}
+    for kind in KINDS:
+        for stackable in (False, True):
+            model = builders[kind](seed=3, **(STACKABLE if stackable else {})).float()
+            out[kind, stackable] = quantize_model(model)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ fused calls
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), seq=st.integers(1, 5), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
+       size=st.sampled_from([2, 6, 16, 64]), seed=st.integers(0, 2**16))
+def test_rotary_into_gives_transformers_rotation_and_the_caches_packing(batch, seq, kv_heads, group, size, seed):
+    generator = torch.Generator().manual_seed(seed)
+    heads = kv_heads * group
+    q, k, v = (torch.randn(batch, seq, h, size, generator=generator) * 3 for h in (heads, kv_heads, kv_heads))
+    cos, sin = (torch.randn(batch, seq, size, generator=generator) for _ in range(2))
+    width = packed_width(size)
+    store = torch.zeros(2, batch, kv_heads, seq + 3, width, dtype=torch.int16)  # [2, B, Hk, C, W], strided writes
+    query = torch.empty(batch, heads, seq, size)
+    native.rotary_into(q, k, v, cos, sin, query, store[0, :, :, 2 : 2 + seq], store[1, :, :, 2 : 2 + seq], QKV_LEVELS)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, S, D] each
+    assert torch.equal(query, want_q)
+    assert torch.equal(store[0, :, :, 2 : 2 + seq], pack(want_k))
+    assert torch.equal(store[1, :, :, 2 : 2 + seq], pack(v.transpose(1, 2)))
+    assert not store[:, :, :, :2].any() and not store[:, :, :, 2 + seq :].any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), size=st.integers(1, 300), seed=st.integers(0, 2**16), log_scale=st.integers(-8, 8))
+def test_norm_quantize_is_the_quantization_of_the_norm(rows, size, seed, log_scale):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, size, generator=generator) * 2.0**log_scale
+    weight = torch.rand(size, generator=generator) + 0.5
+    codes, scale = native.norm_quantize(x, weight, 1e-6)
+    want_codes, want_scale = native.quantize(exact_rms_norm(x, weight, 1e-6))
+    assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 7), inner=st.integers(1, 130), widths=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       tail=st.integers(1, 70), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_stacked_products_and_the_residual_give_each_layers_bits(rows, inner, widths, tail, bias, seed):
+    """Parts of 64·n outputs and a last part of any width, in one pass, equal each part's own product; a
+    residual added in the kernel equals torch's ``residual + y``."""
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [64 * n for n in widths[:-1]] + [tail]
+    weight = torch.randint(-127, 128, (sum(sizes), inner), dtype=torch.int8, generator=generator)
+    codes = native.codes(torch.randint(-127, 128, (rows, inner), generator=generator).float())
+    row_scale = torch.rand(rows, 1, generator=generator) + 0.5
+    col_scale = torch.rand(sum(sizes), generator=generator) + 0.5
+    shift = torch.randn(sum(sizes), generator=generator) if bias else None
+    parts = native.linear_parts(codes, *native.pack(weight), row_scale, col_scale, shift, tuple(sizes))
+    start = 0
+    for part, size in zip(parts, sizes, strict=True):
+        piece = slice(start, start + size)
+        alone = native.linear(codes, *native.pack(weight[piece]), row_scale, col_scale[piece],
+                              None if shift is None else shift[piece])
+        assert torch.equal(part, alone)
+        start += size
+    residual = torch.randn(rows, sum(sizes), generator=generator)
+    whole = native.linear(codes, *native.pack(weight), row_scale, col_scale, shift, residual)
+    assert torch.equal(whole, residual + torch.cat(parts, dim=1))
+
+
+def test_fused_calls_refuse_what_does_not_fit():
+    weight = torch.randint(-127, 128, (130, 8), dtype=torch.int8)
+    codes, one = native.codes(torch.zeros(2, 8)), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.linear_parts(codes, *native.pack(weight), one, torch.ones(130), None, (100, 30))  # 100: not 64 n
+    with pytest.raises(ValueError, match="do not fit"):
+        native.linear_parts(codes, *native.pack(weight), one, torch.ones(130), None, (64, 66), torch.zeros(2, 130))
+    q = torch.zeros(1, 1, 2, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.rotary_into(q, q, q, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.empty(1, 2, 1, 8),
+                           torch.empty(1, 2, 1, 11, dtype=torch.int16), torch.empty(1, 2, 1, 12, dtype=torch.int16),
+                           QKV_LEVELS)
+
+
+# ------------------------------------------------------------------------------------------------ the forward
+
+
+def test_stacks_where_widths_allow_and_the_layers_read_views_of_them(models):
+    plain, stacked = int8_forward(models["qwen2", False]), int8_forward(models["qwen2", True])
+    assert all(isinstance(layer.qkv, list) and isinstance(layer.gate_up, list) for layer in plain.layers)
+    for layer, module in zip(stacked.layers, models["qwen2", True].model.layers, strict=True):
+        assert isinstance(layer.qkv, Int8Stack) and isinstance(layer.gate_up, Int8Stack)
+        panels = layer.qkv.tensors[0]
+        for projection in (module.self_attn.q_proj, module.self_attn.k_proj, module.self_attn.v_proj):
+            own = projection.weight.tensors[0]
+            assert own.untyped_storage().data_ptr() == panels.untyped_storage().data_ptr()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+@pytest.mark.parametrize("stackable", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, stackable, models, data):
+    """A left-padded batch: a prefill, then forwards of 1..5 tokens, each run by :class:`Int8Forward` into one
+    cache and by the model's own forward into another; logits and both caches' contents are equal."""
+    model = models[kind, stackable]
+    forward = Int8Forward.of(model)
+    batch = data.draw(st.integers(1, 4), label="batch")
+    pad = torch.tensor(data.draw(st.lists(st.integers(0, 6), min_size=batch, max_size=batch), label="pad"))
+    stops = [int(pad.max()) + data.draw(st.integers(1, 70), label="prefill")]
+    for _ in range(data.draw(st.integers(1, 4), label="forwards")):
+        stops.append(stops[-1] + data.draw(st.integers(1, 5), label="step"))
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    ids = torch.randint(0, model.config.vocab_size, (batch, stops[-1]), generator=torch.Generator().manual_seed(seed))
+    ours, theirs = BatchKVCache.for_model(model), BatchKVCache.for_model(model)
+    start = 0
+    with torch.no_grad():
+        for stop in stops:
+            keys, queries = torch.arange(stop), torch.arange(start, stop)
+            visible = ((keys[None, :] <= queries[:, None])[None] & (keys[None, None, :] >= pad[:, None, None]))[:, None]
+            positions = (queries[None] - pad[:, None]).clamp(min=0)
+            got = forward.logits(ids[:, start:stop], positions, visible, ours, stop - start)
+            want = model(ids[:, start:stop], attention_mask=visible, position_ids=positions,
+                         **{cache_keyword(model): theirs}, use_cache=True, logits_to_keep=stop - start).logits
+            assert torch.equal(got, want)
+            assert ours.length == theirs.length == stop
+            assert torch.equal(ours.storage[..., :stop, :], theirs.storage[..., :stop, :])
+            start = stop
+
+
+def test_read_fills_the_cache_as_logits_does(models):
+    model = models["llama", True]
+    forward = int8_forward(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    keys = torch.arange(9)
+    visible = (keys[None, :] <= keys[:, None]).expand(2, 1, 9, 9)
+    positions = keys.expand(2, 9)
+    read, scored = BatchKVCache.for_model(model), BatchKVCache.for_model(model)
+    forward.read(ids, positions, visible, read)
+    forward.logits(ids, positions, visible, scored, 1)
+    assert read.length == scored.length == 9 and torch.equal(read.storage, scored.storage)
+
+
+def test_only_float32_int8_models_take_it(models, bundles):
+    assert int8_forward(models["mistral", False]) is not None
+    assert Int8Forward.of(copy.deepcopy(bundles["llama"].target).float()) is None  # not quantized
+    assert Int8Forward.of(quantize_model(copy.deepcopy(bundles["llama"].target))) is None  # float64
+
+
+@pytest.mark.parametrize("method, proposer", [("eqspec", "draft"), ("exspec", "hybrid"), ("autoregressive", None)])
+def test_batchspec_through_it_equals_the_models_own_generate(method, proposer, models, bs, reference):
+    target = models["qwen3", True]
+    draft = tiny_models.perturbed_copy(tiny_models.build_qwen3(seed=3, **STACKABLE), 0.1, seed=4)
+    draft = quantize_model(draft.float())
+    prompts = tiny_models.random_prompts(6, seed=8, max_len=30)
+    result = bs.generate(target, draft, prompts, method=method, proposer=proposer, batch_size=4, max_new_tokens=16,
+                         num_draft_tokens=3, check_invariants=True)
+    assert int8_forward(target) is not None and int8_forward(draft) is not None
+    assert result.sequences == [reference(target, prompt, 16, None) for prompt in prompts]
