@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 
 NUM_PROMPTS = 4
 BATCH_SIZE = 4
-MAX_NEW_TOKENS = 40
+MAX_NEW_TOKENS = 24
 
 
 SERVED_PROMPTS = (
