@@ -182,6 +182,9 @@ def test_only_float32_int8_models_take_it(models, bundles):
     assert int8_forward(models["mistral", False]) is not None
     assert Int8Forward.of(copy.deepcopy(bundles["llama"].target).float()) is None  # not quantized
     assert Int8Forward.of(quantize_model(copy.deepcopy(bundles["llama"].target))) is None  # float64
+    lopsided = copy.deepcopy(models["qwen3", False])
+    del lopsided.model.layers[1].self_attn.k_norm  # a q norm without a k norm: not a layout it runs
+    assert Int8Forward.of(lopsided) is None and Int8Forward.of(copy.deepcopy(models["qwen3", False])) is not None
 
 
 @pytest.mark.parametrize("method, proposer", [("eqspec", "draft"), ("exspec", "hybrid"), ("autoregressive", None)])

@@ -126,7 +126,7 @@ class Int8Forward:
         batch, seq, _ = x.shape
         q, k, v = _products(layer.qkv, _normed(layer.before, x))  # [B, S, Hq*D], [B, S, Hk*D] x 2
         q, k = q.view(batch, seq, self.heads, self.size), k.view(batch, seq, self.kv_heads, self.size)
-        if layer.q_norm is not None and layer.k_norm is not None:
+        if layer.q_norm is not None:  # and k_norm (_laid_out)
             q, k = layer.q_norm(q), layer.k_norm(k)
         query = x.new_empty(batch, self.heads, seq, self.size)  # [B, Hq, S, D]
         native.rotary_into(q, k, v.view(batch, seq, self.kv_heads, self.size), cos, sin, query,
@@ -156,6 +156,8 @@ def _laid_out(module: torch.nn.Module) -> bool:
         return False
     names = {name for name, _ in attention.named_children()}
     if not names <= _ATTENTION_PARTS or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:
+        return False
+    if len(names & {"q_norm", "k_norm"}) == 1:  # Qwen3 normalizes both; one alone is a layout this forward lacks
         return False
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     norms = [module.input_layernorm, module.post_attention_layernorm]
