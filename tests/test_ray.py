@@ -3,7 +3,7 @@ samples what a single process samples and survives an actor that dies in the mid
 
 A local cluster of 2 CPUs, the ``smollm2`` preset in float32, five short prompts and six new tokens keep this
 quick. The references are the single-process ``batchspec generate`` runs of the same prompts. Skipped without
-the ``ray`` extra; CI installs it.
+the ``ray`` extra; CI installs it. The dead-actor test runs with ``BATCHSPEC_LARGE_TESTS=1`` (CI's 8 minutes).
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ class CrashOncePredictor(BatchspecPredictor):
         return super().__call__(batch)
 
 
+@pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
+                    reason="starts an actor twice (about 25 s); set BATCHSPEC_LARGE_TESTS=1 to run it")
 def test_predictor_samples_like_one_process_and_survives_a_dead_actor(cluster, single_process, tmp_path):
     seeds = derive_row_seeds(SEED, len(PROMPTS))
     items = [{"index": i, "prompt": p, "seed": s} for i, (p, s) in enumerate(zip(PROMPTS, seeds, strict=True))]
