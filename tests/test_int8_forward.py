@@ -21,9 +21,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.runner import cache_keyword
 from batchspec.int8 import native, quantize_model
-from batchspec.int8.attention import QKV_LEVELS, pack, packed_width
+from batchspec.int8.attention import KV_LEVELS, pack, packed_width
 from batchspec.int8.forward import Int8Forward, int8_forward
-from batchspec.int8.linear import Int8Stack
+from batchspec.int8.linear import Int8Stack, gated, quantize_gated
 from batchspec.int8.model import exact_rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
@@ -60,7 +60,7 @@ def test_rotary_into_gives_transformers_rotation_and_the_caches_packing(batch, s
     width = packed_width(size)
     store = torch.zeros(2, batch, kv_heads, seq + 3, width, dtype=torch.int16)  # [2, B, Hk, C, W], strided writes
     query = torch.empty(batch, heads, seq, size)
-    native.rotary_into(q, k, v, cos, sin, query, store[0, :, :, 2 : 2 + seq], store[1, :, :, 2 : 2 + seq], QKV_LEVELS)
+    native.rotary_into(q, k, v, cos, sin, query, store[0, :, :, 2 : 2 + seq], store[1, :, :, 2 : 2 + seq], KV_LEVELS)
     want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, S, D] each
     assert torch.equal(query, want_q)
     assert torch.equal(store[0, :, :, 2 : 2 + seq], pack(want_k))
@@ -77,6 +77,20 @@ def test_norm_quantize_is_the_quantization_of_the_norm(rows, size, seed, log_sca
     codes, scale = native.norm_quantize(x, weight, 1e-6)
     want_codes, want_scale = native.quantize(exact_rms_norm(x, weight, 1e-6))
     assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), size=st.integers(1, 300), seed=st.integers(0, 2**16), log_scale=st.integers(-8, 8))
+def test_the_gated_product_is_quantized_as_if_written_out(rows, size, seed, log_scale):
+    """The MLP's ``silu(gate) * up`` quantized in one pass: the codes and scales of quantizing the written product."""
+    generator = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(2, rows, size, generator=generator) * 2.0**log_scale).unbind()
+    want_codes, want_scale = native.quantize(gated(gate.clone(), up).view(rows, size))
+    got = quantize_gated(gate.clone().view(1, rows, size), up.view(1, rows, size))
+    assert torch.equal(got.codes("vnni"), want_codes) and torch.equal(got.scale, want_scale)
+    assert got.shape == (1, rows) and got.inner == size
+    with pytest.raises(ValueError, match="twice"):
+        native.quantize_product(gate, up[:, :-1])
 
 
 @settings(max_examples=30, deadline=None)
@@ -116,7 +130,7 @@ def test_fused_calls_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="do not fit"):
         native.rotary_into(q, q, q, torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.empty(1, 2, 1, 8),
                            torch.empty(1, 2, 1, 11, dtype=torch.int16), torch.empty(1, 2, 1, 12, dtype=torch.int16),
-                           QKV_LEVELS)
+                           KV_LEVELS)
 
 
 # ------------------------------------------------------------------------------------------------ the forward

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from batchspec.int8 import native
-from batchspec.int8.attention import QKV_LEVELS, exact_attention, packed_width
-from batchspec.int8.linear import Int8Linear, Int8MLP, Int8Stack, QuantizedRows, gated, quantize_activations
+from batchspec.int8.attention import KV_LEVELS, exact_attention, packed_width
+from batchspec.int8.linear import Int8Linear, Int8MLP, Int8Stack, QuantizedRows, quantize_activations, quantize_gated
 from batchspec.int8.model import ExactRMSNorm, RotaryTable
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -130,12 +130,12 @@ class Int8Forward:
             q, k = layer.q_norm(q), layer.k_norm(k)
         query = x.new_empty(batch, self.heads, seq, self.size)  # [B, Hq, S, D]
         native.rotary_into(q, k, v.view(batch, seq, self.kv_heads, self.size), cos, sin, query,
-                           store[0, :, :, start:end], store[1, :, :, start:end], QKV_LEVELS)
+                           store[0, :, :, start:end], store[1, :, :, start:end], KV_LEVELS)
         out = exact_attention(query, store[0, :, :, :end], store[1, :, :, :end], visible, layer.scaling)
         # out: [B, S, Hq, D]
         x = layer.o.apply_to(quantize_activations(out.view(batch, seq, self.heads * self.size)), residual=x)
         gate, up = _products(layer.gate_up, _normed(layer.after, x))  # [B, S, F] each
-        return layer.down.apply_to(quantize_activations(gated(gate, up)), residual=x)
+        return layer.down.apply_to(quantize_gated(gate, up), residual=x)
 
 
 def _normed(norm: ExactRMSNorm, x: torch.Tensor) -> QuantizedRows:

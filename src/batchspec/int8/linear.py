@@ -176,3 +176,13 @@ def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (``[..., F]`` each), in ``gate``'s memory: the MLP's activation, each value rounded as
     torch's vector path rounds it (:func:`~batchspec.int8.arithmetic.silu_`)."""
     return silu_(gate).mul_(up)
+
+
+def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
+    """``quantize_activations(gated(gate, up))``; with the native kernels the product is never written out
+    (:func:`~batchspec.int8.native.quantize_product`). ``gate`` is overwritten."""
+    if gate.dtype != torch.float32 or not native.available():
+        return quantize_activations(gated(gate, up))
+    width = gate.shape[-1]
+    codes, scale = native.quantize_product(silu_(gate).reshape(-1, width), up.reshape(-1, width))
+    return QuantizedRows(scale, gate.dtype, tuple(gate.shape[:-1]), width, codes={"vnni": codes})

@@ -19,7 +19,7 @@
 #include <string.h>
 
 #define PANEL 64     /* outputs per panel: four 16-lane int32 accumulators per row */
-#define ROWS 4       /* activation rows per micro-kernel pass: 16 accumulators + 4 weight registers */
+#define ROWS 6       /* activation rows per micro-kernel pass: 24 accumulators + 4 weight registers */
 #define ROW_BLOCK 240 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
 
 /* the larger of two floats (neither is NaN here); fmaxf is a library call */
@@ -41,24 +41,32 @@ typedef struct {
     const float *residual;  /* added last, laid out as the output (offset to the panel's first column), or NULL */
 } epilogue_t;
 
+/* row r's four accumulators take the four products of x (row r's group of four codes, broadcast) with w0..w3 */
+#define DOT_ROW(r)                                                     \
+    if (NR > r) {                                                      \
+        __m512i x = broadcast_group(a + r * lda + 4 * g);              \
+        acc##r##_0 = _mm512_dpbusd_epi32(acc##r##_0, x, w0);           \
+        acc##r##_1 = _mm512_dpbusd_epi32(acc##r##_1, x, w1);           \
+        acc##r##_2 = _mm512_dpbusd_epi32(acc##r##_2, x, w2);           \
+        acc##r##_3 = _mm512_dpbusd_epi32(acc##r##_3, x, w3);           \
+    }
+#define ACC_ROW(r) __m512i acc##r##_0 = zero, acc##r##_1 = zero, acc##r##_2 = zero, acc##r##_3 = zero;
+#define KEEP_ROW(r) acc[r][0] = acc##r##_0, acc[r][1] = acc##r##_1, acc[r][2] = acc##r##_2, acc[r][3] = acc##r##_3;
+
 static inline __attribute__((always_inline)) void panel_rows(
     const int NR, const uint8_t *a, int64_t lda, const int8_t *panel, int64_t groups, epilogue_t e, int64_t col,
     float *out, int64_t ldo, int64_t valid) {
-    __m512i acc[ROWS][4];
-    for (int r = 0; r < NR; r++)
-        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+    /* the accumulators are named variables, not an array, so the compiler keeps all 24 in registers */
+    const __m512i zero = _mm512_setzero_si512();
+    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
     for (int64_t g = 0; g < groups; g++) {
         const int8_t *w = panel + g * 4 * PANEL;
         __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
         __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
-        for (int r = 0; r < NR; r++) {
-            __m512i x = broadcast_group(a + r * lda + 4 * g);
-            acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, w0);
-            acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, w1);
-            acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], x, w2);
-            acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], x, w3);
-        }
+        DOT_ROW(0) DOT_ROW(1) DOT_ROW(2) DOT_ROW(3) DOT_ROW(4) DOT_ROW(5)
     }
+    __m512i acc[ROWS][4];
+    KEEP_ROW(0) KEEP_ROW(1) KEEP_ROW(2) KEEP_ROW(3) KEEP_ROW(4) KEEP_ROW(5)
     for (int c = 0; c < 4 && 16 * c < valid; c++) {
         int64_t left = valid - 16 * c;
         __mmask16 lanes = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
@@ -88,7 +96,9 @@ static void panel_block(const uint8_t *a, int64_t rows, int64_t lda, const int8_
         case 1: panel_rows(1, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         case 2: panel_rows(2, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         case 3: panel_rows(3, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
-        default: panel_rows(4, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
+        case 4: panel_rows(4, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
+        case 5: panel_rows(5, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
+        default: panel_rows(6, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         }
     }
 }
@@ -123,24 +133,51 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
 /* 2. Per-token quantization to the product's codes (batchspec_quantize), as int8/arithmetic.py's quantize_rows and
  * product.py's activation_codes compute it in float32: top = max |x|; scale = top > 0 ? top / 127 : 1;
  * q = clamp(rint(x * (1 / scale)), -127, 127); code = q + 128, and 128 in the padding columns k..ldc. */
-static inline void quantize_row(const float *x, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
-    float top = 0.0f;
-    for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
+static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+/* sixteen values of row x, or of x * y (each product rounded once) where y is not NULL; zeros past n */
+static inline __attribute__((always_inline)) __m512 row_values(const float *x, const float *y, int64_t n) {
+    __m512 v = _mm512_maskz_loadu_ps(first(n), x);
+    return y ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(first(n), y)) : v;
+}
+
+/* one row (x, or x * y) quantized to codes, sixteen values at a time: the maximum is exact in any order, the rest
+ * elementwise (roundscale to nearest is rintf's rounding) */
+static inline __attribute__((always_inline)) void quantize_values(const float *x, const float *y, int64_t k,
+                                                                  int64_t ldc, uint8_t *codes, float *scale) {
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16)
+        most = _mm512_max_ps(most, _mm512_abs_ps(row_values(x + i, y ? y + i : y, k - i)));
+    float top = _mm512_reduce_max_ps(most);
     float s = top > 0.0f ? top / 127.0f : 1.0f;
-    float inverse = 1.0f / s;
-    for (int64_t i = 0; i < k; i++) {
-        float q = rintf(x[i] * inverse);
-        q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
-        codes[i] = (uint8_t)(int32_t)(q + 128.0f);
+    const __m512 inverse = _mm512_set1_ps(1.0f / s), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+    for (int64_t i = 0; i < k; i += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(row_values(x + i, y ? y + i : y, k - i), inverse),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, low), high);
+        _mm512_mask_cvtepi32_storeu_epi8(codes + i, first(k - i),
+                                         _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128)));
     }
     for (int64_t i = k; i < ldc; i++) codes[i] = 128;
     *scale = s;
+}
+
+static inline void quantize_row(const float *x, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
+    quantize_values(x, NULL, k, ldc, codes, scale);
 }
 
 void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8_t *codes, float *scale,
                         int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < n; r++) quantize_row(x + r * k, k, ldc, codes + r * ldc, scale + r);
+}
+
+/* batchspec_quantize of x * y (elementwise, each product rounded once as torch's mul rounds it), the product
+ * computed where it is read and never written out: the MLP's silu(gate) * up on its way to the down projection */
+void batchspec_quantize_product(const float *x, const float *y, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
+                                float *scale, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, y + r * k, k, ldc, codes + r * ldc, scale + r);
 }
 
 /* 3. RMSNorm as int8/model.py's exact_rms_norm computes it in float32, in two halves around torch's own sqrt (torch's
@@ -189,8 +226,9 @@ void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, const float *
 /* 4. Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
  * scale = top > 0 ? top / levels : 1, q = clamp(rint(x * (1 / scale)), -levels, levels). batchspec_quantize_wide
  * holds q and the scale in float64 (q[r][i] at q + r * ldq + i, the scale at scale + r * lds); batchspec_pack_kv
- * stores keys and values for the KV cache as attention.py's pack does: a token's q as int16, zeros, then the scale's
- * bits as a double in the last four int16 of its `width` (a multiple of four, at least k + 4). */
+ * stores keys and values for the KV cache as attention.py's pack does: int16 2 * q + b, q the token's integers (0
+ * past k) and b in column i bit i of its scale as a double (0 past SCALE_BITS), `width` >= max(k, SCALE_BITS). */
+#define SCALE_BITS 64
 static inline float token_scale(const float *x, int64_t k, float levels) {
     float top = 0.0f;
     for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
@@ -215,10 +253,13 @@ void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels,
 
 static inline void pack_token(const float *x, int64_t k, float levels, int16_t *o, int64_t width) {
     float s = token_scale(x, k, levels), inverse = 1.0f / s;
-    for (int64_t i = 0; i < k; i++) o[i] = (int16_t)token_code(x[i], inverse, levels);
     double wide = s;
-    for (int64_t i = k; i < width - 4; i++) o[i] = 0;
-    memcpy(o + width - 4, &wide, sizeof wide);
+    uint64_t bits;
+    memcpy(&bits, &wide, sizeof bits);
+    for (int64_t i = 0; i < width; i++) {
+        int32_t q = i < k ? (int32_t)token_code(x[i], inverse, levels) : 0;
+        o[i] = (int16_t)(2 * q + (i < SCALE_BITS ? (int32_t)((bits >> i) & 1) : 0));
+    }
 }
 
 void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
@@ -293,12 +334,14 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
  * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
  *
  * One call handles one KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head
- * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: D
- * integers, the scale's bits last; see section 4). The dots are summed in int32 on the query's two halves
- * (quantize_queries states the bound), then joined in float64; the weighted sum runs in float64, six rows by 32
- * channels at a time, every product and partial sum an integer below 2**53 (|V| <= 2**15 - 1, W <= 2**20 and
- * L < 2**18, attention.py's bounds). Both are exact, so the blocking below cannot change a bit. */
+ * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16
+ * 2 * K + b, see section 4: K is the int16 shifted right by one, the scale the low bits of its first 64). The dots
+ * are summed in int32 on the query's two halves (quantize_queries states the bound), then joined in float64; the
+ * weighted sum runs in float64, six rows by 32 channels at a time, every product and partial sum an integer below
+ * 2**53 (|V| <= 2**14 - 1, W <= 2**20 and L < 2**18, attention.py's bounds). Both are exact, so the blocking below
+ * cannot change a bit. */
 #define KEY_BLOCK 8  /* keys per score pass: their dots end as one vector of doubles */
+#define MAX_LANES 256  /* head size at most (native.py's MAX_HEAD_SIZE) */
 #define PASS_ROWS 6  /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
 #define CHANNELS 32  /* value channels per weighted-sum pass: four vectors of doubles per row */
 
@@ -309,24 +352,29 @@ typedef struct {
     const float *c;
 } group_t;
 
-/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, D] and w [padded, L]
- * doubles; score [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to a multiple of 32) */
+/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, D], w [padded, L] and
+ * values [L, CHANNELS] doubles; score [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to
+ * a multiple of 32) */
 typedef struct {
     int16_t *hi, *lo;
-    double *sum, *w;
+    double *sum, *w, *values;
     float *score, *v_scale;
 } scratch_t;
 
-static inline double token_scale_of(const int16_t *token, int64_t width) {
+/* a cached token's scale: bit i of its double is the lowest bit of int16 i */
+static inline double token_scale_of(const int16_t *token) {
+    const __m512i one = _mm512_set1_epi16(1);
+    uint64_t bits = (uint64_t)_mm512_test_epi16_mask(_mm512_loadu_si512(token), one)
+                  | (uint64_t)_mm512_test_epi16_mask(_mm512_loadu_si512(token + 32), one) << 32;
     double s;
-    memcpy(&s, token + width - 4, sizeof s);
+    memcpy(&s, &bits, sizeof s);
     return s;
 }
 
 /* Query row r's 15-bit integers q split as q = 256 * hi + lo with lo in [0, 255] and hi in [-128, 127], each as
  * int16 zero-padded to `lanes` (D rounded up to 32), with zero rows up to `padded`; factor[r] = its scale *
  * scaling / ln 2. vpdpwssd then sums hi . K and lo . K exactly in int32 lanes: both stay below 2**31 in magnitude
- * (|lo . K|, |hi . K| <= 256 * 32767 * D < 2**31 for D <= 256, native.py's MAX_HEAD_SIZE), and the int32 sums wrap
+ * (|lo . K|, |hi . K| <= 256 * 16383 * D < 2**31 for D <= 256, native.py's MAX_HEAD_SIZE), and the int32 sums wrap
  * modulo 2**32 without saturating, so they are the sums themselves whatever the order. */
 static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t *lo, double *factor) {
     for (int64_t i = 0; i < g.padded * g.lanes; i++) hi[i] = lo[i] = 0;
@@ -341,6 +389,9 @@ static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t
         factor[r] = (double)s * g.factor;
     }
 }
+
+/* the first n of 32 lanes */
+static inline __mmask32 lanes32(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << n) - 1); }
 
 /* which of the first n <= 16 keys a query sees, from its visibility bytes `stride` apart */
 static inline __mmask16 seen_mask(const uint8_t *seen, int64_t stride, int64_t n) {
@@ -376,22 +427,28 @@ static inline __m256i lane_sums(const __m512i a[KEY_BLOCK]) {
 static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor, const int16_t *k,
                    const uint8_t *visible, float *score) {
     __mmask8 seen[g.queries];
+    int16_t block[KEY_BLOCK][MAX_LANES];
     for (int64_t j0 = 0; j0 < g.keys; j0 += KEY_BLOCK) {
         int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
         double scales[KEY_BLOCK];
         for (int64_t i = 0; i < KEY_BLOCK; i++)
-            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width, g.width) : 0.0;
+            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width) : 0.0;
         __m512d key_scale = _mm512_loadu_pd(scales);
         for (int64_t i = 0; i < g.queries; i++)
             seen[i] = (__mmask8)seen_mask(visible + i * g.visible_row + j0 * g.visible_stride, g.visible_stride, n);
+        for (int64_t i = 0; i < KEY_BLOCK; i++)  /* the block's keys K (2 * K + b shifted), zeros past the head */
+            for (int64_t d = 0; d < g.lanes; d += 32) {
+                __mmask32 valid = i < n && d < g.size ? lanes32(g.size - d) : 0;
+                __m512i key = _mm512_maskz_loadu_epi16(valid, k + (j0 + i) * g.width + d);
+                _mm512_storeu_si512(block[i] + d, _mm512_srai_epi16(key, 1));
+            }
         for (int64_t r = 0; r < g.rows; r++) {
             __m512i high[KEY_BLOCK], low[KEY_BLOCK];
             for (int i = 0; i < KEY_BLOCK; i++) high[i] = low[i] = _mm512_setzero_si512();
             for (int64_t d = 0; d < g.size; d += 32) {
-                __mmask32 valid = g.size - d >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (g.size - d)) - 1);
                 __m512i qh = _mm512_loadu_si512(hi + r * g.lanes + d), ql = _mm512_loadu_si512(lo + r * g.lanes + d);
                 for (int i = 0; i < KEY_BLOCK; i++) {
-                    __m512i key = _mm512_maskz_loadu_epi16(i < n ? valid : 0, k + (j0 + i) * g.width + d);
+                    __m512i key = _mm512_loadu_si512(block[i] + d);
                     high[i] = _mm512_dpwssd_epi32(high[i], qh, key);
                     low[i] = _mm512_dpwssd_epi32(low[i], ql, key);
                 }
@@ -466,28 +523,30 @@ static void softmax_weights(group_t g, float *score, const uint8_t *seen, const 
     *denominator = sum > 1.0 ? sum : 1.0;
 }
 
-/* 32 int16 values as four vectors of doubles */
-static inline void widen(const int16_t *x, __m512d out[4]) {
-    __m512i all = _mm512_loadu_si512(x);
+/* 32 cached values (int16 2 * V + b) as the 32 doubles V */
+static inline void widen(const int16_t *x, double *out) {
+    __m512i all = _mm512_srai_epi16(_mm512_loadu_si512(x), 1);
     __m512i low = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(all));
     __m512i high = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(all, 1));
-    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(low));
-    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(low, 1));
-    out[2] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(high));
-    out[3] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(high, 1));
+    _mm512_storeu_pd(out, _mm512_cvtepi32_pd(_mm512_castsi512_si256(low)));
+    _mm512_storeu_pd(out + 8, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(low, 1)));
+    _mm512_storeu_pd(out + 16, _mm512_cvtepi32_pd(_mm512_castsi512_si256(high)));
+    _mm512_storeu_pd(out + 24, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(high, 1)));
 }
 
-/* sum[r][d] = sum_j w[r][j] * V[j][d] for every padded row r: PASS_ROWS rows by CHANNELS channels per pass, each
- * value widened once per pass; channels past the last whole CHANNELS block one at a time */
-static void weighted_sums(group_t g, const double *w, const int16_t *v, double *sum) {
+/* sum[r][d] = sum_j w[r][j] * V[j][d] for every padded row r: CHANNELS channels of every key widened once into
+ * `values` [L, CHANNELS], then PASS_ROWS rows at a time over them; channels past the last whole CHANNELS block one
+ * at a time */
+static void weighted_sums(group_t g, const double *w, const int16_t *v, double *values, double *sum) {
     int64_t d0 = 0;
-    for (; d0 + CHANNELS <= g.size; d0 += CHANNELS)
+    for (; d0 + CHANNELS <= g.size; d0 += CHANNELS) {
+        for (int64_t j = 0; j < g.keys; j++) widen(v + j * g.width + d0, values + j * CHANNELS);
         for (int64_t r0 = 0; r0 < g.padded; r0 += PASS_ROWS) {
             __m512d acc[PASS_ROWS][4], value[4];
             for (int i = 0; i < PASS_ROWS; i++)
                 for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_pd();
             for (int64_t j = 0; j < g.keys; j++) {
-                widen(v + j * g.width + d0, value);
+                for (int c = 0; c < 4; c++) value[c] = _mm512_loadu_pd(values + j * CHANNELS + 8 * c);
                 for (int i = 0; i < PASS_ROWS; i++) {
                     __m512d wj = _mm512_set1_pd(w[(r0 + i) * g.keys + j]);
                     for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_pd(wj, value[c], acc[i][c]);
@@ -496,10 +555,11 @@ static void weighted_sums(group_t g, const double *w, const int16_t *v, double *
             for (int i = 0; i < PASS_ROWS; i++)
                 for (int c = 0; c < 4; c++) _mm512_storeu_pd(sum + (r0 + i) * g.size + d0 + 8 * c, acc[i][c]);
         }
+    }
     for (; d0 < g.size; d0++)
         for (int64_t r = 0; r < g.padded; r++) {
             double total = 0.0;
-            for (int64_t j = 0; j < g.keys; j++) total += w[r * g.keys + j] * (double)v[j * g.width + d0];
+            for (int64_t j = 0; j < g.keys; j++) total += w[r * g.keys + j] * (double)(v[j * g.width + d0] >> 1);
             sum[r * g.size + d0] = total;
         }
 }
@@ -508,7 +568,7 @@ static void weighted_sums(group_t g, const double *w, const int16_t *v, double *
 static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
                          scratch_t s, float *out, int64_t out_head, int64_t out_query) {
     double factor[g.padded], scale[g.padded], denominator[g.padded];
-    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = (float)token_scale_of(v + j * g.width, g.width);
+    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = (float)token_scale_of(v + j * g.width);
     quantize_queries(g, query, s.hi, s.lo, factor);
     scores(g, s.hi, s.lo, factor, k, visible, s.score);
     for (int64_t r = 0; r < g.padded; r++) {
@@ -519,7 +579,7 @@ static void attend_group(group_t g, const float *query, const int16_t *k, const 
             for (int64_t j = 0; j < g.keys; j++) s.w[r * g.keys + j] = 0.0;
         }
     }
-    weighted_sums(g, s.w, v, s.sum);
+    weighted_sums(g, s.w, v, s.values, s.sum);
     for (int64_t r = 0; r < g.rows; r++) {
         float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
         for (int64_t d = 0; d < g.size; d++) o[d] = (float)((s.sum[r * g.size + d] * scale[r]) / denominator[r]);
@@ -542,12 +602,14 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        size_t doubles = (size_t)(padded * lanes + padded * columns + padded * lanes / 2);
+        size_t doubles = (size_t)(padded * lanes + padded * columns + padded * lanes / 2 + columns * CHANNELS);
         double *block = (double *)malloc(doubles * sizeof(double));
         float *score = (float *)malloc((size_t)((padded + 1) * columns) * sizeof(float));
         failed = block == NULL || score == NULL;
         int16_t *halves = (int16_t *)(block + padded * lanes + padded * columns);
-        scratch_t s = {halves, halves + padded * lanes, block, block + padded * lanes, score, score + padded * columns};
+        double *widened = block + padded * lanes + padded * columns + padded * lanes / 2;
+        scratch_t s = {halves, halves + padded * lanes, block, block + padded * lanes, widened,
+                       score, score + padded * columns};
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < batch * kv_heads; u++) {
             if (failed) continue;

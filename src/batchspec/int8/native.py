@@ -56,7 +56,7 @@ GROUP = 4  # inner positions per vpdpbusd lane
 ZERO_POINT = 128  # the uint8 code of the integer 0
 # |q . w| <= 127 * 127 * K stays below 2^31 (native.c's modular int32 sum is then the sum itself)
 MAX_INNER = (2**31 - 1) // (127 * 127)
-# the attention's query halves times 15-bit keys, 256 * 32767 * D, stay below 2^31 (native.c, quantize_queries)
+# the attention's query halves times cached keys, 256 * 16383 * D, stay below 2^31 (native.c, quantize_queries)
 MAX_HEAD_SIZE = 256
 _SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared",
@@ -144,6 +144,20 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
+def quantize_product(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of ``x * y`` for float32 ``x``, ``y`` ``[N, K]``, bit for bit, the product never stored."""
+    if x.dtype != torch.float32 or x.dim() != 2 or y.dtype != x.dtype or y.shape != x.shape:
+        raise ValueError(f"native quantization takes float32 [N, K] twice, not {x.dtype} {tuple(x.shape)}, "
+                         f"{y.dtype} {tuple(y.shape)}")
+    x, y = x.contiguous(), y.contiguous()
+    rows, inner = x.shape
+    out = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8)  # [N, 4 G]
+    scale = torch.empty(rows, 1)  # [N, 1]
+    _library().quantize_product(x.data_ptr(), y.data_ptr(), rows, inner, out.shape[1], out.data_ptr(),
+                                scale.data_ptr(), torch.get_num_threads())
+    return out, scale
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`~batchspec.int8.model.exact_rms_norm` of float32 ``x`` ``[..., H]`` with ``weight`` ``[H]``, bit for
     bit: the mean of squares and the scaling in C, the square root in between torch's own (its vectorized ``sqrt`` is
@@ -192,12 +206,12 @@ def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
 
 def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
     """:func:`~batchspec.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
-    ``[..., width]`` int16, each token's integers, zeros up to ``width - 4``, then its scale's bits as float64 in the
-    last four."""
+    ``[..., width]`` int16, ``2 * q + b`` with ``q`` each token's integers (0 past ``D``) and ``b`` in column ``i``
+    bit ``i`` of its scale as float64."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
-    if width < size + 4 or width % 4:
-        raise ValueError(f"keys of {size} values need a width of at least {size + 4}, a multiple of 4, not {width}")
+    if not _holds_scale(width, size, levels):
+        raise ValueError(f"keys of {size} values to {levels} levels do not fit {width} int16 and a scale")
     out = torch.empty(*x.shape[:-1], width, dtype=torch.int16)  # [..., width]
     _library().pack_kv(x.data_ptr(), x.numel() // max(size, 1), size, levels, out.data_ptr(), width,
                        torch.get_num_threads())
@@ -221,12 +235,18 @@ def rotary_into(
     outputs = outputs and all(t.dtype == torch.int16 and t.shape == (batch, kv_heads, seq, width)
                               for t in (keys, values))
     fits = inputs and outputs and size % 2 == 0 and all(t.stride(3) == 1 for t in (query, keys, values))
-    if not fits or width < size + 4 or width % 4 or not 0 < levels < 2**15:
+    if not fits or not _holds_scale(width, size, levels):
         raise ValueError(f"queries {tuple(q.shape)}, keys {tuple(k.shape)} do not fit their outputs' layout")
     strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, keys, values)]
     _library().rotary_into(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, seq, heads, kv_heads, size,
                            cos.data_ptr(), sin.data_ptr(), query.data_ptr(), strides[0], keys.data_ptr(), strides[1],
                            values.data_ptr(), strides[2], width, levels, torch.get_num_threads())
+
+
+def _holds_scale(width: int, size: int, levels: int) -> bool:
+    """Whether a cached token of ``width`` int16 holds ``size`` values ``2 * q + b`` (``|q| <= levels``) and the
+    float64 scale's 64 bits (attention.py's ``packed_width``)."""
+    return width >= max(size, 64) and 0 < levels < 2**14
 
 
 def _wide_input(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -256,7 +276,7 @@ def attention(
     batch, heads, queries, size = query.shape
     kv_heads, length, width = key.shape[1], key.shape[2], key.shape[3]
     laid_out = query.dtype == torch.float32 and visible.dtype == torch.bool and heads % kv_heads == 0
-    laid_out = laid_out and size <= MAX_HEAD_SIZE and 0 < levels < 2**15 and width >= size + 4 and width % 4 == 0
+    laid_out = laid_out and size <= MAX_HEAD_SIZE and 0 < levels < 2**15 and width >= max(size, 64)
     laid_out = laid_out and all(
         t.dtype == torch.int16 and t.shape == (batch, kv_heads, length, width) and t.stride()[2:] == (width, 1)
         for t in (key, value)
@@ -295,8 +315,9 @@ def _library() -> types.SimpleNamespace:
 
 @functools.cache
 def library() -> types.SimpleNamespace | None:
-    """The C functions (``linear``, ``quantize``, ``rms_mean``, ``rms_apply``, ``quantize_wide``, ``pack_kv``,
-    ``norm_quantize``, ``rotary_into``, ``exp2_nonpositive``, ``attention``), built for this machine on first use;
+    """The C functions (``linear``, ``quantize``, ``quantize_product``, ``rms_mean``, ``rms_apply``,
+    ``quantize_wide``, ``pack_kv``, ``norm_quantize``, ``rotary_into``, ``exp2_nonpositive``, ``attention``), built
+    for this machine on first use;
     None (with one log line) where they cannot run or ``BATCHSPEC_NATIVE_KERNELS=0`` turns them off."""
     if os.environ.get("BATCHSPEC_NATIVE_KERNELS", "1") == "0":
         logger.info("batchspec: BATCHSPEC_NATIVE_KERNELS=0, the AVX-512 VNNI kernels are off")
@@ -317,6 +338,7 @@ def library() -> types.SimpleNamespace | None:
         "linear": [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, i64, i64, pointer, pointer, i64,
                    pointer, threads],
         "quantize": [pointer, i64, i64, i64, pointer, pointer, threads],
+        "quantize_product": [pointer, pointer, i64, i64, i64, pointer, pointer, threads],
         "rms_mean": [pointer, i64, i64, ctypes.c_float, pointer, threads],
         "rms_apply": [pointer, i64, i64, pointer, pointer, pointer, threads],
         "quantize_wide": [pointer, i64, i64, ctypes.c_float, pointer, i64, pointer, i64, threads],
