@@ -35,3 +35,11 @@ python $R/prefill_table.py > $R/prefill.txt
 # Quality of the 2-byte KV cache: pass@1 on the first 40 HumanEval problems, float32's answers reused
 PYTHONPATH=/tmp/ab_after/src python docs/results/2026-11-24e/quality.py \
     --reuse-float32 docs/results/2026-11-24e/quality_first.json --out $R/quality.json > $R/quality.txt
+# Against OpenVINO GenAI, both prefix caches off, as at the last stop (docs/results/2026-11-26b-cpu/run_all.sh)
+BENCH=(--preset qwen2.5-coder -n 8 --max-new-tokens 64 --batch-sizes 1,8 --methods autoregressive,eqspec
+       --proposers ngram,hybrid --prefix-cache-size 0)
+PYTHONPATH=/tmp/ab_after/src python -m batchspec bench "${BENCH[@]}" -o $R/bench64_nocache
+/work/ov-venv/bin/python scripts/openvino_compare.py --limit 8 --max-new-tokens 64 --out $R/openvino64_nocache.json
+PYTHONPATH=/tmp/ab_after/src python -m batchspec bench "${BENCH[@]}" "${SUMMARIES[@]}" -o $R/summaries64_nocache
+/work/ov-venv/bin/python scripts/openvino_compare.py "${SUMMARIES[@]}" --limit 8 --max-new-tokens 64 \
+    --out $R/openvino_summaries64_nocache.json
