@@ -29,7 +29,7 @@ import batchspec
 from batchspec.engine.sampling import SamplingParams
 from batchspec.int8 import check_quantize, linear, native, quantization, quantize_model
 from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows, row_sum, silu_
-from batchspec.int8.attention import KV_LEVELS, QUERY_CHUNK, QUERY_LEVELS, SCALE_BITS, exact_attention, pack
+from batchspec.int8.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
 from batchspec.int8.linear import Int8Linear
 from batchspec.int8.model import exact_rms_norm
 from batchspec.int8.product import (
@@ -237,16 +237,16 @@ def test_native_kernels_give_the_torch_paths_bits(rows, inner, outputs, seed, lo
     shape=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 2**16), log_scale=st.floats(-20, 20)
 )
 def test_native_attention_arithmetic_gives_the_torch_paths_bits(shape, seed, log_scale):
-    """The attention's quantization (queries' plain, keys' packed) and ``2**t`` in C: the bits of the torch code."""
+    """The attention's 15-bit quantization (plain and packed) and ``2**t`` in C: the bits of the torch code."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=generator) * 2.0**log_scale
     t = -torch.rand(shape, generator=generator) * 2.0 ** (log_scale / 3)
     t.view(-1)[0] = float("-inf")  # a masked score
-    q, scale = native.quantize_wide(x, QUERY_LEVELS)
+    q, scale = native.quantize_wide(x, QKV_LEVELS)
     packed, native_exp2 = pack(x), exp2_nonpositive(t.clone())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "available", lambda: False)
-        want_q, want_scale = quantize_rows(x, QUERY_LEVELS)
+        want_q, want_scale = quantize_rows(x, QKV_LEVELS)
         want_packed, want_exp2 = pack(x), exp2_nonpositive(t.clone())
     assert torch.equal(q, want_q.double()) and torch.equal(scale, want_scale.double())
     assert torch.equal(packed, want_packed) and torch.equal(native_exp2, want_exp2)
@@ -271,7 +271,7 @@ def test_native_attention_gives_the_torch_paths_bits(batch, kv_heads, group, que
     visible[0, 0, 0] = False
     got = exact_attention(query, key, value, visible, scaling=size**-0.5)
     if queries <= QUERY_CHUNK:
-        alone = native.attention(query, key, value, visible, size**-0.5, QUERY_LEVELS, EXP2_COEFFICIENTS)
+        alone = native.attention(query, key, value, visible, size**-0.5, QKV_LEVELS, EXP2_COEFFICIENTS)
         assert alone is not None and torch.equal(alone, got)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "available", lambda: False)
@@ -283,16 +283,16 @@ def test_native_attention_gives_the_torch_paths_bits(batch, kv_heads, group, que
 @pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 @pytest.mark.parametrize("size", [32, 250, 256])
 def test_native_attention_at_its_integer_bounds(size):
-    """Queries at +-(2**15 - 1) and keys at +-(2**14 - 1) in heads of up to 256 values: the largest int32 sums the C
-    kernel's split products reach (256 * 16383 * D < 2**31) still give the torch path's bits."""
+    """Queries and keys all at +-(2**15 - 1) in heads of up to 256 values: the largest int32 sums the C kernel's
+    split products reach (256 * 32767 * D < 2**31) still give the torch path's bits."""
     generator = torch.Generator().manual_seed(size)
     signs = torch.randint(0, 2, (1, 2, 3, size), generator=generator) * 2.0 - 1.0  # [B, H, Q, D] of +-1
     query, keys = signs.clone(), signs[:, :1].expand(1, 1, 3, size).contiguous()
-    query[:, :, 1], keys[:, :, 1] = -1.0, 1.0  # the query's high half at -128 throughout: hi . K = -128 * 16383 * D
-    query[:, :, 2], keys[:, :, 2] = 1.0, 1.0  # its low half at 255 throughout: lo . K = 255 * 16383 * D
+    query[:, :, 1], keys[:, :, 1] = -1.0, 1.0  # the query's high half at -128 throughout: hi . K = -128 * 32767 * D
+    query[:, :, 2], keys[:, :, 2] = 1.0, 1.0  # its low half at 255 throughout: lo . K = 255 * 32767 * D
     key, value = pack(keys), pack(-keys)  # [1, 1, 3, W]
     visible = torch.ones(1, 1, 3, 3, dtype=torch.bool)
-    got = native.attention(query, key, value, visible, size**-0.5, QUERY_LEVELS, EXP2_COEFFICIENTS)
+    got = native.attention(query, key, value, visible, size**-0.5, QKV_LEVELS, EXP2_COEFFICIENTS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "available", lambda: False)
         want = exact_attention(query, key, value, visible, scaling=size**-0.5)
@@ -300,17 +300,16 @@ def test_native_attention_at_its_integer_bounds(size):
 
 
 def test_packed_keys_hold_their_integers_and_scale():
-    """The int16 cache layout of the docstring example: 2 * V + b, V the 15-bit integers (0 past the head), b the
-    scale's float64 bits one a column; 2 bytes per value from heads of 64 values, bit for bit in C and torch."""
+    """The int16 cache layout of the docstring example: 15-bit integers, zeros to a multiple of four, then the scale's
+    float64 bits; 2 bytes per value."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "available", lambda: False)
         torch_packed = pack(torch.tensor([[0.5, -1.0, 0.25]]))
     packed = pack(torch.tensor([[0.5, -1.0, 0.25]]))
-    assert packed.dtype == torch.int16 and packed.shape == (1, SCALE_BITS) and torch.equal(packed, torch_packed)
-    scale = torch.tensor(1.0 / KV_LEVELS).double().view(torch.int64).item()  # float32's 1/16383 as float64 bits
-    bits = [(scale >> i) & 1 for i in range(SCALE_BITS)]
-    assert packed[0].tolist() == [v + b for v, b in zip([16384, -32766, 8192] + [0] * 61, bits, strict=True)]
-    assert pack(torch.randn(2, 3, 5, 128)).shape == (2, 3, 5, 128)
+    assert packed.dtype == torch.int16 and torch.equal(packed, torch_packed)
+    assert packed[0, :4].tolist() == [16384, -32767, 8192, 0]
+    assert packed[0, 4:].view(torch.float64).item() == torch.tensor(1.0 / 32767).item()
+    assert pack(torch.randn(2, 3, 5, 128)).shape == (2, 3, 5, 132)
 
 
 def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):

@@ -1,26 +1,24 @@
 """Attention whose output for one query depends only on that query and the keys and values it sees.
 
-Queries are quantized per token and head to integers of 15 bits (:data:`QUERY_LEVELS`), keys and values to
-integers of 14 bits and a sign (:data:`KV_LEVELS`), all held in float64. For one query ``q`` over its visible keys
-``j``:
+Queries, keys and values are quantized per token and head to integers of 15 bits (:data:`QKV_LEVELS`), held in
+float64. For one query ``q`` over its visible keys ``j``:
 
-* ``dot[j] = Q . K[j]`` is an integer below 2**36 (``|Q| <= 32767``, ``|K| <= 16383``, head size <= 128): the
-  float64 product is exact in any order. ``score[j] = (dot[j] * sq) * sk[j] * scaling``, elementwise.
+* ``dot[j] = Q . K[j]`` is an integer below 2**37 (``|Q|, |K| <= 32767``, head size <= 128): the float64 product
+  is exact in any order. ``score[j] = (dot[j] * sq) * sk[j] * scaling``, elementwise.
 * ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.int8.arithmetic.exp2_nonpositive` (in float32,
   the scores in units of log2), 0 where masked.
 * The softmax-weighted sum ``sum_j e[j] sv[j] V[j] / sum_j e[j]`` is taken over integers: ``a[j] = e[j] sv[j]`` is
   rounded to ``W[j] = round(a[j] / max a * 2**20)`` and ``e[j]`` to ``E[j] = round(e[j] * 2**20)``; then
-  ``sum_j W[j] V[j]`` (below 2**34 per key, so exact for fewer than 2**18 keys) and ``sum_j E[j]`` are exact, and
+  ``sum_j W[j] V[j]`` (below 2**35 per key, so exact for fewer than 2**18 keys) and ``sum_j E[j]`` are exact, and
   ``out = max a * sum_j W[j] V[j] / sum_j E[j]``.
 
 No float sum runs over keys or head channels, so padding (masked keys), the number of queries in the forward and the
 batch change nothing. A query with no visible key (a padding position) outputs zeros.
 
 Keys and values are quantized once, when they enter the KV cache: :func:`pack_on_update` hands the attention module a
-cache whose ``update`` stores them *packed* (:func:`pack`): one int16 per value, ``2 * V + b``, the value's 15-bit
-integer shifted left by one and, in its lowest bit ``b``, one of the 64 bits of the token's scale as float64. So a
-decoding step does not quantize the whole cache again in every layer, and the cache holds exactly 2 bytes per value
-for heads of 64 values or more (float32 keys take 4); the scale costs nothing.
+cache whose ``update`` stores them *packed* as int16 (:func:`pack`: a token's 15-bit integers, then its scale's
+bits), so a decoding step does not quantize the whole cache again in every layer, and the cache holds 2 bytes per
+value (and 8 per token and head for the scale) where float32 keys take 4.
 
 Worked example (one head, D = 1, two visible keys): with ``e = [1, 0.5]``, ``sv = [0.1, 0.2]`` and ``V = [10, -5]``,
 ``a = [0.1, 0.1]``, ``max a = 0.1``, ``W = [2**20, 2**20]``, ``E = [2**20, 2**19]``; ``sum W V = 5 * 2**20`` and
@@ -40,9 +38,7 @@ from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quant
 from batchspec.layers import register_attention
 
 NAME = "batchspec_exact"
-QUERY_LEVELS = 2**15 - 1
-KV_LEVELS = 2**14 - 1  # a cached value V is stored as 2 * V + b, within int16
-SCALE_BITS = 64  # a cached token's scale, float64, one bit in each of its first 64 int16
+QKV_LEVELS = 2**15 - 1
 WEIGHT_BITS = 20
 MAX_KEYS = 2**18  # sum_j W[j] V[j] stays below 2**53 for fewer keys than this
 MAX_HEAD_SIZE = 2**16  # sum_d Q[d] K[d] stays below 2**53 for smaller heads than this
@@ -68,7 +64,7 @@ def exact_attention(
         parts = [(query, key, value, visible)] if queries <= QUERY_CHUNK else [  # one block sees every key
             (query[:, :, block], key[:, :, seen], value[:, :, seen], visible[:, :, block, seen])
             for block, seen in blocks]
-        out = [native.attention(*part, scaling, QUERY_LEVELS, EXP2_COEFFICIENTS) for part in parts]
+        out = [native.attention(*part, scaling, QKV_LEVELS, EXP2_COEFFICIENTS) for part in parts]
         if all(part is not None for part in out):
             return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, q, H, D]
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
@@ -79,48 +75,39 @@ def exact_attention(
     return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)  # [B, q, H, D]
 
 
-def _quantized(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dtype == torch.float32 and native.available():
-        return native.quantize_wide(x, levels)
-    q, scale = quantize_rows(x, levels)
+        return native.quantize_wide(x, QKV_LEVELS)
+    q, scale = quantize_rows(x, QKV_LEVELS)
     return q.to(torch.float64), scale.to(torch.float64)
 
 
 def packed_width(size: int) -> int:
-    """int16 per token and head in the cache for heads of ``size`` values: one per value, and at least
-    :data:`SCALE_BITS` to hold the scale's bits. Example: 128 -> 128, 5 -> 64."""
-    return max(size, SCALE_BITS)
+    """int16 per token and head in the cache for heads of ``size`` values: the integers, zeros up to a multiple of
+    four (so the scale is aligned), and the four quarters of the float64 scale. Example: 128 -> 132, 5 -> 12."""
+    return -(-size // 4) * 4 + 4
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
     """Keys or values ``[B, Hk, q, D]`` quantized per token and head: ``[B, Hk, q, W]`` int16 (``W`` =
-    :func:`packed_width`), ``2 * V + b`` with ``V`` the integers of
-    :func:`~batchspec.int8.arithmetic.quantize_rows` to :data:`KV_LEVELS` (0 past ``D``) and ``b`` in column ``i``
-    bit ``i`` of the scale's float64 (0 past :data:`SCALE_BITS`). Example: a head ``[0.5, -1.0, 0.25]`` has
-    ``V = [8192, -16383, 4096]`` (8191.5 rounds half to even) and scale ``1 / 16383`` (rounded to float32 first for a
-    float32 head), whose bits ``b0 b1 b2 ...`` end ``[16384 + b0, -32766 + b1, 8192 + b2, b3, ..., b63]``."""
+    :func:`packed_width`), the 15-bit integers of :func:`~batchspec.int8.arithmetic.quantize_rows`, zeros, then the
+    bits of its scale as float64. Example: a head ``[0.5, -1.0, 0.25]`` is ``[16384, -32767, 8192, 0, s0, s1, s2,
+    s3]`` with ``s0 .. s3`` the int16 quarters of the float64 ``1 / 32767`` (rounded to float32 first for a float32
+    head)."""
     width = packed_width(x.shape[-1])
     if x.dtype == torch.float32 and native.available():
-        return native.pack_kv(x, KV_LEVELS, width)
-    q, scale = quantize_rows(x, KV_LEVELS)  # [..., D], [..., 1]
-    packed = F.pad(q.to(torch.int16), (0, width - x.shape[-1])).mul_(2)  # [..., W]
-    bits = scale.to(torch.float64).view(torch.int64).bitwise_right_shift(_bit_places()).bitwise_and_(1)  # [..., 64]
-    packed[..., :SCALE_BITS] += bits.to(torch.int16)
-    return packed
+        return native.pack_kv(x, QKV_LEVELS, width)
+    q, scale = quantize_rows(x, QKV_LEVELS)  # [..., D], [..., 1]
+    bits = scale.to(torch.float64).view(torch.int16)  # [..., 4]
+    return torch.cat([F.pad(q.to(torch.int16), (0, width - 4 - x.shape[-1])), bits], dim=-1)
 
 
 def _unpacked(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(integers [..., D], scale [..., 1])`` in float64 of packed keys or values; raw ones (no cache) are quantized
     here."""
-    if x.dtype != torch.int16:
-        return _quantized(x, KV_LEVELS)
-    bits = x[..., :SCALE_BITS].bitwise_and(1).to(torch.int64).bitwise_left_shift_(_bit_places())  # [..., 64]
-    scale = bits.sum(-1, keepdim=True).view(torch.float64)  # [..., 1]: distinct powers of two, exact
-    return x[..., :size].bitwise_right_shift(1).to(torch.float64), scale  # 2 * V + b >> 1 = V
-
-
-def _bit_places() -> torch.Tensor:
-    return torch.arange(SCALE_BITS, dtype=torch.int64)  # [64]
+    if x.dtype == torch.int16:
+        return x[..., :size].to(torch.float64), x[..., -4:].contiguous().view(torch.float64)
+    return _quantized(x)
 
 
 class _PackingCache:
@@ -154,7 +141,7 @@ def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Ten
     batch, heads, count, size = query.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    q, q_scale = _quantized(query, QUERY_LEVELS)
+    q, q_scale = _quantized(query)
     q = q.reshape(batch, kv_heads, group * count, size)  # [B, Hk, G*c, D]: head h = kv * G + g
     dots = q @ k.transpose(-1, -2)  # [B, Hk, G*c, L], exact integers
     factor = q_scale.reshape(batch, kv_heads, group * count, 1) * (scaling / math.log(2.0))  # [B, Hk, G*c, 1]

@@ -12,9 +12,12 @@ the same modules' tensors in 12 native calls and 4 torch operations a layer::
     gate, up = one product of quantize(RMSNorm(x))
     x = x + down(quantize(silu(gate) * up))            # torch's SiLU (its vector path's bits)
 
-Every value is computed by the operation transformers' forward of the int8 model runs for it, rounded the same way
+Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
+attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
+value of the other positions is computed by the operation transformers' forward of the int8 model runs for it,
+rounded the same way
 (:func:`~batchspec.int8.native.rotary_into` is ``apply_rotary_pos_emb``'s products and sum, then the cache's
-packing; an addition is the same whichever operand comes first), so the logits and the KV cache are the same bits;
+packing; an addition is the same whichever operand comes first), so their logits and KV cache are the same bits;
 that forward stays the reference the tests compare this one with. It runs where the native kernels do, on float32
 Llama, Qwen2, Qwen3 and Mistral models (:meth:`Int8Forward.of`); elsewhere the runner calls the model.
 """
@@ -28,7 +31,7 @@ from typing import Any
 import torch
 
 from batchspec.int8 import native
-from batchspec.int8.attention import KV_LEVELS, exact_attention, packed_width
+from batchspec.int8.attention import QKV_LEVELS, exact_attention, packed_width
 from batchspec.int8.linear import Int8Linear, Int8MLP, Int8Stack, QuantizedRows, quantize_activations, quantize_gated
 from batchspec.int8.model import ExactRMSNorm, RotaryTable
 
@@ -51,6 +54,35 @@ class _Layer:
     gate_up: list[Int8Linear] | Int8Stack
     down: Int8Linear
     scaling: float
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Which of a forward's ``B * S`` positions are read: those that see a key (padding sees none).
+
+    Example: ``B = 2``, ``S = 3``, row 0 left-padded by two: ``index = [2, 3, 4, 5]``; :meth:`take` keeps those
+    rows of a ``[6, C]`` tensor, :meth:`spread` puts 4 rows back as ``[2, 3, C]`` with zeros at positions 0 and 1."""
+
+    batch: int
+    seq: int
+    index: torch.Tensor | None  # [N] flat positions b * S + s; None: every position
+
+    @classmethod
+    def of(cls, visible: torch.Tensor) -> _Rows:
+        batch, _, seq, _ = visible.shape  # [B, 1, S, L]
+        seen = visible.any(-1).view(batch * seq)  # [B * S]
+        return cls(batch, seq, None if bool(seen.all()) else seen.nonzero().squeeze(1))
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B * S, C]`` -> ``[N, C]``."""
+        return x if self.index is None else x.index_select(0, self.index)
+
+    def spread(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[N, C]`` -> ``[B, S, C]``, zeros at the positions left out."""
+        if self.index is None:
+            return rows.view(self.batch, self.seq, rows.shape[-1])
+        out = rows.new_zeros(self.batch * self.seq, rows.shape[-1]).index_copy_(0, self.index, rows)
+        return out.view(self.batch, self.seq, rows.shape[-1])
 
 
 def int8_forward(model: torch.nn.Module) -> Int8Forward | None:
@@ -99,42 +131,46 @@ class Int8Forward:
                keep: int) -> torch.Tensor:
         """``input_ids`` ``[B, S]`` at ``positions`` ``[B, S]`` appended to ``cache``, queries seeing the keys
         ``visible`` ``[B, 1, S, L]`` marks; the logits of the last ``keep`` inputs, ``[B, keep, V]``."""
-        hidden = self._decode(input_ids, positions, visible, cache)[:, -keep:]  # [B, keep, H]
+        rows = _Rows.of(visible)
+        hidden = rows.spread(self._decode(input_ids, positions, visible, cache, rows))[:, -keep:]  # [B, keep, H]
         return self.head(self.norm(hidden))  # [B, keep, V]
 
     def read(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any) -> None:
         """:meth:`logits` for the KV only: the final norm and the output layer do not run."""
-        self._decode(input_ids, positions, visible, cache)
+        self._decode(input_ids, positions, visible, cache, _Rows.of(visible))
 
-    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                cache: Any) -> torch.Tensor:
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any,
+                rows: _Rows) -> torch.Tensor:
+        """The last layer's output at the positions ``rows`` reads, ``[N, H]``."""
         batch, seq = input_ids.shape
         start, end = cache.length, cache.length + seq
         shape = (batch, self.kv_heads, 0, packed_width(self.size))
         store = cache.ensure_capacity(torch.empty(shape, dtype=torch.int16), end)  # [layers, 2, B, Hk, C, W]
-        x = self.embed(input_ids)  # [B, S, H]
-        cos, sin = self.rotary(x, positions)  # [B, S, D] each
+        embedded = self.embed(input_ids)  # [B, S, H]
+        cos, sin = self.rotary(embedded, positions)  # [B, S, D] each
+        x = rows.take(embedded.view(batch * seq, -1))  # [N, H]
         for index, layer in enumerate(self.layers):
-            x = self._layer(layer, x, cos, sin, visible, store[index], start, end)
+            x = self._layer(layer, x, rows, cos, sin, visible, store[index], start, end)
         cache.length = end
         return x
 
-    def _layer(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
-               store: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """One decoder layer on ``x`` ``[B, S, H]``, its keys and values written to ``store`` ``[2, B, Hk, C, W]``
-        at columns ``start .. end-1``."""
-        batch, seq, _ = x.shape
-        q, k, v = _products(layer.qkv, _normed(layer.before, x))  # [B, S, Hq*D], [B, S, Hk*D] x 2
+    def _layer(self, layer: _Layer, x: torch.Tensor, rows: _Rows, cos: torch.Tensor, sin: torch.Tensor,
+               visible: torch.Tensor, store: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """One decoder layer on ``x`` ``[N, H]`` (the positions ``rows`` reads), its keys and values written to
+        ``store`` ``[2, B, Hk, C, W]`` at columns ``start .. end-1``."""
+        batch, seq = rows.batch, rows.seq
+        products = _products(layer.qkv, _normed(layer.before, x))  # [N, Hq*D], [N, Hk*D] x 2
+        q, k, v = (rows.spread(t) for t in products)  # [B, S, Hq*D], [B, S, Hk*D] x 2
         q, k = q.view(batch, seq, self.heads, self.size), k.view(batch, seq, self.kv_heads, self.size)
         if layer.q_norm is not None:  # and k_norm (_laid_out)
             q, k = layer.q_norm(q), layer.k_norm(k)
         query = x.new_empty(batch, self.heads, seq, self.size)  # [B, Hq, S, D]
         native.rotary_into(q, k, v.view(batch, seq, self.kv_heads, self.size), cos, sin, query,
-                           store[0, :, :, start:end], store[1, :, :, start:end], KV_LEVELS)
+                           store[0, :, :, start:end], store[1, :, :, start:end], QKV_LEVELS)
         out = exact_attention(query, store[0, :, :, :end], store[1, :, :, :end], visible, layer.scaling)
         # out: [B, S, Hq, D]
-        x = layer.o.apply_to(quantize_activations(out.view(batch, seq, self.heads * self.size)), residual=x)
-        gate, up = _products(layer.gate_up, _normed(layer.after, x))  # [B, S, F] each
+        x = layer.o.apply_to(quantize_activations(rows.take(out.view(batch * seq, -1))), residual=x)  # [N, H]
+        gate, up = _products(layer.gate_up, _normed(layer.after, x))  # [N, F] each
         return layer.down.apply_to(quantize_gated(gate, up), residual=x)
 
 

@@ -226,9 +226,8 @@ void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, const float *
 /* 4. Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
  * scale = top > 0 ? top / levels : 1, q = clamp(rint(x * (1 / scale)), -levels, levels). batchspec_quantize_wide
  * holds q and the scale in float64 (q[r][i] at q + r * ldq + i, the scale at scale + r * lds); batchspec_pack_kv
- * stores keys and values for the KV cache as attention.py's pack does: int16 2 * q + b, q the token's integers (0
- * past k) and b in column i bit i of its scale as a double (0 past SCALE_BITS), `width` >= max(k, SCALE_BITS). */
-#define SCALE_BITS 64
+ * stores keys and values for the KV cache as attention.py's pack does: a token's q as int16, zeros, then the scale's
+ * bits as a double in the last four int16 of its `width` (a multiple of four, at least k + 4). */
 static inline float token_scale(const float *x, int64_t k, float levels) {
     float top = 0.0f;
     for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
@@ -253,13 +252,10 @@ void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels,
 
 static inline void pack_token(const float *x, int64_t k, float levels, int16_t *o, int64_t width) {
     float s = token_scale(x, k, levels), inverse = 1.0f / s;
+    for (int64_t i = 0; i < k; i++) o[i] = (int16_t)token_code(x[i], inverse, levels);
     double wide = s;
-    uint64_t bits;
-    memcpy(&bits, &wide, sizeof bits);
-    for (int64_t i = 0; i < width; i++) {
-        int32_t q = i < k ? (int32_t)token_code(x[i], inverse, levels) : 0;
-        o[i] = (int16_t)(2 * q + (i < SCALE_BITS ? (int32_t)((bits >> i) & 1) : 0));
-    }
+    for (int64_t i = k; i < width - 4; i++) o[i] = 0;
+    memcpy(o + width - 4, &wide, sizeof wide);
 }
 
 void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
@@ -334,14 +330,12 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
  * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
  *
  * One call handles one KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head
- * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16
- * 2 * K + b, see section 4: K is the int16 shifted right by one, the scale the low bits of its first 64). The dots
- * are summed in int32 on the query's two halves (quantize_queries states the bound), then joined in float64; the
- * weighted sum runs in float64, six rows by 32 channels at a time, every product and partial sum an integer below
- * 2**53 (|V| <= 2**14 - 1, W <= 2**20 and L < 2**18, attention.py's bounds). Both are exact, so the blocking below
- * cannot change a bit. */
+ * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: D
+ * integers, the scale's bits last; see section 4). The dots are summed in int32 on the query's two halves
+ * (quantize_queries states the bound), then joined in float64; the weighted sum runs in float64, six rows by 32
+ * channels at a time, every product and partial sum an integer below 2**53 (|V| <= 2**15 - 1, W <= 2**20 and
+ * L < 2**18, attention.py's bounds). Both are exact, so the blocking below cannot change a bit. */
 #define KEY_BLOCK 8  /* keys per score pass: their dots end as one vector of doubles */
-#define MAX_LANES 256  /* head size at most (native.py's MAX_HEAD_SIZE) */
 #define PASS_ROWS 6  /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
 #define CHANNELS 32  /* value channels per weighted-sum pass: four vectors of doubles per row */
 
@@ -361,20 +355,16 @@ typedef struct {
     float *score, *v_scale;
 } scratch_t;
 
-/* a cached token's scale: bit i of its double is the lowest bit of int16 i */
-static inline double token_scale_of(const int16_t *token) {
-    const __m512i one = _mm512_set1_epi16(1);
-    uint64_t bits = (uint64_t)_mm512_test_epi16_mask(_mm512_loadu_si512(token), one)
-                  | (uint64_t)_mm512_test_epi16_mask(_mm512_loadu_si512(token + 32), one) << 32;
+static inline double token_scale_of(const int16_t *token, int64_t width) {
     double s;
-    memcpy(&s, &bits, sizeof s);
+    memcpy(&s, token + width - 4, sizeof s);
     return s;
 }
 
 /* Query row r's 15-bit integers q split as q = 256 * hi + lo with lo in [0, 255] and hi in [-128, 127], each as
  * int16 zero-padded to `lanes` (D rounded up to 32), with zero rows up to `padded`; factor[r] = its scale *
  * scaling / ln 2. vpdpwssd then sums hi . K and lo . K exactly in int32 lanes: both stay below 2**31 in magnitude
- * (|lo . K|, |hi . K| <= 256 * 16383 * D < 2**31 for D <= 256, native.py's MAX_HEAD_SIZE), and the int32 sums wrap
+ * (|lo . K|, |hi . K| <= 256 * 32767 * D < 2**31 for D <= 256, native.py's MAX_HEAD_SIZE), and the int32 sums wrap
  * modulo 2**32 without saturating, so they are the sums themselves whatever the order. */
 static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t *lo, double *factor) {
     for (int64_t i = 0; i < g.padded * g.lanes; i++) hi[i] = lo[i] = 0;
@@ -427,28 +417,22 @@ static inline __m256i lane_sums(const __m512i a[KEY_BLOCK]) {
 static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor, const int16_t *k,
                    const uint8_t *visible, float *score) {
     __mmask8 seen[g.queries];
-    int16_t block[KEY_BLOCK][MAX_LANES];
     for (int64_t j0 = 0; j0 < g.keys; j0 += KEY_BLOCK) {
         int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
         double scales[KEY_BLOCK];
         for (int64_t i = 0; i < KEY_BLOCK; i++)
-            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width) : 0.0;
+            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width, g.width) : 0.0;
         __m512d key_scale = _mm512_loadu_pd(scales);
         for (int64_t i = 0; i < g.queries; i++)
             seen[i] = (__mmask8)seen_mask(visible + i * g.visible_row + j0 * g.visible_stride, g.visible_stride, n);
-        for (int64_t i = 0; i < KEY_BLOCK; i++)  /* the block's keys K (2 * K + b shifted), zeros past the head */
-            for (int64_t d = 0; d < g.lanes; d += 32) {
-                __mmask32 valid = i < n && d < g.size ? lanes32(g.size - d) : 0;
-                __m512i key = _mm512_maskz_loadu_epi16(valid, k + (j0 + i) * g.width + d);
-                _mm512_storeu_si512(block[i] + d, _mm512_srai_epi16(key, 1));
-            }
         for (int64_t r = 0; r < g.rows; r++) {
             __m512i high[KEY_BLOCK], low[KEY_BLOCK];
             for (int i = 0; i < KEY_BLOCK; i++) high[i] = low[i] = _mm512_setzero_si512();
             for (int64_t d = 0; d < g.size; d += 32) {
+                __mmask32 valid = lanes32(g.size - d);
                 __m512i qh = _mm512_loadu_si512(hi + r * g.lanes + d), ql = _mm512_loadu_si512(lo + r * g.lanes + d);
                 for (int i = 0; i < KEY_BLOCK; i++) {
-                    __m512i key = _mm512_loadu_si512(block[i] + d);
+                    __m512i key = _mm512_maskz_loadu_epi16(i < n ? valid : 0, k + (j0 + i) * g.width + d);
                     high[i] = _mm512_dpwssd_epi32(high[i], qh, key);
                     low[i] = _mm512_dpwssd_epi32(low[i], ql, key);
                 }
@@ -523,9 +507,9 @@ static void softmax_weights(group_t g, float *score, const uint8_t *seen, const 
     *denominator = sum > 1.0 ? sum : 1.0;
 }
 
-/* 32 cached values (int16 2 * V + b) as the 32 doubles V */
+/* 32 int16 values as 32 doubles */
 static inline void widen(const int16_t *x, double *out) {
-    __m512i all = _mm512_srai_epi16(_mm512_loadu_si512(x), 1);
+    __m512i all = _mm512_loadu_si512(x);
     __m512i low = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(all));
     __m512i high = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(all, 1));
     _mm512_storeu_pd(out, _mm512_cvtepi32_pd(_mm512_castsi512_si256(low)));
@@ -559,7 +543,7 @@ static void weighted_sums(group_t g, const double *w, const int16_t *v, double *
     for (; d0 < g.size; d0++)
         for (int64_t r = 0; r < g.padded; r++) {
             double total = 0.0;
-            for (int64_t j = 0; j < g.keys; j++) total += w[r * g.keys + j] * (double)(v[j * g.width + d0] >> 1);
+            for (int64_t j = 0; j < g.keys; j++) total += w[r * g.keys + j] * (double)v[j * g.width + d0];
             sum[r * g.size + d0] = total;
         }
 }
@@ -568,7 +552,7 @@ static void weighted_sums(group_t g, const double *w, const int16_t *v, double *
 static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
                          scratch_t s, float *out, int64_t out_head, int64_t out_query) {
     double factor[g.padded], scale[g.padded], denominator[g.padded];
-    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = (float)token_scale_of(v + j * g.width);
+    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = (float)token_scale_of(v + j * g.width, g.width);
     quantize_queries(g, query, s.hi, s.lo, factor);
     scores(g, s.hi, s.lo, factor, k, visible, s.score);
     for (int64_t r = 0; r < g.padded; r++) {

@@ -56,7 +56,7 @@ GROUP = 4  # inner positions per vpdpbusd lane
 ZERO_POINT = 128  # the uint8 code of the integer 0
 # |q . w| <= 127 * 127 * K stays below 2^31 (native.c's modular int32 sum is then the sum itself)
 MAX_INNER = (2**31 - 1) // (127 * 127)
-# the attention's query halves times cached keys, 256 * 16383 * D, stay below 2^31 (native.c, quantize_queries)
+# the attention's query halves times 15-bit keys, 256 * 32767 * D, stay below 2^31 (native.c, quantize_queries)
 MAX_HEAD_SIZE = 256
 _SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared",
@@ -206,12 +206,12 @@ def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
 
 def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
     """:func:`~batchspec.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
-    ``[..., width]`` int16, ``2 * q + b`` with ``q`` each token's integers (0 past ``D``) and ``b`` in column ``i``
-    bit ``i`` of its scale as float64."""
+    ``[..., width]`` int16, each token's integers, zeros up to ``width - 4``, then its scale's bits as float64 in the
+    last four."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
-    if not _holds_scale(width, size, levels):
-        raise ValueError(f"keys of {size} values to {levels} levels do not fit {width} int16 and a scale")
+    if width < size + 4 or width % 4:
+        raise ValueError(f"keys of {size} values need a width of at least {size + 4}, a multiple of 4, not {width}")
     out = torch.empty(*x.shape[:-1], width, dtype=torch.int16)  # [..., width]
     _library().pack_kv(x.data_ptr(), x.numel() // max(size, 1), size, levels, out.data_ptr(), width,
                        torch.get_num_threads())
@@ -235,18 +235,12 @@ def rotary_into(
     outputs = outputs and all(t.dtype == torch.int16 and t.shape == (batch, kv_heads, seq, width)
                               for t in (keys, values))
     fits = inputs and outputs and size % 2 == 0 and all(t.stride(3) == 1 for t in (query, keys, values))
-    if not fits or not _holds_scale(width, size, levels):
+    if not fits or width < size + 4 or width % 4 or not 0 < levels < 2**15:
         raise ValueError(f"queries {tuple(q.shape)}, keys {tuple(k.shape)} do not fit their outputs' layout")
     strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, keys, values)]
     _library().rotary_into(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, seq, heads, kv_heads, size,
                            cos.data_ptr(), sin.data_ptr(), query.data_ptr(), strides[0], keys.data_ptr(), strides[1],
                            values.data_ptr(), strides[2], width, levels, torch.get_num_threads())
-
-
-def _holds_scale(width: int, size: int, levels: int) -> bool:
-    """Whether a cached token of ``width`` int16 holds ``size`` values ``2 * q + b`` (``|q| <= levels``) and the
-    float64 scale's 64 bits (attention.py's ``packed_width``)."""
-    return width >= max(size, 64) and 0 < levels < 2**14
 
 
 def _wide_input(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -276,7 +270,7 @@ def attention(
     batch, heads, queries, size = query.shape
     kv_heads, length, width = key.shape[1], key.shape[2], key.shape[3]
     laid_out = query.dtype == torch.float32 and visible.dtype == torch.bool and heads % kv_heads == 0
-    laid_out = laid_out and size <= MAX_HEAD_SIZE and 0 < levels < 2**15 and width >= max(size, 64)
+    laid_out = laid_out and size <= MAX_HEAD_SIZE and 0 < levels < 2**15 and width >= size + 4 and width % 4 == 0
     laid_out = laid_out and all(
         t.dtype == torch.int16 and t.shape == (batch, kv_heads, length, width) and t.stride()[2:] == (width, 1)
         for t in (key, value)
