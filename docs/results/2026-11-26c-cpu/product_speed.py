@@ -2,7 +2,7 @@
 weights, 240 and 1200 rows), the best of 5 after one discarded, with freed memory kept for reuse as the commands keep
 it. One process per code, alternated (``run_all.sh``):
 
-    PYTHONPATH=/tmp/ab_after/src python docs/results/2026-11-26c-cpu/kernels.py after
+    PYTHONPATH=/tmp/ab_after/src python docs/results/2026-11-26c-cpu/product_speed.py after
 """
 import sys
 import time

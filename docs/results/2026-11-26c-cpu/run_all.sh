@@ -1,5 +1,11 @@
 #!/bin/bash
-# Issue 35, 2026-11-26 (third stop): the product's six-row micro-kernel, vectorized quantization (and the MLP's
+# Issue 35, 2026-11-26 (third stop), commit 27fdf13, the first of this stop's two runs: the code with the 2-byte KV
+# cache, which did not land (its pass@1 below; docs/results/2026-11-26d-cpu/ is the landed code's run). Stopped
+# after OpenVINO's HumanEval cells, so the summarization comparison at the end is not here. The product benchmark
+# was first named kernels.py, which transformers imports as the `kernels` package when the script's folder is on
+# sys.path: the prefill_parts.py and step_floor.py processes ran it once before loading the model (its lines are
+# removed from prefill_parts.txt).
+# The product's six-row micro-kernel, vectorized quantization (and the MLP's
 # product quantized without being written), the 2-byte KV cache, the attention's key and value blocks; against the
 # main before this stop and against the issue's day. Idle machine, nothing else running. From the repository root,
 # with git worktrees of the issue's day (81dd709) at /tmp/ab_issue, of the main before this stop (e6d3c0f) at
@@ -12,7 +18,7 @@ lscpu > $R/lscpu.txt
 gcc -O3 -mavx512f -mavx512bw -mavx512vnni -fopenmp $R/vpdpbusd_peak.c -o /tmp/vpdpbusd_peak
 /tmp/vpdpbusd_peak > $R/vpdpbusd_peak.txt
 for code in before after before after; do
-    PYTHONPATH=/tmp/ab_$code/src python $R/kernels.py $code >> $R/kernels.txt
+    PYTHONPATH=/tmp/ab_$code/src python $R/product_speed.py $code >> $R/product_speed.txt
 done
 for code in before after before after; do
     for shape in "8 150" "1 1153"; do
