@@ -1,9 +1,13 @@
-"""Issue 35: the bench's prompt reading (prefill_s) of the issue's day's code and of this code, from run_all.sh's
-results, and the ratio."""
+"""Issue 35: the bench's prompt reading (prefill_s) of the issue's day's code and of this code, from a run_all.sh's
+results in the folder given (this script's own by default), and the ratio:
+
+    python docs/results/2026-11-26c-cpu/prefill_table.py docs/results/2026-11-26d-cpu
+"""
 import json
+import sys
 from pathlib import Path
 
-here = Path(__file__).parent
+here = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 for name in ("humaneval", "summaries"):
     before = {c["batch_size"]: c for c in json.loads((here / f"prefill_issue_{name}" / "results.json").read_text())}
     after = {c["batch_size"]: c for c in json.loads((here / f"prefill_{name}" / "results.json").read_text())}

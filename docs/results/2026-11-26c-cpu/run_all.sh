@@ -26,7 +26,7 @@ for code in before after before after; do
     done
 done
 for code in before after before after; do
-    PYTHONPATH=/tmp/ab_$code/src python $R/step_floor.py $code 2>/dev/null | tail -1 >> $R/step_floor.txt
+    PYTHONPATH=/tmp/ab_$code/src python docs/results/2026-11-26b-cpu/step_floor.py $code 2>/dev/null | tail -1 >> $R/step_floor.txt
 done
 # The bench's prompt reading (prefill_s), the day's code against this code, on both prompt sets; 16 new
 # tokens, since the reading is what is measured; this code with its prefix cache off, as the day had none.

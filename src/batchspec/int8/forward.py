@@ -15,11 +15,11 @@ the same modules' tensors in 12 native calls and 4 torch operations a layer::
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
 value of the other positions is computed by the operation transformers' forward of the int8 model runs for it,
-rounded the same way
-(:func:`~batchspec.int8.native.rotary_into` is ``apply_rotary_pos_emb``'s products and sum, then the cache's
-packing; an addition is the same whichever operand comes first), so their logits and KV cache are the same bits;
-that forward stays the reference the tests compare this one with. It runs where the native kernels do, on float32
-Llama, Qwen2, Qwen3 and Mistral models (:meth:`Int8Forward.of`); elsewhere the runner calls the model.
+rounded the same way (:func:`~batchspec.int8.native.rotary_into` is ``apply_rotary_pos_emb``'s products and sum,
+then the cache's packing; an addition is the same whichever operand comes first), so their logits and KV cache are
+the same bits; that forward stays the reference the tests compare this one with. It runs where the native kernels
+do, on float32 Llama, Qwen2, Qwen3 and Mistral models (:meth:`Int8Forward.of`); elsewhere the runner calls the
+model.
 """
 
 from __future__ import annotations

@@ -346,12 +346,11 @@ typedef struct {
     const float *c;
 } group_t;
 
-/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, D], w [padded, L] and
- * values [L, CHANNELS] doubles; score [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to
- * a multiple of 32) */
+/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, D] and w [padded, L]
+ * doubles; score [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to a multiple of 32) */
 typedef struct {
     int16_t *hi, *lo;
-    double *sum, *w, *values;
+    double *sum, *w;
     float *score, *v_scale;
 } scratch_t;
 
@@ -507,30 +506,28 @@ static void softmax_weights(group_t g, float *score, const uint8_t *seen, const 
     *denominator = sum > 1.0 ? sum : 1.0;
 }
 
-/* 32 int16 values as 32 doubles */
-static inline void widen(const int16_t *x, double *out) {
+/* 32 int16 values as four vectors of doubles */
+static inline void widen(const int16_t *x, __m512d out[4]) {
     __m512i all = _mm512_loadu_si512(x);
     __m512i low = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(all));
     __m512i high = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(all, 1));
-    _mm512_storeu_pd(out, _mm512_cvtepi32_pd(_mm512_castsi512_si256(low)));
-    _mm512_storeu_pd(out + 8, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(low, 1)));
-    _mm512_storeu_pd(out + 16, _mm512_cvtepi32_pd(_mm512_castsi512_si256(high)));
-    _mm512_storeu_pd(out + 24, _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(high, 1)));
+    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(low));
+    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(low, 1));
+    out[2] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(high));
+    out[3] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(high, 1));
 }
 
-/* sum[r][d] = sum_j w[r][j] * V[j][d] for every padded row r: CHANNELS channels of every key widened once into
- * `values` [L, CHANNELS], then PASS_ROWS rows at a time over them; channels past the last whole CHANNELS block one
- * at a time */
-static void weighted_sums(group_t g, const double *w, const int16_t *v, double *values, double *sum) {
+/* sum[r][d] = sum_j w[r][j] * V[j][d] for every padded row r: PASS_ROWS rows by CHANNELS channels per pass, each
+ * value widened once per pass; channels past the last whole CHANNELS block one at a time */
+static void weighted_sums(group_t g, const double *w, const int16_t *v, double *sum) {
     int64_t d0 = 0;
-    for (; d0 + CHANNELS <= g.size; d0 += CHANNELS) {
-        for (int64_t j = 0; j < g.keys; j++) widen(v + j * g.width + d0, values + j * CHANNELS);
+    for (; d0 + CHANNELS <= g.size; d0 += CHANNELS)
         for (int64_t r0 = 0; r0 < g.padded; r0 += PASS_ROWS) {
             __m512d acc[PASS_ROWS][4], value[4];
             for (int i = 0; i < PASS_ROWS; i++)
                 for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_pd();
             for (int64_t j = 0; j < g.keys; j++) {
-                for (int c = 0; c < 4; c++) value[c] = _mm512_loadu_pd(values + j * CHANNELS + 8 * c);
+                widen(v + j * g.width + d0, value);
                 for (int i = 0; i < PASS_ROWS; i++) {
                     __m512d wj = _mm512_set1_pd(w[(r0 + i) * g.keys + j]);
                     for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_pd(wj, value[c], acc[i][c]);
@@ -539,7 +536,6 @@ static void weighted_sums(group_t g, const double *w, const int16_t *v, double *
             for (int i = 0; i < PASS_ROWS; i++)
                 for (int c = 0; c < 4; c++) _mm512_storeu_pd(sum + (r0 + i) * g.size + d0 + 8 * c, acc[i][c]);
         }
-    }
     for (; d0 < g.size; d0++)
         for (int64_t r = 0; r < g.padded; r++) {
             double total = 0.0;
@@ -563,7 +559,7 @@ static void attend_group(group_t g, const float *query, const int16_t *k, const 
             for (int64_t j = 0; j < g.keys; j++) s.w[r * g.keys + j] = 0.0;
         }
     }
-    weighted_sums(g, s.w, v, s.values, s.sum);
+    weighted_sums(g, s.w, v, s.sum);
     for (int64_t r = 0; r < g.rows; r++) {
         float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
         for (int64_t d = 0; d < g.size; d++) o[d] = (float)((s.sum[r * g.size + d] * scale[r]) / denominator[r]);
@@ -586,14 +582,12 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        size_t doubles = (size_t)(padded * lanes + padded * columns + padded * lanes / 2 + columns * CHANNELS);
+        size_t doubles = (size_t)(padded * lanes + padded * columns + padded * lanes / 2);
         double *block = (double *)malloc(doubles * sizeof(double));
         float *score = (float *)malloc((size_t)((padded + 1) * columns) * sizeof(float));
         failed = block == NULL || score == NULL;
         int16_t *halves = (int16_t *)(block + padded * lanes + padded * columns);
-        double *widened = block + padded * lanes + padded * columns + padded * lanes / 2;
-        scratch_t s = {halves, halves + padded * lanes, block, block + padded * lanes, widened,
-                       score, score + padded * columns};
+        scratch_t s = {halves, halves + padded * lanes, block, block + padded * lanes, score, score + padded * columns};
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < batch * kv_heads; u++) {
             if (failed) continue;
