@@ -27,7 +27,7 @@ from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
 from batchspec.engine.sampling import SamplingParams
-from batchspec.int8 import check_quantize, linear, native, quantization, quantize_model
+from batchspec.int8 import attention, check_quantize, linear, native, quantization, quantize_model
 from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows, row_sum, silu_
 from batchspec.int8.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
 from batchspec.int8.linear import Int8Linear
@@ -300,16 +300,42 @@ def test_native_attention_at_its_integer_bounds(size):
 
 
 def test_packed_keys_hold_their_integers_and_scale():
-    """The int16 cache layout of the docstring example: 15-bit integers, zeros to a multiple of four, then the scale's
-    float64 bits; 2 bytes per value."""
+    """The int16 cache layout of the docstring example: 2 bytes a value, the float32 scale's bits in the parities of
+    the first 32 integers (one moved a step to carry its bit), read back by the torch path."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(native, "available", lambda: False)
         torch_packed = pack(torch.tensor([[0.5, -1.0, 0.25]]))
+        integers, scale = attention._unpacked(torch_packed, 3)
     packed = pack(torch.tensor([[0.5, -1.0, 0.25]]))
     assert packed.dtype == torch.int16 and torch.equal(packed, torch_packed)
-    assert packed[0, :4].tolist() == [16384, -32767, 8192, 0]
-    assert packed[0, 4:].view(torch.float64).item() == torch.tensor(1.0 / 32767).item()
-    assert pack(torch.randn(2, 3, 5, 128)).shape == (2, 3, 5, 132)
+    want = [16384, -32766, 8192] + [0] * 29
+    for bit in (8, 27, 28, 29):
+        want[bit] = 1
+    assert packed[0].tolist() == want
+    assert integers.tolist() == [[16384.0, -32766.0, 8192.0]]
+    assert scale.item() == torch.tensor(1.0 / 32767).item()
+    assert pack(torch.randn(2, 3, 5, 128)).shape == (2, 3, 5, 128)
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.sampled_from([1, 5, 31, 32, 64, 128]), seed=st.integers(0, 2**16), log_scale=st.floats(-30, 30))
+def test_packed_integers_stay_within_one_of_the_values_and_carry_the_scale(size, seed, log_scale):
+    """Every packed integer is within 1 of ``x / scale`` (within 1/2 past the 32 that carry the scale's bits), inside
+    +-32767, and the parities give back the scale exactly, with the native kernels or without."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, size, generator=generator) * 2.0**log_scale
+    x[0] = 0.0
+    x[1, 0] = -x[1].abs().max() * 2  # a head whose extreme value is negative
+    packed = pack(x)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "available", lambda: False)
+        assert torch.equal(pack(x), packed)
+        integers, scale = attention._unpacked(packed, size)
+    _, want_scale = quantize_rows(x, QKV_LEVELS)
+    assert torch.equal(scale, want_scale.double())
+    error = (integers - x.double() / scale).abs()  # [4, D]; x / scale rounds in float32 first (2**-9 at 32767)
+    assert error.max() <= 1.0 + 2**-8 and (error[:, 32:] <= 0.5 + 2**-8).all()
+    assert integers.abs().max() <= QKV_LEVELS
 
 
 def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):

@@ -16,9 +16,10 @@ No float sum runs over keys or head channels, so padding (masked keys), the numb
 batch change nothing. A query with no visible key (a padding position) outputs zeros.
 
 Keys and values are quantized once, when they enter the KV cache: :func:`pack_on_update` hands the attention module a
-cache whose ``update`` stores them *packed* as int16 (:func:`pack`: a token's 15-bit integers, then its scale's
-bits), so a decoding step does not quantize the whole cache again in every layer, and the cache holds 2 bytes per
-value (and 8 per token and head for the scale) where float32 keys take 4.
+cache whose ``update`` stores them *packed* as int16 (:func:`pack`), so a decoding step does not quantize the whole
+cache again in every layer. A token's head is its integers alone, 2 bytes a value where float32 keys take 4: the
+scale's 32 bits (a float32) are the parities of its first :data:`SCALE_BITS` integers, each of those rounded to the
+neighbour of ``x / scale`` whose parity is the bit (within 1 of it, where the others are within 1/2).
 
 Worked example (one head, D = 1, two visible keys): with ``e = [1, 0.5]``, ``sv = [0.1, 0.2]`` and ``V = [10, -5]``,
 ``a = [0.1, 0.1]``, ``max a = 0.1``, ``W = [2**20, 2**20]``, ``E = [2**20, 2**19]``; ``sum W V = 5 * 2**20`` and
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from batchspec.int8 import native
 from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows
+from batchspec.int8.native import SCALE_BITS, packed_width
 from batchspec.layers import register_attention
 
 NAME = "batchspec_exact"
@@ -82,32 +84,45 @@ def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.float64), scale.to(torch.float64)
 
 
-def packed_width(size: int) -> int:
-    """int16 per token and head in the cache for heads of ``size`` values: the integers, zeros up to a multiple of
-    four (so the scale is aligned), and the four quarters of the float64 scale. Example: 128 -> 132, 5 -> 12."""
-    return -(-size // 4) * 4 + 4
-
-
 def pack(x: torch.Tensor) -> torch.Tensor:
-    """Keys or values ``[B, Hk, q, D]`` quantized per token and head: ``[B, Hk, q, W]`` int16 (``W`` =
-    :func:`packed_width`), the 15-bit integers of :func:`~batchspec.int8.arithmetic.quantize_rows`, zeros, then the
-    bits of its scale as float64. Example: a head ``[0.5, -1.0, 0.25]`` is ``[16384, -32767, 8192, 0, s0, s1, s2,
-    s3]`` with ``s0 .. s3`` the int16 quarters of the float64 ``1 / 32767`` (rounded to float32 first for a float32
-    head)."""
+    """Keys or values ``[B, Hk, q, D]`` quantized per token and head in float32: ``[B, Hk, q, W]`` int16 (``W`` =
+    :func:`packed_width`), the integers ``r = clamp(round(x / s), +-32767)`` of
+    :func:`~batchspec.int8.arithmetic.quantize_rows` (and ``x = 0`` past ``D``), except that integer ``i <``
+    :data:`SCALE_BITS` whose parity is not bit ``i`` of the scale ``s`` moves one step towards ``x / s`` (away from
+    it where ``x / s`` is ``r`` itself, back inside ``+-32767`` at the edge).
+
+    Example: the head ``[0.5, -1.0, 0.25]`` has ``s`` the float32 of ``1 / 32767``, bits 8, 27, 28 and 29 set, and
+    ``x / s = [16383.5, -32767, 8191.75]``; rounding gives ``[16384, -32767, 8192]``, whose parities are bits 0-2 but
+    for the odd ``-32767``, which becomes ``-32766``. Past ``D`` the integers are 0, and 1 at bits 8 and 27-29:
+    ``[16384, -32766, 8192, 0, 0, 0, 0, 0, 1, 0, ..., 0, 1, 1, 1, 0, 0]`` (32 int16)."""
     width = packed_width(x.shape[-1])
     if x.dtype == torch.float32 and native.available():
         return native.pack_kv(x, QKV_LEVELS, width)
-    q, scale = quantize_rows(x, QKV_LEVELS)  # [..., D], [..., 1]
-    bits = scale.to(torch.float64).view(torch.int16)  # [..., 4]
-    return torch.cat([F.pad(q.to(torch.int16), (0, width - 4 - x.shape[-1])), bits], dim=-1)
+    x = F.pad(x.float(), (0, width - x.shape[-1]))  # [..., W]
+    rounded, scale = quantize_rows(x, QKV_LEVELS)  # [..., W], [..., 1] float32
+    t = x[..., :SCALE_BITS] * (1.0 / scale)  # [..., 32]: the carriers before rounding
+    r = rounded[..., :SCALE_BITS]
+    bits = scale.view(torch.int32).bitwise_right_shift(_bit_places(torch.int32)).bitwise_and_(1)  # [..., 32]
+    step = torch.where(t >= r, 1.0, -1.0)
+    moved = torch.where((r + step).abs() > QKV_LEVELS, r - step, r + step)
+    odd = r.to(torch.int32).bitwise_and_(1)
+    rounded[..., :SCALE_BITS] = torch.where(odd == bits, r, moved)
+    return rounded.to(torch.int16)
 
 
 def _unpacked(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(integers [..., D], scale [..., 1])`` in float64 of packed keys or values; raw ones (no cache) are quantized
     here."""
-    if x.dtype == torch.int16:
-        return x[..., :size].to(torch.float64), x[..., -4:].contiguous().view(torch.float64)
-    return _quantized(x)
+    if x.dtype != torch.int16:
+        return _quantized(x)
+    bits = x[..., :SCALE_BITS].to(torch.int64).bitwise_and_(1).bitwise_left_shift_(_bit_places(torch.int64))
+    word = bits.sum(-1, keepdim=True)  # [..., 1]: the scale's bits as an unsigned 32-bit integer (distinct powers)
+    scale = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).view(torch.float32)
+    return x[..., :size].to(torch.float64), scale.to(torch.float64)
+
+
+def _bit_places(dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(SCALE_BITS, dtype=dtype)  # [32]
 
 
 class _PackingCache:

@@ -226,8 +226,11 @@ void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, const float *
 /* 4. Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
  * scale = top > 0 ? top / levels : 1, q = clamp(rint(x * (1 / scale)), -levels, levels). batchspec_quantize_wide
  * holds q and the scale in float64 (q[r][i] at q + r * ldq + i, the scale at scale + r * lds); batchspec_pack_kv
- * stores keys and values for the KV cache as attention.py's pack does: a token's q as int16, zeros, then the scale's
- * bits as a double in the last four int16 of its `width` (a multiple of four, at least k + 4). */
+ * stores keys and values for the KV cache as attention.py's pack does: a token's `width` int16 (k, at least
+ * SCALE_BITS) are its q (0 past k), except that q[i], i < SCALE_BITS, whose parity is not bit i of the float32 scale
+ * moves one step towards x[i] / scale (away where they are equal; back inside +-levels at the edge). */
+#define SCALE_BITS 32 /* the scale's bits, one in the parity of each of a token's first 32 integers */
+
 static inline float token_scale(const float *x, int64_t k, float levels) {
     float top = 0.0f;
     for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
@@ -250,12 +253,22 @@ void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels,
     }
 }
 
+/* the integer next to code whose parity differs, towards t (away from it where t == code), within +-levels */
+static inline float other_parity(float code, float t, float levels) {
+    float step = t >= code ? 1.0f : -1.0f, moved = code + step;
+    return moved > levels || moved < -levels ? code - step : moved;
+}
+
 static inline void pack_token(const float *x, int64_t k, float levels, int16_t *o, int64_t width) {
     float s = token_scale(x, k, levels), inverse = 1.0f / s;
-    for (int64_t i = 0; i < k; i++) o[i] = (int16_t)token_code(x[i], inverse, levels);
-    double wide = s;
-    for (int64_t i = k; i < width - 4; i++) o[i] = 0;
-    memcpy(o + width - 4, &wide, sizeof wide);
+    uint32_t bits;
+    memcpy(&bits, &s, sizeof bits);
+    for (int64_t i = 0; i < width; i++) {
+        float t = i < k ? x[i] * inverse : 0.0f, code = token_code(i < k ? x[i] : 0.0f, inverse, levels);
+        if (i < SCALE_BITS && ((int32_t)code & 1) != (int32_t)((bits >> i) & 1u))
+            code = other_parity(code, t, levels);
+        o[i] = (int16_t)code;
+    }
 }
 
 void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
@@ -330,8 +343,8 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
  * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
  *
  * One call handles one KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head
- * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: D
- * integers, the scale's bits last; see section 4). The dots are summed in int32 on the query's two halves
+ * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: its
+ * D integers, the scale's bits in their parities; see section 4). The dots are summed in int32 on the query's two halves
  * (quantize_queries states the bound), then joined in float64; the weighted sum runs in float64, six rows by 32
  * channels at a time, every product and partial sum an integer below 2**53 (|V| <= 2**15 - 1, W <= 2**20 and
  * L < 2**18, attention.py's bounds). Both are exact, so the blocking below cannot change a bit. */
@@ -354,9 +367,11 @@ typedef struct {
     float *score, *v_scale;
 } scratch_t;
 
-static inline double token_scale_of(const int16_t *token, int64_t width) {
-    double s;
-    memcpy(&s, token + width - 4, sizeof s);
+/* a packed token's scale: the parities of its first SCALE_BITS integers, as float32 bits (section 4) */
+static inline float token_scale_of(const int16_t *token) {
+    uint32_t bits = (uint32_t)_mm512_test_epi16_mask(_mm512_loadu_si512(token), _mm512_set1_epi16(1));
+    float s;
+    memcpy(&s, &bits, sizeof s);
     return s;
 }
 
@@ -420,7 +435,7 @@ static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double
         int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
         double scales[KEY_BLOCK];
         for (int64_t i = 0; i < KEY_BLOCK; i++)
-            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width, g.width) : 0.0;
+            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width) : 0.0;
         __m512d key_scale = _mm512_loadu_pd(scales);
         for (int64_t i = 0; i < g.queries; i++)
             seen[i] = (__mmask8)seen_mask(visible + i * g.visible_row + j0 * g.visible_stride, g.visible_stride, n);
@@ -548,7 +563,7 @@ static void weighted_sums(group_t g, const double *w, const int16_t *v, double *
 static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
                          scratch_t s, float *out, int64_t out_head, int64_t out_query) {
     double factor[g.padded], scale[g.padded], denominator[g.padded];
-    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = (float)token_scale_of(v + j * g.width, g.width);
+    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = token_scale_of(v + j * g.width);
     quantize_queries(g, query, s.hi, s.lo, factor);
     scores(g, s.hi, s.lo, factor, k, visible, s.score);
     for (int64_t r = 0; r < g.padded; r++) {

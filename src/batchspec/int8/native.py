@@ -58,6 +58,7 @@ ZERO_POINT = 128  # the uint8 code of the integer 0
 MAX_INNER = (2**31 - 1) // (127 * 127)
 # the attention's query halves times 15-bit keys, 256 * 32767 * D, stay below 2^31 (native.c, quantize_queries)
 MAX_HEAD_SIZE = 256
+SCALE_BITS = 32  # the KV cache's float32 scale of a token: bit i is the parity of its integer i (native.c, section 4)
 _SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared",
           "-fPIC")
@@ -204,14 +205,20 @@ def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
     return q, scale
 
 
+def packed_width(size: int) -> int:
+    """int16 per token and head in the KV cache for heads of ``size`` values: one per value, and at least
+    :data:`SCALE_BITS`, whose parities hold the scale's bits (see :func:`~batchspec.int8.attention.pack`). Example:
+    128 -> 128, 5 -> 32."""
+    return max(size, SCALE_BITS)
+
+
 def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
     """:func:`~batchspec.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
-    ``[..., width]`` int16, each token's integers, zeros up to ``width - 4``, then its scale's bits as float64 in the
-    last four."""
+    ``[..., width]`` int16, each token's integers, the scale's bits in the parities of the first 32."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
-    if width < size + 4 or width % 4:
-        raise ValueError(f"keys of {size} values need a width of at least {size + 4}, a multiple of 4, not {width}")
+    if width != packed_width(size):
+        raise ValueError(f"keys of {size} values are packed {packed_width(size)} int16 wide, not {width}")
     out = torch.empty(*x.shape[:-1], width, dtype=torch.int16)  # [..., width]
     _library().pack_kv(x.data_ptr(), x.numel() // max(size, 1), size, levels, out.data_ptr(), width,
                        torch.get_num_threads())
@@ -235,7 +242,7 @@ def rotary_into(
     outputs = outputs and all(t.dtype == torch.int16 and t.shape == (batch, kv_heads, seq, width)
                               for t in (keys, values))
     fits = inputs and outputs and size % 2 == 0 and all(t.stride(3) == 1 for t in (query, keys, values))
-    if not fits or width < size + 4 or width % 4 or not 0 < levels < 2**15:
+    if not fits or width != packed_width(size) or not 0 < levels < 2**15:
         raise ValueError(f"queries {tuple(q.shape)}, keys {tuple(k.shape)} do not fit their outputs' layout")
     strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, keys, values)]
     _library().rotary_into(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, seq, heads, kv_heads, size,
@@ -270,7 +277,7 @@ def attention(
     batch, heads, queries, size = query.shape
     kv_heads, length, width = key.shape[1], key.shape[2], key.shape[3]
     laid_out = query.dtype == torch.float32 and visible.dtype == torch.bool and heads % kv_heads == 0
-    laid_out = laid_out and size <= MAX_HEAD_SIZE and 0 < levels < 2**15 and width >= size + 4 and width % 4 == 0
+    laid_out = laid_out and size <= MAX_HEAD_SIZE and 0 < levels < 2**15 and width == packed_width(size)
     laid_out = laid_out and all(
         t.dtype == torch.int16 and t.shape == (batch, kv_heads, length, width) and t.stride()[2:] == (width, 1)
         for t in (key, value)
