@@ -344,13 +344,15 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
  *
  * One call handles one KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head
  * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: its
- * D integers, the scale's bits in their parities; see section 4). The dots are summed in int32 on the query's two halves
- * (quantize_queries states the bound), then joined in float64; the weighted sum runs in float64, six rows by 32
- * channels at a time, every product and partial sum an integer below 2**53 (|V| <= 2**15 - 1, W <= 2**20 and
- * L < 2**18, attention.py's bounds). Both are exact, so the blocking below cannot change a bit. */
-#define KEY_BLOCK 8  /* keys per score pass: their dots end as one vector of doubles */
-#define PASS_ROWS 6  /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
-#define CHANNELS 32  /* value channels per weighted-sum pass: four vectors of doubles per row */
+ * D integers, the scale's bits in their parities; see section 4). The dots are summed in int32 on the query's two
+ * halves (quantize_queries states the bound), then joined in float64. The weighted sum is summed in int32 too, on
+ * W's two halves W = 1024 * Wh + Wl (weighted_sums states the bound), and joined in float64 every PAIR_FLUSH key
+ * pairs: every partial sum an integer below 2**53 (|V| <= 2**15 - 1, W <= 2**20 and L < 2**18, attention.py's
+ * bounds). Both are exact, so the blocking below cannot change a bit. */
+#define KEY_BLOCK 8   /* keys per score pass: their dots end as one vector of doubles */
+#define PASS_ROWS 6   /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
+#define PAIR_FLUSH 32 /* key pairs summed in int32 before the sums join the float64 totals */
+#define WEIGHT_HALF 1024 /* W = WEIGHT_HALF * Wh + Wl, 0 <= Wl < WEIGHT_HALF */
 
 typedef struct {
     int64_t queries, rows, padded, keys, size, lanes, width, visible_stride, visible_row;
@@ -359,13 +361,39 @@ typedef struct {
     const float *c;
 } group_t;
 
-/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; sum [padded, D] and w [padded, L]
- * doubles; score [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to a multiple of 32) */
+/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; the weights' halves wh, wl
+ * [padded, 2 * pairs] int16 and PASS_ROWS rows of them by pairs, wp [pairs, PASS_ROWS, 2] int32; the values by key
+ * pairs vp [pairs, lanes, 2] int16; sum [padded, lanes] doubles; score
+ * [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to a multiple of 32; pairs: L / 2
+ * rounded up) */
 typedef struct {
-    int16_t *hi, *lo;
-    double *sum, *w;
+    int16_t *hi, *lo, *wh, *wl, *vp;
+    int32_t *wp;
+    double *sum;
     float *score, *v_scale;
 } scratch_t;
+
+/* one thread's scratch memory, kept from call to call up to SCRATCH_KEPT bytes (so a decode step's calls do not
+ * fault in fresh pages); NULL where it cannot be had */
+#define SCRATCH_KEPT ((size_t)1 << 25)
+static __thread void *scratch_memory = NULL;
+static __thread size_t scratch_size = 0;
+
+static void *scratch(size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (bytes <= scratch_size) return scratch_memory;
+    free(scratch_memory);
+    scratch_memory = aligned_alloc(64, bytes);
+    scratch_size = scratch_memory == NULL ? 0 : bytes;
+    return scratch_memory;
+}
+
+static void scratch_done(void) {
+    if (scratch_size <= SCRATCH_KEPT) return;
+    free(scratch_memory);
+    scratch_memory = NULL;
+    scratch_size = 0;
+}
 
 /* a packed token's scale: the parities of its first SCALE_BITS integers, as float32 bits (section 4) */
 static inline float token_scale_of(const int16_t *token) {
@@ -426,33 +454,52 @@ static inline __m256i lane_sums(const __m512i a[KEY_BLOCK]) {
     return _mm512_castsi512_si256(_mm512_shuffle_i32x4(whole, whole, _MM_SHUFFLE(2, 0, 2, 0)));
 }
 
+#define KEY_SUMS(i) __m512i h##i = zero, l##i = zero;
+#define KEY_DOT(i)                                                         \
+    {                                                                      \
+        __m512i key = _mm512_loadu_si512(block + i * lanes + d);           \
+        h##i = _mm512_dpwssd_epi32(h##i, qh, key);                         \
+        l##i = _mm512_dpwssd_epi32(l##i, ql, key);                         \
+    }
+
+/* q . K[j] for one query row (its halves hi, lo) and a block of KEY_BLOCK keys (key i at block + i * lanes, zeros
+ * past D and past the last key), as doubles: 256 * (hi . K) + lo . K (exact: below 2**53). The sums are named
+ * variables, so the compiler keeps all 16 in registers. */
+static inline __m512d block_dots(const int16_t *hi, const int16_t *lo, const int16_t *block, int64_t lanes) {
+    const __m512i zero = _mm512_setzero_si512();
+    KEY_SUMS(0) KEY_SUMS(1) KEY_SUMS(2) KEY_SUMS(3) KEY_SUMS(4) KEY_SUMS(5) KEY_SUMS(6) KEY_SUMS(7)
+    for (int64_t d = 0; d < lanes; d += 32) {
+        __m512i qh = _mm512_loadu_si512(hi + d), ql = _mm512_loadu_si512(lo + d);
+        KEY_DOT(0) KEY_DOT(1) KEY_DOT(2) KEY_DOT(3) KEY_DOT(4) KEY_DOT(5) KEY_DOT(6) KEY_DOT(7)
+    }
+    __m512i high[KEY_BLOCK] = {h0, h1, h2, h3, h4, h5, h6, h7}, low[KEY_BLOCK] = {l0, l1, l2, l3, l4, l5, l6, l7};
+    return _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(lane_sums(high)), _mm512_set1_pd(256.0)),
+                         _mm512_cvtepi32_pd(lane_sums(low)));
+}
+
 /* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j; eight keys
- * at a time, read in place from the int16 cache, q . K = 256 * (hi . K) + lo . K in float64 (exact: below 2**53) */
-static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor, const int16_t *k,
-                   const uint8_t *visible, float *score) {
+ * at a time, copied from the int16 cache into a block zero-padded to `lanes` (so every row's loads are whole and
+ * aligned) */
+__attribute__((noinline)) static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor,
+                                             const int16_t *k, const uint8_t *visible, float *score) {
     __mmask8 seen[g.queries];
+    int16_t *block = (int16_t *)__builtin_alloca_with_align((size_t)(KEY_BLOCK * g.lanes) * sizeof(int16_t), 512);
     for (int64_t j0 = 0; j0 < g.keys; j0 += KEY_BLOCK) {
         int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
         double scales[KEY_BLOCK];
-        for (int64_t i = 0; i < KEY_BLOCK; i++)
+        for (int64_t i = 0; i < KEY_BLOCK; i++) {
             scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width) : 0.0;
+            for (int64_t d = 0; d < g.lanes; d += 32) {
+                __mmask32 valid = i < n ? lanes32(g.size - d) : 0;
+                _mm512_store_si512(block + i * g.lanes + d,
+                                   _mm512_maskz_loadu_epi16(valid, k + (j0 + i) * g.width + d));
+            }
+        }
         __m512d key_scale = _mm512_loadu_pd(scales);
         for (int64_t i = 0; i < g.queries; i++)
             seen[i] = (__mmask8)seen_mask(visible + i * g.visible_row + j0 * g.visible_stride, g.visible_stride, n);
         for (int64_t r = 0; r < g.rows; r++) {
-            __m512i high[KEY_BLOCK], low[KEY_BLOCK];
-            for (int i = 0; i < KEY_BLOCK; i++) high[i] = low[i] = _mm512_setzero_si512();
-            for (int64_t d = 0; d < g.size; d += 32) {
-                __mmask32 valid = lanes32(g.size - d);
-                __m512i qh = _mm512_loadu_si512(hi + r * g.lanes + d), ql = _mm512_loadu_si512(lo + r * g.lanes + d);
-                for (int i = 0; i < KEY_BLOCK; i++) {
-                    __m512i key = _mm512_maskz_loadu_epi16(i < n ? valid : 0, k + (j0 + i) * g.width + d);
-                    high[i] = _mm512_dpwssd_epi32(high[i], qh, key);
-                    low[i] = _mm512_dpwssd_epi32(low[i], ql, key);
-                }
-            }
-            __m512d dot = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(lane_sums(high)), _mm512_set1_pd(256.0)),
-                                        _mm512_cvtepi32_pd(lane_sums(low)));
+            __m512d dot = block_dots(hi + r * g.lanes, lo + r * g.lanes, block, g.lanes);
             __m512d value = _mm512_mul_pd(_mm512_mul_pd(dot, _mm512_set1_pd(factor[r])), key_scale);
             __m256 f = _mm256_mask_blend_ps(seen[r % g.queries], _mm256_set1_ps(-INFINITY), _mm512_cvtpd_ps(value));
             _mm256_mask_storeu_ps(score + r * g.keys + j0, (__mmask8)((1u << n) - 1), f);
@@ -481,11 +528,12 @@ static inline void to_doubles(__m512 x, __m512d out[2]) {
     out[1] = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
 }
 
-/* One row's scores -> w[j] = rint(a[j] / max a * 2**20) as doubles, with e[j] = 2**(score - max) (0 where hidden),
- * a[j] = e[j] * sv[j] (in place in score); *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1). Sixteen
- * keys at a time; the sums are of integers below 2**21, exact in any order. */
-static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, double *w,
-                            double *scale, double *denominator) {
+/* One row's scores -> W[j] = rint(a[j] / max a * 2**20) as its halves wh[j] = W[j] / 1024, wl[j] = W[j] % 1024
+ * (int16, zeros up to 2 * pairs), with e[j] = 2**(score - max) (0 where hidden), a[j] = e[j] * sv[j] (in place in
+ * score); *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1). Sixteen keys at a time; the sums are of
+ * integers below 2**21, exact in any order. */
+static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, int16_t *wh,
+                            int16_t *wl, double *scale, double *denominator) {
     const __m512 unit = _mm512_set1_ps(1048576.0f);
     __m512 best = _mm512_set1_ps(-INFINITY), top = _mm512_setzero_ps();
     for (int64_t j = 0; j < g.keys; j += 16) {
@@ -510,74 +558,119 @@ static void softmax_weights(group_t g, float *score, const uint8_t *seen, const 
     float a_top = _mm512_reduce_max_ps(top);
     __m512 divisor = _mm512_set1_ps(a_top > 0.0f ? a_top : 1.0f);
     for (int64_t j = 0; j < g.keys; j += 16) {
-        int64_t n = g.keys - j < 16 ? g.keys - j : 16;
-        __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), score + j);
-        to_doubles(rounded(_mm512_mul_ps(_mm512_div_ps(a, divisor), unit)), part);
-        _mm512_mask_storeu_pd(w + j, (__mmask8)(n >= 8 ? 0xFF : (1u << n) - 1), part[0]);
-        if (n > 8) _mm512_mask_storeu_pd(w + j + 8, (__mmask8)((1u << (n - 8)) - 1), part[1]);
+        __mmask16 valid = (__mmask16)((1u << (g.keys - j < 16 ? g.keys - j : 16)) - 1);
+        __m512 a = _mm512_maskz_loadu_ps(valid, score + j);
+        __m512i w = _mm512_cvtps_epi32(rounded(_mm512_mul_ps(_mm512_div_ps(a, divisor), unit)));
+        _mm256_mask_storeu_epi16(wh + j, valid, _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 10)));
+        _mm256_mask_storeu_epi16(wl + j, valid, _mm512_cvtepi32_epi16(_mm512_and_si512(w, _mm512_set1_epi32(1023))));
     }
+    if (g.keys % 2) wh[g.keys] = wl[g.keys] = 0;
     double sum = _mm512_reduce_add_pd(_mm512_add_pd(total[0], total[1]));
     *scale = (double)a_top;
     *denominator = sum > 1.0 ? sum : 1.0;
 }
 
-/* 32 int16 values as four vectors of doubles */
-static inline void widen(const int16_t *x, __m512d out[4]) {
-    __m512i all = _mm512_loadu_si512(x);
-    __m512i low = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(all));
-    __m512i high = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(all, 1));
-    out[0] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(low));
-    out[1] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(low, 1));
-    out[2] = _mm512_cvtepi32_pd(_mm512_castsi512_si256(high));
-    out[3] = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(high, 1));
+/* channel k of 32 interleaved from two rows of 32 int16: (a[k/2], b[k/2]) in lanes k, k + 1, channels 0-15 by
+ * PAIR_LOW, 16-31 by PAIR_HIGH (an index of 32 or more picks b) */
+static const int16_t PAIR_LOW[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const int16_t PAIR_HIGH[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+/* the values by key pairs: vp[(p * lanes + d) * 2 + t] = V[2p + t][d], zeros past D and past the last key; so the
+ * 32 int16 at vp + (p * lanes + d) * 2 are channels d .. d + 15 of keys 2p and 2p + 1, channel by channel */
+static void pair_values(group_t g, const int16_t *v, int16_t *vp) {
+    const __m512i low = _mm512_loadu_si512(PAIR_LOW), high = _mm512_loadu_si512(PAIR_HIGH);
+    for (int64_t p = 0; p < (g.keys + 1) / 2; p++)
+        for (int64_t d = 0; d < g.lanes; d += 32) {
+            __mmask32 valid = lanes32(g.size - d);
+            __m512i a = _mm512_maskz_loadu_epi16(valid, v + 2 * p * g.width + d);
+            __m512i b = _mm512_maskz_loadu_epi16(2 * p + 1 < g.keys ? valid : 0, v + (2 * p + 1) * g.width + d);
+            _mm512_storeu_si512(vp + (p * g.lanes + d) * 2, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(vp + (p * g.lanes + d) * 2 + 32, _mm512_permutex2var_epi16(a, high, b));
+        }
 }
 
-/* sum[r][d] = sum_j w[r][j] * V[j][d] for every padded row r: PASS_ROWS rows by CHANNELS channels per pass, each
- * value widened once per pass; channels past the last whole CHANNELS block one at a time */
-static void weighted_sums(group_t g, const double *w, const int16_t *v, double *sum) {
-    int64_t d0 = 0;
-    for (; d0 + CHANNELS <= g.size; d0 += CHANNELS)
-        for (int64_t r0 = 0; r0 < g.padded; r0 += PASS_ROWS) {
-            __m512d acc[PASS_ROWS][4], value[4];
-            for (int i = 0; i < PASS_ROWS; i++)
-                for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_pd();
-            for (int64_t j = 0; j < g.keys; j++) {
-                widen(v + j * g.width + d0, value);
-                for (int i = 0; i < PASS_ROWS; i++) {
-                    __m512d wj = _mm512_set1_pd(w[(r0 + i) * g.keys + j]);
-                    for (int c = 0; c < 4; c++) acc[i][c] = _mm512_fmadd_pd(wj, value[c], acc[i][c]);
-                }
+/* s[0 .. 16) += unit * x, sixteen int32 lanes, in float64 (exact: integers below 2**53) */
+static inline void join(double *s, __m512i x, __m512d unit) {
+    __m512d low = _mm512_cvtepi32_pd(_mm512_castsi512_si256(x));
+    __m512d high = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(x, 1));
+    _mm512_storeu_pd(s, _mm512_add_pd(_mm512_loadu_pd(s), _mm512_mul_pd(low, unit)));
+    _mm512_storeu_pd(s + 8, _mm512_add_pd(_mm512_loadu_pd(s + 8), _mm512_mul_pd(high, unit)));
+}
+
+#define PAIR_SUMS(i) __m512i s##i##a = zero, s##i##b = zero;
+#define PAIR_ROW(i)                                                        \
+    {                                                                      \
+        __m512i weights = _mm512_set1_epi32(w[2 * i]);                     \
+        s##i##a = _mm512_dpwssd_epi32(s##i##a, weights, va);               \
+        s##i##b = _mm512_dpwssd_epi32(s##i##b, weights, vb);               \
+    }
+#define JOIN_ROW(i) join(sum + i * lanes, s##i##a, unit), join(sum + i * lanes + 16, s##i##b, unit);
+
+/* PASS_ROWS rows' sums over `pairs` key pairs of one half of their weights (Wh, unit 1024, or Wl, unit 1) in 32
+ * channels, added to sum (row i at sum + i * lanes): wp holds the rows' weights pair by pair (see weighted_sums,
+ * offset to the half), vp the pairs' values (channels d .. d + 32 of pair_values' layout, pairs lanes * 2 apart). Its
+ * own function, one half at a time, so that its 12 sums, two value vectors and the broadcasts stay in registers. */
+__attribute__((noinline)) static void pair_block(const int32_t *wp, const int16_t *vp, int64_t pairs, int64_t lanes,
+                                                 __m512d unit, double *sum) {
+    const __m512i zero = _mm512_setzero_si512();
+    PAIR_SUMS(0) PAIR_SUMS(1) PAIR_SUMS(2) PAIR_SUMS(3) PAIR_SUMS(4) PAIR_SUMS(5)
+    for (int64_t p = 0; p < pairs; p++) {
+        const int32_t *w = wp + p * 2 * PASS_ROWS;
+        __m512i va = _mm512_loadu_si512(vp + p * lanes * 2), vb = _mm512_loadu_si512(vp + p * lanes * 2 + 32);
+        PAIR_ROW(0) PAIR_ROW(1) PAIR_ROW(2) PAIR_ROW(3) PAIR_ROW(4) PAIR_ROW(5)
+    }
+    JOIN_ROW(0) JOIN_ROW(1) JOIN_ROW(2) JOIN_ROW(3) JOIN_ROW(4) JOIN_ROW(5)
+}
+
+/* sum[r][d] = sum_j W[r][j] * V[j][d] for every padded row r and d < lanes: PASS_ROWS rows by 32 channels per pass,
+ * one vpdpwssd adding two keys' products per int32 lane, on the rows' weights laid out pair by pair in wp
+ * (wp[(p * PASS_ROWS + i) * 2 + t] the int32 (W[2p], W[2p + 1]) of row r0 + i, t = 0 for Wh and 1 for Wl). Over
+ * PAIR_FLUSH pairs a lane's sum stays below 2**31 in magnitude (2 * PAIR_FLUSH * 1024 * 32767 < 2**31: Wh <= 1024,
+ * Wl < 1024), and the int32 sums wrap modulo 2**32 without saturating, so they are the sums themselves; then they
+ * join the float64 totals. */
+static void weighted_sums(group_t g, const int16_t *wh, const int16_t *wl, const int16_t *vp, int32_t *wp,
+                          double *sum) {
+    int64_t pairs = (g.keys + 1) / 2, stride = 2 * pairs;
+    for (int64_t i = 0; i < g.padded * g.lanes; i++) sum[i] = 0.0;
+    for (int64_t r0 = 0; r0 < g.padded; r0 += PASS_ROWS) {
+        for (int64_t i = 0; i < PASS_ROWS; i++)
+            for (int64_t p = 0; p < pairs; p++) {
+                memcpy(wp + (p * PASS_ROWS + i) * 2, wh + (r0 + i) * stride + 2 * p, sizeof(int32_t));
+                memcpy(wp + (p * PASS_ROWS + i) * 2 + 1, wl + (r0 + i) * stride + 2 * p, sizeof(int32_t));
             }
-            for (int i = 0; i < PASS_ROWS; i++)
-                for (int c = 0; c < 4; c++) _mm512_storeu_pd(sum + (r0 + i) * g.size + d0 + 8 * c, acc[i][c]);
-        }
-    for (; d0 < g.size; d0++)
-        for (int64_t r = 0; r < g.padded; r++) {
-            double total = 0.0;
-            for (int64_t j = 0; j < g.keys; j++) total += w[r * g.keys + j] * (double)v[j * g.width + d0];
-            sum[r * g.size + d0] = total;
-        }
+        for (int64_t d = 0; d < g.lanes; d += 32)
+            for (int64_t p0 = 0; p0 < pairs; p0 += PAIR_FLUSH)
+                for (int t = 0; t < 2; t++)
+                    pair_block(wp + p0 * 2 * PASS_ROWS + t, vp + (p0 * g.lanes + d) * 2,
+                               pairs - p0 < PAIR_FLUSH ? pairs - p0 : PAIR_FLUSH, g.lanes,
+                               _mm512_set1_pd(t == 0 ? (double)WEIGHT_HALF : 1.0), sum + r0 * g.lanes + d);
+    }
 }
 
 /* out: row r at out + (r / Q) * out_head + (r % Q) * out_query */
 static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
                          scratch_t s, float *out, int64_t out_head, int64_t out_query) {
     double factor[g.padded], scale[g.padded], denominator[g.padded];
+    int64_t stride = 2 * ((g.keys + 1) / 2);
     for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = token_scale_of(v + j * g.width);
     quantize_queries(g, query, s.hi, s.lo, factor);
     scores(g, s.hi, s.lo, factor, k, visible, s.score);
     for (int64_t r = 0; r < g.padded; r++) {
+        int16_t *wh = s.wh + r * stride, *wl = s.wl + r * stride;
         if (r < g.rows) {
             const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
-            softmax_weights(g, s.score + r * g.keys, seen, s.v_scale, s.w + r * g.keys, scale + r, denominator + r);
+            softmax_weights(g, s.score + r * g.keys, seen, s.v_scale, wh, wl, scale + r, denominator + r);
         } else {
-            for (int64_t j = 0; j < g.keys; j++) s.w[r * g.keys + j] = 0.0;
+            for (int64_t j = 0; j < stride; j++) wh[j] = wl[j] = 0;
         }
     }
-    weighted_sums(g, s.w, v, s.sum);
+    pair_values(g, v, s.vp);
+    weighted_sums(g, s.wh, s.wl, s.vp, s.wp, s.sum);
     for (int64_t r = 0; r < g.rows; r++) {
         float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
-        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((s.sum[r * g.size + d] * scale[r]) / denominator[r]);
+        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((s.sum[r * g.lanes + d] * scale[r]) / denominator[r]);
     }
 }
 
@@ -594,15 +687,30 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
     int64_t padded = (rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, columns = length > 0 ? length : 1;
     int64_t lanes = (size + 31) / 32 * 32;
     group_t g = {queries, rows, padded, length, size, lanes, width, vl, vq, factor, levels, c};
+    int64_t pairs = length > 0 ? (length + 1) / 2 : 1;
+    size_t sizes[7] = {(size_t)(padded * lanes) * sizeof(double), (size_t)((padded + 1) * columns) * sizeof(float),
+                       (size_t)(padded * lanes) * sizeof(int16_t), (size_t)(padded * lanes) * sizeof(int16_t),
+                       (size_t)(4 * padded * pairs) * sizeof(int16_t), (size_t)(2 * pairs * lanes) * sizeof(int16_t),
+                       (size_t)(2 * PASS_ROWS * pairs) * sizeof(int32_t)};
+    size_t offsets[8] = {0}; /* sum, score and v_scale, hi, lo, wh and wl, vp, wp: each 64-byte aligned */
+    for (int i = 0; i < 7; i++) offsets[i + 1] = offsets[i] + (sizes[i] + 63) / 64 * 64;
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        size_t doubles = (size_t)(padded * lanes + padded * columns + padded * lanes / 2);
-        double *block = (double *)malloc(doubles * sizeof(double));
-        float *score = (float *)malloc((size_t)((padded + 1) * columns) * sizeof(float));
-        failed = block == NULL || score == NULL;
-        int16_t *halves = (int16_t *)(block + padded * lanes + padded * columns);
-        scratch_t s = {halves, halves + padded * lanes, block, block + padded * lanes, score, score + padded * columns};
+        char *memory = (char *)scratch(offsets[7]);
+        failed = memory == NULL;
+        scratch_t s = {0};
+        if (!failed) {
+            s.sum = (double *)memory;
+            s.score = (float *)(memory + offsets[1]);
+            s.v_scale = s.score + padded * columns;
+            s.hi = (int16_t *)(memory + offsets[2]);
+            s.lo = (int16_t *)(memory + offsets[3]);
+            s.wh = (int16_t *)(memory + offsets[4]);
+            s.wl = s.wh + 2 * padded * pairs;
+            s.vp = (int16_t *)(memory + offsets[5]);
+            s.wp = (int32_t *)(memory + offsets[6]);
+        }
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < batch * kv_heads; u++) {
             if (failed) continue;
@@ -611,8 +719,7 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
                          values + b * v_batch + hk * v_head, visible + b * vb, s,
                          out + (b * queries * heads + hk * group) * size, size, heads * size);
         }
-        free(block);
-        free(score);
+        scratch_done();
     }
     return failed;
 }
