@@ -478,8 +478,8 @@ static inline __m512d block_dots(const int16_t *hi, const int16_t *lo, const int
 }
 
 /* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j; eight keys
- * at a time, copied from the int16 cache into a block zero-padded to `lanes` (so every row's loads are whole and
- * aligned) */
+ * at a time, read in place from the int16 cache where its rows are `lanes` wide (D a multiple of 32), else copied
+ * into a block zero-padded to `lanes` (so every row's loads are whole) */
 __attribute__((noinline)) static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor,
                                              const int16_t *k, const uint8_t *visible, float *score) {
     __mmask8 seen[g.queries];
@@ -487,19 +487,22 @@ __attribute__((noinline)) static void scores(group_t g, const int16_t *hi, const
     for (int64_t j0 = 0; j0 < g.keys; j0 += KEY_BLOCK) {
         int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
         double scales[KEY_BLOCK];
-        for (int64_t i = 0; i < KEY_BLOCK; i++) {
-            scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width) : 0.0;
-            for (int64_t d = 0; d < g.lanes; d += 32) {
-                __mmask32 valid = i < n ? lanes32(g.size - d) : 0;
-                _mm512_store_si512(block + i * g.lanes + d,
-                                   _mm512_maskz_loadu_epi16(valid, k + (j0 + i) * g.width + d));
-            }
+        for (int64_t i = 0; i < KEY_BLOCK; i++) scales[i] = i < n ? token_scale_of(k + (j0 + i) * g.width) : 0.0;
+        const int16_t *keys = k + j0 * g.width; /* read in place where a token's row is already the block's */
+        if (n < KEY_BLOCK || g.width != g.lanes) {
+            keys = block;
+            for (int64_t i = 0; i < KEY_BLOCK; i++)
+                for (int64_t d = 0; d < g.lanes; d += 32) {
+                    __mmask32 valid = i < n ? lanes32(g.size - d) : 0;
+                    _mm512_store_si512(block + i * g.lanes + d,
+                                       _mm512_maskz_loadu_epi16(valid, k + (j0 + i) * g.width + d));
+                }
         }
         __m512d key_scale = _mm512_loadu_pd(scales);
         for (int64_t i = 0; i < g.queries; i++)
             seen[i] = (__mmask8)seen_mask(visible + i * g.visible_row + j0 * g.visible_stride, g.visible_stride, n);
         for (int64_t r = 0; r < g.rows; r++) {
-            __m512d dot = block_dots(hi + r * g.lanes, lo + r * g.lanes, block, g.lanes);
+            __m512d dot = block_dots(hi + r * g.lanes, lo + r * g.lanes, keys, g.lanes);
             __m512d value = _mm512_mul_pd(_mm512_mul_pd(dot, _mm512_set1_pd(factor[r])), key_scale);
             __m256 f = _mm256_mask_blend_ps(seen[r % g.queries], _mm256_set1_ps(-INFINITY), _mm512_cvtpd_ps(value));
             _mm256_mask_storeu_ps(score + r * g.keys + j0, (__mmask8)((1u << n) - 1), f);
