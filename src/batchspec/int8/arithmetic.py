@@ -26,9 +26,7 @@ is the largest integer a quantized value may take (127 for int8).
 
 from __future__ import annotations
 
-import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -103,7 +101,6 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 # in steps of two SIMD vectors (at most 2 x 16 floats) from its first element; a multiple of 64 below it
 _VECTOR_CALL = 32768 - 64
 _VECTOR_ALIGN = 64
-_TWO_THREAD_CALLS = 8  # calls from which silu_ runs half of them on a helper thread
 
 
 def silu_(x: torch.Tensor) -> torch.Tensor:
@@ -113,34 +110,14 @@ def silu_(x: torch.Tensor) -> torch.Tensor:
     The values are taken flat in calls of a multiple of 64 elements under torch's threading grain: each call runs
     on one thread in whole double-vector steps from its first element, so no value falls in a scalar tail. (A
     polynomial like :func:`exp2_nonpositive` does this by construction but took 43x as long on the prompt
-    prefill's ``[1200, 8960]`` gate: 430 vs 10 ms.) From :data:`_TWO_THREAD_CALLS` calls on, with torch allowed
-    more than one thread, the second half of the calls runs on a helper thread: the same calls, so the same bits.
+    prefill's ``[1200, 8960]`` gate: 430 vs 10 ms.)
     """
     width = x.shape[-1]
     padded = -(-width // _VECTOR_ALIGN) * _VECTOR_ALIGN
     if padded == width:
         flat = x.view(-1)
-        calls = flat.split(_VECTOR_CALL) if flat.numel() > _VECTOR_CALL else (flat,)
-        split = len(calls) >= _TWO_THREAD_CALLS and torch.get_num_threads() > 1
-        half = len(calls) // 2 if split else len(calls)
-        other = _helper().submit(_silu_calls, calls[half:], torch.is_inference_mode_enabled()) if split else None
-        _silu_calls(calls[:half])
-        if other is not None:
-            other.result()
+        for part in flat.split(_VECTOR_CALL) if flat.numel() > _VECTOR_CALL else (flat,):
+            torch.nn.functional.silu(part, inplace=True)
         return x
     wide = torch.nn.functional.pad(x, (0, padded - width))  # [..., padded]
     return silu_(wide)[..., :width]
-
-
-def _silu_calls(calls: tuple[torch.Tensor, ...], inference: bool | None = None) -> None:
-    """On the caller's thread (``inference`` None), or on the helper in the caller's inference mode."""
-    if inference is not None:
-        with torch.inference_mode(inference):
-            return _silu_calls(calls)
-    for call in calls:
-        torch.nn.functional.silu(call, inplace=True)
-
-
-@functools.cache
-def _helper() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchspec-silu")
