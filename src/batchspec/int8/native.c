@@ -180,6 +180,59 @@ void batchspec_quantize_product(const float *x, const float *y, int64_t n, int64
     for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, y + r * k, k, ldc, codes + r * ldc, scale + r);
 }
 
+/* 2b. SiLU as torch computes it on its AVX-512 vector path, x / (1 + exp(-x)), with exp the vector exp torch calls
+ * (SLEEF's expf u10: n = rint(x / ln 2), s = x - n ln 2 in two fused steps, a degree-6 polynomial by fused
+ * multiply-adds, times 2**n in two halves; 0 below -104 and inf above 100). native.py's silu_matches_torch checks the
+ * bits against torch's own silu before batchspec_quantize_gated is used (it matched every float32 of torch 2.13). */
+static inline __m512 power_of_two(__m512i n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+}
+
+static inline __m512 exp_vector(__m512 x) {
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f));
+    __m512i n = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 whole = _mm512_cvtepi32_ps(n);
+    __m512 s = _mm512_fmadd_ps(whole, _mm512_set1_ps(-0.693145751953125f), x);
+    s = _mm512_fmadd_ps(whole, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    __m512i half = _mm512_srai_epi32(n, 1);
+    u = _mm512_mul_ps(_mm512_mul_ps(u, power_of_two(half)), power_of_two(_mm512_sub_epi32(n, half)));
+    u = _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), x, _CMP_LT_OQ), _mm512_set1_ps(INFINITY));
+}
+
+static inline __m512 silu_vector(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_vector(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+void batchspec_silu(const float *x, float *y, int64_t count, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
+    for (int64_t i = 0; i < count; i += 16)
+        _mm512_mask_storeu_ps(y + i, first(count - i), silu_vector(_mm512_maskz_loadu_ps(first(count - i), x + i)));
+}
+
+/* batchspec_quantize of silu(gate) * up (each value rounded as torch's silu and mul round it), a row at a time
+ * through a buffer on the stack: the MLP's activation on its way to the down projection, never written out */
+void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
+                              float *scale, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        float row[k];
+        for (int64_t i = 0; i < k; i += 16) {
+            __m512 g = _mm512_maskz_loadu_ps(first(k - i), gate + r * k + i);
+            __m512 u = _mm512_maskz_loadu_ps(first(k - i), up + r * k + i);
+            _mm512_mask_storeu_ps(row + i, first(k - i), _mm512_mul_ps(silu_vector(g), u));
+        }
+        quantize_row(row, k, ldc, codes + r * ldc, scale + r);
+    }
+}
+
 /* 3. RMSNorm as int8/model.py's exact_rms_norm computes it in float32, in two halves around torch's own sqrt (torch's
  * vectorized sqrt is not always the correctly rounded one that sqrtf is, so it stays torch's):
  * batchspec_rms_mean gives t = sum / h + eps with the squares summed by arithmetic.py's row_sum tree (padded with

@@ -2,7 +2,8 @@
 
 * :func:`linear`: the int8 product with its scales and bias applied (the ``vnni`` kernel of
   :mod:`batchspec.int8.product`);
-* :func:`quantize`: a token's quantization, straight to that kernel's codes;
+* :func:`quantize`: a token's quantization, straight to that kernel's codes; :func:`quantize_gated`, the MLP's
+  ``silu(gate) * up`` quantized so, its SiLU computed as torch's vector path computes it (:func:`silu`);
 * :func:`rms_norm`: :class:`~batchspec.int8.model.ExactRMSNorm`;
 * :func:`attention`: :func:`~batchspec.int8.attention.exact_attention` over the int16 KV cache, a call per block of
   queries; :func:`rotary_into`, :func:`norm_quantize` and :func:`linear`'s residual, what
@@ -157,6 +158,33 @@ def quantize_product(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, to
     _library().quantize_product(x.data_ptr(), y.data_ptr(), rows, inner, out.shape[1], out.data_ptr(),
                                 scale.data_ptr(), torch.get_num_threads())
     return out, scale
+
+
+def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of ``silu(gate) * up`` for float32 ``gate``, ``up`` ``[N, K]``, with :func:`silu`'s bits: the
+    MLP's activation quantized a row at a time, never stored."""
+    if gate.dtype != torch.float32 or gate.dim() != 2 or up.dtype != gate.dtype or up.shape != gate.shape:
+        raise ValueError(f"native quantization takes float32 [N, K] twice, not {gate.dtype} {tuple(gate.shape)}, "
+                         f"{up.dtype} {tuple(up.shape)}")
+    gate, up = gate.contiguous(), up.contiguous()
+    rows, inner = gate.shape
+    out = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8)  # [N, 4 G]
+    scale = torch.empty(rows, 1)  # [N, 1]
+    _library().quantize_gated(gate.data_ptr(), up.data_ptr(), rows, inner, out.shape[1], out.data_ptr(),
+                              scale.data_ptr(), torch.get_num_threads())
+    return out, scale
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of float32 ``x`` computed as torch's AVX-512 vector path computes it (``native.c``, section 2b); whether
+    it gives torch's bits on this machine and torch is what :func:`~batchspec.int8.linear.quantize_gated` checks
+    before it uses :func:`quantize_gated`."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"native silu takes float32, not {x.dtype}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _library().silu(x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -316,9 +344,9 @@ def _library() -> types.SimpleNamespace:
 
 @functools.cache
 def library() -> types.SimpleNamespace | None:
-    """The C functions (``linear``, ``quantize``, ``quantize_product``, ``rms_mean``, ``rms_apply``,
-    ``quantize_wide``, ``pack_kv``, ``norm_quantize``, ``rotary_into``, ``exp2_nonpositive``, ``attention``), built
-    for this machine on first use;
+    """The C functions (``linear``, ``quantize``, ``quantize_product``, ``quantize_gated``, ``silu``, ``rms_mean``,
+    ``rms_apply``, ``quantize_wide``, ``pack_kv``, ``norm_quantize``, ``rotary_into``, ``exp2_nonpositive``,
+    ``attention``), built for this machine on first use;
     None (with one log line) where they cannot run or ``BATCHSPEC_NATIVE_KERNELS=0`` turns them off."""
     if os.environ.get("BATCHSPEC_NATIVE_KERNELS", "1") == "0":
         logger.info("batchspec: BATCHSPEC_NATIVE_KERNELS=0, the AVX-512 VNNI kernels are off")
@@ -340,6 +368,8 @@ def library() -> types.SimpleNamespace | None:
                    pointer, threads],
         "quantize": [pointer, i64, i64, i64, pointer, pointer, threads],
         "quantize_product": [pointer, pointer, i64, i64, i64, pointer, pointer, threads],
+        "quantize_gated": [pointer, pointer, i64, i64, i64, pointer, pointer, threads],
+        "silu": [pointer, pointer, i64, threads],
         "rms_mean": [pointer, i64, i64, ctypes.c_float, pointer, threads],
         "rms_apply": [pointer, i64, i64, pointer, pointer, pointer, threads],
         "quantize_wide": [pointer, i64, i64, ctypes.c_float, pointer, i64, pointer, i64, threads],
