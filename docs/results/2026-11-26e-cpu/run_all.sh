@@ -1,13 +1,13 @@
 #!/bin/bash
 # Issue 35, 2026-11-26 (fourth stop): the KV cache at 2 bytes a value (the scale's bits in the parities of a token's
 # first 32 integers), the attention's weighted sum in int32 vpdpwssd (keys in a zero-padded block, each kernel its
-# own function), the MLP's SiLU on two threads. Against the main before this stop and the issue's day, then against
-# OpenVINO GenAI. Idle machine, nothing else running. From the repository root, with git worktrees of the issue's
-# day (81dd709) at /tmp/ab_issue, of the main before this stop (6252ed8) at /tmp/ab_before and of this code at
-# /tmp/ab_final:
+# own function), the MLP's SiLU computed in C where it is quantized. Against the main before this stop and the
+# issue's day, then against OpenVINO GenAI. Idle machine, nothing else running. From the repository root, with git
+# worktrees of the issue's day (81dd709) at /tmp/ab_issue, of the main before this stop (6252ed8) at /tmp/ab_before
+# and of this code at /tmp/ab_final:
 #   bash docs/results/2026-11-26e-cpu/run_all.sh
-# The quality runs (quality.txt: the first 40 problems; quality_all.txt: all 164, each layout and float32) ran before
-# it, on their own: quality_all.sh.
+# The quality runs (quality.txt: the first 40 problems; quality_all.txt: all 164, each layout and float32) ran on
+# their own, before and after it: quality_all.sh.
 set -x
 source .venv/bin/activate
 R=docs/results/2026-11-26e-cpu
