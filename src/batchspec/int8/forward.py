@@ -10,7 +10,7 @@ the same modules' tensors in 12 native calls and 4 torch operations a layer::
     query = rotary(q); cache[.., start:end] = pack(rotary(k)), pack(v)   # rotary_into: [B, H, S, D], int16 in place
     x = x + o(quantize(exact_attention(query, cache[.., :end])))        # the residual added in the product
     gate, up = one product of quantize(RMSNorm(x))
-    x = x + down(quantize(silu(gate) * up))            # torch's SiLU (its vector path's bits)
+    x = x + down(quantize(silu(gate) * up))            # quantize_gated: torch's vector SiLU's bits, in C
 
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
