@@ -1,7 +1,7 @@
 """The exact int8 forward (``--quantize int8``, :mod:`batchspec.int8`).
 
-* Arithmetic: each building block computes what it claims (quantization, exp, fixed-order sums, the vector-path
-  SiLU, exact integer products, also through the two-halves path CPUs without VNNI take).
+* Arithmetic: each building block computes what it claims (quantization, exp, fixed-order sums, the exact SiLU,
+  the correctly rounded square root, exact integer products, also through the two-halves path for ``_int_mm``).
 * The property the mode exists for: a row's logits are bit-identical whatever else is in the forward (other rows,
   left padding, how many new tokens a forward takes), against the row run alone one token at a time.
 * Through batchspec: every method and proposer equals the quantized model's own ``generate`` exactly, seeded
@@ -16,6 +16,7 @@ import os
 import platform
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 import tiny_models
@@ -28,7 +29,14 @@ from ragged import alone_one_token_at_a_time, ragged_forwards
 import batchspec
 from batchspec.engine.sampling import SamplingParams
 from batchspec.int8 import attention, check_quantize, linear, native, quantization, quantize_model
-from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows, row_sum, silu_
+from batchspec.int8.arithmetic import (
+    EXP2_COEFFICIENTS,
+    exact_silu,
+    exp2_nonpositive,
+    quantize_rows,
+    row_sum,
+    sqrt_rounded,
+)
 from batchspec.int8.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
 from batchspec.int8.linear import Int8Linear
 from batchspec.int8.model import exact_rms_norm
@@ -41,7 +49,7 @@ from batchspec.int8.product import (
     product_kernel,
     split_weight,
 )
-from batchspec.int8.smoothing import calibration_ids, smooth_model
+from batchspec.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -61,7 +69,7 @@ def quantized(bundles) -> dict[str, tuple]:
 @pytest.fixture(scope="module")
 def quantized_float32(bundles) -> dict[str, torch.nn.Module]:
     """``kind -> int8 target`` made from a float32 copy, its layers on this CPU's two fastest exact kernels: the MLP
-    and output layers on the fastest (``vnni`` or ``onednn`` where the CPU runs them), the attention's smaller
+    and output layers on the fastest (``native`` or ``onednn`` where the CPU runs them), the attention's smaller
     projections on the next (so one shared quantization feeds both)."""
     fastest, *others = exact_kernels(torch.float32)
     second = others[0] if others else fastest
@@ -93,14 +101,17 @@ def test_exp2_nonpositive_is_accurate(dtype, tolerance):
     assert exp2_nonpositive(torch.tensor([0.0, -1.0, -3.0], dtype=dtype)).tolist() == [1.0, 0.5, 0.125]
 
 
-def test_sqrt_gives_a_value_the_same_bits_at_any_offset():
-    """torch's CPU sqrt need not be correctly rounded, but RMSNorm relies on it giving a value the same bits wherever
-    the value sits in the tensor (vector lanes and a loop's tail alike)."""
-    values = torch.rand(4096, generator=torch.Generator().manual_seed(5)) * 10.0
-    whole = torch.sqrt(values)
-    for start in range(0, 40):
-        for count in (1, 3, 17, 33, 100):
-            assert torch.equal(torch.sqrt(values[start : start + count]), whole[start : start + count])
+def test_sqrt_rounded_is_the_correctly_rounded_root():
+    """RMSNorm's and the smoothing's roots: for 3,000 float32 values over many exponents, the float32 ``r`` returned
+    is the nearest to the exact root, checked in exact rationals (``(r -+ ulp / 2)**2`` bracket ``x``)."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.rand(3000, generator=generator) * 2.0 ** torch.randint(-60, 60, (3000,), generator=generator).float()
+    root = sqrt_rounded(x)
+    assert root.dtype == torch.float32
+    up = torch.nextafter(root, torch.tensor(float("inf")))
+    for value, r, above in zip(x.tolist(), root.tolist(), up.tolist(), strict=True):
+        half = (Fraction(above) - Fraction(r)) / 2
+        assert (Fraction(r) - half) ** 2 <= Fraction(value) <= (Fraction(r) + half) ** 2
 
 
 def test_row_sum_order_is_a_pairwise_tree():
@@ -110,17 +121,20 @@ def test_row_sum_order_is_a_pairwise_tree():
     assert (a + b) + c == 0.0
 
 
-def test_silu_gives_a_row_the_same_values_alone_and_in_a_batch():
-    """In a batch, a row of 50 values starts at any offset of torch's vector steps, and its values take the vector
-    path or the scalar tail depending on it: about one value in eight that changes path changes its last bit. The
-    vector-path silu gives every one of 4,000 rows the values it gets alone, in the padded and the in-place path."""
+def test_exact_silu_gives_a_row_the_same_values_alone_and_in_a_batch():
+    """torch's own SiLU gives a value of a row whose start moves in a batch a different last bit about one time in
+    eight (vector path or scalar tail); the exact SiLU gives every one of 4,000 rows the values it gets alone, in C and
+    in torch, and stays within a few float32 ulps of torch's."""
     torch.manual_seed(0)
     for width in (50, 128):
         rows = torch.randn(4000, width) * 4
-        batched = silu_(rows.clone())
-        alone = torch.cat([silu_(row[None].clone()) for row in rows])
-        assert torch.equal(batched, alone), width
-        assert torch.allclose(batched, torch.nn.functional.silu(rows), rtol=1e-6, atol=1e-6)
+        batched = exact_silu(rows.clone())
+        alone = torch.cat([exact_silu(row[None].clone()) for row in rows])
+        with native.using("none"):
+            torch_path = exact_silu(rows.clone())
+        assert torch.equal(batched, alone) and torch.equal(batched, torch_path), width
+        assert torch.allclose(batched, torch.nn.functional.silu(rows), rtol=4e-6, atol=1e-7)
+    assert exact_silu(torch.tensor([0.0, -1.0, 1.0])).tolist() == pytest.approx([0.0, -0.268941, 0.731059], abs=1e-6)
 
 
 def _extreme_operands(rows: int, inner: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +150,8 @@ def _extreme_operands(rows: int, inner: int, cols: int) -> tuple[torch.Tensor, t
 )
 def test_every_product_kernel_gives_the_exact_sum_rounded_once(rows, inner, cols):
     """Each kernel this CPU runs gives the exact integer sums (float64 holds them), rounded once to float32: the
-    vnni and onednn kernels (where the CPU runs them exactly), ``_int_mm`` and its halves; 8960 inputs take sums past
-    2**24; 250 rows take two passes over the weight (native.c's ROW_BLOCK)."""
+    native and onednn kernels (where the CPU runs them exactly), ``_int_mm`` and its halves; 8960 inputs take sums
+    past 2**24; 250 rows take two passes over the weight (csrc/scalar.h's ROW_BLOCK)."""
     a, w = _extreme_operands(rows, inner, cols)
     exact = a.double() @ w.double().T  # [N, O]
     assert exact.abs().max().item() > 2**24 or inner < 8960
@@ -151,31 +165,43 @@ def test_every_product_kernel_gives_the_exact_sum_rounded_once(rows, inner, cols
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's ISA cap is an x86 setting")
-def test_a_cpu_without_vnni_gets_the_same_bits(tmp_path):
-    """oneDNN capped at AVX2 (no VNNI, and batchspec's own VNNI kernels off) saturates on full-range int8; the layer
-    detects it and takes the two-halves path, whose output equals this process's bit for bit."""
+def test_a_cpu_without_native_kernels_gets_the_same_bits(tmp_path):
+    """With no native build (``BATCHSPEC_CPU_ISA=none``), oneDNN capped at AVX2 and torch's own kernels at their
+    scalar code, the layer runs ``torch._int_mm`` (on the weight's two halves where this CPU's int8 product saturates,
+    which the layer checks) and gives this process's output bit for bit. (Inputs come from integers: torch's
+    ``randn`` itself differs between its scalar and vector code.)"""
     script = (
         "import sys, torch\n"
-        "from batchspec.int8.product import int_mm_saturates, product_kernel\n"
+        "from batchspec.int8.product import product_kernel\n"
         "from batchspec.int8.linear import Int8Linear\n"
         "torch.manual_seed(0)\n"
         "layer = Int8Linear(torch.nn.Linear(256, 96))\n"
-        "x = torch.randn(9, 256)\n"
-        "torch.save({'saturates': int_mm_saturates(), 'kernel': product_kernel(), 'y': layer(x)}, sys.argv[1])\n"
+        "x = torch.randint(-1000, 1000, (9, 256)) / 300.0\n"
+        "torch.save({'kernel': product_kernel(), 'y': layer(x)}, sys.argv[1])\n"
     )
-    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", BATCHSPEC_NATIVE_KERNELS="0")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", BATCHSPEC_CPU_ISA="none", ATEN_CPU_CAPABILITY="default")
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     path = tmp_path / "avx2.pt"
     subprocess.run([sys.executable, "-c", script, path], env=env, check=True, timeout=120)
     capped = torch.load(path)
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(256, 96))
-    assert capped["saturates"], "oneDNN capped at AVX2 should saturate on full-range int8"
-    assert capped["kernel"] == "int_mm_split"
-    assert torch.equal(capped["y"], layer(torch.randn(9, 256)))
+    assert capped["kernel"] in ("int_mm", "int_mm_split")
+    assert torch.equal(capped["y"], layer(torch.randint(-1000, 1000, (9, 256)) / 300.0))
 
 
-def test_vnni_panels_worked_example():
+def test_the_two_halves_path_is_exact_where_int_mm_would_saturate():
+    """``weight = 2 * high + low`` keeps every pair of products below what a saturating int16 sum holds
+    (``2 * 255 * 64 < 2**15``), and the halves' products recombine to the exact sum."""
+    a, w = _extreme_operands(5, 256, 64)
+    high, low = split_weight(w)
+    assert 2 * 255 * high.abs().max().item() < 2**15
+    recombined = (a.double() @ high.double().T) * 2 + a.double() @ low.double().T
+    assert torch.equal(recombined, a.double() @ w.double().T)
+    assert torch.equal(int_product(a, pack_weight(w, "int_mm_split"), torch.float64), a.double() @ w.double().T)
+
+
+def test_native_panels_worked_example():
     weight = torch.arange(15, dtype=torch.int8).reshape(3, 5)  # [O=3, K=5]
     panels, sums = native.pack(weight)
     assert panels.shape == (1, 2, 64, 4) and panels.dtype == torch.int8
@@ -218,7 +244,7 @@ def test_native_kernels_give_the_torch_paths_bits(rows, inner, outputs, seed, lo
         x[2] = 0.0  # a zero row takes scale 1
     q, scale = quantize_rows(x)
     codes, native_scale = native.quantize(x)
-    assert torch.equal(codes, activation_codes(q, "vnni")) and torch.equal(native_scale, scale)
+    assert torch.equal(codes, activation_codes(q, "native")) and torch.equal(native_scale, scale)
     w = torch.randint(-127, 128, (outputs, inner), dtype=torch.int8, generator=generator)
     w_scale = torch.rand(outputs, generator=generator) * 2.0**log_scale
     b = torch.randn(outputs, generator=generator) if bias else None
@@ -356,10 +382,10 @@ def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):
     fallback = torch.load(path)
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(1030, 1100))
-    assert fallback["kernel"] != "vnni"
+    assert fallback["kernel"] != "native"
     assert torch.equal(fallback["y"], layer(torch.randn(9, 1030)))
     if native.available():
-        assert layer.weight.kernel == "vnni" and "the AVX-512 VNNI kernels did not build" in run.stderr.decode()
+        assert layer.weight.kernel == "native" and "int8 kernels did not build" in run.stderr.decode()
 
 
 def test_exact_attention_is_close_to_softmax_attention():
@@ -411,7 +437,7 @@ def test_smoothing_leaves_the_float_model_unchanged(kind, bundles):
     ids = torch.tensor([bundles[kind].probe[0][0]])
     with torch.no_grad():
         before = model(ids).logits
-        rescaled = smooth_model(model, calibration_ids(None, model.config.vocab_size))
+        rescaled = smooth_model(model, calibration_peaks(model, calibration_ids(None, model.config.vocab_size)))
         after = model(ids).logits
     assert rescaled == 6 * model.config.num_hidden_layers
     assert torch.allclose(after, before, rtol=1e-9, atol=1e-9)

@@ -20,7 +20,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.runner import cache_keyword
-from batchspec.int8 import linear, native, quantize_model
+from batchspec.int8 import native, quantize_model
+from batchspec.int8.arithmetic import EXP2_COEFFICIENTS
 from batchspec.int8.attention import QKV_LEVELS, pack, packed_width
 from batchspec.int8.forward import Int8Forward, int8_forward
 from batchspec.int8.linear import Int8Stack, gated, quantize_gated
@@ -87,29 +88,17 @@ def test_the_gated_product_is_quantized_as_if_written_out(rows, size, seed, log_
     gate, up = (torch.randn(2, rows, size, generator=generator) * 2.0**log_scale).unbind()
     want_codes, want_scale = native.quantize(gated(gate.clone(), up).view(rows, size))
     got = quantize_gated(gate.clone().view(1, rows, size), up.view(1, rows, size))
-    assert torch.equal(got.codes("vnni"), want_codes) and torch.equal(got.scale, want_scale)
+    assert torch.equal(got.codes("native"), want_codes) and torch.equal(got.scale, want_scale)
     assert got.shape == (1, rows) and got.inner == size
-    fused_codes, fused_scale = native.quantize_gated(gate.view(rows, size), up.view(rows, size))
-    codes, scale = native.quantize_product(native.silu(gate.view(rows, size)), up.view(rows, size))
+    fused_codes, fused_scale = native.quantize_gated(gate.view(rows, size), up.view(rows, size), EXP2_COEFFICIENTS)
+    codes, scale = native.quantize_product(native.silu(gate.view(rows, size), EXP2_COEFFICIENTS), up.view(rows, size))
     assert torch.equal(fused_codes, codes) and torch.equal(fused_scale, scale)
     with pytest.raises(ValueError, match="twice"):
         native.quantize_product(gate, up[:, :-1])
     with pytest.raises(ValueError, match="twice"):
-        native.quantize_gated(gate, up[:, :-1])
-
-
-def test_a_c_silu_without_torchs_bits_is_not_used(monkeypatch, caplog):
-    """Where the C SiLU does not give torch's bits (another torch), one log line, and the MLP keeps torch's SiLU:
-    the same codes as quantizing the written product."""
-    linear.native_silu_is_torchs.cache_clear()
-    monkeypatch.setattr(native, "silu", lambda x: torch.nn.functional.silu(x) * (1 + 2**-20))
-    gate, up = torch.randn(2, 3, 70, generator=torch.Generator().manual_seed(0)).unbind()
-    with caplog.at_level("WARNING"):
-        got = quantize_gated(gate.clone(), up)
-    linear.native_silu_is_torchs.cache_clear()
-    assert "keeps torch's SiLU" in caplog.text
-    want_codes, want_scale = native.quantize(gated(gate.clone(), up))
-    assert torch.equal(got.codes("vnni"), want_codes) and torch.equal(got.scale, want_scale)
+        native.quantize_gated(gate, up[:, :-1], EXP2_COEFFICIENTS)
+    with pytest.raises(ValueError, match="ten coefficients"):
+        native.quantize_gated(gate, up, EXP2_COEFFICIENTS[:9])
 
 
 @settings(max_examples=30, deadline=None)

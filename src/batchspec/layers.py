@@ -78,15 +78,21 @@ def register_attention(name: str, kernel: AttentionKernel) -> None:
     AttentionMaskInterface.register(name, mask_function)
 
 
-def swap_layers(parent: torch.nn.Module, replacement: Callable[[str, torch.nn.Module], torch.nn.Module | None]) -> None:
+def swap_layers(
+    parent: torch.nn.Module, replacement: Callable[[str, torch.nn.Module], torch.nn.Module | None]
+) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
     """Replace ``parent``'s descendants by ``replacement(name, child)`` wherever it gives a module, depth first, not
-    descending into a replaced one."""
+    descending into a replaced one; returns ``(parent, name, child)`` of each module replaced, in order (setting
+    them back in reverse undoes the swap)."""
+    replaced = []
     for name, child in list(parent.named_children()):
         new = replacement(name, child)
         if new is None:
-            swap_layers(child, replacement)
+            replaced += swap_layers(child, replacement)
         else:
             setattr(parent, name, new)
+            replaced.append((parent, name, child))
+    return replaced
 
 
 def is_rms_norm(module: torch.nn.Module) -> bool:

@@ -2,12 +2,12 @@
 
 The int8 forward is batch-invariant by construction because it only uses three kinds of operation:
 
-1. **Elementwise operations whose result depends on their operands alone**: the correctly rounded ones
-   (``+ - * /``, ``floor``, ``round``, comparisons), which IEEE 754 fixes, so the vector lanes and the scalar tail
-   of a CPU kernel agree whatever the tensor's shape or where the value sits in it; and torch's ``sqrt``, which is
-   not always correctly rounded on the CPU (it differed from C's ``sqrtf`` in 15,509 of 100,000 random float32
-   values on an AVX-512 Zen 4) but runs the same vector code on a loop's tail, so a value gets the same bits at any
-   offset (``tests/test_int8.py`` checks it).
+1. **Correctly rounded elementwise operations** (``+ - * /``, ``sqrt``, ``floor``, ``round``, comparisons), which
+   IEEE 754 fixes: the vector lanes and the scalar tail of a kernel, every instruction set and every thread split
+   agree on them whatever the tensor's shape or where a value sits in it. torch's float32 ``sqrt`` is not one of them
+   on the CPU (it differed from the correctly rounded root in 15,509 of 100,000 random float32 values on an AVX-512
+   Zen 4, through a vector library that picks its code by CPU), so :func:`sqrt_rounded` takes float64's root and
+   rounds it, which is the correctly rounded float32 root.
 2. **Sums of integers held exactly**: the int8 product accumulates in int32 (:mod:`batchspec.int8.product`), and
    float64 holds every integer below 2**53 exactly, so a matrix product of integer-valued float64 tensors whose
    partial sums stay below 2**53 is exact, in any summation order and blocking a BLAS picks.
@@ -15,10 +15,13 @@ The int8 forward is batch-invariant by construction because it only uses three k
 
 Transcendental functions (``exp``, ``sigmoid``, ``cos``) are not in the list: torch's CPU kernels compute them
 with SIMD approximations in vector lanes and with scalar code in a loop's tail, which can differ in the last bit,
-and which path a value takes depends on its offset in the tensor, so on the batch (``F.silu`` of a tensor and of
-the same tensor shifted by one to 39 elements differ in 147 of 39 million values on an AVX-512 CPU). So
-:func:`exp2_nonpositive` builds ``2**t`` from kind-1 operations, :func:`silu_` keeps every value on torch's vector
-path, and :func:`row_sum` sums a float row in an order fixed by its length.
+and which path a value takes depends on its offset in the tensor, so on the batch and the thread count (``F.silu``
+of a tensor and of the same tensor shifted by one to 39 elements differ in 147 of 39 million values on an AVX-512
+CPU), and on the instruction set torch dispatches to (its AVX2 and AVX-512 SiLU agree, its scalar one does not). So
+:func:`exp2_nonpositive` builds ``2**t`` from kind-1 operations, :func:`exact_silu` builds the SiLU on it, and
+:func:`row_sum` sums a float row in an order fixed by its length. The native kernels (:mod:`batchspec.int8.native`)
+compute each of these with the same operations in the same order, so every build and the torch path give one set of
+bits.
 
 Glossary: a *row* is the vector one reduction runs over (one token's hidden state, one head's query); *levels*
 is the largest integer a quantized value may take (127 for int8).
@@ -35,6 +38,8 @@ from batchspec.int8 import native
 INT8_LEVELS = 127
 # 2**f on [0, 1) as a polynomial in f: the Taylor terms of exp(f ln 2); the degree-10 remainder is below 1e-8.
 EXP2_COEFFICIENTS = tuple(math.log(2.0) ** i / math.factorial(i) for i in range(10))
+# log2(e), which times -|x| gives exact_silu's exponent (rounded to float32 where it multiplies float32)
+LOG2E = math.log2(math.e)
 # the smallest exponent kept: 2**-126 is float32's smallest normal number
 _MIN_EXPONENT = -126.0
 
@@ -97,27 +102,24 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# torch's CPU elementwise kernels run a call of fewer elements than this on one thread (at::internal::GRAIN_SIZE),
-# in steps of two SIMD vectors (at most 2 x 16 floats) from its first element; a multiple of 64 below it
-_VECTOR_CALL = 32768 - 64
-_VECTOR_ALIGN = 64
+def exact_silu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` from kind-1 operations and :func:`exp2_nonpositive`, so each value depends on its argument
+    alone, on every CPU: ``e = 2**(|x| * -log2 e)`` (``exp(-|x|)``), then ``x * (s / (1 + e))`` with ``s = 1`` for
+    ``x >= 0`` and ``e`` below (the sigmoid of ``|x|`` or of ``-|x|``, never an overflow). Within a few units in the
+    last place of torch's ``F.silu``; a float32 call on a CPU with batchspec's native kernels runs
+    :func:`~batchspec.int8.native.silu`, the same bits.
 
-
-def silu_(x: torch.Tensor) -> torch.Tensor:
-    """``F.silu`` of a contiguous ``x`` with every value computed by torch's vector path, so each depends on its
-    argument alone; in place when rows are a multiple of 64 values wide, else on a padded copy. Returns the result.
-
-    The values are taken flat in calls of a multiple of 64 elements under torch's threading grain: each call runs
-    on one thread in whole double-vector steps from its first element, so no value falls in a scalar tail. (A
-    polynomial like :func:`exp2_nonpositive` does this by construction but took 43x as long on the prompt
-    prefill's ``[1200, 8960]`` gate: 430 vs 10 ms.)
+    Example: ``x = 0`` gives ``e = 1`` and ``0 * (1 / 2) = 0``; ``x = -1`` gives ``e = 0.3679`` and
+    ``-1 * (0.3679 / 1.3679) = -0.2689``.
     """
-    width = x.shape[-1]
-    padded = -(-width // _VECTOR_ALIGN) * _VECTOR_ALIGN
-    if padded == width:
-        flat = x.view(-1)
-        for part in flat.split(_VECTOR_CALL) if flat.numel() > _VECTOR_CALL else (flat,):
-            torch.nn.functional.silu(part, inplace=True)
-        return x
-    wide = torch.nn.functional.pad(x, (0, padded - width))  # [..., padded]
-    return silu_(wide)[..., :width]
+    if x.dtype == torch.float32 and native.available():
+        return native.silu(x, EXP2_COEFFICIENTS)
+    e = exp2_nonpositive(x.abs().mul_(-LOG2E))
+    return x * (torch.where(x >= 0, 1.0, e) / (e + 1.0))
+
+
+def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of float32 ``x`` (of float64 ``x``: torch's root): float64's root of a
+    float32 value, rounded to float32, is the float32 root correctly rounded, even where float64's is off by an ulp
+    (the exact root is at least 2**-50 of its size from any float32 rounding boundary; float64's ulp is 2**-52)."""
+    return x.double().sqrt_().to(x.dtype) if x.dtype == torch.float32 else x.sqrt()

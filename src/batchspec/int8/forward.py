@@ -10,7 +10,7 @@ the same modules' tensors in 12 native calls and 4 torch operations a layer::
     query = rotary(q); cache[.., start:end] = pack(rotary(k)), pack(v)   # rotary_into: [B, H, S, D], int16 in place
     x = x + o(quantize(exact_attention(query, cache[.., :end])))        # the residual added in the product
     gate, up = one product of quantize(RMSNorm(x))
-    x = x + down(quantize(silu(gate) * up))            # quantize_gated: torch's vector SiLU's bits, in C
+    x = x + down(quantize(silu(gate) * up))            # quantize_gated: exact_silu, in C
 
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
@@ -177,7 +177,7 @@ class Int8Forward:
 def _normed(norm: ExactRMSNorm, x: torch.Tensor) -> QuantizedRows:
     """``quantize_activations(norm(x))`` for ``x`` ``[..., H]``, by :func:`~batchspec.int8.native.norm_quantize`."""
     codes, scale = native.norm_quantize(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps)  # [N, 4 G], [N, 1]
-    return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"vnni": codes})
+    return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"native": codes})
 
 
 def _products(layers: list[Int8Linear] | Int8Stack, rows: QuantizedRows) -> list[torch.Tensor]:

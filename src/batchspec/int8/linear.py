@@ -8,17 +8,12 @@ output does not depend on the other tokens or rows of the call, nor on how the i
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import torch
 
 from batchspec.int8 import native
-from batchspec.int8.arithmetic import quantize_rows, silu_
+from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
 from batchspec.int8.native import ZERO_POINT
 from batchspec.int8.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
-
-logger = logging.getLogger(__name__)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +43,7 @@ class Int8Linear(torch.nn.Module):
         ``residual`` (``[..., O]``) where given: ``residual + y``, a decoder layer's residual connection."""
         codes = rows.codes(self.weight.kernel)  # [N, K]
         flat = None if residual is None else residual.reshape(-1, self.out_features)  # [N, O]
-        if self.weight.kernel == "vnni":  # the scales, bias and residual applied in the kernel, in the order below
+        if self.weight.kernel == "native":  # the scales, bias and residual applied in the kernel, in the order below
             y = native.linear(codes, *self.weight.tensors, rows.scale, self.scale, self.bias, flat)  # [N, O]
             return y.reshape(*rows.shape, self.out_features)
         acc = int_product(codes, self.weight, rows.dtype)  # [N, O]: the exact int32 sums, in the float dtype
@@ -64,7 +59,7 @@ class Int8Linear(torch.nn.Module):
 
 
 class Int8Stack:
-    """Layers that read one input (an attention's q, k and v; an MLP's gate and up) as one product: their ``vnni``
+    """Layers that read one input (an attention's q, k and v; an MLP's gate and up) as one product: their ``native``
     weights stacked in one buffer, which each layer then reads through views of it (its outputs are unchanged:
     each output channel's sum is its own). One pass over the stacked weight gives every layer's output in its own
     tensor (:func:`~batchspec.int8.native.linear_parts`); a one-row step reads the small k and v weights at the
@@ -80,7 +75,7 @@ class Int8Stack:
         for layer, width in zip(layers, self.widths, strict=True):
             first = start // native.PANEL
             count = -(-width // native.PANEL)
-            layer.weight = PackedWeight("vnni", (panels[first : first + count], sums[start : start + width]))
+            layer.weight = PackedWeight("native", (panels[first : first + count], sums[start : start + width]))
             layer.scale = self.scale[start : start + width]
             if self.bias is not None:
                 layer.bias = torch.nn.Parameter(self.bias[start : start + width], requires_grad=False)
@@ -88,10 +83,10 @@ class Int8Stack:
 
     @classmethod
     def of(cls, layers: list[Int8Linear]) -> Int8Stack | None:
-        """The stack of ``layers`` where they can be one (all on the ``vnni`` kernel, one input size, every width
+        """The stack of ``layers`` where they can be one (all on the ``native`` kernel, one input size, every width
         but the last a multiple of the kernel's panel, all with a bias or none; float32), else None."""
         first = layers[0]
-        if any(layer.weight.kernel != "vnni" or layer.in_features != first.in_features for layer in layers):
+        if any(layer.weight.kernel != "native" or layer.in_features != first.in_features for layer in layers):
             return None
         if any(layer.out_features % native.PANEL for layer in layers[:-1]):
             return None
@@ -101,7 +96,7 @@ class Int8Stack:
 
     def __call__(self, rows: QuantizedRows) -> list[torch.Tensor]:
         """Each layer's output for ``rows`` (``[..., K]`` quantized): ``[..., width]`` per layer."""
-        outs = native.linear_parts(rows.codes("vnni"), *self.tensors, rows.scale, self.scale, self.bias, self.widths)
+        outs = native.linear_parts(rows.codes("native"), *self.tensors, rows.scale, self.scale, self.bias, self.widths)
         return [out.view(*rows.shape, out.shape[-1]) for out in outs]
 
 
@@ -119,10 +114,10 @@ class QuantizedRows:
 
     @property
     def values(self) -> torch.Tensor:
-        """The integers in the float dtype, ``[N, K]`` (derived exactly from the ``vnni`` codes when only those
+        """The integers in the float dtype, ``[N, K]`` (derived exactly from the ``native`` codes when only those
         were made)."""
         if self._values is None:
-            self._values = self._codes["vnni"][:, : self.inner].to(self.dtype).sub_(ZERO_POINT)
+            self._values = self._codes["native"][:, : self.inner].to(self.dtype).sub_(ZERO_POINT)
         return self._values
 
     def codes(self, kernel: str) -> torch.Tensor:
@@ -134,11 +129,11 @@ class QuantizedRows:
 
 def quantize_activations(x: torch.Tensor) -> QuantizedRows:
     """Quantize ``x`` (``[..., K]``) per token to int8; float32 on a CPU with batchspec's native kernels goes
-    straight to the ``vnni`` codes (:func:`~batchspec.int8.native.quantize`, the same bits)."""
+    straight to the ``native`` codes (:func:`~batchspec.int8.native.quantize`, the same bits)."""
     flat = x.reshape(-1, x.shape[-1])  # [N, K]
     if x.dtype == torch.float32 and native.available():
         codes, scale = native.quantize(flat)
-        return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"vnni": codes})
+        return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"native": codes})
     q, scale = quantize_rows(flat)  # [N, K], [N, 1]
     return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], values=q)
 
@@ -178,36 +173,16 @@ class Int8MLP(torch.nn.Module):
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (``[..., F]`` each), in ``gate``'s memory: the MLP's activation, each value rounded as
-    torch's vector path rounds it (:func:`~batchspec.int8.arithmetic.silu_`)."""
-    return silu_(gate).mul_(up)
+    """``exact_silu(gate) * up`` (``[..., F]`` each): the MLP's activation, each value from its operands alone
+    (:func:`~batchspec.int8.arithmetic.exact_silu`)."""
+    return exact_silu(gate).mul_(up)
 
 
 def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
-    """``quantize_activations(gated(gate, up))``; with the native kernels the product is never written out, and where
-    their SiLU gives torch's bits (:func:`native_silu_is_torchs`) neither is the SiLU
-    (:func:`~batchspec.int8.native.quantize_gated`). ``gate`` may be overwritten."""
+    """``quantize_activations(gated(gate, up))``; with the native kernels neither the SiLU nor the product is written
+    out (:func:`~batchspec.int8.native.quantize_gated`, the same bits)."""
     if gate.dtype != torch.float32 or not native.available():
         return quantize_activations(gated(gate, up))
     width = gate.shape[-1]
-    if native_silu_is_torchs():
-        codes, scale = native.quantize_gated(gate.reshape(-1, width), up.reshape(-1, width))
-    else:
-        codes, scale = native.quantize_product(silu_(gate).reshape(-1, width), up.reshape(-1, width))
-    return QuantizedRows(scale, gate.dtype, tuple(gate.shape[:-1]), width, codes={"vnni": codes})
-
-
-@functools.cache
-def native_silu_is_torchs() -> bool:
-    """Whether :func:`~batchspec.int8.native.silu` gives :func:`~batchspec.int8.arithmetic.silu_`'s bits here, on
-    4 x 32,768 probes: normal values at four scales, and every exponent's range from 2**-30 to 2**8 of both signs.
-    Where it does not (another torch, another vector path), one log line, and the MLP keeps torch's SiLU."""
-    generator = torch.Generator().manual_seed(0)
-    normal = torch.randn(3, 32768, generator=generator) * torch.tensor([[0.5], [4.0], [30.0]])
-    ladder = torch.rand(32768, generator=generator) * 2.0 ** torch.randint(-30, 9, (32768,), generator=generator)
-    ladder = ladder * torch.where(torch.rand(32768, generator=generator) < 0.5, -1.0, 1.0)
-    probes = torch.cat([normal.flatten(), ladder])
-    same = torch.equal(native.silu(probes), silu_(probes.clone()))
-    if not same:
-        logger.warning("batchspec's C SiLU does not give this torch's bits here; the int8 MLP keeps torch's SiLU")
-    return same
+    codes, scale = native.quantize_gated(gate.reshape(-1, width), up.reshape(-1, width), EXP2_COEFFICIENTS)
+    return QuantizedRows(scale, gate.dtype, tuple(gate.shape[:-1]), width, codes={"native": codes})

@@ -3,28 +3,35 @@
 :func:`quantize_model` smooths the float model's activations (:mod:`~batchspec.int8.smoothing`), then
 swaps, in place:
 
-* every MLP for an :class:`~batchspec.int8.linear.Int8MLP` (its activation on torch's vector path only);
+* every MLP for an :class:`~batchspec.int8.linear.Int8MLP` (its activation
+  :func:`~batchspec.int8.arithmetic.exact_silu`);
 * every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.int8.linear.Int8Linear`; an
   attention's q, k and v projections share one quantization of their input, and its keys and values enter the KV
   cache quantized (:func:`~batchspec.int8.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
-* the rotary embedding for :class:`RotaryTable` (cos/sin computed once per position, then looked up);
+* the rotary embedding for :class:`RotaryTable` (cos/sin correctly rounded, computed once per position, then looked
+  up);
 * the attention implementation for :data:`~batchspec.int8.attention.NAME`.
 
 The token embedding stays as it is: a lookup copies a row. What is left between these modules is elementwise
-(residual additions, the rotary products), so every row's logits are independent of the batch.
+(residual additions, the rotary products), so every row's logits are independent of the batch; and since no value
+depends on a float sum's order, a vector library's approximation or a BLAS, they are the same bits on every CPU and
+with any number of threads. The smoothing's activation peaks come from the same exact model (unsmoothed), so the int8
+weights are the same bits everywhere too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import mpmath
 import torch
 
 from batchspec.int8 import attention, native
-from batchspec.int8.arithmetic import row_sum
+from batchspec.int8.arithmetic import row_sum, sqrt_rounded
 from batchspec.int8.linear import Int8Linear, Int8MLP, SharedQuantization
-from batchspec.int8.smoothing import calibration_ids, smooth_model
+from batchspec.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
 from batchspec.layers import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.model_checks import check_model
 
@@ -46,29 +53,61 @@ class ExactRMSNorm(RMSNormSwap):
 
 def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x * x) + eps))`` over the last dimension (``[..., H]``), the mean summed by
-    :func:`row_sum` and every other operation elementwise."""
+    :func:`row_sum`, the root correctly rounded (:func:`sqrt_rounded`) and every other operation elementwise."""
     mean = row_sum(x * x) / x.shape[-1]  # [..., 1]
-    return weight * (x * (1.0 / torch.sqrt(mean + eps)))
+    return weight * (x * (1.0 / sqrt_rounded(mean + eps)))
 
 
 class RotaryTable(torch.nn.Module):
-    """The model's own rotary embedding, computed once for every position and then looked up.
+    """The model's rotary embedding, computed once for every position and then looked up.
 
-    transformers computes ``cos``/``sin`` of each forward's positions, and a value's result depends on where it
-    sits in that forward's tensor (see :mod:`batchspec.int8.arithmetic`); a table built in one call gives
-    position ``p`` the same values in every forward.
+    transformers computes ``cos``/``sin`` of each forward's positions with torch's vector ``cos``, whose last bit
+    can depend on where a value sits in the tensor, on the thread count and on the CPU (see
+    :mod:`batchspec.int8.arithmetic`). The table holds, for position ``p`` and frequency ``f`` (the module's own
+    ``inv_freq``), the float32 angle ``f * p`` as transformers rounds it, its cosine and sine correctly rounded
+    (:func:`correctly_rounded`), times the module's ``attention_scaling``: the same bits in every forward, on every
+    CPU.
     """
 
     def __init__(self, rotary: torch.nn.Module, positions: int, dtype: torch.dtype) -> None:
         super().__init__()
-        probe = torch.zeros(1, dtype=dtype, device=rotary.inv_freq.device)
-        with torch.no_grad():
-            cos, sin = rotary(probe, torch.arange(positions, device=probe.device)[None])  # [1, P, D] each
-        self.register_buffer("cos", cos[0].contiguous(), persistent=False)
-        self.register_buffer("sin", sin[0].contiguous(), persistent=False)
+        frequencies = rotary.inv_freq.detach().to("cpu", torch.float32)  # [D / 2]
+        angles = torch.arange(positions, dtype=torch.float32)[:, None] * frequencies  # [P, D / 2]
+        angles = torch.cat([angles, angles], dim=-1)  # [P, D]
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        cos, sin = (correctly_rounded(angles, f).mul_(scaling).to(dtype) for f in ("cos", "sin"))  # [P, D] each
+        self.register_buffer("cos", cos.to(rotary.inv_freq.device), persistent=False)
+        self.register_buffer("sin", sin.to(rotary.inv_freq.device), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)  # [B, S, D] each
+
+
+def correctly_rounded(x: torch.Tensor, function: str) -> torch.Tensor:
+    """``function`` (``"cos"`` or ``"sin"``) of float32 ``x``, correctly rounded to float32: torch's float64 value
+    rounded, except where it lies within 2**-40 of its size from a float32 rounding boundary (float64's error could
+    then decide the rounding), recomputed there with mpmath at 100 bits."""
+    wide = getattr(torch, function)(x.double())  # [...]
+    narrow = wide.float()
+    step = torch.nextafter(narrow, torch.where(wide >= narrow.double(), torch.inf, -torch.inf)).double()
+    boundary = (narrow.double() + step) / 2  # the midpoint between narrow and its neighbour towards wide
+    hard = (wide - boundary).abs() <= wide.abs() * 2.0**-40
+    for index in hard.nonzero():
+        narrow[tuple(index)] = _mp_rounded(float(x[tuple(index)]), function)
+    return narrow
+
+
+def _mp_rounded(value: float, function: str) -> float:
+    """``function`` of the float ``value`` at 100 bits, rounded to float32 by comparing with the midpoint."""
+    with mpmath.workprec(100):
+        exact = getattr(mpmath, function)(mpmath.mpf(value))
+        low = torch.tensor(float(exact), dtype=torch.float64).float()
+        other = torch.nextafter(low, torch.tensor(torch.inf if mpmath.mpf(float(low)) < exact else -torch.inf))
+        midpoint = (mpmath.mpf(float(low)) + mpmath.mpf(float(other))) / 2
+        nearer_low = abs(exact - mpmath.mpf(float(low))) < abs(exact - mpmath.mpf(float(other)))
+        if exact == midpoint:
+            nearer_low = int(low.view(torch.int32)) % 2 == 0
+        return float(low if nearer_low else other)
 
 
 def check_quantize(quantize: str) -> str:
@@ -105,25 +144,50 @@ def check_quantizable(model: Any) -> None:
 
 def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     """Make ``model`` the exact int8 model in place (see the module docstring) and return it; its activations are
-    smoothed first (:mod:`~batchspec.int8.smoothing`), calibrated on text ``tokenizer`` encodes (seeded
-    token ids without one)."""
+    smoothed first (:mod:`~batchspec.int8.smoothing`), with peaks from the exact int8 model's own decoder before
+    smoothing, run on text ``tokenizer`` encodes (seeded token ids without one): a forward whose every value is the
+    same bits on every CPU, where the float model's would depend on its BLAS and thread count."""
     check_quantizable(model)
-    smooth_model(model, calibration_ids(tokenizer, model.config.vocab_size))
     attention.register()
+    restore = _swap_in(model, head=False)
+    try:
+        peaks = calibration_peaks(model, calibration_ids(tokenizer, model.config.vocab_size))
+    finally:
+        restore()
+    smooth_model(model, peaks)
+    _swap_in(model, head=True)
+    return model
+
+
+def _swap_in(model: Any, head: bool) -> Callable[[], None]:
+    """Swap the exact modules into the float ``model`` in place (the output layer too where ``head``); returns what
+    puts the float modules back."""
     config, dtype = model.config, next(model.parameters()).dtype
-    swap_layers(model, lambda name, child: _replacement(name, child, config, dtype))
+    replaced = swap_layers(model, lambda name, child: _replacement(name, child, config, dtype, head))
+    hooks = []
     for module in model.modules():
         projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if all(isinstance(p, Int8Linear) for p in projections):
             shared = SharedQuantization(readers=len(projections))
             for projection in projections:
                 projection.quantizer = shared
-            module.register_forward_pre_hook(attention.pack_on_update, with_kwargs=True)
-    model.config._attn_implementation = attention.NAME
-    return model
+            hooks.append(module.register_forward_pre_hook(attention.pack_on_update, with_kwargs=True))
+    implementation, model.config._attn_implementation = model.config._attn_implementation, attention.NAME
+
+    def restore() -> None:
+        for hook in hooks:
+            hook.remove()
+        for parent, name, child in reversed(replaced):
+            setattr(parent, name, child)
+        model.config._attn_implementation = implementation
+
+    return restore
 
 
-def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype) -> torch.nn.Module | None:
+def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype,
+                 head: bool) -> torch.nn.Module | None:
+    if name == "lm_head" and not head:
+        return None
     if name == "mlp":
         return Int8MLP(child)
     if isinstance(child, torch.nn.Linear):

@@ -1,9 +1,9 @@
-"""batchspec's own C kernels for the exact int8 forward on AVX-512 VNNI CPUs (``native.c``), built once per machine.
+"""batchspec's own C kernels for the exact int8 forward, built once per machine for the instruction set it runs.
 
-* :func:`linear`: the int8 product with its scales and bias applied (the ``vnni`` kernel of
+* :func:`linear`: the int8 product with its scales and bias applied (the ``native`` kernel of
   :mod:`batchspec.int8.product`);
 * :func:`quantize`: a token's quantization, straight to that kernel's codes; :func:`quantize_gated`, the MLP's
-  ``silu(gate) * up`` quantized so, its SiLU computed as torch's vector path computes it (:func:`silu`);
+  ``exact_silu(gate) * up`` quantized so (:func:`silu`);
 * :func:`rms_norm`: :class:`~batchspec.int8.model.ExactRMSNorm`;
 * :func:`attention`: :func:`~batchspec.int8.attention.exact_attention` over the int16 KV cache, a call per block of
   queries; :func:`rotary_into`, :func:`norm_quantize` and :func:`linear`'s residual, what
@@ -13,25 +13,33 @@
   cache, or float64) and its ``2**t``, for the rest.
 
 Each gives the float32 bits of the torch code it replaces (the same correctly rounded operations in the same order,
-compiled without contracting multiply-adds), in one call where torch runs 10 to 40 operations; at ~5 us of dispatch
-per operation, those operations were half of a one-row decode step once the product read its weights at full speed.
+compiled without contracting multiply-adds), in one call where torch runs 10 to 40 operations; integer sums are exact
+in any order, and every row is computed whole by one thread. So the bits are the same on every instruction set, with
+any number of threads, and equal to the torch path's (``tests/test_int8_isa.py`` runs each build this CPU supports).
 
-A one-row decode step is a matrix-vector product per layer, whose cost is reading the weight. oneDNN's prepacked
-quantized linear read a 1536 x 8960 weight at 28.5 GB/s on a 2-core AMD EPYC Zen 4 whose memory streams 50 GB/s,
-and spent ~20 us a call before reading anything. ``native.c`` streams a weight laid out as panels of 64 outputs
-``[P, G, 64, 4]`` once per 240 rows, with ``vpdpbusd`` summing four u8 x s8 products per int32 lane; it read
-46.6 GB/s for 1 row and 34.5 for 8 on that machine, and a 1536 x 256 weight took 19 us against oneDNN's 44
-(``docs/results/2026-11-25c-cpu/kernels.txt``).
+There is one build per instruction set (:data:`ISAS`), the first this CPU runs chosen once per process, with one log
+line naming it:
 
-The C source is compiled with the system C compiler (``$CC``, else ``cc``) into the cache directory the first time a
-process asks for it (under a second) and loaded through ``ctypes``; its OpenMP loops run on the ``libgomp`` torch
-has already loaded. Where the CPU lacks AVX-512 VNNI, or the compiler or OpenMP is missing, :func:`library` is None
-and one log line says why; the int8 forward then runs in torch, on oneDNN or ``torch._int_mm``.
-``BATCHSPEC_NATIVE_KERNELS=0`` in the environment turns the kernels off (to compare, or to rule them out).
+* ``avx512vnni`` (``csrc/avx512.c``): 16-lane ``vpdpbusd`` on a weight laid out as panels of 64 outputs
+  ``[P, G, 64, 4]``, streamed once per 240 rows; it read a 1536 x 8960 weight at 46.6 GB/s for 1 row and 34.5 for 8
+  on a 2-core AMD EPYC Zen 4 whose memory streams 50 GB/s (oneDNN's prepacked quantized linear: 28.5 GB/s);
+* ``avxvnni`` (``csrc/avx2.c`` with VNNI): the same on 8 lanes, VEX ``vpdpbusd`` (Intel 12th gen and later, Zen 5),
+  or its EVEX form on AVX-512 VNNI CPUs;
+* ``avx2`` (``csrc/avx2.c``): ``vpmaddwd`` on the codes and weights widened to int16 (every AVX2 CPU: Zen 1-3,
+  Haswell and later), exact where ``vpmaddubsw`` would saturate.
+
+``BATCHSPEC_CPU_ISA=avx512vnni|avxvnni|avx2|none`` in the environment picks another build this CPU runs (to compare,
+or to test each), or none: the int8 forward then runs in torch (``torch._int_mm`` and float64 products, the same
+bits, far slower). Asking for an instruction set the CPU lacks is an error, never an emulation. The C source is
+compiled with the system C compiler (``$CC``, else ``cc``) into the cache directory the first time a process asks for
+a build (under a second) and loaded through ``ctypes``; its OpenMP loops run on the ``libgomp`` torch has already
+loaded. Where the compiler or OpenMP is missing, or the CPU is not x86-64 with AVX2, :func:`library` is None and one
+log line says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -43,6 +51,7 @@ import platform
 import subprocess
 import tempfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -52,18 +61,20 @@ from batchspec.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-PANEL = 64  # outputs per panel (native.c)
+PANEL = 64  # outputs per panel (csrc/scalar.h)
 GROUP = 4  # inner positions per vpdpbusd lane
 ZERO_POINT = 128  # the uint8 code of the integer 0
-# |q . w| <= 127 * 127 * K stays below 2^31 (native.c's modular int32 sum is then the sum itself)
+# |q . w| <= 127 * 127 * K stays below 2^31 (the C product's modular int32 sum is then the sum itself)
 MAX_INNER = (2**31 - 1) // (127 * 127)
-# the attention's query halves times 15-bit keys, 256 * 32767 * D, stay below 2^31 (native.c, quantize_queries)
+# the attention's query halves times 15-bit keys, 256 * 32767 * D, stay below 2^31 (csrc/scalar.h, quantize_queries)
 MAX_HEAD_SIZE = 256
-SCALE_BITS = 32  # the KV cache's float32 scale of a token: bit i is the parity of its integer i (native.c, section 4)
-_SOURCE = Path(__file__).with_name("native.c")
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared",
-          "-fPIC")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+SCALE_BITS = 32  # the KV cache's float32 scale of a token: bit i is the parity of its integer i (csrc/scalar.h)
+ISAS: tuple[str, ...] = ("avx512vnni", "avxvnni", "avx2")  # the builds, fastest first
+NONE = "none"  # BATCHSPEC_CPU_ISA's value for no build: the torch path
+_SOURCES = Path(__file__).with_name("csrc")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+_ENVIRONMENT = "BATCHSPEC_CPU_ISA"
+_chosen: str | None = None  # set by using(); None: the environment's or the CPU's choice
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,14 +162,17 @@ def quantize_product(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, to
     return _quantize_pair("quantize_product", x, y)
 
 
-def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` of ``silu(gate) * up`` for float32 ``gate``, ``up`` ``[N, K]``, with :func:`silu`'s bits: the
-    MLP's activation quantized a row at a time, never stored."""
-    return _quantize_pair("quantize_gated", gate, up)
+def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[float, ...]) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of ``silu(gate) * up`` for float32 ``gate``, ``up`` ``[N, K]``, with :func:`silu`'s bits (its
+    ``2**t``'s ten ``coefficients``): the MLP's activation quantized a row at a time, never stored."""
+    return _quantize_pair("quantize_gated", gate, up, _float_table(_checked(coefficients)))
 
 
-def _quantize_pair(function: str, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes ``[N, 4 G]`` and scales ``[N, 1]`` of the C ``function`` of two float32 ``[N, K]`` operands."""
+def _quantize_pair(function: str, x: torch.Tensor, y: torch.Tensor, *extra: object) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """The codes ``[N, 4 G]`` and scales ``[N, 1]`` of the C ``function`` of two float32 ``[N, K]`` operands (and
+    ``extra`` arguments before the thread count)."""
     if x.dtype != torch.float32 or x.dim() != 2 or y.dtype != x.dtype or y.shape != x.shape:
         raise ValueError(f"native quantization takes float32 [N, K] twice, not {x.dtype} {tuple(x.shape)}, "
                          f"{y.dtype} {tuple(y.shape)}")
@@ -167,55 +181,56 @@ def _quantize_pair(function: str, x: torch.Tensor, y: torch.Tensor) -> tuple[tor
     out = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8)  # [N, 4 G]
     scale = torch.empty(rows, 1)  # [N, 1]
     getattr(_library(), function)(x.data_ptr(), y.data_ptr(), rows, inner, out.shape[1], out.data_ptr(),
-                                  scale.data_ptr(), torch.get_num_threads())
+                                  scale.data_ptr(), *extra, torch.get_num_threads())
     return out, scale
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU of float32 ``x`` computed as torch's AVX-512 vector path computes it (``native.c``, section 2b); whether
-    it gives torch's bits on this machine and torch is what :func:`~batchspec.int8.linear.quantize_gated` checks
-    before it uses :func:`quantize_gated`."""
+def silu(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
+    """:func:`~batchspec.int8.arithmetic.exact_silu` of float32 ``x``, bit for bit, with its ``2**t``'s ten
+    ``coefficients``."""
     if x.dtype != torch.float32:
         raise ValueError(f"native silu takes float32, not {x.dtype}")
     x = x.contiguous()
     out = torch.empty_like(x)
-    _library().silu(x.data_ptr(), out.data_ptr(), x.numel(), torch.get_num_threads())
+    _library().silu(x.data_ptr(), out.data_ptr(), x.numel(), _float_table(_checked(coefficients)),
+                    torch.get_num_threads())
     return out
+
+
+def _checked(coefficients: tuple[float, ...]) -> tuple[float, ...]:
+    if len(coefficients) != 10:
+        raise ValueError(f"2**t takes ten coefficients, not {len(coefficients)}")
+    return tuple(coefficients)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`~batchspec.int8.model.exact_rms_norm` of float32 ``x`` ``[..., H]`` with ``weight`` ``[H]``, bit for
-    bit: the mean of squares and the scaling in C, the square root in between torch's own (its vectorized ``sqrt`` is
-    not always correctly rounded, so C's would differ)."""
-    x, root = _rooted(x, weight, eps)
+    bit, in one call."""
+    x = _norm_input(x, weight)
     out = torch.empty_like(x)
-    _library().rms_apply(x.data_ptr(), root.numel(), x.shape[-1], root.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                         torch.get_num_threads())
+    _library().rms_norm(x.data_ptr(), x.numel() // max(x.shape[-1], 1), x.shape[-1], eps, weight.data_ptr(),
+                        out.data_ptr(), torch.get_num_threads())
     return out
 
 
 def norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` of :func:`rms_norm` of float32 ``x`` ``[N, H]``, bit for bit, in two calls and torch's
-    ``sqrt``: ``(codes [N, 4 G], scale [N, 1])``, the normalized rows never written out."""
-    x, root = _rooted(x, weight, eps)
+    """:func:`quantize` of :func:`rms_norm` of float32 ``x`` ``[N, H]``, bit for bit, in one call:
+    ``(codes [N, 4 G], scale [N, 1])``, the normalized rows never written out."""
+    x = _norm_input(x, weight)
     rows, inner = x.shape
     codes, scale = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8), torch.empty(rows, 1)
-    _library().norm_quantize(x.data_ptr(), rows, inner, root.data_ptr(), weight.data_ptr(), codes.shape[1],
-                             codes.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    _library().norm_quantize(x.data_ptr(), rows, inner, eps, weight.data_ptr(), codes.shape[1], codes.data_ptr(),
+                             scale.data_ptr(), torch.get_num_threads())
     return codes, scale
 
 
-def _rooted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x contiguous, sqrt(mean(x * x) + eps) [N])``: RMSNorm's first half, the mean in C, torch's ``sqrt``."""
+def _norm_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous, once its dtype and shape fit ``weight``'s for a native RMSNorm."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
         raise ValueError(f"native RMSNorm takes float32 [..., H] and [H], not {x.dtype} {tuple(x.shape)}")
     if not weight.is_contiguous():
         raise ValueError("native RMSNorm takes a contiguous weight")
-    x = x.contiguous()
-    size = x.shape[-1]
-    mean = torch.empty(x.numel() // max(size, 1))  # [N]: mean of squares + eps
-    _library().rms_mean(x.data_ptr(), mean.numel(), size, eps, mean.data_ptr(), torch.get_num_threads())
-    return x, mean.sqrt_()
+    return x.contiguous()
 
 
 def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,88 +342,155 @@ def _float_table(values: tuple[float, ...]) -> ctypes.Array:
 
 
 def available() -> bool:
-    """Whether the kernels run here (see :func:`library`)."""
+    """Whether a build of the kernels runs here (see :func:`library`)."""
     return library() is not None
 
 
 def _library() -> types.SimpleNamespace:
     functions = library()
     if functions is None:
-        raise RuntimeError("batchspec's AVX-512 VNNI kernels are not available on this machine")
+        raise RuntimeError(f"batchspec's native int8 kernels are not in use here (instruction set: {isa()})")
     return functions
 
 
 @functools.cache
+def host_isas() -> tuple[str, ...]:
+    """The builds of :data:`ISAS` this CPU runs, fastest first (none off Linux on x86-64). ``avxvnni`` is the 256-bit
+    VNNI build: VEX-encoded where the CPU has AVX-VNNI, EVEX-encoded where it has AVX-512 VNNI."""
+    flags = _cpu_flags()
+    return tuple(name for name in ISAS if _build_flags(name, flags) is not None)
+
+
+def _build_flags(name: str, flags: frozenset[str]) -> tuple[str, ...] | None:
+    """The compiler flags of build ``name`` on a CPU with ``flags``; None where that CPU cannot run it."""
+    if name == "avx512vnni" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+    if name == "avxvnni" and {"avx2", "avx_vnni"} <= flags:
+        return ("-mavx2", "-mavxvnni")
+    if name == "avxvnni" and {"avx2", "avx512vl", "avx512_vnni"} <= flags:
+        return ("-mavx2", "-mavx512vl", "-mavx512vnni")
+    if name == "avx2" and "avx2" in flags:
+        return ("-mavx2",)
+    return None
+
+
+def isa() -> str:
+    """The build in use: :func:`using`'s, else ``BATCHSPEC_CPU_ISA``'s, else the fastest this CPU runs, else
+    :data:`NONE`. A value the CPU cannot run, or not one of :data:`ISAS` and ``none``, raises ValueError."""
+    name = _chosen or _environment() or next(iter(host_isas()), NONE)
+    if name != NONE and name not in host_isas():
+        known = ", ".join((*ISAS, NONE))
+        reason = f"this CPU runs {', '.join(host_isas()) or 'none of them'}" if name in ISAS else f"one of {known}"
+        raise ValueError(f"{_ENVIRONMENT}={name!r} is not an instruction set batchspec can use here: {reason}")
+    return name
+
+
+@functools.cache
+def _environment() -> str:
+    """``BATCHSPEC_CPU_ISA`` as the process started with it (read once: the forward asks at every layer)."""
+    return os.environ.get(_ENVIRONMENT, "").strip().lower()
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[None]:
+    """Run the kernels of build ``name`` (one of :func:`host_isas`, or ``none``) inside the block: for tests and
+    benchmarks that compare builds in one process. Layers quantized under one build keep their layout under the
+    others (every build takes the same prepacked weight), but not under ``none``."""
+    global _chosen
+    previous, _chosen = _chosen, name
+    try:
+        isa()
+        yield
+    finally:
+        _chosen = previous
+
+
 def library() -> types.SimpleNamespace | None:
-    """The C functions (``linear``, ``quantize``, ``quantize_product``, ``quantize_gated``, ``silu``, ``rms_mean``,
-    ``rms_apply``, ``quantize_wide``, ``pack_kv``, ``norm_quantize``, ``rotary_into``, ``exp2_nonpositive``,
-    ``attention``), built for this machine on first use;
-    None (with one log line) where they cannot run or ``BATCHSPEC_NATIVE_KERNELS=0`` turns them off."""
-    if os.environ.get("BATCHSPEC_NATIVE_KERNELS", "1") == "0":
-        logger.info("batchspec: BATCHSPEC_NATIVE_KERNELS=0, the AVX-512 VNNI kernels are off")
-        return None
-    missing = [flag for flag in _CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
-        logger.info("batchspec: no AVX-512 VNNI kernels on this CPU (lacks %s)", ", ".join(missing))
+    """The C functions of the build in use (:func:`isa`), built for this machine on first use; None for ``none``,
+    or (with one log line) where it does not build."""
+    return _load(isa())
+
+
+@functools.cache
+def _load(name: str) -> types.SimpleNamespace | None:
+    """Build ``name``'s shared library (once per process and source), load it and declare its functions."""
+    if name == NONE:
+        logger.info("batchspec: int8 kernels: none (%s); the int8 forward runs in torch", _why_none())
         return None
     try:
-        shared = ctypes.CDLL(str(_build()), mode=os.RTLD_LOCAL)
+        shared = ctypes.CDLL(str(_build(name)), mode=os.RTLD_LOCAL)
     except (OSError, subprocess.SubprocessError) as error:
         output = getattr(error, "stderr", None) or b""
         reason = output.decode(errors="replace").strip().splitlines()[:1] or [str(error)]
-        logger.warning("batchspec: the AVX-512 VNNI kernels did not build (%s); using oneDNN", reason[0])
+        logger.warning("batchspec: the %s int8 kernels did not build (%s); the int8 forward runs in torch", name,
+                       reason[0])
         return None
-    i64, pointer, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    signatures = {
+    logger.info("batchspec: int8 kernels: %s (this CPU runs %s)", name, ", ".join(host_isas()))
+    functions = {}
+    for function_name, arguments in _signatures().items():
+        function = getattr(shared, f"batchspec_{function_name}")
+        function.argtypes = arguments
+        function.restype = ctypes.c_int if function_name == "attention" else None
+        functions[function_name] = function
+    return types.SimpleNamespace(**functions)
+
+
+def _why_none() -> str:
+    if _environment() or _chosen:
+        return f"{_ENVIRONMENT}=none"
+    return f"no AVX2 on this {platform.machine() or 'unknown'} CPU"
+
+
+def _signatures() -> dict[str, list]:
+    """Each exported C function's argument types."""
+    i64, pointer, threads, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    return {
         "linear": [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, i64, i64, pointer, pointer, i64,
                    pointer, threads],
         "quantize": [pointer, i64, i64, i64, pointer, pointer, threads],
         "quantize_product": [pointer, pointer, i64, i64, i64, pointer, pointer, threads],
-        "quantize_gated": [pointer, pointer, i64, i64, i64, pointer, pointer, threads],
-        "silu": [pointer, pointer, i64, threads],
-        "rms_mean": [pointer, i64, i64, ctypes.c_float, pointer, threads],
-        "rms_apply": [pointer, i64, i64, pointer, pointer, pointer, threads],
-        "quantize_wide": [pointer, i64, i64, ctypes.c_float, pointer, i64, pointer, i64, threads],
-        "pack_kv": [pointer, i64, i64, ctypes.c_float, pointer, i64, threads],
-        "norm_quantize": [pointer, i64, i64, pointer, pointer, i64, pointer, pointer, threads],
+        "quantize_gated": [pointer, pointer, i64, i64, i64, pointer, pointer, pointer, threads],
+        "silu": [pointer, pointer, i64, pointer, threads],
+        "rms_norm": [pointer, i64, i64, f32, pointer, pointer, threads],
+        "norm_quantize": [pointer, i64, i64, f32, pointer, i64, pointer, pointer, threads],
+        "quantize_wide": [pointer, i64, i64, f32, pointer, i64, pointer, i64, threads],
+        "pack_kv": [pointer, i64, i64, f32, pointer, i64, threads],
         "rotary_into": [pointer, pointer, pointer, i64, i64, i64, i64, i64, pointer, pointer, pointer, pointer, pointer,
-                        pointer, pointer, pointer, i64, ctypes.c_float, threads],
+                        pointer, pointer, pointer, i64, f32, threads],
         "exp2_nonpositive": [pointer, i64, pointer, threads],
         "attention": [pointer, pointer, i64, i64, pointer, i64, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64,
-                      i64, i64, ctypes.c_double, ctypes.c_float, pointer, pointer, threads],
+                      i64, i64, ctypes.c_double, f32, pointer, pointer, threads],
     }
-    functions = {}
-    for name, arguments in signatures.items():
-        function = getattr(shared, f"batchspec_{name}")
-        function.argtypes, function.restype = arguments, ctypes.c_int if name == "attention" else None
-        functions[name] = function
-    return types.SimpleNamespace(**functions)
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux on x86-64; empty elsewhere)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return set()
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as info:
-            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+            return next((frozenset(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")),
+                        frozenset())
     except OSError:
-        return set()
+        return frozenset()
 
 
-def _build() -> Path:
-    """The shared library of ``native.c``, compiled into the cache directory unless a build of this source is there."""
+def _build(name: str) -> Path:
+    """Build ``name``'s shared library, compiled into the cache directory unless a build of this source is there."""
     compiler = os.environ.get("CC", "cc")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"native-{key}.so"
+    flags = (*_FLAGS, *(_build_flags(name, _cpu_flags()) or ()))
+    source = _SOURCES / ("avx512.c" if name == "avx512vnni" else "avx2.c")
+    texts = b"".join(path.read_bytes() for path in sorted(_SOURCES.iterdir()) if path.suffix in (".c", ".h"))
+    key = hashlib.sha256(texts + " ".join((compiler, str(source.name), *flags)).encode()).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / f"native-{name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, str(source), "-o", partial], check=True, capture_output=True, timeout=120)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -3,11 +3,12 @@
 Every kernel here sums int8 products in int32, which is exact in any order or blocking; what differs is how fast it
 reads the weight and whether its products saturate. :func:`product_kernel` picks, for each layer, the first of:
 
-* ``"vnni"``: batchspec's own AVX-512 VNNI kernel (:func:`batchspec.int8.native.linear`), on a weight prepacked
-  in panels of 64 outputs, activations as ``uint8`` ``q + 128``, the zero point's share subtracted in int32, the sum
-  rounded once to float32. It read a 1536 x 8960 weight at 46.6 GB/s for 1 row and 34.5 for 8, against oneDNN's 28.5
-  and 24.8 (2-core AMD EPYC Zen 4 reading 50 GB/s), and has no per-call overhead to speak of. Taken where the CPU
-  has AVX-512 VNNI, the kernels build and a worst-case probe is exact, for float32 activations.
+* ``"native"``: batchspec's own kernel for this CPU's instruction set (:func:`batchspec.int8.native.linear`: AVX-512
+  VNNI, AVX-VNNI or AVX2), on a weight prepacked in panels of 64 outputs, activations as ``uint8`` ``q + 128``, the
+  zero point's share subtracted in int32, the sum rounded once to float32. On AVX-512 VNNI it read a 1536 x 8960
+  weight at 46.6 GB/s for 1 row and 34.5 for 8, against oneDNN's 28.5 and 24.8 (2-core AMD EPYC Zen 4 reading
+  50 GB/s), and has no per-call overhead to speak of. Taken where a build runs (:func:`batchspec.int8.native.isa`)
+  and a worst-case probe is exact, for float32 activations.
 * ``"onednn"``: oneDNN's quantized linear with the weight **prepacked once** in the blocked layout its VNNI kernel
   reads (``onednn::qlinear_prepack``); activations enter as ``uint8`` codes ``q + 128`` with zero point 128, and
   the result comes back as float32 with unit scales, which is the int32 sum rounded once to float32 — the bits
@@ -31,7 +32,7 @@ import torch
 from batchspec.int8 import native
 from batchspec.int8.arithmetic import INT8_LEVELS
 
-KERNELS: tuple[str, ...] = ("vnni", "onednn", "int_mm", "int_mm_split")
+KERNELS: tuple[str, ...] = ("native", "onednn", "int_mm", "int_mm_split")
 # weights of fewer values take torch._int_mm: oneDNN's quantized linear spends ~20 us a call before it reads the
 # weight, and _int_mm was as fast or faster below this size (576 x 576: 20 against 31 us for one row; 896 x 896:
 # 57 against 50 us), on a 2-core AMD EPYC Zen 4
@@ -41,7 +42,7 @@ ONEDNN_MIN_WEIGHT = 1 << 19
 @dataclass(frozen=True)
 class PackedWeight:
     """An int8 weight ``[O, K]`` laid out once for ``kernel``: ``tensors`` is the prepacked weight with its unit scales
-    and zero points (``onednn``), the panels and zero-point sums of :func:`batchspec.int8.native.pack` (``vnni``),
+    and zero points (``onednn``), the panels and zero-point sums of :func:`batchspec.int8.native.pack` (``native``),
     ``([K, O],)`` (``int_mm``) or its two halves ``[K, O]`` (``int_mm_split``)."""
 
     kernel: str
@@ -49,13 +50,13 @@ class PackedWeight:
 
     def nbytes(self) -> int:
         """Bytes a product reads of the weight (the prepacked or integer tensors, not the unit scales)."""
-        weights = self.tensors[:1] if self.kernel in ("onednn", "vnni") else self.tensors
+        weights = self.tensors[:1] if self.kernel in ("onednn", "native") else self.tensors
         return sum(t.numel() * t.element_size() for t in weights)
 
 
 def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight:
     """``weight`` (int8 ``[O, K]``) laid out for ``kernel`` (one of :data:`KERNELS`)."""
-    if kernel == "vnni":
+    if kernel == "native":
         return PackedWeight(kernel, native.pack(weight))
     if kernel == "onednn":
         ones, zeros = torch.ones(weight.shape[0]), torch.zeros(weight.shape[0], dtype=torch.long)  # [O] each
@@ -67,8 +68,8 @@ def pack_weight(weight: torch.Tensor, kernel: str) -> PackedWeight:
 
 def activation_codes(q: torch.Tensor, kernel: str) -> torch.Tensor:
     """The codes ``kernel`` takes for integer-valued ``q`` in ``[-127, 127]`` (``[N, K]``): ``uint8`` ``q + 128``
-    for ``onednn`` (for ``vnni``, padded to a multiple of 4 columns), else ``int8`` ``q``."""
-    if kernel == "vnni":
+    for ``onednn`` (for ``native``, padded to a multiple of 4 columns), else ``int8`` ``q``."""
+    if kernel == "native":
         return native.codes(q)
     if kernel == "onednn":
         return (q + native.ZERO_POINT).to(torch.uint8)
@@ -77,9 +78,9 @@ def activation_codes(q: torch.Tensor, kernel: str) -> torch.Tensor:
 
 def int_product(codes: torch.Tensor, weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """``q @ W.T`` for the activations whose :func:`activation_codes` for ``weight.kernel`` are ``codes``
-    (``[N, K]``) -> ``[N, O]`` in ``dtype`` (float32 for ``vnni`` and ``onednn``): each integer sum exact, then
+    (``[N, K]``) -> ``[N, O]`` in ``dtype`` (float32 for ``native`` and ``onednn``): each integer sum exact, then
     rounded once to ``dtype``."""
-    if weight.kernel == "vnni":
+    if weight.kernel == "native":
         panels, sums = weight.tensors
         return native.linear(codes, panels, sums, torch.ones(codes.shape[0], 1), torch.ones(sums.numel()))
     if weight.kernel == "onednn":
@@ -107,7 +108,10 @@ def product_kernel(dtype: torch.dtype = torch.float32, weight_size: int = ONEDNN
 
 def exact_kernels(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The kernels that give exact sums on this CPU for activations of ``dtype``, fastest first."""
-    fast = [k for k, exact in (("vnni", _vnni_exact), ("onednn", _onednn_exact)) if dtype == torch.float32 and exact()]
+    if dtype != torch.float32:
+        return ("int_mm_split" if int_mm_saturates() else "int_mm",)
+    fast = [k for k, exact in (("native", native.available() and _native_exact(native.isa())),
+                               ("onednn", _onednn_exact())) if exact]
     return (*fast, "int_mm_split" if int_mm_saturates() else "int_mm")
 
 
@@ -133,13 +137,12 @@ def int_mm_saturates() -> bool:
 
 
 @functools.cache
-def _vnni_exact() -> bool:
-    """Whether batchspec's AVX-512 VNNI kernel runs here and gives the exact sums, rounded once to float32, on
-    worst-case operands for 1, 7 and 33 rows and an inner size that is not a multiple of 4 (once per process)."""
-    if not native.available():
-        return False
+def _native_exact(isa: str) -> bool:
+    """Whether batchspec's kernel for ``isa`` (the build in use) gives the exact sums, rounded once to float32, on
+    worst-case operands for 1, 7 and 33 rows and an inner size that is not a multiple of 4 (once per process and
+    build)."""
     a, w = _extreme_operands()
-    return _exact_on("vnni", a[:, :-3], w[:, :-3], (1, 7, 33))  # [33, 253], [64, 253]
+    return _exact_on("native", a[:, :-3], w[:, :-3], (1, 7, 33))  # [33, 253], [64, 253]
 
 
 @functools.cache

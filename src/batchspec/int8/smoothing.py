@@ -10,8 +10,10 @@ The division is folded into what produces the activations, so it costs nothing a
 * the attention's and the MLP's inputs: into the RMSNorm weight before them (q/k/v and gate/up share one ``s``);
 * the MLP's down projection: into the rows of the up projection (``silu(gate) * up`` is linear in ``up``).
 
-``max|x_j|`` comes from one forward of the float model over :data:`CALIBRATION_TEXT` (code and prose written for
-this purpose, so no benchmark's prompts are seen).
+``max|x_j|`` comes from one forward of a model's decoder over :data:`CALIBRATION_TEXT` (code and prose written for
+this purpose, so no benchmark's prompts are seen): :func:`~batchspec.int8.model.quantize_model` runs it on the exact
+int8 model before smoothing, so the peaks, the factors (correctly rounded roots and a quotient) and the smoothed
+weights are the same bits on every CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any
 
 import torch
 
-ALPHA = 0.5
+from batchspec.int8.arithmetic import sqrt_rounded
+
+ALPHA = 0.5  # the square roots of _fold
 CALIBRATION_TEXT = """\
 def merge_intervals(intervals):
     \"\"\"Merge overlapping intervals given as (start, end) pairs and return them sorted.\"\"\"
@@ -63,43 +67,62 @@ def calibration_ids(tokenizer: Any | None, vocab_size: int) -> list[int]:
     return torch.randint(0, vocab_size, (256,), generator=generator).tolist()
 
 
-def smooth_model(model: Any, ids: list[int]) -> int:
-    """Smooth every decoder layer of the float ``model`` in place from one forward over ``ids``; returns how many
-    linear layers were rescaled."""
-    layers = [m for m in model.modules() if all(hasattr(m, n) for n in ("self_attn", "mlp", "input_layernorm"))]
-    peaks: dict[torch.nn.Module, torch.Tensor] = {}
+# a decoder layer's three smoothed inputs: its attention's (q, k and v), its MLP's (gate and up), its down projection's
+INPUTS: tuple[str, ...] = ("attention", "mlp", "down")
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The model's decoder layers (modules with ``self_attn``, ``mlp`` and ``input_layernorm``), in order."""
+    return [m for m in model.modules() if all(hasattr(m, n) for n in ("self_attn", "mlp", "input_layernorm"))]
+
+
+def calibration_peaks(model: Any, ids: list[int]) -> dict[torch.nn.Module, dict[str, torch.Tensor]]:
+    """For each decoder layer, ``max |x_j|`` over the tokens ``ids`` of each of its :data:`INPUTS` (``[in]`` each),
+    from one forward of the model's decoder (the output layer does not run)."""
+    peaks: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
     hooks = []
-    for layer in layers:
-        for linear in (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
-            hooks.append(linear.register_forward_pre_hook(_recorder(peaks, linear)))
+    for layer in decoder_layers(model):
+        peaks[layer] = {}
+        readers = (layer.self_attn.q_proj, layer.mlp, layer.mlp.down_proj)
+        for name, reader in zip(INPUTS, readers, strict=True):
+            hooks.append(reader.register_forward_pre_hook(_recorder(peaks[layer], name)))
     try:
         with torch.no_grad():
-            model(torch.tensor([ids], device=next(model.parameters()).device), use_cache=False)
+            model.get_decoder()(input_ids=torch.tensor([ids], device=next(model.parameters()).device), use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
+    return peaks
+
+
+def smooth_model(model: Any, peaks: dict[torch.nn.Module, dict[str, torch.Tensor]]) -> int:
+    """Smooth every decoder layer of the float ``model`` in place with its :func:`calibration_peaks`; returns how
+    many linear layers were rescaled."""
+    layers = decoder_layers(model)
     with torch.no_grad():
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            _fold(peaks[attn.q_proj], [attn.q_proj, attn.k_proj, attn.v_proj], _divide_norm(layer.input_layernorm))
-            _fold(peaks[mlp.gate_proj], [mlp.gate_proj, mlp.up_proj], _divide_norm(layer.post_attention_layernorm))
-            _fold(peaks[mlp.down_proj], [mlp.down_proj], _divide_rows(mlp.up_proj))
+            attn, mlp, peak = layer.self_attn, layer.mlp, peaks[layer]
+            _fold(peak["attention"], [attn.q_proj, attn.k_proj, attn.v_proj], _divide_norm(layer.input_layernorm))
+            _fold(peak["mlp"], [mlp.gate_proj, mlp.up_proj], _divide_norm(layer.post_attention_layernorm))
+            _fold(peak["down"], [mlp.down_proj], _divide_rows(mlp.up_proj))
     return 6 * len(layers)
 
 
-def _recorder(peaks: dict, linear: torch.nn.Module) -> Callable:
+def _recorder(peaks: dict[str, torch.Tensor], name: str) -> Callable:
     def record(module: torch.nn.Module, args: tuple) -> None:
         peak = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)  # [in]
-        peaks[linear] = peak if linear not in peaks else torch.maximum(peaks[linear], peak)
+        peaks[name] = peak if name not in peaks else torch.maximum(peaks[name], peak)
 
     return record
 
 
 def _fold(peak: torch.Tensor, linears: list[torch.nn.Module], divide: Callable[[torch.Tensor], None]) -> None:
-    """Multiply the columns of ``linears`` by ``s`` and divide their input by ``s`` (through ``divide``)."""
+    """Multiply the columns of ``linears`` by ``s`` and divide their input by ``s`` (through ``divide``):
+    ``s = sqrt(peak) / sqrt(weight peak)`` (``ALPHA = 0.5``), each root correctly rounded, in the weight's dtype."""
+    dtype = linears[0].weight.dtype
     weight_peak = torch.stack([linear.weight.abs().amax(0) for linear in linears]).amax(0)  # [in]
-    factor = peak.clamp(min=1e-5).pow(ALPHA) / weight_peak.clamp(min=1e-5).pow(1 - ALPHA)  # [in]
-    factor = factor.to(linears[0].weight.dtype)
+    activation = sqrt_rounded(peak.to(dtype).clamp(min=1e-5))  # [in]
+    factor = activation / sqrt_rounded(weight_peak.clamp(min=1e-5))  # [in]
     for linear in linears:
         linear.weight.mul_(factor[None, :])
     divide(factor)

@@ -1,6 +1,6 @@
-/* batchspec's own kernels for the exact int8 forward on AVX-512 VNNI CPUs, built and loaded by
- * batchspec/int8/native.py. Compiled with -ffp-contract=off: every float operation below is one correctly rounded
- * IEEE operation, the same one torch runs in the Python path it replaces, so the bits are the same.
+/* batchspec's native kernels for AVX-512 VNNI CPUs (native.py's "avx512vnni" build), compiled with
+ * -ffp-contract=off: every float operation below is one correctly rounded IEEE operation, lane by lane the one its
+ * scalar twin in scalar.h runs, so this build gives the bits of avx2.c's and of the torch code they replace.
  *
  * 1. The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]), with q . w computed
  * as sum_k a[n][k] * w[o][k] - comp[o] for a[n][k] = q[n][k] + 128 as uint8 and comp[o] = 128 * sum_k w[o][k].
@@ -13,33 +13,16 @@
  * The weight is prepacked as panels of 64 outputs: w[p][g][j][i] = W[64 p + j][4 g + i] ([P, G, 64, 4] int8), so a
  * panel streams from memory in one pass and each group g is four 16-lane registers, one per 16 outputs. */
 #include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#define PANEL 64     /* outputs per panel: four 16-lane int32 accumulators per row */
-#define ROWS 6       /* activation rows per micro-kernel pass: 24 accumulators + 4 weight registers */
-#define ROW_BLOCK 240 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
+#include "scalar.h"
 
-/* the larger of two floats (neither is NaN here); fmaxf is a library call */
-static inline float larger(float a, float b) { return a > b ? a : b; }
+#define ROWS 6 /* activation rows per micro-kernel pass: 24 accumulators + 4 weight registers */
 
 static inline __m512i broadcast_group(const uint8_t *a) {
     int32_t four;
     memcpy(&four, a, sizeof four);
     return _mm512_set1_epi32(four);
 }
-
-/* outputs col .. col+valid-1 of rows r < NR, to out[r * ldo + 0 .. valid); NR is a constant at each call so the
- * loops unroll. */
-typedef struct {
-    const int32_t *comp;    /* [o] 128 * sum_k w[o][k] */
-    const float *row_scale; /* [n] */
-    const float *col_scale; /* [o] */
-    const float *bias;      /* [o], or NULL */
-    const float *residual;  /* added last, laid out as the output (offset to the panel's first column), or NULL */
-} epilogue_t;
 
 /* row r's four accumulators take the four products of x (row r's group of four codes, broadcast) with w0..w3 */
 #define DOT_ROW(r)                                                     \
@@ -53,6 +36,8 @@ typedef struct {
 #define ACC_ROW(r) __m512i acc##r##_0 = zero, acc##r##_1 = zero, acc##r##_2 = zero, acc##r##_3 = zero;
 #define KEEP_ROW(r) acc[r][0] = acc##r##_0, acc[r][1] = acc##r##_1, acc[r][2] = acc##r##_2, acc[r][3] = acc##r##_3;
 
+/* outputs col .. col+valid-1 of rows r < NR, to out[r * ldo + 0 .. valid); NR is a constant at each call so the
+ * loops unroll. */
 static inline __attribute__((always_inline)) void panel_rows(
     const int NR, const uint8_t *a, int64_t lda, const int8_t *panel, int64_t groups, epilogue_t e, int64_t col,
     float *out, int64_t ldo, int64_t valid) {
@@ -130,9 +115,7 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
     }
 }
 
-/* 2. Per-token quantization to the product's codes (batchspec_quantize), as int8/arithmetic.py's quantize_rows and
- * product.py's activation_codes compute it in float32: top = max |x|; scale = top > 0 ? top / 127 : 1;
- * q = clamp(rint(x * (1 / scale)), -127, 127); code = q + 128, and 128 in the padding columns k..ldc. */
+/* 2. Per-token quantization to the product's codes (entry.h's batchspec_quantize) */
 static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 /* sixteen values of row x, or of x * y (each product rounded once) where y is not NULL; zeros past n */
@@ -162,293 +145,38 @@ static inline __attribute__((always_inline)) void quantize_values(const float *x
     *scale = s;
 }
 
-static inline void quantize_row(const float *x, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
-    quantize_values(x, NULL, k, ldc, codes, scale);
+/* 2**t for sixteen t <= 0, each lane the bits of exp2_nonpositive (the same operations) */
+static inline __m512 exp2_vector(__m512 t, const float *c) {
+    __m512 v = _mm512_min_ps(_mm512_setzero_ps(), _mm512_max_ps(_mm512_set1_ps(-126.0f), t));
+    __m512 whole = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(v, whole), power = _mm512_set1_ps(c[9]);
+    for (int j = 8; j >= 0; j--) power = _mm512_add_ps(_mm512_mul_ps(power, f), _mm512_set1_ps(c[j]));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(power, _mm512_castsi512_ps(bits));
 }
 
-void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8_t *codes, float *scale,
-                        int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) quantize_row(x + r * k, k, ldc, codes + r * ldc, scale + r);
+/* 2b. arithmetic.py's exact_silu, sixteen values at a time (scalar.h's silu_value in each lane): e = 2**(-|x| log2 e),
+ * then x * ((x >= 0 ? 1 : e) / (1 + e)) */
+static inline __m512 silu_vector(__m512 x, const float *c) {
+    __m512 e = exp2_vector(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-LOG2E)), c);
+    __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    __m512 numerator = _mm512_mask_blend_ps(positive, e, _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
 
-/* batchspec_quantize of x * y (elementwise, each product rounded once as torch's mul rounds it), the product
- * computed where it is read and never written out: the MLP's silu(gate) * up on its way to the down projection */
-void batchspec_quantize_product(const float *x, const float *y, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
-                                float *scale, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, y + r * k, k, ldc, codes + r * ldc, scale + r);
-}
-
-/* 2b. SiLU as torch computes it on its AVX-512 vector path, x / (1 + exp(-x)), with exp the vector exp torch calls
- * (SLEEF's expf u10: n = rint(x / ln 2), s = x - n ln 2 in two fused steps, a degree-6 polynomial by fused
- * multiply-adds, times 2**n in two halves; 0 below -104 and inf above 100). native.py's silu_matches_torch checks the
- * bits against torch's own silu before batchspec_quantize_gated is used (it matched every float32 of torch 2.13). */
-static inline __m512 power_of_two(__m512i n) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
-}
-
-static inline __m512 exp_vector(__m512 x) {
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f));
-    __m512i n = _mm512_cvt_roundps_epi32(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 whole = _mm512_cvtepi32_ps(n);
-    __m512 s = _mm512_fmadd_ps(whole, _mm512_set1_ps(-0.693145751953125f), x);
-    s = _mm512_fmadd_ps(whole, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-    __m512i half = _mm512_srai_epi32(n, 1);
-    u = _mm512_mul_ps(_mm512_mul_ps(u, power_of_two(half)), power_of_two(_mm512_sub_epi32(n, half)));
-    u = _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ), u);
-    return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), x, _CMP_LT_OQ), _mm512_set1_ps(INFINITY));
-}
-
-static inline __m512 silu_vector(__m512 x) {
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_vector(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-void batchspec_silu(const float *x, float *y, int64_t count, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
-    for (int64_t i = 0; i < count; i += 16)
-        _mm512_mask_storeu_ps(y + i, first(count - i), silu_vector(_mm512_maskz_loadu_ps(first(count - i), x + i)));
-}
-
-/* batchspec_quantize of silu(gate) * up (each value rounded as torch's silu and mul round it), a row at a time
- * through a buffer on the stack: the MLP's activation on its way to the down projection, never written out */
-void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
-                              float *scale, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        float row[k];
-        for (int64_t i = 0; i < k; i += 16) {
-            __m512 g = _mm512_maskz_loadu_ps(first(k - i), gate + r * k + i);
-            __m512 u = _mm512_maskz_loadu_ps(first(k - i), up + r * k + i);
-            _mm512_mask_storeu_ps(row + i, first(k - i), _mm512_mul_ps(silu_vector(g), u));
-        }
-        quantize_row(row, k, ldc, codes + r * ldc, scale + r);
+static void silu_values(const float *x, const float *up, float *out, int64_t k, const float *c) {
+    for (int64_t i = 0; i < k; i += 16) {
+        __m512 y = silu_vector(_mm512_maskz_loadu_ps(first(k - i), x + i), c);
+        if (up) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(first(k - i), up + i));
+        _mm512_mask_storeu_ps(out + i, first(k - i), y);
     }
 }
 
-/* 3. RMSNorm as int8/model.py's exact_rms_norm computes it in float32, in two halves around torch's own sqrt (torch's
- * vectorized sqrt is not always the correctly rounded one that sqrtf is, so it stays torch's):
- * batchspec_rms_mean gives t = sum / h + eps with the squares summed by arithmetic.py's row_sum tree (padded with
- * zeros to a power of two w, then s[i] += s[i + w / 2], halving w), and batchspec_rms_apply gives
- * out = weight * (x * (1 / root)) for root = sqrt(t). */
-void batchspec_rms_mean(const float *x, int64_t n, int64_t h, float eps, float *t, int threads) {
-    int64_t width = 1;
-    while (width < h) width *= 2;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        const float *xr = x + r * h;
-        float sums[width];
-        for (int64_t i = 0; i < h; i++) sums[i] = xr[i] * xr[i];
-        for (int64_t i = h; i < width; i++) sums[i] = 0.0f;
-        for (int64_t half = width / 2; half >= 1; half /= 2)
-            for (int64_t i = 0; i < half; i++) sums[i] = sums[i] + sums[i + half];
-        t[r] = sums[0] / (float)h + eps;
-    }
-}
+/* 3. The exact attention of one GQA group (entry.h states the arithmetic and its bounds): the dots in vpdpwssd on
+ * the query's two halves, KEY_BLOCK keys at a time; the weighted sum in vpdpwssd on W's two halves, two keys a lane,
+ * PASS_ROWS rows by 32 channels a pass. */
+#define KEY_BLOCK 8 /* keys per score pass: their dots end as one vector of doubles */
 
-static inline void rms_apply_row(const float *x, int64_t h, float root, const float *weight, float *out) {
-    float inverse = 1.0f / root;
-    for (int64_t i = 0; i < h; i++) out[i] = weight[i] * (x[i] * inverse);
-}
-
-void batchspec_rms_apply(const float *x, int64_t n, int64_t h, const float *root, const float *weight, float *out,
-                         int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) rms_apply_row(x + r * h, h, root[r], weight, out + r * h);
-}
-
-/* batchspec_rms_apply, then batchspec_quantize of its rows, without writing the normalized rows out: a decoder
- * layer's norm feeds only the quantization of its products' input. */
-void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, const float *root, const float *weight,
-                             int64_t ldc, uint8_t *codes, float *scale, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        float normed[h];
-        rms_apply_row(x + r * h, h, root[r], weight, normed);
-        quantize_row(normed, h, ldc, codes + r * ldc, scale + r);
-    }
-}
-
-/* 4. Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
- * scale = top > 0 ? top / levels : 1, q = clamp(rint(x * (1 / scale)), -levels, levels). batchspec_quantize_wide
- * holds q and the scale in float64 (q[r][i] at q + r * ldq + i, the scale at scale + r * lds); batchspec_pack_kv
- * stores keys and values for the KV cache as attention.py's pack does: a token's `width` int16 (k, at least
- * SCALE_BITS) are its q (0 past k), except that q[i], i < SCALE_BITS, whose parity is not bit i of the float32 scale
- * moves one step towards x[i] / scale (away where they are equal; back inside +-levels at the edge). */
-#define SCALE_BITS 32 /* the scale's bits, one in the parity of each of a token's first 32 integers */
-
-static inline float token_scale(const float *x, int64_t k, float levels) {
-    float top = 0.0f;
-    for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
-    return top > 0.0f ? top / levels : 1.0f;
-}
-
-static inline float token_code(float x, float inverse, float levels) {
-    float v = rintf(x * inverse);
-    return v < -levels ? -levels : (v > levels ? levels : v);
-}
-
-void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels, double *q, int64_t ldq,
-                             double *scale, int64_t lds, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        const float *xr = x + r * k;
-        float s = token_scale(xr, k, levels), inverse = 1.0f / s;
-        for (int64_t i = 0; i < k; i++) q[r * ldq + i] = token_code(xr[i], inverse, levels);
-        scale[r * lds] = s;
-    }
-}
-
-/* the integer next to code whose parity differs, towards t (away from it where t == code), within +-levels */
-static inline float other_parity(float code, float t, float levels) {
-    float step = t >= code ? 1.0f : -1.0f, moved = code + step;
-    return moved > levels || moved < -levels ? code - step : moved;
-}
-
-static inline void pack_token(const float *x, int64_t k, float levels, int16_t *o, int64_t width) {
-    float s = token_scale(x, k, levels), inverse = 1.0f / s;
-    uint32_t bits;
-    memcpy(&bits, &s, sizeof bits);
-    for (int64_t i = 0; i < width; i++) {
-        float t = i < k ? x[i] * inverse : 0.0f, code = token_code(i < k ? x[i] : 0.0f, inverse, levels);
-        if (i < SCALE_BITS && ((int32_t)code & 1) != (int32_t)((bits >> i) & 1u))
-            code = other_parity(code, t, levels);
-        o[i] = (int16_t)code;
-    }
-}
-
-void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
-                       int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) pack_token(x + r * k, k, levels, out + r * width, width);
-}
-
-/* 4b. A layer's queries, keys and values on their way to the attention (batchspec_rotary_into): the rotary
- * embedding as transformers' apply_rotary_pos_emb computes it in float32 (rotate_half, then two products and a sum,
- * each rounded): y[i] = x[i] * cos[i] + r[i] * sin[i] with r[i] = -x[i + d/2] for i < d/2 and x[i - d/2] after;
- * queries rotated into `query` (float32), keys rotated and values as they are packed into the KV cache as
- * batchspec_pack_kv packs them. q is [batch, seq, heads, d] contiguous, k and v [batch, seq, kv_heads, d], cos and
- * sin [batch, seq, d]; token (b, s) of head h goes to out + b * st[0] + h * st[1] + s * st[2] of its output. */
-static inline void rotate(const float *x, const float *cos, const float *sin, int64_t d, float *y) {
-    int64_t half = d / 2;
-    for (int64_t i = 0; i < d; i++) {
-        float r = i < half ? -x[i + half] : x[i - half];
-        y[i] = x[i] * cos[i] + r * sin[i];
-    }
-}
-
-void batchspec_rotary_into(const float *q, const float *k, const float *v, int64_t batch, int64_t seq,
-                           int64_t heads, int64_t kv_heads, int64_t d, const float *cos, const float *sin,
-                           float *query, const int64_t *qst, int16_t *keys, const int64_t *kst, int16_t *values,
-                           const int64_t *vst, int64_t width, float levels, int threads) {
-    int64_t per_token = heads + 2 * kv_heads, rows = batch * seq * per_token;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * d > 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t token = r / per_token, j = r % per_token, b = token / seq, s = token % seq;
-        const float *c = cos + token * d, *n = sin + token * d;
-        if (j < heads) {
-            rotate(q + (token * heads + j) * d, c, n, d, query + b * qst[0] + j * qst[1] + s * qst[2]);
-        } else if (j < heads + kv_heads) {
-            int64_t h = j - heads;
-            float rotated[d];
-            rotate(k + (token * kv_heads + h) * d, c, n, d, rotated);
-            pack_token(rotated, d, levels, keys + b * kst[0] + h * kst[1] + s * kst[2], width);
-        } else {
-            int64_t h = j - heads - kv_heads;
-            pack_token(v + (token * kv_heads + h) * d, d, levels, values + b * vst[0] + h * vst[1] + s * vst[2],
-                       width);
-        }
-    }
-}
-
-/* 5. 2**t for t <= 0 in place (batchspec_exp2_nonpositive), as arithmetic.py's exp2_nonpositive computes it in
- * float32: t clamped to [-126, 0], n = floor(t), f = t - n, Horner's rule on the ten coefficients c (each product
- * and sum rounded), times 2**n written as exponent bits. */
-static inline float exp2_nonpositive(float t, const float *c) {
-    float v = t < -126.0f ? -126.0f : (t > 0.0f ? 0.0f : t);
-    float whole = floorf(v), f = v - whole, power = c[9];
-    for (int j = 8; j >= 0; j--) {
-        power = power * f;
-        power = power + c[j];
-    }
-    int32_t bits = ((int32_t)whole + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return power * scale;
-}
-
-void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
-    for (int64_t i = 0; i < count; i++) t[i] = exp2_nonpositive(t[i], c);
-}
-
-/* 6. The exact attention of one query row (batchspec_attention), as attention.py's _attend computes it: the query
- * quantized to 15 bits; dot[j] = q . K[j] (an exact integer, so in any order); the score
- * (float)((dot * (sq * scaling / ln 2)) * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden);
- * a[j] = e[j] * sv[j]; W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j
- * W[j] V[j]) * max a / max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
- *
- * One call handles one KV head of one batch row (a GQA group): its R = G * Q query rows, r = g * Q + i for head
- * hk * G + g and query i, read each key and value once from the int16 cache (a token's row is `width` int16: its
- * D integers, the scale's bits in their parities; see section 4). The dots are summed in int32 on the query's two
- * halves (quantize_queries states the bound), then joined in float64. The weighted sum is summed in int32 too, on
- * W's two halves W = 1024 * Wh + Wl (weighted_sums states the bound), and joined in float64 every PAIR_FLUSH key
- * pairs: every partial sum an integer below 2**53 (|V| <= 2**15 - 1, W <= 2**20 and L < 2**18, attention.py's
- * bounds). Both are exact, so the blocking below cannot change a bit. */
-#define KEY_BLOCK 8   /* keys per score pass: their dots end as one vector of doubles */
-#define PASS_ROWS 6   /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
-#define PAIR_FLUSH 32 /* key pairs summed in int32 before the sums join the float64 totals */
-#define WEIGHT_HALF 1024 /* W = WEIGHT_HALF * Wh + Wl, 0 <= Wl < WEIGHT_HALF */
-
-typedef struct {
-    int64_t queries, rows, padded, keys, size, lanes, width, visible_stride, visible_row;
-    double factor; /* scaling / ln 2 */
-    float levels;
-    const float *c;
-} group_t;
-
-/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; the weights' halves wh, wl
- * [padded, 2 * pairs] int16 and PASS_ROWS rows of them by pairs, wp [pairs, PASS_ROWS, 2] int32; the values by key
- * pairs vp [pairs, lanes, 2] int16; sum [padded, lanes] doubles; score
- * [padded, L] and the values' scales v_scale [L] floats (lanes: D rounded up to a multiple of 32; pairs: L / 2
- * rounded up) */
-typedef struct {
-    int16_t *hi, *lo, *wh, *wl, *vp;
-    int32_t *wp;
-    double *sum;
-    float *score, *v_scale;
-} scratch_t;
-
-/* one thread's scratch memory, kept from call to call up to SCRATCH_KEPT bytes (so a decode step's calls do not
- * fault in fresh pages); NULL where it cannot be had */
-#define SCRATCH_KEPT ((size_t)1 << 25)
-static __thread void *scratch_memory = NULL;
-static __thread size_t scratch_size = 0;
-
-static void *scratch(size_t bytes) {
-    bytes = (bytes + 63) / 64 * 64;
-    if (bytes <= scratch_size) return scratch_memory;
-    free(scratch_memory);
-    scratch_memory = aligned_alloc(64, bytes);
-    scratch_size = scratch_memory == NULL ? 0 : bytes;
-    return scratch_memory;
-}
-
-static void scratch_done(void) {
-    if (scratch_size <= SCRATCH_KEPT) return;
-    free(scratch_memory);
-    scratch_memory = NULL;
-    scratch_size = 0;
-}
-
-/* a packed token's scale: the parities of its first SCALE_BITS integers, as float32 bits (section 4) */
 static inline float token_scale_of(const int16_t *token) {
     uint32_t bits = (uint32_t)_mm512_test_epi16_mask(_mm512_loadu_si512(token), _mm512_set1_epi16(1));
     float s;
@@ -456,26 +184,6 @@ static inline float token_scale_of(const int16_t *token) {
     return s;
 }
 
-/* Query row r's 15-bit integers q split as q = 256 * hi + lo with lo in [0, 255] and hi in [-128, 127], each as
- * int16 zero-padded to `lanes` (D rounded up to 32), with zero rows up to `padded`; factor[r] = its scale *
- * scaling / ln 2. vpdpwssd then sums hi . K and lo . K exactly in int32 lanes: both stay below 2**31 in magnitude
- * (|lo . K|, |hi . K| <= 256 * 32767 * D < 2**31 for D <= 256, native.py's MAX_HEAD_SIZE), and the int32 sums wrap
- * modulo 2**32 without saturating, so they are the sums themselves whatever the order. */
-static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t *lo, double *factor) {
-    for (int64_t i = 0; i < g.padded * g.lanes; i++) hi[i] = lo[i] = 0;
-    for (int64_t r = 0; r < g.rows; r++) {
-        const float *x = query + r * g.size;
-        float s = token_scale(x, g.size, g.levels), inverse = 1.0f / s;
-        for (int64_t d = 0; d < g.size; d++) {
-            int32_t q = (int32_t)token_code(x[d], inverse, g.levels);
-            hi[r * g.lanes + d] = (int16_t)(q >> 8);
-            lo[r * g.lanes + d] = (int16_t)(q & 0xFF);
-        }
-        factor[r] = (double)s * g.factor;
-    }
-}
-
-/* the first n of 32 lanes */
 static inline __mmask32 lanes32(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << n) - 1); }
 
 /* which of the first n <= 16 keys a query sees, from its visibility bytes `stride` apart */
@@ -561,16 +269,6 @@ __attribute__((noinline)) static void scores(group_t g, const int16_t *hi, const
             _mm256_mask_storeu_ps(score + r * g.keys + j0, (__mmask8)((1u << n) - 1), f);
         }
     }
-}
-
-/* 2**t for sixteen t <= 0, each lane the bits of exp2_nonpositive (the same operations) */
-static inline __m512 exp2_vector(__m512 t, const float *c) {
-    __m512 v = _mm512_min_ps(_mm512_setzero_ps(), _mm512_max_ps(_mm512_set1_ps(-126.0f), t));
-    __m512 whole = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(v, whole), power = _mm512_set1_ps(c[9]);
-    for (int j = 8; j >= 0; j--) power = _mm512_add_ps(_mm512_mul_ps(power, f), _mm512_set1_ps(c[j]));
-    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(power, _mm512_castsi512_ps(bits));
 }
 
 /* sixteen floats rounded to integers, ties to even (rintf's rounding) */
@@ -734,48 +432,5 @@ static void attend_group(group_t g, const float *query, const int16_t *k, const 
  * head strides (tokens `width` apart); visible: bool [B, 1, Q, L] with strides (vb, vq, vl); out: float32
  * [B, Q, H, D]. Returns 0, or 1 where scratch memory could not be allocated (out is then incomplete; the caller
  * raises). */
-int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch, int64_t k_head,
-                        const int16_t *values, int64_t v_batch, int64_t v_head, int64_t width,
-                        const uint8_t *visible, int64_t vb, int64_t vq, int64_t vl, int64_t batch, int64_t heads,
-                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float levels,
-                        const float *c, float *out, int threads) {
-    int64_t group = heads / kv_heads, rows = group * queries;
-    int64_t padded = (rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, columns = length > 0 ? length : 1;
-    int64_t lanes = (size + 31) / 32 * 32;
-    group_t g = {queries, rows, padded, length, size, lanes, width, vl, vq, factor, levels, c};
-    int64_t pairs = length > 0 ? (length + 1) / 2 : 1;
-    size_t sizes[7] = {(size_t)(padded * lanes) * sizeof(double), (size_t)((padded + 1) * columns) * sizeof(float),
-                       (size_t)(padded * lanes) * sizeof(int16_t), (size_t)(padded * lanes) * sizeof(int16_t),
-                       (size_t)(4 * padded * pairs) * sizeof(int16_t), (size_t)(2 * pairs * lanes) * sizeof(int16_t),
-                       (size_t)(2 * PASS_ROWS * pairs) * sizeof(int32_t)};
-    size_t offsets[8] = {0}; /* sum, score and v_scale, hi, lo, wh and wl, vp, wp: each 64-byte aligned */
-    for (int i = 0; i < 7; i++) offsets[i + 1] = offsets[i] + (sizes[i] + 63) / 64 * 64;
-    int failed = 0;
-    #pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        char *memory = (char *)scratch(offsets[7]);
-        failed = memory == NULL;
-        scratch_t s = {0};
-        if (!failed) {
-            s.sum = (double *)memory;
-            s.score = (float *)(memory + offsets[1]);
-            s.v_scale = s.score + padded * columns;
-            s.hi = (int16_t *)(memory + offsets[2]);
-            s.lo = (int16_t *)(memory + offsets[3]);
-            s.wh = (int16_t *)(memory + offsets[4]);
-            s.wl = s.wh + 2 * padded * pairs;
-            s.vp = (int16_t *)(memory + offsets[5]);
-            s.wp = (int32_t *)(memory + offsets[6]);
-        }
-        #pragma omp for schedule(static)
-        for (int64_t u = 0; u < batch * kv_heads; u++) {
-            if (failed) continue;
-            int64_t b = u / kv_heads, hk = u % kv_heads;
-            attend_group(g, query + (b * heads + hk * group) * queries * size, keys + b * k_batch + hk * k_head,
-                         values + b * v_batch + hk * v_head, visible + b * vb, s,
-                         out + (b * queries * heads + hk * group) * size, size, heads * size);
-        }
-        scratch_done();
-    }
-    return failed;
-}
+
+#include "entry.h"

@@ -1,0 +1,325 @@
+/* batchspec's native kernels for 256-bit CPUs (native.py's "avx2" and "avxvnni" builds), compiled with
+ * -ffp-contract=off: every float operation below is one correctly rounded IEEE operation, lane by lane the one its
+ * scalar twin in scalar.h runs, so both builds give the bits of avx512.c's and of the torch code they replace.
+ *
+ * 1. The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]) on the weight
+ * prepacked as avx512.c's (panels of 64 outputs, [P, G, 64, 4] int8), q . w computed as sum_k a[n][k] * w[o][k] -
+ * comp[o] for the codes a = q + 128, comp[o] = 128 * sum_k w[o][k], every sum in int32 lanes modulo 2^32:
+ *
+ * - with VNNI (the "avxvnni" build: VEX vpdpbusd where the CPU has AVX-VNNI, its EVEX form on AVX-512 VNNI CPUs),
+ *   each lane adds four u8 x s8 products, as avx512.c does on 16 lanes;
+ * - without (the "avx2" build), the codes are widened to int16 once per call and the weights as they are read, and
+ *   vpmaddwd adds two int16 products per lane (|a w| <= 255 * 127, so a pair's sum fits, and vpmaddwd does not
+ *   saturate); the two lanes of a group of four are added at the end. (vpmaddubsw, which multiplies u8 by s8
+ *   directly, saturates its int16 pair sums at 2 * 255 * 127.)
+ *
+ * Either way the difference is q . w modulo 2^32, which is q . w itself (|q . w| <= 127 * 127 * K < 2^31 for
+ * K <= MAX_INNER), rounded once to float32 and scaled as scalar.h's epilogue_value does. A micro-kernel takes 16
+ * outputs (a quarter panel: 64 contiguous bytes a group) and up to ROWS rows. */
+#include <immintrin.h>
+
+#include "scalar.h"
+
+#if defined(__AVXVNNI__) || defined(__AVX512VNNI__)
+#define VNNI 1
+#define ROWS 6 /* 12 accumulators + 2 weight registers + 1 broadcast */
+#if defined(__AVXVNNI__)
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#else
+#define DPBUSD _mm256_dpbusd_epi32
+#endif
+typedef uint8_t activation_t; /* the codes as they are */
+#else
+#define VNNI 0
+#define ROWS 3 /* 12 accumulators + 4 widened weight registers (one reloaded) */
+typedef int16_t activation_t; /* the codes widened to int16 */
+#endif
+
+/* the first n of 8 lanes, as a mask vector for maskload / maskstore */
+static inline __m256i first8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* outputs o .. o + valid - 1 (valid <= 8) of one row from their eight int32 sums, as scalar.h's epilogue_value */
+static inline void store8(__m256i sums, int64_t o, int64_t valid, epilogue_t e, float row_scale, const float *residual,
+                          float *out) {
+    __m256i lanes = first8(valid);
+    __m256 y = _mm256_cvtepi32_ps(_mm256_sub_epi32(sums, _mm256_maskload_epi32((const int *)(e.comp + o), lanes)));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_set1_ps(row_scale)), _mm256_maskload_ps(e.col_scale + o, lanes));
+    if (e.bias) y = _mm256_add_ps(y, _mm256_maskload_ps(e.bias + o, lanes));
+    if (residual) y = _mm256_add_ps(_mm256_maskload_ps(residual, lanes), y);
+    _mm256_maskstore_ps(out, lanes, y);
+}
+
+#if VNNI
+/* row r's two accumulators (outputs 0-7 and 8-15 of the chunk) take the products of row r's group of four codes,
+ * broadcast, with the group's two weight vectors */
+#define DOT_ROW(r)                                                     \
+    if (NR > r) {                                                      \
+        int32_t four;                                                  \
+        memcpy(&four, a + r * lda + 4 * g, sizeof four);               \
+        __m256i x = _mm256_set1_epi32(four);                           \
+        acc##r##_0 = DPBUSD(acc##r##_0, x, w0);                        \
+        acc##r##_1 = DPBUSD(acc##r##_1, x, w1);                        \
+    }
+#define ACC_ROW(r) __m256i acc##r##_0 = zero, acc##r##_1 = zero;
+#define KEEP_ROW(r) if (NR > r) sums[r][0] = acc##r##_0, sums[r][1] = acc##r##_1;
+
+/* the int32 sums of 16 outputs (two vectors of eight) for rows r < NR; chunk: the outputs' 64 bytes of group 0,
+ * a panel's 256 bytes apart */
+static inline __attribute__((always_inline)) void chunk_sums(const int NR, const activation_t *a, int64_t lda,
+                                                             const int8_t *chunk, int64_t groups,
+                                                             __m256i sums[ROWS][2]) {
+    const __m256i zero = _mm256_setzero_si256();
+    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *w = chunk + g * 4 * PANEL;
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)w), w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        DOT_ROW(0) DOT_ROW(1) DOT_ROW(2) DOT_ROW(3) DOT_ROW(4) DOT_ROW(5)
+    }
+    KEEP_ROW(0) KEEP_ROW(1) KEEP_ROW(2) KEEP_ROW(3) KEEP_ROW(4) KEEP_ROW(5)
+}
+#else
+/* row r's four accumulators (outputs 4i .. 4i + 3, each in two lanes: its products 0-1 and 2-3) take the pair sums
+ * of row r's group of four codes, broadcast as int16, with the group's four widened weight vectors */
+#define DOT_ROW(r)                                                                 \
+    if (NR > r) {                                                                  \
+        int64_t four;                                                              \
+        memcpy(&four, a + r * lda + 4 * g, sizeof four);                           \
+        __m256i x = _mm256_set1_epi64x(four);                                      \
+        acc##r##_0 = _mm256_add_epi32(acc##r##_0, _mm256_madd_epi16(x, w0));       \
+        acc##r##_1 = _mm256_add_epi32(acc##r##_1, _mm256_madd_epi16(x, w1));       \
+        acc##r##_2 = _mm256_add_epi32(acc##r##_2, _mm256_madd_epi16(x, w2));       \
+        acc##r##_3 = _mm256_add_epi32(acc##r##_3, _mm256_madd_epi16(x, w3));       \
+    }
+#define ACC_ROW(r) __m256i acc##r##_0 = zero, acc##r##_1 = zero, acc##r##_2 = zero, acc##r##_3 = zero;
+/* the two lanes of each output added (hadd within 128-bit halves), then put in order: outputs 0-7, 8-15 */
+#define KEEP_ROW(r)                                                                                        \
+    if (NR > r) {                                                                                          \
+        sums[r][0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc##r##_0, acc##r##_1), 0xD8);           \
+        sums[r][1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc##r##_2, acc##r##_3), 0xD8);           \
+    }
+
+static inline __m256i widened(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
+
+static inline __attribute__((always_inline)) void chunk_sums(const int NR, const activation_t *a, int64_t lda,
+                                                             const int8_t *chunk, int64_t groups,
+                                                             __m256i sums[ROWS][2]) {
+    const __m256i zero = _mm256_setzero_si256();
+    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2)
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *w = chunk + g * 4 * PANEL;
+        __m256i w0 = widened(w), w1 = widened(w + 16), w2 = widened(w + 32), w3 = widened(w + 48);
+        DOT_ROW(0) DOT_ROW(1) DOT_ROW(2)
+    }
+    KEEP_ROW(0) KEEP_ROW(1) KEEP_ROW(2)
+}
+#endif
+
+/* the 16 outputs of a chunk for rows r < NR: sums, then the epilogue (outputs col .. col + valid - 1) */
+static inline __attribute__((always_inline)) void chunk_rows(const int NR, const activation_t *a, int64_t lda,
+                                                             const int8_t *chunk, int64_t groups, epilogue_t e,
+                                                             int64_t col, float *out, int64_t ldo, int64_t valid) {
+    __m256i sums[ROWS][2];
+    chunk_sums(NR, a, lda, chunk, groups, sums);
+    for (int r = 0; r < NR; r++)
+        for (int h = 0; h < 2 && 8 * h < valid; h++)
+            store8(sums[r][h], col + 8 * h, valid - 8 * h, e, e.row_scale[r],
+                   e.residual ? e.residual + r * ldo + 8 * h : NULL, out + r * ldo + 8 * h);
+}
+
+/* one panel's outputs (col .. col + valid - 1) for `rows` rows, a quarter panel at a time */
+static void panel_block(const activation_t *a, int64_t rows, int64_t lda, const int8_t *panel, int64_t groups,
+                        epilogue_t e, int64_t col, float *out, int64_t ldo, int64_t valid) {
+    for (int64_t c = 0; c < PANEL / 16 && 16 * c < valid; c++)
+        for (int64_t r = 0; r < rows; r += ROWS) {
+            epilogue_t er = e;
+            er.row_scale = e.row_scale + r;
+            er.residual = e.residual ? e.residual + r * ldo + 16 * c : NULL;
+            const activation_t *ar = a + r * lda;
+            const int8_t *chunk = panel + 16 * c * 4;
+            float *outr = out + r * ldo + 16 * c;
+            int64_t left = valid - 16 * c;
+            switch (rows - r < ROWS ? rows - r : ROWS) {
+            case 1: chunk_rows(1, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
+            case 2: chunk_rows(2, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
+#if VNNI
+            case 3: chunk_rows(3, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
+            case 4: chunk_rows(4, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
+            case 5: chunk_rows(5, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
+#endif
+            default: chunk_rows(ROWS, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
+            }
+        }
+}
+
+/* the codes of rows r0 .. r0 + rows - 1 as the micro-kernel reads them: as they are (VNNI), or widened to int16 into
+ * `wide` */
+static const activation_t *activations(const uint8_t *a, int64_t rows, int64_t lda, int16_t *wide) {
+#if VNNI
+    (void)rows, (void)wide;
+    return a;
+#else
+    for (int64_t i = 0; i < rows * lda; i++) wide[i] = a[i];
+    return wide;
+#endif
+}
+
+/* avx512.c's batchspec_linear, with the same arguments and the same bits */
+void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w, const int32_t *comp,
+                      const float *row_scale, const float *col_scale, const float *bias, int64_t groups,
+                      int64_t panels, int64_t o, float *const *outs, const int64_t *starts, int64_t segments,
+                      const float *residual, int threads) {
+    int16_t *wide = VNNI ? NULL : malloc((size_t)((n < ROW_BLOCK ? n : ROW_BLOCK) * lda) * sizeof(int16_t));
+    for (int64_t r0 = 0; r0 < n; r0 += ROW_BLOCK) {
+        int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
+        const activation_t *ar = activations(a + r0 * lda, rows, lda, wide);
+        epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t p = 0; p < panels; p++) {
+            int64_t col = p * PANEL, s = 0;
+            while (s + 1 < segments && starts[s + 1] <= col) s++;
+            int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
+            int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
+            epilogue_t ep = e;
+            ep.residual = residual ? residual + at : NULL;
+            panel_block(ar, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at, width, valid);
+        }
+    }
+    free(wide);
+}
+
+/* 2. One row (x, or x * y, each product rounded once) quantized to the product's codes (entry.h's
+ * batchspec_quantize): the maximum of |x| eight lanes at a time (exact in any order), the rest as scalar.h's
+ * token_code with 127 levels. */
+static inline __m256 row8(const float *x, const float *y, int64_t n) {
+    __m256 v = _mm256_maskload_ps(x, first8(n));
+    return y ? _mm256_mul_ps(v, _mm256_maskload_ps(y, first8(n))) : v;
+}
+
+static void quantize_values(const float *x, const float *y, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 most = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8)
+        most = _mm256_max_ps(most, _mm256_and_ps(magnitude, row8(x + i, y ? y + i : y, k - i)));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+    float s = top > 0.0f ? top / 127.0f : 1.0f, inverse = 1.0f / s;
+    for (int64_t i = 0; i < k; i++) codes[i] = (uint8_t)((int32_t)token_code(y ? x[i] * y[i] : x[i], inverse, 127.0f) + 128);
+    for (int64_t i = k; i < ldc; i++) codes[i] = 128;
+    *scale = s;
+}
+
+/* 2b. arithmetic.py's exact_silu, eight values at a time (scalar.h's silu_value in each lane) */
+static inline __m256 exp2_8(__m256 t, const float *c) {
+    __m256 v = _mm256_min_ps(_mm256_setzero_ps(), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
+    __m256 whole = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(v, whole), power = _mm256_set1_ps(c[9]);
+    for (int j = 8; j >= 0; j--) power = _mm256_add_ps(_mm256_mul_ps(power, f), _mm256_set1_ps(c[j]));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(power, _mm256_castsi256_ps(bits));
+}
+
+static inline __m256 silu8(__m256 x, const float *c) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 magnitude = _mm256_and_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), x);
+    __m256 e = exp2_8(_mm256_mul_ps(magnitude, _mm256_set1_ps(-LOG2E)), c);
+    __m256 numerator = _mm256_blendv_ps(e, one, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+    return _mm256_mul_ps(x, _mm256_div_ps(numerator, _mm256_add_ps(one, e)));
+}
+
+static void silu_values(const float *x, const float *up, float *out, int64_t k, const float *c) {
+    for (int64_t i = 0; i < k; i += 8) {
+        __m256i lanes = first8(k - i);
+        __m256 y = silu8(_mm256_maskload_ps(x + i, lanes), c);
+        if (up) y = _mm256_mul_ps(y, _mm256_maskload_ps(up + i, lanes));
+        _mm256_maskstore_ps(out + i, lanes, y);
+    }
+}
+
+/* 3. The exact attention of one GQA group (entry.h states the arithmetic and its bounds), in plain C whose integer
+ * loops the compiler vectorizes (vpmaddwd for the dots): the same sums, so the same bits as avx512.c's. */
+
+/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j */
+static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor, const int16_t *k,
+                   const uint8_t *visible, float *score) {
+    for (int64_t j = 0; j < g.keys; j++) {
+        const int16_t *key = k + j * g.width;
+        double key_scale = (double)token_scale_bits(key);
+        for (int64_t r = 0; r < g.rows; r++) {
+            const int16_t *h = hi + r * g.lanes, *l = lo + r * g.lanes;
+            int32_t high = 0, low = 0;
+            for (int64_t d = 0; d < g.size; d++) {
+                high += (int32_t)h[d] * key[d];
+                low += (int32_t)l[d] * key[d];
+            }
+            double dot = (double)high * 256.0 + (double)low;
+            int seen = visible[(r % g.queries) * g.visible_row + j * g.visible_stride] != 0;
+            score[r * g.keys + j] = seen ? (float)((dot * factor[r]) * key_scale) : -INFINITY;
+        }
+    }
+}
+
+/* One row's scores -> W[j] = rint(a[j] / max a * 2**20) as its halves wh[j] = W[j] / 1024, wl[j] = W[j] % 1024,
+ * with e[j] = 2**(score - max) (0 where hidden), a[j] = e[j] * sv[j] (in place in score); *scale = max a,
+ * *denominator = max(sum_j rint(e[j] * 2**20), 1), a sum of integers below 2**21, exact in any order. */
+static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, int16_t *wh,
+                            int16_t *wl, double *scale, double *denominator) {
+    float most = -INFINITY, top = 0.0f;
+    for (int64_t j = 0; j < g.keys; j++) most = larger(most, score[j]);
+    float shift = most == -INFINITY ? 0.0f : most;
+    double total = 0.0;
+    for (int64_t j = 0; j < g.keys; j++) {
+        float e = seen[j * g.visible_stride] ? exp2_nonpositive(score[j] - shift, g.c) : 0.0f;
+        total += (double)rintf(e * WEIGHT_UNIT);
+        score[j] = e * v_scale[j];
+        top = larger(top, score[j]);
+    }
+    float divisor = top > 0.0f ? top : 1.0f;
+    for (int64_t j = 0; j < g.keys; j++) {
+        int32_t w = (int32_t)rintf((score[j] / divisor) * WEIGHT_UNIT);
+        wh[j] = (int16_t)(w >> 10);
+        wl[j] = (int16_t)(w & (WEIGHT_HALF - 1));
+    }
+    *scale = (double)top;
+    *denominator = total > 1.0 ? total : 1.0;
+}
+
+/* sum[d] = sum_j W[j] V[j][d] for one row, in int32 on W's halves PAIR_FLUSH key pairs at a time, then in float64 */
+static void weighted_sum(group_t g, const int16_t *wh, const int16_t *wl, const int16_t *v, double *sum) {
+    int32_t high[g.size], low[g.size];
+    for (int64_t d = 0; d < g.size; d++) sum[d] = 0.0;
+    for (int64_t j0 = 0; j0 < g.keys; j0 += 2 * PAIR_FLUSH) {
+        int64_t end = g.keys - j0 < 2 * PAIR_FLUSH ? g.keys : j0 + 2 * PAIR_FLUSH;
+        for (int64_t d = 0; d < g.size; d++) high[d] = low[d] = 0;
+        for (int64_t j = j0; j < end; j++) {
+            const int16_t *value = v + j * g.width;
+            int32_t h = wh[j], l = wl[j];
+            for (int64_t d = 0; d < g.size; d++) {
+                high[d] += h * value[d];
+                low[d] += l * value[d];
+            }
+        }
+        for (int64_t d = 0; d < g.size; d++) sum[d] = sum[d] + (double)high[d] * (double)WEIGHT_HALF + (double)low[d];
+    }
+}
+
+/* out: row r at out + (r / Q) * out_head + (r % Q) * out_query */
+static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
+                         scratch_t s, float *out, int64_t out_head, int64_t out_query) {
+    double factor[g.padded];
+    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = token_scale_bits(v + j * g.width);
+    quantize_queries(g, query, s.hi, s.lo, factor);
+    scores(g, s.hi, s.lo, factor, k, visible, s.score);
+    for (int64_t r = 0; r < g.rows; r++) {
+        double scale, denominator, *sum = s.sum + r * g.lanes;
+        const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
+        softmax_weights(g, s.score + r * g.keys, seen, s.v_scale, s.wh, s.wl, &scale, &denominator);
+        weighted_sum(g, s.wh, s.wl, v, sum);
+        float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
+        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((sum[d] * scale) / denominator);
+    }
+}
+
+#include "entry.h"

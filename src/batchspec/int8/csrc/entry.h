@@ -1,0 +1,183 @@
+/* The exported functions every build of batchspec's native kernels shares, built on what the including file
+ * (avx512.c, avx2.c) defines for its instruction set before it includes this one:
+ *
+ *   quantize_values(x, y, k, ldc, codes, scale)  one row (x, or x * y) quantized to the product's codes;
+ *   silu_values(x, up, out, k, c)                out = silu_value(x) (times up where up is not NULL);
+ *   attend_group(g, query, k, v, visible, s, out, out_head, out_query)   one GQA group's exact attention;
+ *
+ * each giving, lane by lane, the bits of its scalar twin in scalar.h. Rows are split between threads whole, so no
+ * float operation depends on the thread count either. */
+
+/* Per-token quantization to the product's codes, as int8/arithmetic.py's quantize_rows and product.py's
+ * activation_codes compute it in float32: top = max |x|; scale = top > 0 ? top / 127 : 1;
+ * q = clamp(rint(x * (1 / scale)), -127, 127); code = q + 128, and 128 in the padding columns k .. ldc. */
+void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8_t *codes, float *scale,
+                        int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, NULL, k, ldc, codes + r * ldc, scale + r);
+}
+
+/* batchspec_quantize of x * y (elementwise, each product rounded once as torch's mul rounds it), the product
+ * computed where it is read and never written out */
+void batchspec_quantize_product(const float *x, const float *y, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
+                                float *scale, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, y + r * k, k, ldc, codes + r * ldc, scale + r);
+}
+
+/* arithmetic.py's exact_silu, elementwise */
+void batchspec_silu(const float *x, float *y, int64_t count, const float *c, int threads) {
+    int64_t chunk = 1 << 14;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
+    for (int64_t i = 0; i < count; i += chunk) silu_values(x + i, NULL, y + i, count - i < chunk ? count - i : chunk, c);
+}
+
+/* batchspec_quantize of exact_silu(gate) * up (each value rounded as arithmetic.py's torch code rounds it), a row
+ * at a time through a buffer on the stack: the MLP's activation on its way to the down projection, never written
+ * out */
+void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
+                              float *scale, const float *c, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        float row[k];
+        silu_values(gate + r * k, up + r * k, row, k, c);
+        quantize_values(row, NULL, k, ldc, codes + r * ldc, scale + r);
+    }
+}
+
+/* RMSNorm as model.py's exact_rms_norm computes it in float32 (scalar.h's rms_root, then rms_apply_row) */
+void batchspec_rms_norm(const float *x, int64_t n, int64_t h, float eps, const float *weight, float *out,
+                        int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, out + r * h);
+}
+
+/* batchspec_rms_norm, then batchspec_quantize of its rows, without writing the normalized rows out: a decoder
+ * layer's norm feeds only the quantization of its products' input */
+void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, float eps, const float *weight, int64_t ldc,
+                             uint8_t *codes, float *scale, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        float normed[h];
+        rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
+        quantize_values(normed, NULL, h, ldc, codes + r * ldc, scale + r);
+    }
+}
+
+/* 15-bit quantization (scalar.h's token_scale and token_code) with q and the scale in float64 (q[r][i] at
+ * q + r * ldq + i, the scale at scale + r * lds) */
+void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels, double *q, int64_t ldq,
+                             double *scale, int64_t lds, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * k;
+        float s = token_scale(xr, k, levels), inverse = 1.0f / s;
+        for (int64_t i = 0; i < k; i++) q[r * ldq + i] = token_code(xr[i], inverse, levels);
+        scale[r * lds] = s;
+    }
+}
+
+/* keys or values packed for the KV cache (scalar.h's pack_token), a token at a time */
+void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
+                       int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) pack_token(x + r * k, k, levels, out + r * width, width);
+}
+
+/* A layer's queries, keys and values on their way to the attention: queries rotated into `query` (float32), keys
+ * rotated and values as they are packed into the KV cache as batchspec_pack_kv packs them. q is
+ * [batch, seq, heads, d] contiguous, k and v [batch, seq, kv_heads, d], cos and sin [batch, seq, d]; token (b, s) of
+ * head h goes to out + b * st[0] + h * st[1] + s * st[2] of its output. */
+void batchspec_rotary_into(const float *q, const float *k, const float *v, int64_t batch, int64_t seq,
+                           int64_t heads, int64_t kv_heads, int64_t d, const float *cos, const float *sin,
+                           float *query, const int64_t *qst, int16_t *keys, const int64_t *kst, int16_t *values,
+                           const int64_t *vst, int64_t width, float levels, int threads) {
+    int64_t per_token = heads + 2 * kv_heads, rows = batch * seq * per_token;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * d > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t token = r / per_token, j = r % per_token, b = token / seq, s = token % seq;
+        const float *c = cos + token * d, *n = sin + token * d;
+        if (j < heads) {
+            rotate(q + (token * heads + j) * d, c, n, d, query + b * qst[0] + j * qst[1] + s * qst[2]);
+        } else if (j < heads + kv_heads) {
+            int64_t h = j - heads;
+            float rotated[d];
+            rotate(k + (token * kv_heads + h) * d, c, n, d, rotated);
+            pack_token(rotated, d, levels, keys + b * kst[0] + h * kst[1] + s * kst[2], width);
+        } else {
+            int64_t h = j - heads - kv_heads;
+            pack_token(v + (token * kv_heads + h) * d, d, levels, values + b * vst[0] + h * vst[1] + s * vst[2],
+                       width);
+        }
+    }
+}
+
+/* 2**t for t <= 0 in place (scalar.h's exp2_nonpositive) */
+void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
+    for (int64_t i = 0; i < count; i++) t[i] = exp2_nonpositive(t[i], c);
+}
+
+/* The exact attention (batchspec_attention), as attention.py's _attend computes it: each query quantized to 15
+ * bits; dot[j] = q . K[j] (an exact integer, so in any order); the score (float)((dot * (sq * scaling / ln 2)) *
+ * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden); a[j] = e[j] * sv[j];
+ * W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j W[j] V[j]) * max a /
+ * max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
+ *
+ * One attend_group call handles one KV head of one batch row and reads each key and value once from the int16 cache
+ * (a token's row is `width` int16: its D integers, the scale's bits in their parities). The dots are summed in
+ * int32 on the query's two halves (quantize_queries states the bound), then joined in float64. The weighted sum is
+ * summed in int32 too, on W's two halves W = 1024 * Wh + Wl, for at most PAIR_FLUSH key pairs (2 * PAIR_FLUSH * 1024
+ * * 32767 < 2**31: Wh <= 1024, Wl < 1024), then joined in float64: every partial sum an integer below 2**53
+ * (|V| <= 2**15 - 1, W <= 2**20 and L < 2**18, attention.py's bounds). Both are exact, so no blocking can change a
+ * bit.
+ *
+ * query: float32 [B, H, Q, D] contiguous; keys, values: the int16 cache [B, Hk, L, width] with the given batch and
+ * head strides (tokens `width` apart); visible: bool [B, 1, Q, L] with strides (vb, vq, vl); out: float32
+ * [B, Q, H, D]. Returns 0, or 1 where scratch memory could not be allocated (out is then incomplete; the caller
+ * raises). */
+int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch, int64_t k_head,
+                        const int16_t *values, int64_t v_batch, int64_t v_head, int64_t width,
+                        const uint8_t *visible, int64_t vb, int64_t vq, int64_t vl, int64_t batch, int64_t heads,
+                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float levels,
+                        const float *c, float *out, int threads) {
+    int64_t group = heads / kv_heads, rows = group * queries;
+    int64_t padded = (rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, columns = length > 0 ? length : 1;
+    int64_t lanes = (size + 31) / 32 * 32;
+    group_t g = {queries, rows, padded, length, size, lanes, width, vl, vq, factor, levels, c};
+    int64_t pairs = length > 0 ? (length + 1) / 2 : 1;
+    size_t sizes[7] = {(size_t)(padded * lanes) * sizeof(double), (size_t)((padded + 1) * columns) * sizeof(float),
+                       (size_t)(padded * lanes) * sizeof(int16_t), (size_t)(padded * lanes) * sizeof(int16_t),
+                       (size_t)(4 * padded * pairs) * sizeof(int16_t), (size_t)(2 * pairs * lanes) * sizeof(int16_t),
+                       (size_t)(2 * PASS_ROWS * pairs) * sizeof(int32_t)};
+    size_t offsets[8] = {0}; /* sum, score and v_scale, hi, lo, wh and wl, vp, wp: each 64-byte aligned */
+    for (int i = 0; i < 7; i++) offsets[i + 1] = offsets[i] + (sizes[i] + 63) / 64 * 64;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        char *memory = (char *)scratch(offsets[7]);
+        failed = memory == NULL;
+        scratch_t s = {0};
+        if (!failed) {
+            s.sum = (double *)memory;
+            s.score = (float *)(memory + offsets[1]);
+            s.v_scale = s.score + padded * columns;
+            s.hi = (int16_t *)(memory + offsets[2]);
+            s.lo = (int16_t *)(memory + offsets[3]);
+            s.wh = (int16_t *)(memory + offsets[4]);
+            s.wl = s.wh + 2 * padded * pairs;
+            s.vp = (int16_t *)(memory + offsets[5]);
+            s.wp = (int32_t *)(memory + offsets[6]);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < batch * kv_heads; u++) {
+            if (failed) continue;
+            int64_t b = u / kv_heads, hk = u % kv_heads;
+            attend_group(g, query + (b * heads + hk * group) * queries * size, keys + b * k_batch + hk * k_head,
+                         values + b * v_batch + hk * v_head, visible + b * vb, s,
+                         out + (b * queries * heads + hk * group) * size, size, heads * size);
+        }
+        scratch_done();
+    }
+    return failed;
+}

@@ -1,0 +1,197 @@
+/* The arithmetic every build of batchspec's native kernels shares (avx512.c, avx2.c): plain C, compiled with
+ * -ffp-contract=off, so every float operation is one correctly rounded IEEE operation and the bits cannot depend on
+ * the instruction set, the vector width or the thread that runs a row. Each function below is the C twin of a torch
+ * function in int8/arithmetic.py, int8/model.py or int8/attention.py, with the same operations in the same order. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PANEL 64      /* outputs per panel of the prepacked weight [P, G, 64, 4] */
+#define ROW_BLOCK 240 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
+#define SCALE_BITS 32 /* the KV cache's scale bits, one in the parity of each of a token's first 32 integers */
+#define LOG2E 1.44269504088896340736f /* log2(e) rounded to float32, as torch rounds arithmetic.py's LOG2E */
+
+/* the larger of two floats (neither is NaN here); fmaxf is a library call */
+static inline float larger(float a, float b) { return a > b ? a : b; }
+
+/* What the product's epilogue applies to columns col .. col + valid - 1 of its rows (see batchspec_linear). */
+typedef struct {
+    const int32_t *comp;    /* [o] 128 * sum_k w[o][k] */
+    const float *row_scale; /* [n] */
+    const float *col_scale; /* [o] */
+    const float *bias;      /* [o], or NULL */
+    const float *residual;  /* added last, laid out as the output (offset to the panel's first column), or NULL */
+} epilogue_t;
+
+/* One output of the product: ((float)(acc - comp) * row_scale) * col_scale (+ bias) (+ residual), each operation
+ * rounded once, in that order (the vector epilogues compute exactly this, lane by lane). */
+static inline float epilogue_value(int32_t acc, int64_t o, epilogue_t e, float row_scale, const float *residual) {
+    float y = ((float)(int32_t)((uint32_t)acc - (uint32_t)e.comp[o]) * row_scale) * e.col_scale[o];
+    if (e.bias) y = y + e.bias[o];
+    if (residual) y = *residual + y;
+    return y;
+}
+
+/* 2**t for t <= 0, as arithmetic.py's exp2_nonpositive computes it in float32: t clamped to [-126, 0],
+ * n = floor(t), f = t - n, Horner's rule on the ten coefficients c (each product and sum rounded), times 2**n
+ * written as exponent bits. */
+static inline float exp2_nonpositive(float t, const float *c) {
+    float v = t < -126.0f ? -126.0f : (t > 0.0f ? 0.0f : t);
+    float whole = floorf(v), f = v - whole, power = c[9];
+    for (int j = 8; j >= 0; j--) {
+        power = power * f;
+        power = power + c[j];
+    }
+    int32_t bits = ((int32_t)whole + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return power * scale;
+}
+
+/* SiLU as arithmetic.py's exact_silu computes it: e = 2**(|x| * -log2 e) (exp2_nonpositive), the sigmoid
+ * (x >= 0 ? 1 : e) / (1 + e), times x. */
+static inline float silu_value(float x, const float *c) {
+    float e = exp2_nonpositive(fabsf(x) * -LOG2E, c);
+    return x * ((x >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+/* RMSNorm's root as model.py's exact_rms_norm computes it in float32: the squares summed by arithmetic.py's
+ * row_sum tree (padded with zeros to a power of two w, then s[i] += s[i + w / 2], halving w), t = sum / h + eps,
+ * root = sqrt(t) correctly rounded (sqrtf; torch's side takes float64's root and rounds it, the same value). */
+static inline float rms_root(const float *x, int64_t h, float eps) {
+    int64_t width = 1;
+    while (width < h) width *= 2;
+    float sums[width];
+    for (int64_t i = 0; i < h; i++) sums[i] = x[i] * x[i];
+    for (int64_t i = h; i < width; i++) sums[i] = 0.0f;
+    for (int64_t half = width / 2; half >= 1; half /= 2)
+        for (int64_t i = 0; i < half; i++) sums[i] = sums[i] + sums[i + half];
+    return sqrtf(sums[0] / (float)h + eps);
+}
+
+/* out = weight * (x * (1 / root)) */
+static inline void rms_apply_row(const float *x, int64_t h, float root, const float *weight, float *out) {
+    float inverse = 1.0f / root;
+    for (int64_t i = 0; i < h; i++) out[i] = weight[i] * (x[i] * inverse);
+}
+
+/* Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
+ * scale = top > 0 ? top / levels : 1, q = clamp(rint(x * (1 / scale)), -levels, levels). */
+static inline float token_scale(const float *x, int64_t k, float levels) {
+    float top = 0.0f;
+    for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
+    return top > 0.0f ? top / levels : 1.0f;
+}
+
+static inline float token_code(float x, float inverse, float levels) {
+    float v = rintf(x * inverse);
+    return v < -levels ? -levels : (v > levels ? levels : v);
+}
+
+/* the integer next to code whose parity differs, towards t (away from it where t == code), within +-levels */
+static inline float other_parity(float code, float t, float levels) {
+    float step = t >= code ? 1.0f : -1.0f, moved = code + step;
+    return moved > levels || moved < -levels ? code - step : moved;
+}
+
+/* a token's keys or values as attention.py's pack stores them in the KV cache: its `width` int16 (k, at least
+ * SCALE_BITS) are its q (0 past k), except that q[i], i < SCALE_BITS, whose parity is not bit i of the float32
+ * scale moves one step towards x[i] / scale (away where they are equal; back inside +-levels at the edge) */
+static inline void pack_token(const float *x, int64_t k, float levels, int16_t *o, int64_t width) {
+    float s = token_scale(x, k, levels), inverse = 1.0f / s;
+    uint32_t bits;
+    memcpy(&bits, &s, sizeof bits);
+    for (int64_t i = 0; i < width; i++) {
+        float t = i < k ? x[i] * inverse : 0.0f, code = token_code(i < k ? x[i] : 0.0f, inverse, levels);
+        if (i < SCALE_BITS && ((int32_t)code & 1) != (int32_t)((bits >> i) & 1u))
+            code = other_parity(code, t, levels);
+        o[i] = (int16_t)code;
+    }
+}
+
+/* a packed token's scale: the parities of its first SCALE_BITS integers, as float32 bits */
+static inline float token_scale_bits(const int16_t *token) {
+    uint32_t bits = 0;
+    for (int i = 0; i < SCALE_BITS; i++) bits |= (uint32_t)(token[i] & 1) << i;
+    float s;
+    memcpy(&s, &bits, sizeof s);
+    return s;
+}
+
+/* the rotary embedding as transformers' apply_rotary_pos_emb computes it in float32 (rotate_half, then two
+ * products and a sum, each rounded): y[i] = x[i] * cos[i] + r[i] * sin[i] with r[i] = -x[i + d/2] for i < d/2 and
+ * x[i - d/2] after */
+static inline void rotate(const float *x, const float *cos, const float *sin, int64_t d, float *y) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        float r = i < half ? -x[i + half] : x[i - half];
+        y[i] = x[i] * cos[i] + r * sin[i];
+    }
+}
+
+/* The attention (batchspec_attention) of one KV head of one batch row: its R = G * Q query rows, r = g * Q + i
+ * for head hk * G + g and query i (see entry.h for the arithmetic and its bounds). */
+#define PASS_ROWS 6      /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
+#define PAIR_FLUSH 32    /* key pairs summed in int32 before the sums join the float64 totals */
+#define WEIGHT_HALF 1024 /* W = WEIGHT_HALF * Wh + Wl, 0 <= Wl < WEIGHT_HALF */
+#define WEIGHT_UNIT 1048576.0f /* 2**20: W[j] = rint(a[j] / max a * 2**20) */
+
+typedef struct {
+    int64_t queries, rows, padded, keys, size, lanes, width, visible_stride, visible_row;
+    double factor; /* scaling / ln 2 */
+    float levels;
+    const float *c;
+} group_t;
+
+/* one thread's scratch: the queries' halves hi, lo [padded, lanes] int16; the weights' halves wh, wl
+ * [padded, 2 * pairs] int16 and PASS_ROWS rows of them by pairs, wp [pairs, PASS_ROWS, 2] int32; the values by key
+ * pairs vp [pairs, lanes, 2] int16; sum [padded, lanes] doubles; score [padded, L] and the values' scales v_scale
+ * [L] floats (lanes: D rounded up to a multiple of 32; pairs: L / 2 rounded up) */
+typedef struct {
+    int16_t *hi, *lo, *wh, *wl, *vp;
+    int32_t *wp;
+    double *sum;
+    float *score, *v_scale;
+} scratch_t;
+
+/* one thread's scratch memory, kept from call to call up to SCRATCH_KEPT bytes (so a decode step's calls do not
+ * fault in fresh pages); NULL where it cannot be had */
+#define SCRATCH_KEPT ((size_t)1 << 25)
+static __thread void *scratch_memory = NULL;
+static __thread size_t scratch_size = 0;
+
+static void *scratch(size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (bytes <= scratch_size) return scratch_memory;
+    free(scratch_memory);
+    scratch_memory = aligned_alloc(64, bytes);
+    scratch_size = scratch_memory == NULL ? 0 : bytes;
+    return scratch_memory;
+}
+
+static void scratch_done(void) {
+    if (scratch_size <= SCRATCH_KEPT) return;
+    free(scratch_memory);
+    scratch_memory = NULL;
+    scratch_size = 0;
+}
+
+/* Query row r's 15-bit integers q split as q = 256 * hi + lo with lo in [0, 255] and hi in [-128, 127], each as
+ * int16 zero-padded to `lanes` (D rounded up to 32), with zero rows up to `padded`; factor[r] = its scale *
+ * scaling / ln 2. hi . K and lo . K then stay below 2**31 in magnitude (256 * 32767 * D < 2**31 for D <= 256,
+ * native.py's MAX_HEAD_SIZE), so int32 sums of their products are exact in any order (they wrap modulo 2**32 without
+ * saturating, so they are the sums themselves). */
+static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t *lo, double *factor) {
+    for (int64_t i = 0; i < g.padded * g.lanes; i++) hi[i] = lo[i] = 0;
+    for (int64_t r = 0; r < g.rows; r++) {
+        const float *x = query + r * g.size;
+        float s = token_scale(x, g.size, g.levels), inverse = 1.0f / s;
+        for (int64_t d = 0; d < g.size; d++) {
+            int32_t q = (int32_t)token_code(x[d], inverse, g.levels);
+            hi[r * g.lanes + d] = (int16_t)(q >> 8);
+            lo[r * g.lanes + d] = (int16_t)(q & 0xFF);
+        }
+        factor[r] = (double)s * g.factor;
+    }
+}
