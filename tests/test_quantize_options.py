@@ -22,13 +22,36 @@ from batchspec.bench.reference import Reference
 from batchspec.bench.sweep import SweepPlan
 from batchspec.cli.common import Quantize
 from batchspec.config import Method
-from batchspec.int8 import QUANTIZE, quantizable, quantization, quantize_model
+from batchspec.int8 import QUANTIZE, cpu_default, native, quantizable, quantization, quantize_model
+from batchspec.int8 import model as int8_model
 from batchspec.models import ModelChoice, ModelPair, load_models, loading
 from batchspec.models import choice as choice_module
 
 
 def not_loaded(*args, **kwargs):
     raise AssertionError("a model was loaded (or a preset obtained) although the options were refused")
+
+
+@pytest.fixture(autouse=True)
+def auto_is_int8_on_this_cpu(monkeypatch):
+    """``--quantize auto``'s CPU choice (:func:`batchspec.int8.cpu_default`, tested on its own below) as on a CPU
+    with native int8 kernels, so these tests read the same on every host."""
+    monkeypatch.setattr(loading, "cpu_default", lambda: "int8")
+
+
+def test_auto_takes_int8_only_where_native_kernels_run(caplog, monkeypatch):
+    """``--quantize auto`` picks int8 where a native build runs and float32 without one (the int8 forward in torch is
+    exact but slow), in one log line naming the choice and why."""
+    monkeypatch.setattr(int8_model, "_SAID", set())
+    with caplog.at_level("INFO", logger="batchspec.int8.model"):
+        with native.using("none"):
+            assert cpu_default() == "none"
+        for isa in native.host_isas():
+            with native.using(isa):
+                assert cpu_default() == "int8"
+    assert "--quantize auto: float32 (no native int8 kernels here (none))" in caplog.text
+    for isa in native.host_isas():
+        assert f"--quantize auto: int8 (batchspec's {isa} kernels run here)" in caplog.text
 
 
 @pytest.fixture

@@ -19,11 +19,13 @@ import httpx
 import pytest
 from helpers import cached_or_skip
 from prometheus_client.parser import text_string_to_metric_families
+from ragged import ragged_forwards
 from typer.testing import CliRunner
 
 import batchspec
 from batchspec.cli import app
 from batchspec.data import format_prompts, load_prompts
+from batchspec.int8 import native
 from batchspec.models import loading
 from batchspec.server import ServerConfig, create_app, serve_in_thread
 
@@ -126,7 +128,7 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
 @pytest.fixture(scope="module")
 def smollm2_int8():
     cached_or_skip("smollm2")
-    return loading.load_pair("smollm2", progress=False)  # the CPU's default: quantize="auto", int8
+    return loading.load_pair("smollm2", progress=False, quantize="int8")  # the CPU's default where kernels run
 
 
 @pytest.mark.parametrize("method, proposer", [("eqspec", "hybrid"), ("exspec", "draft"), ("eqspec", "ngram")])
@@ -154,6 +156,34 @@ def test_int8_rows_are_bit_identical_alone_and_padded(smollm2_int8, humaneval_id
         batched = target(ids, attention_mask=mask, position_ids=positions, logits_to_keep=8).logits
         alone = [target(torch.tensor([row]), logits_to_keep=8).logits[0] for row in (short, long)]
     assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])
+
+
+def test_int8_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_int8, humaneval_ids):
+    """The int8 target's logits, 8 prompts read as a ragged batch and decoded 1, 3 and 1 tokens at a time, and one
+    prompt alone: the same bits on every native build this CPU runs, with 1, 2 and 16 threads, and on the torch path
+    without native kernels (the model quantized there too: the same calibration, so the same int8 weights)."""
+    served = [smollm2_int8.tokenizer.encode(text) for text in SERVED_PROMPTS[:4]]
+    rows = [ids[-40:] for ids in humaneval_ids] + served
+    prefix = [len(row) - 5 for row in rows]
+
+    def logits(model) -> list[torch.Tensor]:
+        return [*ragged_forwards(model, rows, prefix, [1, 3, 1]), *ragged_forwards(model, rows[:1], prefix[:1], [5])]
+
+    threads, want = torch.get_num_threads(), None
+    try:
+        for isa in native.host_isas():
+            for count in (1, 2, 16):
+                torch.set_num_threads(count)
+                with native.using(isa):
+                    got = logits(smollm2_int8.target)
+                want = want or got
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (isa, count)
+    finally:
+        torch.set_num_threads(threads)
+    with native.using("none"):
+        torch_path = loading.load_pair("smollm2", progress=False, quantize="int8").target
+        got = logits(torch_path)
+    assert want is None or all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),

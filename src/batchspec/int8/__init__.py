@@ -8,9 +8,12 @@ from batchspec.int8.model import (
     QUANTIZE,
     check_quantizable,
     check_quantize,
+    cpu_default,
     quantizable,
     quantization,
     quantize_model,
 )
 
-__all__ = ["QUANTIZE", "check_quantizable", "check_quantize", "quantizable", "quantization", "quantize_model"]
+__all__ = [
+    "QUANTIZE", "check_quantizable", "check_quantize", "cpu_default", "quantizable", "quantization", "quantize_model"
+]

@@ -22,6 +22,7 @@ weights are the same bits everywhere too.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ from batchspec.int8.linear import Int8Linear, Int8MLP, SharedQuantization
 from batchspec.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
 from batchspec.layers import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.model_checks import check_model
+
+logger = logging.getLogger(__name__)
 
 QUANTIZE: tuple[str, ...] = ("auto", "none", "int8")
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
@@ -117,6 +120,24 @@ def check_quantize(quantize: str) -> str:
     return str(quantize)
 
 
+def cpu_default() -> str:
+    """What ``--quantize auto`` makes float32 models on this CPU: ``"int8"`` where a native build of the int8
+    kernels runs (:func:`~batchspec.int8.native.isa`: on each of them the int8 forward reads a prompt and decodes at
+    least as fast as float32, docs/int8.md), else ``"none"``: without them (another architecture, no C compiler,
+    ``BATCHSPEC_CPU_ISA=none``) the int8 forward runs in torch, exact but several times slower than float32. Says
+    which and why in one log line, once per process and build."""
+    isa = native.isa()
+    choice = "int8" if native.available() else "none"
+    if isa not in _SAID:
+        _SAID.add(isa)
+        why = f"batchspec's {isa} kernels run here" if choice == "int8" else f"no native int8 kernels here ({isa})"
+        logger.info("batchspec: --quantize auto: %s (%s)", "int8" if choice == "int8" else "float32", why)
+    return choice
+
+
+_SAID: set[str] = set()  # the builds cpu_default has named in its log line
+
+
 def quantizable(model: Any) -> bool:
     """Whether :func:`quantize_model` can make ``model`` exact (see :func:`check_quantizable`)."""
     try:
@@ -149,9 +170,10 @@ def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     same bits on every CPU, where the float model's would depend on its BLAS and thread count."""
     check_quantizable(model)
     attention.register()
+    ids = calibration_ids(tokenizer, model.config.vocab_size)[: model.config.max_position_embeddings]  # the table's
     restore = _swap_in(model, head=False)
     try:
-        peaks = calibration_peaks(model, calibration_ids(tokenizer, model.config.vocab_size))
+        peaks = calibration_peaks(model, ids)
     finally:
         restore()
     smooth_model(model, peaks)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from batchspec.config import default_cache_dir
 from batchspec.devices import device_name, resolve_device
-from batchspec.int8 import check_quantizable, check_quantize, quantizable, quantization, quantize_model
+from batchspec.int8 import check_quantizable, check_quantize, cpu_default, quantizable, quantization, quantize_model
 from batchspec.invariant import batch_invariant as is_batch_invariant
 from batchspec.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
@@ -83,12 +83,13 @@ def resolve_dtype(dtype: str = "auto") -> str:
 
 
 def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str = "auto", device="auto") -> str:
-    """``quantize`` itself, or for ``"auto"``: ``"int8"`` on the CPU when the dtype resolves to float32 and the kernels
-    are not ``"packed"``, else ``"none"``.
+    """``quantize`` itself, or for ``"auto"``: on the CPU, when the dtype resolves to float32 and the kernels are not
+    ``"packed"``, :func:`batchspec.int8.cpu_default` (``"int8"`` where batchspec's native int8 kernels run, which it
+    says in one log line); else ``"none"``.
 
-    int8 is the CPU's default because it keeps the quality of float32 and is faster: on HumanEval's first 40 problems
-    (chat template, 384 new tokens) the qwen2.5-coder pair passed 37 in int8 and 35 in float32, and int8 decoded
-    1.3-2.0x faster with 0.31x the memory (docs/int8.md). Models the int8 forward does not all support (see
+    int8 is the CPU's default there because it keeps the quality of float32 and is faster: on HumanEval's first 40
+    problems (chat template, 384 new tokens) the qwen2.5-coder pair passed 37 in int8 and 35 in float32, and int8
+    decoded 1.3-2.0x faster with 0.31x the memory (docs/int8.md). Models the int8 forward does not all support (see
     :func:`batchspec.int8.model.check_quantizable`) then load as ``"none"``, all of them (:func:`settle_quantize`).
     """
     quantize = check_quantize(quantize)
@@ -96,7 +97,9 @@ def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str =
         return quantize
     on_cpu = resolve_device(device).type == "cpu"
     float32 = resolve_dtype(dtype) == "float32"
-    return "int8" if on_cpu and float32 and check_option("kernels", kernels, KERNELS) != "packed" else "none"
+    if not (on_cpu and float32 and check_option("kernels", kernels, KERNELS) != "packed"):
+        return "none"
+    return cpu_default()
 
 
 def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = "auto") -> None:
