@@ -43,6 +43,7 @@ def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
     a name that is none of them, is a ValueError naming what is possible, never an emulation."""
     monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
     native.host_isas.cache_clear()
+    native._default.cache_clear()
     try:
         assert native.host_isas() == ("avx2",)
         with pytest.raises(ValueError, match="this CPU runs avx2"), native.using("avx512vnni"):
@@ -53,6 +54,7 @@ def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
             assert native.isa() == "none" and not native.available()
     finally:
         native.host_isas.cache_clear()
+        native._default.cache_clear()
 
 
 @pytest.mark.parametrize("isa", BUILDS)

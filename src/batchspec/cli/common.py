@@ -101,8 +101,9 @@ QuantizeOption = Annotated[
     Quantize,
     typer.Option(
         "--quantize",
-        help="auto (default): int8 on the CPU in float32 (it kept float32's HumanEval pass@1 and decodes faster; "
-        "see docs/int8.md), none elsewhere. int8: int8 weights and per-token int8 activations with integer-exact "
+        help="auto (default): int8 on the CPU in float32 where batchspec's native int8 kernels run (x86-64 with "
+        "AVX2; it kept float32's HumanEval pass@1 and decodes faster; see docs/int8.md), none elsewhere. "
+        "int8: int8 weights and per-token int8 activations with integer-exact "
         "attention: each row's logits are bit-identical whatever the batch, so output equals the quantized model's "
         "own decoding exactly; CPU only. none: the dtype's own arithmetic (float32 on the CPU: the original model).",
     ),

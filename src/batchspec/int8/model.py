@@ -130,8 +130,11 @@ def cpu_default() -> str:
     choice = "int8" if native.available() else "none"
     if isa not in _SAID:
         _SAID.add(isa)
-        why = f"batchspec's {isa} kernels run here" if choice == "int8" else f"no native int8 kernels here ({isa})"
-        logger.info("batchspec: --quantize auto: %s (%s)", "int8" if choice == "int8" else "float32", why)
+        if choice == "int8":
+            logger.info("batchspec: --quantize auto: int8 (batchspec's %s kernels run here)", isa)
+        else:
+            logger.warning("batchspec: --quantize auto: float32 (no native int8 kernels here (%s); --quantize int8 "
+                           "runs the int8 forward in torch, exact but slow)", isa)
     return choice
 
 

@@ -377,7 +377,16 @@ def _build_flags(name: str, flags: frozenset[str]) -> tuple[str, ...] | None:
 def isa() -> str:
     """The build in use: :func:`using`'s, else ``BATCHSPEC_CPU_ISA``'s, else the fastest this CPU runs, else
     :data:`NONE`. A value the CPU cannot run, or not one of :data:`ISAS` and ``none``, raises ValueError."""
-    name = _chosen or _environment() or next(iter(host_isas()), NONE)
+    return _runnable(_chosen) if _chosen else _default()
+
+
+@functools.cache
+def _default() -> str:
+    """:func:`isa` outside :func:`using`, decided once (the forward asks at every layer)."""
+    return _runnable(_environment() or next(iter(host_isas()), NONE))
+
+
+def _runnable(name: str) -> str:
     if name != NONE and name not in host_isas():
         known = ", ".join((*ISAS, NONE))
         reason = f"this CPU runs {', '.join(host_isas()) or 'none of them'}" if name in ISAS else f"one of {known}"
@@ -387,7 +396,7 @@ def isa() -> str:
 
 @functools.cache
 def _environment() -> str:
-    """``BATCHSPEC_CPU_ISA`` as the process started with it (read once: the forward asks at every layer)."""
+    """``BATCHSPEC_CPU_ISA`` as the process started with it."""
     return os.environ.get(_ENVIRONMENT, "").strip().lower()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchspec.int8 import check_quantize
+from batchspec.int8 import check_quantize, native
 from batchspec.models.kernels import kernels_in_use
 
 
@@ -43,11 +43,12 @@ class ModelPair:
     def precision(self) -> str:
         """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``; on a GPU the
         dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``, or ``bfloat16, batch-invariant on
-        cuda:0 (...)``; quantized: ``float32, int8 exact``."""
+        cuda:0 (...)``; quantized: ``float32, int8 exact on avx2`` (the native build the int8 forward runs on, see
+        :func:`batchspec.int8.native.isa`; ``torch`` without one)."""
         if self.device != "cpu":
             return f"{self.dtype}{', batch-invariant' if self.batch_invariant else ''} on {self.device}"
         if self.quantize != "none":
-            return f"{self.dtype}, {self.quantize} exact"
+            return f"{self.dtype}, {self.quantize} exact on {native.isa() if native.available() else 'torch'}"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
 
     def __post_init__(self) -> None:

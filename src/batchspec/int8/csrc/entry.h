@@ -29,7 +29,8 @@ void batchspec_quantize_product(const float *x, const float *y, int64_t n, int64
 void batchspec_silu(const float *x, float *y, int64_t count, const float *c, int threads) {
     int64_t chunk = 1 << 14;
     #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
-    for (int64_t i = 0; i < count; i += chunk) silu_values(x + i, NULL, y + i, count - i < chunk ? count - i : chunk, c);
+    for (int64_t i = 0; i < count; i += chunk)
+        silu_values(x + i, NULL, y + i, count - i < chunk ? count - i : chunk, c);
 }
 
 /* batchspec_quantize of exact_silu(gate) * up (each value rounded as arithmetic.py's torch code rounds it), a row
