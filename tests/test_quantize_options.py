@@ -297,5 +297,6 @@ def test_bench_audit_and_costs_commands_record_int8(tiny_dirs, tmp_path):
         *["--context", "4", "--repeats", "1", "-o", str(tmp_path / "costs")],
     )
     assert costs.exit_code == 0, costs.output
-    assert json.loads((tmp_path / "costs" / "costs.json").read_text())["quantize"] == "int8"
+    report = json.loads((tmp_path / "costs" / "costs.json").read_text())
+    assert report["quantize"] == "int8" and report["precision"].startswith("float32, int8 exact on ")
     assert "(float32, int8 exact on " in costs.stdout

@@ -47,6 +47,7 @@ def costs_report(
         "dtype": loaded.dtype,
         "kernels": kernels_in_use(loaded.target),
         "quantize": loaded.quantize,
+        "precision": loaded.precision,  # with int8, the native build it ran on (float32, int8 exact on avx2)
         "torch_threads": torch.get_num_threads(),
         "context": context,
         "forward_costs": [c.__dict__ for c in costs],
