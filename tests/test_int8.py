@@ -18,6 +18,7 @@ import subprocess
 import sys
 from fractions import Fraction
 
+import mpmath
 import pytest
 import tiny_models
 import torch
@@ -39,7 +40,7 @@ from batchspec.int8.arithmetic import (
 )
 from batchspec.int8.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
 from batchspec.int8.linear import Int8Linear
-from batchspec.int8.model import exact_rms_norm
+from batchspec.int8.model import correctly_rounded, exact_rms_norm, mp_rounded
 from batchspec.int8.product import (
     KERNELS,
     activation_codes,
@@ -112,6 +113,28 @@ def test_sqrt_rounded_is_the_correctly_rounded_root():
     for value, r, above in zip(x.tolist(), root.tolist(), up.tolist(), strict=True):
         half = (Fraction(above) - Fraction(r)) / 2
         assert (Fraction(r) - half) ** 2 <= Fraction(value) <= (Fraction(r) + half) ** 2
+
+
+def _nearest_float32(value: float, exact) -> bool:
+    """Whether the float32 ``value`` is as near to ``exact`` (an mpmath number) as either float32 neighbour."""
+    up, down = (torch.nextafter(torch.tensor(value), torch.tensor(d)).item() for d in (1e9, -1e9))
+    return abs(exact - value) <= min(abs(exact - up), abs(exact - down))
+
+
+def test_the_rotary_tables_cos_and_sin_are_correctly_rounded():
+    """The rotary table's values on 300 float32 angles up to 2**15 (positions times frequencies), through float64
+    and, for 30 of them, through the 100-bit path float64's near-ties take: each the float32 nearest to the exact
+    value."""
+    generator = torch.Generator().manual_seed(7)
+    angles = torch.rand(300, generator=generator) * 2.0 ** torch.randint(-10, 16, (300,), generator=generator)
+    for function in ("cos", "sin"):
+        got = correctly_rounded(angles, function)
+        for i, (angle, value) in enumerate(zip(angles.tolist(), got.tolist(), strict=True)):
+            with mpmath.workprec(100):
+                exact = getattr(mpmath, function)(mpmath.mpf(angle))
+            assert _nearest_float32(value, exact), (function, angle)
+            if i < 30:
+                assert mp_rounded(angle, function) == value, (function, angle)
 
 
 def test_row_sum_order_is_a_pairwise_tree():

@@ -96,11 +96,11 @@ def correctly_rounded(x: torch.Tensor, function: str) -> torch.Tensor:
     boundary = (narrow.double() + step) / 2  # the midpoint between narrow and its neighbour towards wide
     hard = (wide - boundary).abs() <= wide.abs() * 2.0**-40
     for index in hard.nonzero():
-        narrow[tuple(index)] = _mp_rounded(float(x[tuple(index)]), function)
+        narrow[tuple(index)] = mp_rounded(float(x[tuple(index)]), function)
     return narrow
 
 
-def _mp_rounded(value: float, function: str) -> float:
+def mp_rounded(value: float, function: str) -> float:
     """``function`` of the float ``value`` at 100 bits, rounded to float32 by comparing with the midpoint."""
     with mpmath.workprec(100):
         exact = getattr(mpmath, function)(mpmath.mpf(value))
