@@ -51,9 +51,12 @@ static inline void store8(__m256i sums, int64_t o, int64_t valid, epilogue_t e, 
     _mm256_maskstore_ps(out, lanes, y);
 }
 
+#define GROUP_BLOCK 64 /* groups of a panel (16 KB) whose four chunks are summed before the next: read from L1 */
+
 #if VNNI
-/* row r's two accumulators (outputs 0-7 and 8-15 of the chunk) take the products of row r's group of four codes,
- * broadcast, with the group's two weight vectors */
+#define ACCS 2 /* accumulators a row and chunk: outputs 0-7 and 8-15 */
+/* row r's two accumulators take the products of row r's group of four codes, broadcast, with the group's two weight
+ * vectors */
 #define DOT_ROW(r)                                                     \
     if (NR > r) {                                                      \
         int32_t four;                                                  \
@@ -62,26 +65,20 @@ static inline void store8(__m256i sums, int64_t o, int64_t valid, epilogue_t e, 
         acc##r##_0 = DPBUSD(acc##r##_0, x, w0);                        \
         acc##r##_1 = DPBUSD(acc##r##_1, x, w1);                        \
     }
-#define ACC_ROW(r) __m256i acc##r##_0 = zero, acc##r##_1 = zero;
-#define KEEP_ROW(r) if (NR > r) sums[r][0] = acc##r##_0, sums[r][1] = acc##r##_1;
+#define ACC_ROW(r) __m256i acc##r##_0 = acc[r][0], acc##r##_1 = acc[r][1];
+#define KEEP_ROW(r) if (NR > r) acc[r][0] = acc##r##_0, acc[r][1] = acc##r##_1;
+#define WEIGHTS                                                                                                   \
+    __m256i w0 = _mm256_loadu_si256((const __m256i *)w), w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+#define DOT_ROWS DOT_ROW(0) DOT_ROW(1) DOT_ROW(2) DOT_ROW(3) DOT_ROW(4) DOT_ROW(5)
+#define ACC_ROWS ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
+#define KEEP_ROWS KEEP_ROW(0) KEEP_ROW(1) KEEP_ROW(2) KEEP_ROW(3) KEEP_ROW(4) KEEP_ROW(5)
 
-/* the int32 sums of 16 outputs (two vectors of eight) for rows r < NR; chunk: the outputs' 64 bytes of group 0,
- * a panel's 256 bytes apart */
-static inline __attribute__((always_inline)) void chunk_sums(const int NR, const activation_t *a, int64_t lda,
-                                                             const int8_t *chunk, int64_t groups,
-                                                             __m256i sums[ROWS][2]) {
-    const __m256i zero = _mm256_setzero_si256();
-    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *w = chunk + g * 4 * PANEL;
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)w), w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
-        DOT_ROW(0) DOT_ROW(1) DOT_ROW(2) DOT_ROW(3) DOT_ROW(4) DOT_ROW(5)
-    }
-    KEEP_ROW(0) KEEP_ROW(1) KEEP_ROW(2) KEEP_ROW(3) KEEP_ROW(4) KEEP_ROW(5)
-}
+/* a row's accumulators as the sums of outputs 0-7 and 8-15 */
+static inline void outputs16(const __m256i acc[ACCS], __m256i sums[2]) { sums[0] = acc[0], sums[1] = acc[1]; }
 #else
-/* row r's four accumulators (outputs 4i .. 4i + 3, each in two lanes: its products 0-1 and 2-3) take the pair sums
- * of row r's group of four codes, broadcast as int16, with the group's four widened weight vectors */
+#define ACCS 4 /* accumulators a row and chunk: outputs 4i .. 4i + 3, each in two lanes (its products 0-1 and 2-3) */
+/* row r's four accumulators take the pair sums of row r's group of four codes, broadcast as int16, with the group's
+ * four widened weight vectors */
 #define DOT_ROW(r)                                                                 \
     if (NR > r) {                                                                  \
         int64_t four;                                                              \
@@ -92,65 +89,78 @@ static inline __attribute__((always_inline)) void chunk_sums(const int NR, const
         acc##r##_2 = _mm256_add_epi32(acc##r##_2, _mm256_madd_epi16(x, w2));       \
         acc##r##_3 = _mm256_add_epi32(acc##r##_3, _mm256_madd_epi16(x, w3));       \
     }
-#define ACC_ROW(r) __m256i acc##r##_0 = zero, acc##r##_1 = zero, acc##r##_2 = zero, acc##r##_3 = zero;
-/* the two lanes of each output added (hadd within 128-bit halves), then put in order: outputs 0-7, 8-15 */
-#define KEEP_ROW(r)                                                                                        \
-    if (NR > r) {                                                                                          \
-        sums[r][0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc##r##_0, acc##r##_1), 0xD8);           \
-        sums[r][1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc##r##_2, acc##r##_3), 0xD8);           \
-    }
+#define ACC_ROW(r) __m256i acc##r##_0 = acc[r][0], acc##r##_1 = acc[r][1], acc##r##_2 = acc[r][2], acc##r##_3 = acc[r][3];
+#define KEEP_ROW(r) if (NR > r) acc[r][0] = acc##r##_0, acc[r][1] = acc##r##_1, acc[r][2] = acc##r##_2, acc[r][3] = acc##r##_3;
+#define WIDENED(i) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16 * i)))
+#define WEIGHTS __m256i w0 = WIDENED(0), w1 = WIDENED(1), w2 = WIDENED(2), w3 = WIDENED(3);
+#define DOT_ROWS DOT_ROW(0) DOT_ROW(1) DOT_ROW(2)
+#define ACC_ROWS ACC_ROW(0) ACC_ROW(1) ACC_ROW(2)
+#define KEEP_ROWS KEEP_ROW(0) KEEP_ROW(1) KEEP_ROW(2)
 
-static inline __m256i widened(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
-
-static inline __attribute__((always_inline)) void chunk_sums(const int NR, const activation_t *a, int64_t lda,
-                                                             const int8_t *chunk, int64_t groups,
-                                                             __m256i sums[ROWS][2]) {
-    const __m256i zero = _mm256_setzero_si256();
-    ACC_ROW(0) ACC_ROW(1) ACC_ROW(2)
-    for (int64_t g = 0; g < groups; g++) {
-        const int8_t *w = chunk + g * 4 * PANEL;
-        __m256i w0 = widened(w), w1 = widened(w + 16), w2 = widened(w + 32), w3 = widened(w + 48);
-        DOT_ROW(0) DOT_ROW(1) DOT_ROW(2)
-    }
-    KEEP_ROW(0) KEEP_ROW(1) KEEP_ROW(2)
+/* a row's accumulators as the sums of outputs 0-7 and 8-15: each output's two lanes added (hadd within 128-bit
+ * halves), then put in order */
+static inline void outputs16(const __m256i acc[ACCS], __m256i sums[2]) {
+    sums[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[0], acc[1]), 0xD8);
+    sums[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[2], acc[3]), 0xD8);
 }
 #endif
 
-/* the 16 outputs of a chunk for rows r < NR: sums, then the epilogue (outputs col .. col + valid - 1) */
-static inline __attribute__((always_inline)) void chunk_rows(const int NR, const activation_t *a, int64_t lda,
-                                                             const int8_t *chunk, int64_t groups, epilogue_t e,
-                                                             int64_t col, float *out, int64_t ldo, int64_t valid) {
-    __m256i sums[ROWS][2];
-    chunk_sums(NR, a, lda, chunk, groups, sums);
-    for (int r = 0; r < NR; r++)
-        for (int h = 0; h < 2 && 8 * h < valid; h++)
-            store8(sums[r][h], col + 8 * h, valid - 8 * h, e, e.row_scale[r],
-                   e.residual ? e.residual + r * ldo + 8 * h : NULL, out + r * ldo + 8 * h);
+/* adds to acc (rows r < NR of one chunk of 16 outputs) the products of groups g0 .. g1 - 1; chunk: the outputs' 64
+ * bytes of group 0, a panel's 256 bytes apart. The first chunk's pass also asks for the group's other three cache
+ * lines, so memory streams the panel in order and the other chunks' passes find them in L1. */
+static inline __attribute__((always_inline)) void chunk_sums(const int NR, const activation_t *a, int64_t lda,
+                                                             const int8_t *chunk, int64_t g0, int64_t g1,
+                                                             int first, __m256i acc[ROWS][ACCS]) {
+    ACC_ROWS
+    for (int64_t g = g0; g < g1; g++) {
+        const int8_t *w = chunk + g * 4 * PANEL;
+        if (first)
+            for (int line = 1; line < 4; line++) _mm_prefetch((const char *)(w + 64 * line), _MM_HINT_T0);
+        WEIGHTS
+        DOT_ROWS
+    }
+    KEEP_ROWS
 }
 
-/* one panel's outputs (col .. col + valid - 1) for `rows` rows, a quarter panel at a time */
+/* chunk_sums for the first `count` (<= ROWS) rows, NR a constant at each call so the loops unroll */
+static void chunk_pass(int64_t count, const activation_t *a, int64_t lda, const int8_t *chunk, int64_t g0,
+                       int64_t g1, int first, __m256i acc[ROWS][ACCS]) {
+    switch (count) {
+    case 1: chunk_sums(1, a, lda, chunk, g0, g1, first, acc); break;
+    case 2: chunk_sums(2, a, lda, chunk, g0, g1, first, acc); break;
+#if VNNI
+    case 3: chunk_sums(3, a, lda, chunk, g0, g1, first, acc); break;
+    case 4: chunk_sums(4, a, lda, chunk, g0, g1, first, acc); break;
+    case 5: chunk_sums(5, a, lda, chunk, g0, g1, first, acc); break;
+#endif
+    default: chunk_sums(ROWS, a, lda, chunk, g0, g1, first, acc); break;
+    }
+}
+
+/* one panel's outputs (col .. col + valid - 1) for `rows` rows: ROWS rows at a time, each pass over the panel
+ * GROUP_BLOCK groups at a time, its chunks of 16 outputs one after another within a block */
 static void panel_block(const activation_t *a, int64_t rows, int64_t lda, const int8_t *panel, int64_t groups,
                         epilogue_t e, int64_t col, float *out, int64_t ldo, int64_t valid) {
-    for (int64_t c = 0; c < PANEL / 16 && 16 * c < valid; c++)
-        for (int64_t r = 0; r < rows; r += ROWS) {
-            epilogue_t er = e;
-            er.row_scale = e.row_scale + r;
-            er.residual = e.residual ? e.residual + r * ldo + 16 * c : NULL;
-            const activation_t *ar = a + r * lda;
-            const int8_t *chunk = panel + 16 * c * 4;
-            float *outr = out + r * ldo + 16 * c;
-            int64_t left = valid - 16 * c;
-            switch (rows - r < ROWS ? rows - r : ROWS) {
-            case 1: chunk_rows(1, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
-            case 2: chunk_rows(2, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
-#if VNNI
-            case 3: chunk_rows(3, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
-            case 4: chunk_rows(4, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
-            case 5: chunk_rows(5, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
-#endif
-            default: chunk_rows(ROWS, ar, lda, chunk, groups, er, col + 16 * c, outr, ldo, left); break;
+    int64_t chunks = (valid + 15) / 16;
+    for (int64_t r = 0; r < rows; r += ROWS) {
+        int64_t count = rows - r < ROWS ? rows - r : ROWS;
+        __m256i acc[PANEL / 16][ROWS][ACCS];
+        memset(acc, 0, sizeof acc);
+        for (int64_t g0 = 0; g0 < groups; g0 += GROUP_BLOCK)
+            for (int64_t c = 0; c < chunks; c++)
+                chunk_pass(count, a + r * lda, lda, panel + 64 * c, g0, g0 + GROUP_BLOCK < groups ? g0 + GROUP_BLOCK
+                           : groups, c == 0, acc[c]);
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t i = 0; i < count; i++) {
+                __m256i sums[2];
+                outputs16(acc[c][i], sums);
+                for (int h = 0; h < 2 && 16 * c + 8 * h < valid; h++) {
+                    int64_t at = (r + i) * ldo + 16 * c + 8 * h;
+                    store8(sums[h], col + 16 * c + 8 * h, valid - 16 * c - 8 * h, e, e.row_scale[r + i],
+                           e.residual ? e.residual + at : NULL, out + at);
+                }
             }
-        }
+    }
 }
 
 /* the codes of rows r0 .. r0 + rows - 1 as the micro-kernel reads them: as they are (VNNI), or widened to int16 into
