@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from batchspec.api import GenerationResult, generate
-from batchspec.config import Method, ProposerKind
+from batchspec.config import AUTO, Method, ProposerKind
 from batchspec.data import PromptRecord, format_prompts
 from batchspec.engine.metrics import GenerationStats
 from batchspec.models.choice import ModelChoice, load_models
@@ -59,18 +59,20 @@ class GenerationSettings:
     method: str = "eqspec"
     batch_size: int = 8
     max_new_tokens: int = 128
-    num_draft_tokens: int = 5
+    num_draft_tokens: int | str = AUTO
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     chat_template: bool = True
     proposer: str | None = None
+    cuda_graphs: str = AUTO
+    prefix_cache_size: int | str = AUTO
 
     def generate_kwargs(self) -> dict[str, Any]:
         return dict(
             method=self.method, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
             num_draft_tokens=self.num_draft_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            proposer=self.proposer,
+            proposer=self.proposer, cuda_graphs=self.cuda_graphs, prefix_cache_size=self.prefix_cache_size,
         )
 
 
@@ -102,6 +104,8 @@ class BatchspecPredictor:
         dtype: str = "auto",
         kernels: str = "auto",
         quantize: str = "auto",
+        device: str = AUTO,
+        batch_invariant: bool = False,
         cache_dir: str | None = None,
         num_threads: int | None = None,
         prompt_column: str = PROMPT_COLUMN,
@@ -114,7 +118,8 @@ class BatchspecPredictor:
         method = Method(self.settings.method)
         proposer = None if self.settings.proposer is None else ProposerKind(self.settings.proposer)
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, kernels=kernels,
-                             cache_dir=Path(cache_dir) if cache_dir is not None else None, quantize=quantize)
+                             cache_dir=Path(cache_dir) if cache_dir is not None else None, quantize=quantize,
+                             device=device, batch_invariant=batch_invariant)
         choice.check_for(method, proposer)
         self.models = load_models(choice, method, proposer, progress=False)
         self._batch_ids = (f"{socket.gethostname()}:{os.getpid()}:{n}" for n in count())

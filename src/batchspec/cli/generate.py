@@ -100,6 +100,7 @@ def generate_command(
                 method=method.value, batch_size=batch_size, max_new_tokens=max_new_tokens,
                 num_draft_tokens=num_draft_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                 chat_template=prompts.chat_template, proposer=None if drafting is None else drafting.value,
+                cuda_graphs=cuda_graphs.value, prefix_cache_size=prefix_cache_size,
             )
             run_generate_on_ray(records, models, settings, seed, ray, output)
             return

@@ -202,7 +202,8 @@ def _predictor_kwargs(models: ModelChoice, settings: GenerationSettings, choice:
     cache_dir = None if models.cache_dir is None else str(models.cache_dir)
     return dict(
         preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype,
-        kernels=models.kernels, quantize=models.quantize, cache_dir=cache_dir, num_threads=choice.threads,
+        kernels=models.kernels, quantize=models.quantize, device=models.device, batch_invariant=models.batch_invariant,
+        cache_dir=cache_dir, num_threads=choice.threads,
         **vars(settings),
     )
 
