@@ -9,16 +9,20 @@ can be dropped silently.
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
+import batchspec
 import batchspec.server
 from batchspec.cli import app, generate, ray_generate, serve
+from batchspec.config import SpecConfig
 from batchspec.ray import BatchspecPredictor
 
 PROMPTS = ["first prompt", "second prompt", "third prompt"]
@@ -103,8 +107,8 @@ def recorded(monkeypatch):
 
         return recorder
 
-    def predict_on_ray(run, records, models, settings, seed, choice):
-        predictor = BatchspecPredictor(**ray_generate._predictor_kwargs(models, settings, choice))
+    def predict_on_ray(run, records, models, settings, generation, seed, choice):
+        predictor = BatchspecPredictor(**ray_generate._predictor_kwargs(models, settings, generation, choice))
         seen["ray_choice"] = snapshot(choice)
         predictor({"prompt": [r.text for r in records], "seed": [seed or 0] * len(records)})
 
@@ -186,15 +190,44 @@ def test_every_serve_option_reaches_the_server(recorded, prompts_file, tmp_path)
     assert refused == [], refused
 
 
-def test_the_ray_settings_default_as_generate_does():
-    """``GenerationSettings`` and ``batchspec.generate`` agree on every keyword they share."""
-    from inspect import signature
+def written_defaults(path: Path) -> list[tuple[str, int]]:
+    """``(name, line)`` of every default that ``path`` writes for a setting of the record: a parameter's or a
+    field's default other than None or () (which say "not given") and other than one read from the record."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        pairs = []
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            given = node.args.posonlyargs + node.args.args
+            pairs += zip(given[len(given) - len(node.args.defaults):], node.args.defaults, strict=True)
+            pairs += [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults, strict=True) if d]
+            pairs = [(a.arg, d) for a, d in pairs]
+        elif isinstance(node, ast.ClassDef):
+            pairs = [(st.target.id, st.value) for st in node.body
+                     if isinstance(st, ast.AnnAssign) and st.value is not None and isinstance(st.target, ast.Name)]
+        for name, default in pairs:
+            if name in SETTING_NAMES and not _reads_the_record(default):
+                found.append((name, node.lineno))
+    return found
 
-    from batchspec.api import generate as api_generate
-    from batchspec.ray import GenerationSettings
 
-    keywords = signature(api_generate).parameters
-    shared = [f for f in fields(GenerationSettings) if f.name in keywords]
-    assert shared
-    for field in shared:
-        assert field.default == keywords[field.name].default, field.name
+SETTING_NAMES = {spec.name for spec in fields(SpecConfig)}
+
+
+def _reads_the_record(default: ast.expr) -> bool:
+    if isinstance(default, ast.Constant) and default.value is None:
+        return True
+    if isinstance(default, ast.Tuple) and not default.elts:
+        return True
+    return isinstance(default, ast.Call) and getattr(default.func, "id", None) == "setting_default"
+
+
+def test_each_setting_has_its_default_written_once():
+    """The record declares each setting's default; no entry point, adapter or bench holder writes it again."""
+    package = Path(batchspec.__file__).resolve().parent
+    written = {}
+    for path in sorted(package.rglob("*.py")):
+        for name, line in written_defaults(path):
+            written.setdefault(name, []).append(f"{path.relative_to(package)}:{line}")
+    config = str(Path("config.py"))
+    again = {name: places for name, places in written.items() if [p.split(":")[0] for p in places] != [config]}
+    assert not again, again

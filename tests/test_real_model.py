@@ -104,7 +104,7 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
     config = ServerConfig()
     alone = [
         batchspec.generate(smollm2_int8.target, smollm2_int8.draft, [ids], max_new_tokens=SERVED_TOKENS,
-                           num_draft_tokens=config.num_draft_tokens).sequences[0]
+                           num_draft_tokens=config.engine.num_draft_tokens).sequences[0]
         for ids in prompts
     ]
     with serve_in_thread(create_app(smollm2_int8, config)) as server:
@@ -120,7 +120,7 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
             served = list(pool.map(complete, range(2 * len(prompts))))
         occupancy = mean_batch_occupancy(server.url)
     assert served == alone + alone
-    assert occupancy > 2 / config.max_batch_size, "the requests must have been decoded together"
+    assert occupancy > 2 / config.engine.batch_size, "the requests must have been decoded together"
 
 
 @pytest.fixture(scope="module")

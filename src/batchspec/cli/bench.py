@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from inspect import Signature, signature
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -16,17 +17,16 @@ from batchspec.bench.runners import draft_length, needs_draft, plan_cells
 from batchspec.cli.common import (
     MaxNewTokensOption,
     Method,
-    NumDraftTokensOption,
-    PrefixCacheOption,
     PromptChoice,
     encode_prompts,
     load_prompt_records,
     model_choice,
     prompt_choice,
+    settings_choice,
     with_options,
 )
 from batchspec.cli.errors import user_errors
-from batchspec.config import PROPOSERS
+from batchspec.config import PROPOSERS, SpecConfig
 from batchspec.engine.core import resolve_special_ids
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.kernels import kernels_in_use
@@ -95,26 +95,34 @@ def parse_proposers(text: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Cells:
-    """What every cell of a sweep shares: the batch sizes and proposers it runs, the budget and the draft length."""
+    """What every cell of a sweep shares: the batch sizes and proposers it runs, the budget, and the settings of
+    the record that a sweep holds fixed (the draft length and the prefix cache)."""
 
     batch_sizes: tuple[int, ...]
     proposers: tuple[str, ...]
     max_new_tokens: int
-    num_draft_tokens: int | str
-    prefix_cache_size: int | str = "auto"
+    settings: SpecConfig
+
+
+CELL_SETTINGS = settings_choice("num_draft_tokens", "prefix_cache_size")
 
 
 def cells_choice(
     batch_sizes: BatchSizesOption = "1,4,8",
     proposers: ProposersOption = "draft",
     max_new_tokens: MaxNewTokensOption = 128,
-    num_draft_tokens: NumDraftTokensOption = "auto",
-    prefix_cache_size: PrefixCacheOption = "auto",
+    **settings: Any,
 ) -> Cells:
-    """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens``, ``--num-draft-tokens`` and
-    ``--prefix-cache-size``."""
-    return Cells(parse_batch_sizes(batch_sizes), parse_proposers(proposers), max_new_tokens, num_draft_tokens,
-                 prefix_cache_size)
+    """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens`` and the settings of
+    :data:`CELL_SETTINGS` (``--num-draft-tokens``, ``--prefix-cache-size``)."""
+    return Cells(parse_batch_sizes(batch_sizes), parse_proposers(proposers), max_new_tokens,
+                 CELL_SETTINGS(**settings))
+
+
+cells_choice.__signature__ = Signature([
+    *list(signature(cells_choice, eval_str=True).parameters.values())[:-1],
+    *signature(CELL_SETTINGS).parameters.values(),
+])
 
 
 def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Workload:
@@ -128,13 +136,13 @@ def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Wo
         prompt_source=prompts.source,
         prompts=tuple(tuple(p) for p in token_ids),
         max_new_tokens=cells.max_new_tokens,
-        num_draft_tokens=cells.num_draft_tokens,
+        num_draft_tokens=cells.settings.num_draft_tokens,
         eos_token_ids=eos_ids,
         pad_token_id=pad,
         kernels=kernels_in_use(loaded.target),
         device=loaded.device,
         quantize=loaded.quantize,
-        prefix_cache_size=cells.prefix_cache_size,
+        prefix_cache_size=cells.settings.prefix_cache_size,
     )
 
 
@@ -234,7 +242,8 @@ def _run_online(loaded: ModelPair, workload: Workload, methods, batch_size: int,
         prompts=workload.prompts, rate=rate, requests=requests, max_tokens=workload.max_new_tokens
     )
     return run_online_benchmark(
-        online, models=loaded, methods=methods, batch_size=batch_size, num_draft_tokens=workload.num_draft_tokens
+        online, models=loaded, methods=methods, batch_size=batch_size, num_draft_tokens=workload.num_draft_tokens,
+        prefix_cache_size=workload.prefix_cache_size,
     )
 
 

@@ -25,7 +25,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchspec.config import SpecConfig
 from batchspec.engine.core import build_engine
 from batchspec.engine.schedulers import make_scheduler
 from batchspec.model_checks import vocab_size
@@ -81,13 +80,7 @@ class ServingState:
 
 def build_state(models: ModelPair, config: ServerConfig) -> ServingState:
     """The engine, its loop and the metrics for ``models`` (checked like ``batchspec.generate`` checks them)."""
-    spec = SpecConfig(
-        method=config.method, batch_size=config.max_batch_size, num_draft_tokens=config.num_draft_tokens,
-        proposer=config.proposer,
-        window_size=config.window_size, check_invariants=config.check_invariants, timing=config.timing,
-        prefill_chunk=config.prefill_chunk, cuda_graphs=config.cuda_graphs, prefix_cache_size=config.prefix_cache_size,
-    )
-    engine = build_engine(models.target, models.draft, spec)
+    engine = build_engine(models.target, models.draft, config.engine)
     metrics = ServerMetrics()
     scheduler = make_scheduler(engine.config, online=True)
     loop = EngineLoop(engine, scheduler, models.tokenizer, max_queue=config.max_queue, metrics=metrics)
@@ -156,7 +149,8 @@ def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.loop.start()
-        logger.info("serving %s with %s, batch size %d", state.model_name, config.method, config.max_batch_size)
+        settings = config.engine
+        logger.info("serving %s with %s, batch size %d", state.model_name, settings.method.value, settings.batch_size)
         yield
         logger.info("draining the engine loop")
         front.close()

@@ -167,7 +167,7 @@ class PooledWindow:
 
     batch_size: int
     window: int
-    sort_by_length: bool = False
+    sort_by_length: bool
     check: bool = False
     pool: SequencePool = field(init=False)
     added: int = 0
