@@ -10,15 +10,23 @@ import torch
 from tqdm.auto import tqdm
 
 from batchspec.config import SpecConfig
-from batchspec.engine.core import Engine, build_engine
-from batchspec.engine.grammar import Grammar
-from batchspec.engine.logprobs import TokenLogprob
-from batchspec.engine.metrics import GenerationStats
-from batchspec.engine.sampling import SamplingParams, derive_row_seeds
-from batchspec.engine.schedulers import make_scheduler
-from batchspec.engine.schedulers.drive import Offline, drive
-from batchspec.engine.shaping import Penalties
-from batchspec.engine.state import FINISH_LENGTH, Sequence, check_budget
+from batchspec.engine import (
+    FINISH_LENGTH,
+    Engine,
+    GenerationParams,
+    GenerationStats,
+    Grammar,
+    Offline,
+    Penalties,
+    SamplingParams,
+    Sequence,
+    TokenLogprob,
+    build_engine,
+    check_budget,
+    derive_row_seeds,
+    drive,
+    make_scheduler,
+)
 from batchspec.model_checks import vocab_size
 
 
@@ -112,12 +120,12 @@ def generate(
     engine = build_engine(target, draft, config)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
     seeds = derive_row_seeds(seed, len(token_prompts))
-    shaping = {"penalties": penalties or Penalties(), "grammar": grammar, "logprobs": logprobs,
-               "prompt_logprobs": prompt_logprobs}
-    sequences = [
-        Sequence(i, p, max_new_tokens, sampling=sampling, seed=s, **shaping)
-        for i, (p, s) in enumerate(zip(token_prompts, seeds, strict=True))
+    requests = [
+        GenerationParams(prompt=p, max_tokens=max_new_tokens, sampling=sampling, penalties=penalties or Penalties(),
+                         grammar=grammar, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        for p in token_prompts
     ]
+    sequences = [request.sequence(i, s) for i, (request, s) in enumerate(zip(requests, seeds, strict=True))]
     _decode(engine, sequences, progress)
     texts = None if tokenizer is None else [tokenizer.decode(s.output) for s in sequences]
     return GenerationResult(

@@ -43,7 +43,7 @@ import torch
 from batchspec.api import GenerationResult, generate
 from batchspec.config import AUTO, SpecConfig
 from batchspec.data import PromptRecord, format_prompts
-from batchspec.engine.metrics import GenerationStats
+from batchspec.engine import GenerationStats
 from batchspec.models.choice import ModelChoice, load_models
 
 PROMPT_COLUMN = "prompt"

@@ -27,7 +27,7 @@ from batchspec.cli.common import (
 )
 from batchspec.cli.errors import user_errors
 from batchspec.config import PROPOSERS, SpecConfig
-from batchspec.engine.core import resolve_special_ids
+from batchspec.engine import resolve_special_ids
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.kernels import kernels_in_use
 from batchspec.models.pair import ModelPair

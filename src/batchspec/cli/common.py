@@ -28,7 +28,7 @@ from batchspec.config import (
     read_size,
 )
 from batchspec.data import PromptRecord, format_prompts, load_prompts
-from batchspec.engine.metrics import STAGES
+from batchspec.engine import STAGES
 from batchspec.models.choice import ModelChoice
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS
 

@@ -38,7 +38,7 @@ from batchspec.cli.output import (
 from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
 from batchspec.config import SpecConfig
 from batchspec.devices import resolve_device
-from batchspec.engine.graphs import graph_mode
+from batchspec.engine import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 
 OutputOption = Annotated[

@@ -22,8 +22,7 @@ from batchspec.cli.errors import EXIT_USER_ERROR
 from batchspec.cli.output import GeneratedText, print_texts, run_label, sampling_summary, write_jsonl
 from batchspec.config import SpecConfig
 from batchspec.data import PromptRecord
-from batchspec.engine.metrics import GenerationStats
-from batchspec.engine.sampling import derive_row_seeds
+from batchspec.engine import GenerationStats, derive_row_seeds
 from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.obtain import obtain_preset
 from batchspec.ray import STATS_COLUMN, BatchspecPredictor, merge_batch_stats

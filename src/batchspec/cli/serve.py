@@ -14,7 +14,7 @@ from batchspec.cli.common import model_choice, settings_choice, with_options
 from batchspec.cli.errors import user_errors
 from batchspec.config import SpecConfig
 from batchspec.devices import resolve_device
-from batchspec.engine.graphs import graph_mode
+from batchspec.engine import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.hosting import DEFAULT_KEEP_ALIVE_S, HttpOptions
 from batchspec.server.limits import (

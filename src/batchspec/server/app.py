@@ -25,8 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchspec.engine.core import build_engine
-from batchspec.engine.schedulers import make_scheduler
+from batchspec.engine import build_engine, make_scheduler
 from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
 from batchspec.server.bodies import BodyBounds

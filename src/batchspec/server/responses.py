@@ -21,8 +21,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator
 
+from batchspec.engine import GenerationParams
 from batchspec.server.errors import APIError, bad_request
-from batchspec.server.events import Finished, GenerationParams, Tokens
+from batchspec.server.events import Finished, Tokens
 from batchspec.server.formats import ChoiceOutput, ReplyContext
 from batchspec.server.params import PromptReader
 from batchspec.server.protocol import ChatCompletionRequest, StrictRequest, ToolCall
