@@ -167,7 +167,7 @@ def test_int8_penalties_grammar_and_logprobs_on_the_preset(preset, request):
     for bit; every finished answer is a valid object, and the prompt and answer read back as one prompt (completions'
     echo) give the answer those logprobs again. (qwen2.5-coder runs where a developer has fetched it.)"""
     from batchspec.engine.grammar import GrammarCompiler
-    from batchspec.engine.shaping import Penalties
+    from batchspec.engine.penalties import Penalties
 
     cached_or_skip(preset)
     pair = request.getfixturevalue("smollm2_int8") if preset == "smollm2" else loading.load_pair(preset, progress=False)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from batchspec.config import require_int
 from batchspec.engine.grammar import Grammar
+from batchspec.engine.penalties import Penalties
 from batchspec.engine.sampling import SamplingParams, derive_row_seeds
-from batchspec.engine.shaping import Penalties
 from batchspec.engine.state import Sequence
 
 

@@ -31,14 +31,6 @@ from batchspec.models.pair import ModelPair
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder
 from batchspec.server.errors import APIError, bad_request
-from batchspec.server.formats import (
-    ChatFormat,
-    CompletionFormat,
-    ReplyContext,
-    ReplyFormat,
-    TokenTexts,
-    new_request_id,
-)
 from batchspec.server.handlers import Reply, Tracker, answer, submit
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop
@@ -46,7 +38,15 @@ from batchspec.server.middleware import install_middleware
 from batchspec.server.params import ModelLimits, PromptReader, PromptSize, StructuredOutputs
 from batchspec.server.prometheus import CONTENT_TYPE, ServerMetrics, endpoint_label
 from batchspec.server.protocol import ModelCard, ModelList, SamplingFields
-from batchspec.server.responses import ResponsesFormat, read_request
+from batchspec.server.response_bodies import (
+    ChatFormat,
+    CompletionFormat,
+    ReplyContext,
+    ReplyFormat,
+    TokenTexts,
+    new_request_id,
+)
+from batchspec.server.responses_api import ResponsesFormat, read_request
 from batchspec.server.security import cache_namespace
 from batchspec.server.settings import ServerConfig
 from batchspec.server.tools import ToolUse
@@ -194,7 +194,7 @@ async def chat_completions(http: Request) -> Response:
 
 
 async def responses(http: Request) -> Response:
-    """``POST /v1/responses``, served as the chat request it stands for (:mod:`~batchspec.server.responses`)."""
+    """``POST /v1/responses``, served as the chat request it stands for (:mod:`~batchspec.server.responses_api`)."""
     front = _front(http)
     body, chat, params = await front.prepare(partial(read_request, front.reader), await _json_body(http))
     fmt = ResponsesFormat(body, parse_calls=ToolUse.of(chat).parsed)
