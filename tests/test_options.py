@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 import batchspec
 import batchspec.server
-from batchspec.cli import app, generate, ray_generate, serve
+from batchspec.cli import app, bench, generate, ray_generate, serve
 from batchspec.config import SpecConfig
 from batchspec.ray import BatchspecPredictor
 
@@ -54,9 +54,14 @@ SERVE = {
     "--max-idle-connections": "3", "--max-messages": "3", "--max-content-parts": "3", "--request-timeout": "9",
     "--default-max-tokens": "9", "--shutdown-timeout": "3",
 }
+BENCH = {
+    "--methods": "eqspec", "--batch-sizes": "2", "--proposers": "ngram", "--max-new-tokens": "7",
+    "--num-draft-tokens": "3", "--prefix-cache-size": "1MiB", "--no-compare": None, "--rate": "2",
+    "--requests": "3",
+}
 # What the walk leaves out, and why: the prompt file itself (every run needs one), --output (written after
-# generation; test_cli checks the file), --ray (the switch between the two walks).
-NOT_WALKED = {"--prompts", "--output", "--ray", "--help"}
+# generation; test_cli checks the file), --ray and --online (the switches between two walks).
+NOT_WALKED = {"--prompts", "--output", "--ray", "--online", "--help"}
 
 
 class Reached(Exception):
@@ -125,6 +130,16 @@ def recorded(monkeypatch):
     monkeypatch.setattr(ray_generate, "_reporting_actor_failures", predict_on_ray)
     monkeypatch.setattr(serve, "load_models", lambda choice, *a, **k: (record("models")(choice, *a),
                                                                        fake_models(choice))[1])
+    def load_workload(models, prompts, methods, cells):
+        record("workload")(models, prompts, methods, cells)
+        settings = cells.settings
+        return None, SimpleNamespace(prompts=((1,),), max_new_tokens=cells.max_new_tokens,
+                                     num_draft_tokens=settings.num_draft_tokens,
+                                     prefix_cache_size=settings.prefix_cache_size)
+
+    monkeypatch.setattr(bench, "load_workload", load_workload)
+    monkeypatch.setattr(bench, "run_sweep", record("sweep", stop=True))
+    monkeypatch.setattr("batchspec.bench.online.run_online_benchmark", record("online", stop=True))
     monkeypatch.setattr(batchspec.server, "create_app", record("app", result=object()))
     monkeypatch.setattr(batchspec.server, "serve_forever", record("serve", stop=True))
     return seen
@@ -144,9 +159,13 @@ def walk(recorded, base: list[str], option: str, value: str | list[str] | None, 
     return None
 
 
-def options_of(command: str) -> set[str]:
+def unlisted_options(command: str, values: dict) -> list[str]:
+    """The options of ``command`` that neither the walk's ``values`` nor :data:`NOT_WALKED` name (by any of their
+    names: ``--proposers`` or ``--proposer``, ``--compare`` or ``--no-compare``)."""
     click = typer.main.get_command(app).commands[command]
-    return {name for param in click.params for name in param.opts + param.secondary_opts if name.startswith("--")}
+    covered = set(values) | NOT_WALKED
+    return sorted(param.opts[0] for param in click.params
+                  if param.opts[0].startswith("--") and not covered & set(param.opts + param.secondary_opts))
 
 
 def check_every_option(recorded, tmp_path, base, values, command):
@@ -154,9 +173,8 @@ def check_every_option(recorded, tmp_path, base, values, command):
     result = CliRunner().invoke(app, base)
     assert isinstance(result.exception, Reached), result.output
     baseline = dict(recorded)
-    flags = {flag for flag in options_of(command) if not flag.startswith("--no-") or flag in values}
-    unlisted = flags - set(values) - NOT_WALKED - {"--chat-template", "--timing"}
-    assert not unlisted, f"options without a value in this walk: {sorted(unlisted)}"
+    unlisted = unlisted_options(command, values)
+    assert not unlisted, f"options without a value in this walk: {unlisted}"
     refused = []
     for option, value in values.items():
         reached = walk(recorded, base, option, value, tmp_path)
@@ -180,6 +198,20 @@ def test_every_generate_option_reaches_the_ray_actors_or_is_refused(recorded, pr
     refused = check_every_option(recorded, tmp_path, base, values, "generate")
     assert refused == [], refused
     assert walk(recorded, base, "--cuda-graphs", "on", tmp_path) is None
+
+
+def test_every_bench_option_reaches_the_sweep_or_is_refused(recorded, prompts_file, tmp_path):
+    values = BENCH | MODELS | PROMPT_OPTIONS
+    base = ["bench", "--prompts", str(prompts_file), "--output", str(tmp_path / "out")]
+    refused = check_every_option(recorded, tmp_path, base, values, "bench")
+    assert refused == ["--rate", "--requests"], refused  # "--rate, --requests apply only with --online"
+
+
+def test_every_bench_online_option_reaches_the_servers_or_is_refused(recorded, prompts_file, tmp_path):
+    values = BENCH | {"--methods": "eqspec"} | MODELS
+    base = ["bench", "--prompts", str(prompts_file), "--output", str(tmp_path / "out"), "--online"]
+    refused = check_every_option(recorded, tmp_path, base, values | PROMPT_OPTIONS, "bench")
+    assert refused == ["--proposers", "--no-compare"], refused  # "... apply only to the sweep, not --online"
 
 
 def test_every_serve_option_reaches_the_server(recorded, prompts_file, tmp_path):

@@ -57,6 +57,10 @@ OutputDirOption = Annotated[
 ]
 
 
+ONLINE_METHODS = ("eqspec", "exspec", "autoregressive")
+ONLINE_DEFAULTS = {"rate": 1.0, "requests": 32}
+
+
 def parse_methods(text: str) -> tuple[str, ...]:
     methods = tuple(m.strip() for m in text.split(",") if m.strip())
     unknown = [m for m in methods if m not in METHODS]
@@ -184,8 +188,12 @@ def bench_command(
             "method (eqspec, exspec, autoregressive) at the first --batch-sizes value; writes online.json."
         ),
     ] = False,
-    rate: Annotated[float, typer.Option("--rate", min=0.0, help="--online: mean requests per second.")] = 1.0,
-    requests: Annotated[int, typer.Option("--requests", min=1, help="--online: requests to send.")] = 32,
+    rate: Annotated[
+        float, typer.Option("--rate", min=0.0, help="--online: mean requests per second.")
+    ] = ONLINE_DEFAULTS["rate"],
+    requests: Annotated[
+        int, typer.Option("--requests", min=1, help="--online: requests to send.")
+    ] = ONLINE_DEFAULTS["requests"],
 ) -> None:
     """Measure throughput, time anatomy, grouping and equivalence of methods across batch sizes.
 
@@ -193,6 +201,8 @@ def bench_command(
     and PNG plots (throughput.png, anatomy.png, grouping.png) into --output, updated after every cell. With
     --online, measures request latency (P50/P90/P99), time to first token and throughput under load instead.
     """
+    with user_errors():
+        _check_mode_options(online, cells, compare, rate, requests)
     if online:
         with user_errors():
             online_methods = _online_methods(methods)
@@ -222,7 +232,23 @@ def bench_header(workload: Workload) -> str:
     )
 
 
-ONLINE_METHODS = ("eqspec", "exspec", "autoregressive")
+
+
+def _check_mode_options(online: bool, cells: Cells, compare: bool, rate: float, requests: int) -> None:
+    """Refuse, in one line, an option the chosen mode would drop: ``--rate`` and ``--requests`` apply only with
+    ``--online``; ``--no-compare`` and other ``--proposers`` than draft only to the sweep (the online servers draft
+    with their default proposer)."""
+    given = {"rate": rate, "requests": requests}
+    if not online:
+        dropped = [f"--{name}" for name, value in given.items() if value != ONLINE_DEFAULTS[name]]
+        if dropped:
+            raise ValueError(f"{', '.join(dropped)} {'applies' if len(dropped) == 1 else 'apply'} only with --online")
+        return
+    dropped = ["--no-compare"] if not compare else []
+    dropped += ["--proposers"] if cells.proposers != ("draft",) else []
+    if dropped:
+        raise ValueError(f"{', '.join(dropped)} {'applies' if len(dropped) == 1 else 'apply'} only to the sweep, "
+                         "not --online")
 
 
 def _online_methods(text: str) -> tuple[str, ...]:
