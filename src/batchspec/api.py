@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from batchspec.config import SpecConfig
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SpecConfig
 from batchspec.engine import (
     FINISH_LENGTH,
     Engine,
@@ -58,7 +58,7 @@ def generate(
     draft: torch.nn.Module | None,
     prompts: Seq[Seq[int]] | Seq[str],
     *,
-    max_new_tokens: int = 128,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     eos_token_id: int | Seq[int] | None = None,
     tokenizer=None,
     progress: bool = False,

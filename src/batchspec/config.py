@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 WINDOW_MULTIPLE = 4
+# new tokens per prompt when none are asked for (batchspec.generate, `batchspec generate` and `bench`); a request's
+# budget, not a setting of the run (each Sequence carries its own)
+DEFAULT_MAX_NEW_TOKENS = 128
 # the n-gram lengths prompt lookup matches by default, longest first (engine/lookup.py)
 DEFAULT_MAX_NGRAM = 5
 DEFAULT_MIN_NGRAM = 1

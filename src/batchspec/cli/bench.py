@@ -26,7 +26,7 @@ from batchspec.cli.common import (
     with_options,
 )
 from batchspec.cli.errors import user_errors
-from batchspec.config import PROPOSERS, SpecConfig
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, PROPOSERS, SpecConfig
 from batchspec.engine import resolve_special_ids
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.kernels import kernels_in_use
@@ -114,7 +114,7 @@ CELL_SETTINGS = settings_choice("num_draft_tokens", "prefix_cache_size")
 def cells_choice(
     batch_sizes: BatchSizesOption = "1,4,8",
     proposers: ProposersOption = "draft",
-    max_new_tokens: MaxNewTokensOption = 128,
+    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
     **settings: Any,
 ) -> Cells:
     """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens`` and the settings of

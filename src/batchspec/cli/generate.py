@@ -36,7 +36,7 @@ from batchspec.cli.output import (
     write_jsonl,
 )
 from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
-from batchspec.config import SpecConfig
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SpecConfig
 from batchspec.devices import resolve_device
 from batchspec.engine import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
@@ -62,7 +62,7 @@ def generate_command(
     prompts: PromptChoice,
     ray: RayChoice,
     settings: SpecConfig,
-    max_new_tokens: MaxNewTokensOption = 128,
+    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
     temperature: TemperatureOption = 0.0,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
