@@ -48,7 +48,7 @@ def cut(tokenizer, text: str, tokens: int) -> str:
 
 @contextmanager
 def server(pair, size):
-    config = ServerConfig(prefix_cache_size=size, max_batch_size=8)
+    config = ServerConfig.of(prefix_cache_size=size, batch_size=8)
     with serve_in_thread(create_app(pair, config)) as running:
         stream(running.url, [{"role": "user", "content": "Hello"}], 4)  # warm-up: first-call costs are not timed
         yield running

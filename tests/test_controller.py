@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from batchspec.engine.controller import AdaptiveLength, Reach, RoundRecord
+from batchspec.engine.draft_length import AdaptiveLength, Reach, RoundRecord
 from batchspec.engine.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
 from batchspec.engine.state import Sequence
 

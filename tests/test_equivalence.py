@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchspec.engine.core import Engine
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import GROWTH, BatchKVCache
 from batchspec.engine.runner import ModelRunner
-from batchspec.invariants import InvariantError
 
 
 class Case(NamedTuple):

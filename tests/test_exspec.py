@@ -13,9 +13,9 @@ import tiny_models
 from helpers import forward_log, make_prompts_for
 
 from batchspec.config import SpecConfig
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.schedulers.pool import PooledWindow
 from batchspec.engine.state import Sequence
-from batchspec.invariants import InvariantError
 
 X = "exspec"
 

@@ -42,3 +42,15 @@ def test_the_library_imports_nothing_of_the_cli():
         for path in library
     }
     assert library and not {path: names for path, names in offenders.items() if names}
+
+
+def test_outside_the_engine_only_its_face_is_imported():
+    """``batchspec.engine`` exports what the rest uses; its modules can move and split inside without a change
+    outside, because nothing outside names them."""
+    engine = PACKAGE / "engine"
+    outside = [path for path in PACKAGE.rglob("*.py") if engine not in path.parents]
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(m for m in imported_modules(path) if m.startswith("batchspec.engine."))
+        for path in outside
+    }
+    assert outside and not {path: names for path, names in offenders.items() if names}

@@ -115,7 +115,7 @@ def test_block_keys_worked_example():
 def server(pair):
     target, draft, bundle = pair
     models = ModelPair(target, draft, word_tokenizer(bundle.eos_id), "tiny", "int8")
-    with serve_in_thread(create_app(models, ServerConfig(max_batch_size=4, check_invariants=True))) as running:
+    with serve_in_thread(create_app(models, ServerConfig.of(batch_size=4, check_invariants=True))) as running:
         yield running
 
 

@@ -106,7 +106,7 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
     config = ServerConfig()
     alone = [
         batchspec.generate(smollm2_int8.target, smollm2_int8.draft, [ids], max_new_tokens=SERVED_TOKENS,
-                           num_draft_tokens=config.num_draft_tokens).sequences[0]
+                           num_draft_tokens=config.engine.num_draft_tokens).sequences[0]
         for ids in prompts
     ]
     with serve_in_thread(create_app(smollm2_int8, config)) as server:
@@ -122,7 +122,7 @@ def test_server_default_config_gives_concurrent_clients_their_sequential_outputs
             served = list(pool.map(complete, range(2 * len(prompts))))
         occupancy = mean_batch_occupancy(server.url)
     assert served == alone + alone
-    assert occupancy > 2 / config.max_batch_size, "the requests must have been decoded together"
+    assert occupancy > 2 / config.engine.batch_size, "the requests must have been decoded together"
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_int8_penalties_grammar_and_logprobs_on_the_preset(preset, request):
     for bit; every finished answer is a valid object, and the prompt and answer read back as one prompt (completions'
     echo) give the answer those logprobs again. (qwen2.5-coder runs where a developer has fetched it.)"""
     from batchspec.engine.grammar import GrammarCompiler
-    from batchspec.engine.shaping import Penalties
+    from batchspec.engine.penalties import Penalties
 
     cached_or_skip(preset)
     pair = request.getfixturevalue("smollm2_int8") if preset == "smollm2" else loading.load_pair(preset, progress=False)

@@ -15,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import BatchKVCache, Slab
 from batchspec.engine.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, layout_columns, plan_layout
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.state import BatchState, HostColumns, KVLocation, Sequence
-from batchspec.invariants import InvariantError
 
 CPU = torch.device("cpu")
 RUNNER = ModelRunner(CPU)

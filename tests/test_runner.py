@@ -18,11 +18,11 @@ import torch
 from host_reads import HostReads
 
 from batchspec.engine.core import Engine
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import BatchKVCache, Slab
 from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.engine.runner import Floats, ModelRunner
 from batchspec.engine.state import BatchState, HostColumns
-from batchspec.invariants import InvariantError
 
 CPU = ModelRunner(torch.device("cpu"))
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

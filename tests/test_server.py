@@ -44,7 +44,7 @@ from batchspec.server.text import TextTracker
 
 @contextmanager
 def running(served: Served, **options) -> Iterator:
-    config = ServerConfig(**{"max_batch_size": 4, "num_draft_tokens": 4, "check_invariants": True, **options})
+    config = ServerConfig.of(**{"batch_size": 4, "num_draft_tokens": 4, "check_invariants": True, **options})
     with serve_in_thread(create_app(served.models, config)) as server:
         yield server
 
@@ -354,7 +354,7 @@ def test_sampling_fields_are_checked(eqspec_server):
 
 def test_full_queue_gets_429_with_retry_after(served, monkeypatch):
     gate = threading.Event()
-    with running(served, method="eqspec", max_batch_size=1, max_queue=1) as server, ThreadPoolExecutor(2) as pool:
+    with running(served, method="eqspec", batch_size=1, max_queue=1) as server, ThreadPoolExecutor(2) as pool:
         loop = loop_of(server)
         original = loop.engine.step
         monkeypatch.setattr(loop.engine, "step", lambda rows: (gate.wait(TIMEOUT_S), original(rows)))

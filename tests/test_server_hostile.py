@@ -48,7 +48,7 @@ CHAT = "/v1/chat/completions"
 
 
 def serving(served: Served, *, http: HttpOptions | None = None, tokenizer=None, **options):
-    config = ServerConfig(**{"max_batch_size": 4, "num_draft_tokens": 4, **options})
+    config = ServerConfig.of(**{"batch_size": 4, "num_draft_tokens": 4, **options})
     pair = served.models if tokenizer is None else ModelPair(
         served.models.target, served.models.draft, tokenizer, "tiny", "float64")
     return serve_in_thread(create_app(pair, config), http=http or HttpOptions())

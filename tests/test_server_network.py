@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def serving(served: Served, *, http: HttpOptions | None = None, **options):
-    config = ServerConfig(**{"max_batch_size": 4, "num_draft_tokens": 4, **options})
+    config = ServerConfig.of(**{"batch_size": 4, "num_draft_tokens": 4, **options})
     return serve_in_thread(create_app(served.models, config), http=http or HttpOptions())
 
 
@@ -262,7 +262,7 @@ class GatedTokenizer:
 def test_tokenizing_does_not_hold_up_other_clients(served):
     gated = GatedTokenizer(served.tokenizer)
     models = ModelPair(served.models.target, served.models.draft, gated, "tiny", "float64")
-    with serve_in_thread(create_app(models, ServerConfig(max_batch_size=2))) as server, ThreadPoolExecutor(1) as pool:
+    with serve_in_thread(create_app(models, ServerConfig.of(batch_size=2))) as server, ThreadPoolExecutor(1) as pool:
         held = pool.submit(post_raw, server, json.dumps({"prompt": "w10 w11 w12", "max_tokens": 3}))
         assert gated.entered.wait(TIMEOUT_S)
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200

@@ -51,7 +51,7 @@ def int8_served(llama) -> Served:
 
 @contextmanager
 def running(served: Served, method: str) -> Iterator:
-    config = ServerConfig(method=method, max_batch_size=4, num_draft_tokens=4, check_invariants=True)
+    config = ServerConfig.of(method=method, batch_size=4, num_draft_tokens=4, check_invariants=True)
     with serve_in_thread(create_app(served.models, config)) as server:
         yield server
 

@@ -128,7 +128,7 @@ def pair(tokenizer) -> ModelPair:
 
 @contextmanager
 def running(pair: ModelPair, method: str) -> Iterator:
-    config = ServerConfig(method=method, max_batch_size=4, num_draft_tokens=4, check_invariants=True)
+    config = ServerConfig.of(method=method, batch_size=4, num_draft_tokens=4, check_invariants=True)
     with serve_in_thread(create_app(pair, config)) as server:
         yield server
 

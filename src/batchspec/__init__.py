@@ -2,7 +2,7 @@
 
 from batchspec.api import GenerationResult, generate
 from batchspec.config import SpecConfig
-from batchspec.engine.metrics import GenerationStats
+from batchspec.engine import GenerationStats
 from batchspec.hf import hf_generate
 
 __all__ = ["GenerationResult", "GenerationStats", "SpecConfig", "generate", "hf_generate"]

@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from batchspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, MAX_AUTO_DRAFT_TOKENS, SpecConfig
-from batchspec.engine.core import Engine, build_engine
-from batchspec.engine.grammar import Grammar
-from batchspec.engine.logprobs import TokenLogprob
-from batchspec.engine.metrics import GenerationStats
-from batchspec.engine.sampling import SamplingParams, derive_row_seeds
-from batchspec.engine.schedulers import make_scheduler
-from batchspec.engine.schedulers.drive import Offline, drive
-from batchspec.engine.shaping import Penalties
-from batchspec.engine.state import FINISH_LENGTH, Sequence, check_budget
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SpecConfig
+from batchspec.engine import (
+    FINISH_LENGTH,
+    Engine,
+    GenerationParams,
+    GenerationStats,
+    Grammar,
+    Offline,
+    Penalties,
+    SamplingParams,
+    Sequence,
+    TokenLogprob,
+    build_engine,
+    check_budget,
+    derive_row_seeds,
+    drive,
+    make_scheduler,
+)
 from batchspec.model_checks import vocab_size
 
 
@@ -49,22 +58,9 @@ def generate(
     draft: torch.nn.Module | None,
     prompts: Seq[Seq[int]] | Seq[str],
     *,
-    method: str = "eqspec",
-    batch_size: int = 8,
-    max_new_tokens: int = 128,
-    num_draft_tokens: int | str = "auto",
-    proposer: str | None = None,
-    max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS,
-    ngram_min: int = DEFAULT_MIN_NGRAM,
-    ngram_max: int = DEFAULT_MAX_NGRAM,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     eos_token_id: int | Seq[int] | None = None,
-    pad_token_id: int | None = None,
-    window_size: int | None = None,
-    sort_by_length: bool = True,
     tokenizer=None,
-    check_invariants: bool = False,
-    timing: bool = True,
-    cuda_graphs: str = "auto",
     progress: bool = False,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -74,7 +70,7 @@ def generate(
     grammar: Grammar | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
-    prefix_cache_size: int | str = "auto",
+    **options: Any,
 ) -> GenerationResult:
     """Generation with ``target``, batched, optionally sped up by speculative decoding with ``draft``.
 
@@ -93,28 +89,9 @@ def generate(
         draft: a smaller causal LM with the same vocabulary on the same device; None drafts by prompt lookup
             (``proposer="ngram"``); ignored for ``method="autoregressive"`` and ``proposer="ngram"``.
         prompts: token-id lists, or strings when ``tokenizer`` is given (encoded without a chat template).
-        method: ``"eqspec"`` (speculative, fixed batches, unpad–append–repad every round), ``"exspec"``
-            (speculative, batches formed every round from a window of sequences, grouped by length) or
-            ``"autoregressive"`` (the target alone).
-        batch_size: rows decoded together.
         max_new_tokens: new tokens per prompt at most.
-        num_draft_tokens: drafts ``k`` per row and round (each row's capped by its own remaining budget), or
-            ``"auto"``: chosen every round, per row, for the highest expected tokens per second from the rows' recent
-            acceptance and the measured costs, down to plain steps where speculation does not pay.
-        proposer: ``"draft"`` (the draft model), ``"ngram"`` (prompt lookup in each row's own prompt and output:
-            no draft model), or ``"hybrid"`` (lookup where it finds a match, the draft model elsewhere); default
-            ``"hybrid"`` when a draft is given, else ``"ngram"``.
-        max_draft_tokens: the longest proposal ``"auto"`` may choose.
-        ngram_min, ngram_max: the shortest and longest suffix prompt lookup matches.
         eos_token_id: id or ids that end a sequence; default ``target.generation_config.eos_token_id``.
-        pad_token_id: filler for padding columns; padding itself is tracked by lengths.
-        window_size: exspec only: sequences active at once, ``>= batch_size``; default ``4 * batch_size``.
-        sort_by_length: exspec only: admit prompts into the window shortest first (more same-length groups).
         tokenizer: encodes string prompts and decodes ``result.texts``.
-        check_invariants: check I1, I2 and both caches after every round (slower; for tests and debugging).
-        timing: split wall time into draft / verify / realign / other.
-        cuda_graphs: ``"on"`` replays the decode forwards of models on a CUDA device as CUDA graphs; ``"off"``;
-            ``"auto"`` (on for a CUDA device).
         progress: show a progress bar over prompts.
         temperature: 0 for greedy decoding; > 0 samples from the target's logits divided by it.
         top_k: sampling only: keep the ``top_k`` most probable tokens.
@@ -131,38 +108,24 @@ def generate(
         prompt_logprobs: likewise for every prompt token after the first (given the tokens before it), in
             ``result.prompt_logprobs``; each prompt is then read once more, on its own (scoring a prompt's
             likelihood: ``max_new_tokens=0`` reads it only for this).
-        prefix_cache_size: bytes of prompt KV kept for later prompts that start the same way (0: off; ``"auto"``: a
-            quarter of free memory, at most 4 GiB). Outputs are the same either way; with int8 models the reused
-            KV is the same bits as a recomputation (:mod:`batchspec.engine.prefix_cache`).
+        **options: the run's settings, the fields of :class:`~batchspec.config.SpecConfig`, where each is declared
+            once with its default, help and check: ``method``, ``batch_size``, ``num_draft_tokens``, ``proposer``,
+            ``max_draft_tokens``, ``ngram_min``, ``ngram_max``, ``pad_token_id``, ``window_size``,
+            ``sort_by_length``, ``check_invariants``, ``timing``, ``cuda_graphs`` and ``prefix_cache_size``
+            (docs/api.md); any other name is a TypeError.
     """
     check_budget(max_new_tokens)  # before anything is built, and for an empty prompt list (no Sequence) too
-    config = SpecConfig(
-        method=method,
-        batch_size=batch_size,
-        num_draft_tokens=num_draft_tokens,
-        max_draft_tokens=max_draft_tokens,
-        proposer=proposer,
-        ngram_min=ngram_min,
-        ngram_max=ngram_max,
-        eos_token_ids=None if eos_token_id is None else _as_tuple(eos_token_id),
-        pad_token_id=pad_token_id,
-        window_size=window_size,
-        sort_by_length=sort_by_length,
-        check_invariants=check_invariants,
-        timing=timing,
-        cuda_graphs=cuda_graphs,
-        prefix_cache_size=prefix_cache_size,
-    )
+    config = settings(options, eos_token_id)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     engine = build_engine(target, draft, config)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
     seeds = derive_row_seeds(seed, len(token_prompts))
-    shaping = {"penalties": penalties or Penalties(), "grammar": grammar, "logprobs": logprobs,
-               "prompt_logprobs": prompt_logprobs}
-    sequences = [
-        Sequence(i, p, max_new_tokens, sampling=sampling, seed=s, **shaping)
-        for i, (p, s) in enumerate(zip(token_prompts, seeds, strict=True))
+    requests = [
+        GenerationParams(prompt=p, max_tokens=max_new_tokens, sampling=sampling, penalties=penalties or Penalties(),
+                         grammar=grammar, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        for p in token_prompts
     ]
+    sequences = [request.sequence(i, s) for i, (request, s) in enumerate(zip(requests, seeds, strict=True))]
     _decode(engine, sequences, progress)
     texts = None if tokenizer is None else [tokenizer.decode(s.output) for s in sequences]
     return GenerationResult(
@@ -188,6 +151,16 @@ def _decode(engine: Engine, sequences: list[Sequence], progress: bool) -> None:
     bar = tqdm(total=scheduler.waiting, desc=engine.config.method.value, unit="prompt", disable=not progress)
     with bar, torch.inference_mode():
         drive(engine, scheduler, Offline(bar.update))
+
+
+def settings(options: dict[str, Any], eos_token_id: int | Seq[int] | None) -> SpecConfig:
+    """The run's :class:`SpecConfig` of ``generate``'s ``**options`` (checked against its fields) and EOS ids."""
+    unknown = sorted(set(options) - {spec.name for spec in fields(SpecConfig)})
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    if eos_token_id is not None:
+        options = {**options, "eos_token_ids": _as_tuple(eos_token_id)}
+    return SpecConfig(**options)
 
 
 def _as_tuple(eos_token_id: int | Seq[int]) -> tuple[int, ...]:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 WINDOW_MULTIPLE = 4
+# new tokens per prompt when none are asked for (batchspec.generate, `batchspec generate` and `bench`); a request's
+# budget, not a setting of the run (each Sequence carries its own)
+DEFAULT_MAX_NEW_TOKENS = 128
 # the n-gram lengths prompt lookup matches by default, longest first (engine/lookup.py)
 DEFAULT_MAX_NGRAM = 5
 DEFAULT_MIN_NGRAM = 1
@@ -59,100 +64,178 @@ AUTO = "auto"
 MAX_AUTO_DRAFT_TOKENS = 10
 
 
+def read_auto_or_count(text: str) -> int | str:
+    """``"auto"`` or an integer >= 1, read from the command line (``--num-draft-tokens``, ``--prefill-chunk``)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"expected 'auto' or an integer >= 1; got {text!r}") from None
+    if k < 1:
+        raise ValueError(f"expected 'auto' or an integer >= 1; got {text!r}")
+    return k
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def read_size(text: str) -> int | str:
+    """``"auto"`` or a number of bytes >= 0 with an optional unit (``512MiB``, ``2GB``), read from the command line
+    (``--prefix-cache-size``)."""
+    if text == AUTO:
+        return AUTO
+    number = text.rstrip("kKmMgGiIbB")
+    unit = text[len(number):].upper()
+    try:
+        size = int(float(number) * SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise ValueError(f"expected 'auto' or a size such as 0, 512MiB or 2GB; got {text!r}") from None
+    if size < 0:
+        raise ValueError(f"expected a size >= 0; got {text!r}")
+    return size
+
+
+def option(default: Any, help: str, *, check: Callable[[str, Any], Any] | None = None, **cli: Any) -> Any:
+    """A field of :class:`SpecConfig` declared once: its default, its help text (the command line's and the
+    documentation's), its check (``check(name, value)`` returns the value to keep or raises ValueError) and how the
+    command line reads it (``cli``: ``metavar``, ``short``, ``read`` a text parser, ``minimum``, ``switch`` for a
+    bool given as ``--name/--no-name``, or ``flag=False`` for a field no command line sets)."""
+    return field(default=default, metadata={"help": help, "check": check, "cli": cli})
+
+
+def one_of(kind: type[StrEnum]) -> Callable[[str, Any], Any]:
+    """The check of an enum-valued option: the value as ``kind``, or a ValueError listing the choices."""
+    choices = ", ".join(k.value for k in kind)
+
+    def check(name: str, value: Any) -> Any:
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{name} must be one of {choices}; got {value!r}") from None
+
+    return check
+
+
+def integer(minimum: int, *, auto: bool = False) -> Callable[[str, Any], Any]:
+    """The check of an integer option >= ``minimum``; with ``auto``, ``"auto"`` is allowed as well."""
+
+    def check(name: str, value: Any) -> Any:
+        if auto and value == AUTO:
+            return value
+        if auto and isinstance(value, str):
+            raise ValueError(f"{name} must be an integer >= {minimum} or 'auto'; got {value!r}")
+        require_int(name, value, minimum=minimum)
+        return value
+
+    return check
+
+
+def optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    """``check``, letting None through."""
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def eos_ids(name: str, value: Any) -> Any:
+    for eos in value or ():
+        require_int("eos_token_id", eos, minimum=0)
+    return value
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """Everything the engine needs to know about a run, validated on construction. The budget of new tokens is not
-    here: each :class:`~batchspec.engine.state.Sequence` carries its own (``max_new_tokens``).
-
-    Attributes:
-        method: "autoregressive" (target alone, batched), "eqspec" (fixed batches, realigned every round)
-            or "exspec" (batches formed each round from a window of sequences, grouped by length).
-        batch_size: rows decoded together (B).
-        num_draft_tokens: drafts per row and round, each row's capped by its own budget; ``"auto"`` chooses them
-            every round for the best expected tokens per second, up to ``max_draft_tokens``
-            (:mod:`batchspec.engine.controller`).
-        max_draft_tokens: the longest proposal ``"auto"`` may choose.
-        proposer: ``"draft"`` (the draft model), ``"ngram"`` (prompt lookup, no draft model) or ``"hybrid"``
-            (lookup where it finds a match, the draft model elsewhere); None: ``"hybrid"`` when a draft model is
-            given, else ``"ngram"`` (filled in by :func:`batchspec.engine.core.build_engine`).
-        ngram_min, ngram_max: the shortest and longest suffix prompt lookup matches.
-        eos_token_ids: tokens that end a sequence (empty: only the budget ends it; None: the target's default,
-            filled in by :func:`batchspec.engine.core.build_engine`).
-        pad_token_id: filler value written into padding columns; never read back as padding (None: the target's
-            default, filled in like ``eos_token_ids``).
-        window_size: exspec only: sequences active at once (W >= B); None means ``4 * batch_size``.
-        sort_by_length: exspec only: admit prompts into the window in order of length.
-        check_invariants: verify the batch invariants (I1, I2, token streams, cache lengths) every round.
-        timing: measure per-stage seconds (prefill/draft/verify/realign/other); wall time is always measured.
-        prefill_chunk: while other rows decode, read at most this many columns of new prompts per round (chunked
-            prefill, for serving); ``"auto"``: as many as take about one decode round to read (measured as it
-            runs, :class:`batchspec.engine.prefill.ChunkBudget`); None reads every prompt in one piece.
-        cuda_graphs: ``"on"`` captures the decode forwards of models on a CUDA device as CUDA graphs and replays
-            them (:mod:`batchspec.engine.graphs`); ``"off"`` runs them as they come; ``"auto"`` is on for a CUDA
-            device, off elsewhere.
-        prefix_cache_size: bytes of prompt KV the prefix cache may keep for later prompts that start the same way
-            (:mod:`batchspec.engine.prefix_cache`); 0 turns it off; ``"auto"``: a quarter of the device's free
-            memory when the engine is built, at most 4 GiB.
+    """The settings of a run: every option of the engine, declared once here (default, help text, check and how the
+    command line reads it, see :func:`option`), checked on construction. ``batchspec generate``, ``serve`` and
+    ``bench``, ``batchspec.generate``, the server, the Ray predictor and ``hf_generate`` take theirs from here. The
+    budget of new tokens and the sampling settings are not here: each request carries its own
+    (:class:`~batchspec.engine.state.Sequence`).
     """
 
-    method: Method = Method.EQSPEC
-    batch_size: int = 8
-    num_draft_tokens: int | str = AUTO
-    max_draft_tokens: int = MAX_AUTO_DRAFT_TOKENS
-    proposer: ProposerKind | None = None
-    ngram_min: int = DEFAULT_MIN_NGRAM
-    ngram_max: int = DEFAULT_MAX_NGRAM
-    eos_token_ids: tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-    window_size: int | None = None
-    sort_by_length: bool = True
-    check_invariants: bool = False
-    timing: bool = True
-    prefill_chunk: int | str | None = None
-    cuda_graphs: CudaGraphs = CudaGraphs.AUTO
-    prefix_cache_size: int | str = AUTO
+    method: Method = option(
+        Method.EQSPEC, check=one_of(Method), short="-m",
+        help="eqspec: speculative, the batch realigned after every round (serving: one running batch, predictable "
+        "latency); exspec: speculative, batches regrouped from a window of sequences by length (more throughput, "
+        "longer tail latency); autoregressive: the target alone, batched (no draft is loaded when only --target "
+        "is given).",
+    )
+    batch_size: int = option(
+        8, check=integer(1), short="-b", metavar="B", minimum=1,
+        help="Rows decoded together at most (serving: requests decoded together per round).",
+    )
+    num_draft_tokens: int | str = option(
+        AUTO, check=integer(1, auto=True), short="-k", metavar="K|auto", read=read_auto_or_count,
+        help="Drafts per row and round (each row's capped by its own budget), or 'auto': chosen every round for "
+        "the most expected tokens per second from the rows' recent acceptance and the measured costs, down to "
+        "plain steps where speculation does not pay.",
+    )
+    max_draft_tokens: int = option(
+        MAX_AUTO_DRAFT_TOKENS, check=integer(1), flag=False, help="The longest proposal 'auto' may choose.",
+    )
+    proposer: ProposerKind | None = option(
+        None, check=optional(one_of(ProposerKind)),
+        help="Who drafts: draft (the draft model), ngram (prompt lookup in each prompt and its output: no draft "
+        "model is loaded) or hybrid (lookup where it finds a match, the draft model elsewhere). Default: hybrid, "
+        "or ngram when only --target is given.",
+    )
+    ngram_min: int = option(DEFAULT_MIN_NGRAM, check=integer(1), flag=False,
+                            help="The shortest suffix prompt lookup matches.")
+    ngram_max: int = option(DEFAULT_MAX_NGRAM, check=integer(1), flag=False,
+                            help="The longest suffix prompt lookup matches (>= ngram_min).")
+    eos_token_ids: tuple[int, ...] | None = option(
+        None, check=eos_ids, flag=False,
+        help="Tokens that end a sequence (empty: only the budget ends it; None: the target's default, filled in by "
+        "batchspec.engine.core.build_engine).",
+    )
+    pad_token_id: int | None = option(
+        None, check=optional(integer(0)), flag=False,
+        help="Filler written into padding columns, never read back as padding (None: the target's default).",
+    )
+    window_size: int | None = option(
+        None, check=optional(integer(1)), metavar="W", minimum=1,
+        help="exspec only: sequences (serving: requests) active at once, >= the batch size; default 4 x B.",
+    )
+    sort_by_length: bool = option(True, flag=False,
+                                  help="exspec only: admit prompts into the window in order of length.")
+    check_invariants: bool = option(
+        False, flag=False,
+        help="Verify the batch invariants (I1, I2, token streams, cache lengths) every round (slow; for tests).",
+    )
+    timing: bool = option(
+        True, switch=True,
+        help="Split round time into stages (prefill/draft/verify/realign/other; for /metrics when serving; cheap: "
+        "on a GPU one device synchronisation a round); wall time is always measured.",
+    )
+    prefill_chunk: int | str | None = option(
+        None, check=optional(integer(1, auto=True)), metavar="N|auto", read=read_auto_or_count,
+        help="Columns of new prompts read per round while other rows decode (chunked prefill): a long prompt then "
+        "delays the running streams a bounded amount per round. auto: as many columns as take about one decode "
+        "round to read (measured as it runs), so a stream waits about two rounds at most. Unset (batchspec.generate's "
+        "default), every prompt is read in one piece.",
+    )
+    cuda_graphs: CudaGraphs = option(
+        CudaGraphs.AUTO, check=one_of(CudaGraphs),
+        help="on: capture the decode forwards of models on a CUDA device as CUDA graphs and replay them (needs "
+        "--device cuda); off: run them as they come; auto (default): on for a CUDA device, off elsewhere.",
+    )
+    prefix_cache_size: int | str = option(
+        AUTO, check=integer(0, auto=True), metavar="BYTES|auto", read=read_size,
+        help="Keys and values of read prompts kept for later prompts that start the same way (multi-turn chats, "
+        "shared system prompts), least recently used first out: 0 turns it off; auto: a quarter of free memory, "
+        "at most 4 GiB. Outputs are the same either way (with int8, the reused KV is the same bits).",
+    )
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "method", Method(self.method))
-        except ValueError:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}") from None
-        try:
-            object.__setattr__(self, "cuda_graphs", CudaGraphs(self.cuda_graphs))
-        except ValueError:
-            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPHS)}; got {self.cuda_graphs!r}") from None
-        require_int("batch_size", self.batch_size, minimum=1)
-        if self.num_draft_tokens != AUTO:
-            if isinstance(self.num_draft_tokens, str):
-                raise ValueError(f"num_draft_tokens must be an integer >= 1 or 'auto'; got {self.num_draft_tokens!r}")
-            require_int("num_draft_tokens", self.num_draft_tokens, minimum=1)
-        require_int("max_draft_tokens", self.max_draft_tokens, minimum=1)
-        if self.proposer is not None:
-            try:
-                object.__setattr__(self, "proposer", ProposerKind(self.proposer))
-            except ValueError:
-                raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}; got {self.proposer!r}") from None
-        require_int("ngram_min", self.ngram_min, minimum=1)
+        for spec in fields(self):
+            check = spec.metadata["check"]
+            if check is not None:
+                object.__setattr__(self, spec.name, check(spec.name, getattr(self, spec.name)))
         require_int("ngram_max", self.ngram_max, minimum=self.ngram_min)
-        if self.pad_token_id is not None:
-            require_int("pad_token_id", self.pad_token_id, minimum=0)
-        for eos in self.eos_token_ids or ():
-            require_int("eos_token_id", eos, minimum=0)
-        if self.prefill_chunk is not None and self.prefill_chunk != AUTO:
-            if isinstance(self.prefill_chunk, str):
-                raise ValueError(f"prefill_chunk must be an integer >= 1, 'auto' or None; got {self.prefill_chunk!r}")
-            require_int("prefill_chunk", self.prefill_chunk, minimum=1)
-        if self.prefix_cache_size != AUTO:
-            if isinstance(self.prefix_cache_size, str):
-                raise ValueError(f"prefix_cache_size must be a number of bytes >= 0 or 'auto'; "
-                                 f"got {self.prefix_cache_size!r}")
-            require_int("prefix_cache_size", self.prefix_cache_size, minimum=0)
-        if self.window_size is not None:
-            require_int("window_size", self.window_size, minimum=1)
-            if self.window_size < self.batch_size:
-                raise ValueError(
-                    f"window_size must be >= batch_size ({self.batch_size}); got {self.window_size}"
-                )
+        if self.window_size is not None and self.window_size < self.batch_size:
+            raise ValueError(f"window_size must be >= batch_size ({self.batch_size}); got {self.window_size}")
+
+    def options(self) -> dict[str, Any]:
+        """Every field by name: the keywords of ``batchspec.generate`` that give this record."""
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
 
     @property
     def speculative(self) -> bool:
@@ -171,6 +254,11 @@ class SpecConfig:
     def window(self) -> int:
         """The exspec window W."""
         return self.window_size if self.window_size is not None else WINDOW_MULTIPLE * self.batch_size
+
+
+def setting_default(name: str) -> Any:
+    """The default :class:`SpecConfig` declares for its field ``name`` (for holders that must not write it again)."""
+    return SpecConfig.__dataclass_fields__[name].default
 
 
 def require_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

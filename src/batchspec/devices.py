@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-AUTO = "auto"
+from batchspec.config import AUTO
 
 
 def resolve_device(device: str | torch.device = AUTO) -> torch.device:

@@ -25,6 +25,7 @@ import torch
 from transformers import GenerationConfig
 
 from batchspec.api import generate
+from batchspec.config import SpecConfig
 
 SUPPORTED_FIELDS = frozenset({
     "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p",
@@ -59,31 +60,21 @@ DEFAULT_NUM_ASSISTANT_TOKENS = 5
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """The keyword arguments of the ``batchspec.generate`` call that one ``hf_generate`` call makes."""
+    """The ``batchspec.generate`` call that one ``hf_generate`` call makes: the draft, the budget and sampling of
+    every row, and the run's settings (method, drafting, batch size, EOS and padding)."""
 
-    method: str
     draft: torch.nn.Module | None
-    batch_size: int
     max_new_tokens: int
-    num_draft_tokens: int
-    eos_token_id: list[int]
-    pad_token_id: int
     temperature: float
     top_k: int | None
     top_p: float | None
     seed: list[int] | None
-    proposer: str | None = None
+    settings: SpecConfig
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``batchspec.generate`` (``proposer`` only when n-gram drafting is asked for)."""
-        out = dict(
-            method=self.method, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
-            num_draft_tokens=self.num_draft_tokens, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-        )
-        if self.proposer is not None:
-            out["proposer"] = self.proposer
-        return out
+        """Keyword arguments for ``batchspec.generate``."""
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                    top_p=self.top_p, seed=self.seed, **self.settings.options())
 
 
 def hf_generate(
@@ -116,7 +107,7 @@ def hf_generate(
     prompts = real_tokens(input_ids, attention_mask)
     call = plan_call(config, assistant_model, len(prompts), input_ids.shape[1])
     result = generate(model, call.draft, prompts, **call.kwargs())
-    return assemble(input_ids, result.sequences, call.pad_token_id)
+    return assemble(input_ids, result.sequences, call.settings.pad_token_id)
 
 
 def resolve_generation_config(
@@ -186,10 +177,9 @@ def plan_call(config: GenerationConfig, assistant_model: torch.nn.Module | None,
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     sampling = _sampling(config, rows)
     method, proposer, k = _drafting(config, assistant_model)
-    return GenerateCall(
-        method=method, draft=assistant_model, batch_size=rows, max_new_tokens=_budget(config, width),
-        num_draft_tokens=k, eos_token_id=eos, pad_token_id=int(pad), proposer=proposer, **sampling,
-    )
+    settings = SpecConfig(method=method, proposer=proposer, batch_size=rows, num_draft_tokens=k,
+                          eos_token_ids=tuple(eos), pad_token_id=int(pad))
+    return GenerateCall(draft=assistant_model, max_new_tokens=_budget(config, width), settings=settings, **sampling)
 
 
 def _eos_ids(eos_token_id: int | list[int] | torch.Tensor | None) -> list[int]:

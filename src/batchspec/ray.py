@@ -33,7 +33,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from batchspec.api import GenerationResult, generate
-from batchspec.config import Method, ProposerKind
+from batchspec.config import AUTO, SpecConfig
 from batchspec.data import PromptRecord, format_prompts
-from batchspec.engine.metrics import GenerationStats
+from batchspec.engine import GenerationStats
 from batchspec.models.choice import ModelChoice, load_models
 
 PROMPT_COLUMN = "prompt"
@@ -52,26 +52,8 @@ CODE_COLUMN = "code_completion"
 STATS_COLUMN = "batch_stats"
 
 
-@dataclass(frozen=True)
-class GenerationSettings:
-    """What each batch is generated with: the ``batchspec.generate`` keyword arguments and the prompt format."""
-
-    method: str = "eqspec"
-    batch_size: int = 8
-    max_new_tokens: int = 128
-    num_draft_tokens: int = 5
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    chat_template: bool = True
-    proposer: str | None = None
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        return dict(
-            method=self.method, batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
-            num_draft_tokens=self.num_draft_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            proposer=self.proposer,
-        )
+# the keywords of ``batchspec.generate`` a predictor takes besides the settings record's (:class:`SpecConfig`)
+GENERATION_KEYWORDS = ("max_new_tokens", "temperature", "top_k", "top_p")
 
 
 class BatchspecPredictor:
@@ -90,7 +72,10 @@ class BatchspecPredictor:
         cache_dir: the preset cache on the actor's machine (default as for the CLI).
         num_threads: torch threads of each actor (match ``num_cpus`` of ``map_batches``); default torch's.
         prompt_column: the column holding the prompt texts.
-        **settings: :class:`GenerationSettings` fields (``method``, ``max_new_tokens``, ``temperature``, ...).
+        chat_template: wrap each prompt as a user message in the tokenizer's chat template (when it has one).
+        **settings: ``batchspec.generate`` keywords: ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` and
+            the fields of :class:`~batchspec.config.SpecConfig` (``method``, ``num_draft_tokens``, ...), checked
+            when the actor starts.
     """
 
     def __init__(
@@ -102,30 +87,34 @@ class BatchspecPredictor:
         dtype: str = "auto",
         kernels: str = "auto",
         quantize: str = "auto",
+        device: str = AUTO,
+        batch_invariant: bool = False,
         cache_dir: str | None = None,
         num_threads: int | None = None,
         prompt_column: str = PROMPT_COLUMN,
+        chat_template: bool = True,
         **settings: Any,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.settings = GenerationSettings(**settings)
-        self.prompt_column = prompt_column
-        method = Method(self.settings.method)
-        proposer = None if self.settings.proposer is None else ProposerKind(self.settings.proposer)
+        self.generation = {name: settings.pop(name) for name in GENERATION_KEYWORDS if name in settings}
+        self.config = SpecConfig(**settings)
+        self.prompt_column, self.chat_template = prompt_column, chat_template
+        method, proposer = self.config.method, self.config.proposer
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, kernels=kernels,
-                             cache_dir=Path(cache_dir) if cache_dir is not None else None, quantize=quantize)
+                             cache_dir=Path(cache_dir) if cache_dir is not None else None, quantize=quantize,
+                             device=device, batch_invariant=batch_invariant)
         choice.check_for(method, proposer)
         self.models = load_models(choice, method, proposer, progress=False)
         self._batch_ids = (f"{socket.gethostname()}:{os.getpid()}:{n}" for n in count())
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         records = batch_records(batch, self.prompt_column)
-        token_ids = format_prompts(records, self.models.tokenizer, chat_template=self.settings.chat_template)
+        token_ids = format_prompts(records, self.models.tokenizer, chat_template=self.chat_template)
         seeds = [int(s) for s in batch[SEED_COLUMN]] if SEED_COLUMN in batch else None
         started = time.time()
-        result = generate(self.models.target, self.models.draft, token_ids, seed=seeds,
-                          **self.settings.generate_kwargs())
+        result = generate(self.models.target, self.models.draft, token_ids, seed=seeds, **self.generation,
+                          **self.config.options())
         stats = dict(result.stats.to_dict(), batch_id=next(self._batch_ids), rows=len(records), started=started,
                      finished=time.time())
         return dict(batch) | output_columns(result, self.models.tokenizer, json.dumps(stats))

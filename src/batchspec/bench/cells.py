@@ -9,7 +9,7 @@ import torch
 from batchspec.bench.reference import MatchSummary
 from batchspec.bench.runners import SPECULATIVE, RunOutput, draft_length
 from batchspec.bench.workload import Workload, machine_description
-from batchspec.engine.metrics import STAGES
+from batchspec.engine import STAGES
 
 
 @dataclass

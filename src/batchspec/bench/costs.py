@@ -27,9 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from batchspec.engine.kv_cache import BatchKVCache
-from batchspec.engine.runner import ModelRunner
-from batchspec.engine.state import BatchState
+from batchspec.engine import BatchKVCache, BatchState, ModelRunner
 from batchspec.int8.product import PackedWeight
 
 

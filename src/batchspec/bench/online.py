@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -24,7 +24,7 @@ import numpy as np
 from batchspec.models.pair import ModelPair
 from batchspec.server.app import create_app
 from batchspec.server.hosting import serve_in_thread
-from batchspec.server.settings import ServerConfig
+from batchspec.server.settings import ServerConfig, serving_settings
 
 MAX_REQUESTS = 10_000
 DEFAULT_TIMEOUT_S = 600.0
@@ -143,13 +143,14 @@ def run_online_benchmark(
     models: ModelPair | None = None,
     url: str | None = None,
     methods: Sequence[str] = ("eqspec", "exspec"),
-    batch_size: int = 8,
-    num_draft_tokens: int = 5,
     max_queue: int | None = None,
     warmup: int = 1,
+    **settings: object,
 ) -> OnlineBenchmarkResult:
     """Run ``workload`` against an in-process server per method (``models``), or against the server at ``url``
-    (then ``methods`` is ignored and the one result is named after the server's model)."""
+    (then ``methods`` and ``settings`` are ignored and the one result is named after the server's model).
+    ``settings``: the in-process servers' engine settings (``batch_size``, ``num_draft_tokens``, ...: the fields of
+    :class:`~batchspec.config.SpecConfig`)."""
     if (models is None) == (url is None):
         raise ValueError("give exactly one of models= (in-process servers) or url= (a running server)")
     if url is not None:
@@ -157,14 +158,14 @@ def run_online_benchmark(
         result = measure(url, model, workload, method="server", warmup=warmup)
         return OnlineBenchmarkResult(model, workload.rate, workload.requests, workload.max_tokens, None, [result])
     results = []
+    engine = serving_settings(**settings)
     for method in methods:
         queue = max_queue if max_queue is not None else workload.requests
-        config = ServerConfig(method=method, max_batch_size=batch_size, num_draft_tokens=num_draft_tokens,
-                              max_queue=queue)
+        config = ServerConfig(engine=replace(engine, method=method), max_queue=queue)
         with serve_in_thread(create_app(models, config)) as server:
             results.append(measure(server.url, models.name, workload, method=method, warmup=warmup))
     return OnlineBenchmarkResult(
-        models.name, workload.rate, workload.requests, workload.max_tokens, batch_size, results
+        models.name, workload.rate, workload.requests, workload.max_tokens, engine.batch_size, results
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchspec.bench.cells import Cell
-from batchspec.engine.metrics import STAGES
+from batchspec.engine import STAGES
 
 
 def _pyplot():

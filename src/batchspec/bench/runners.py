@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from batchspec.api import generate
 from batchspec.bench.workload import Workload
 from batchspec.config import AUTO, Method, ProposerKind
-from batchspec.engine.metrics import GenerationStats
+from batchspec.engine import GenerationStats
 from batchspec.models.pair import ModelPair
 
 BATCHSPEC_METHODS = tuple(m.value for m in Method)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from batchspec.config import AUTO
+from batchspec.config import SpecConfig, setting_default
 from batchspec.int8 import check_quantize
 
 
@@ -46,15 +46,14 @@ class Workload:
     kernels: str = "default"
     device: str = "cpu"
     quantize: str = "none"
-    prefix_cache_size: int | str = AUTO
+    prefix_cache_size: int | str = setting_default("prefix_cache_size")
 
     def __post_init__(self) -> None:
         if not self.prompts:
             raise ValueError("a workload needs at least one prompt")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
-        if self.num_draft_tokens != AUTO and (isinstance(self.num_draft_tokens, str) or self.num_draft_tokens < 1):
-            raise ValueError(f"num_draft_tokens must be >= 1 or 'auto'; got {self.num_draft_tokens!r}")
+        SpecConfig(num_draft_tokens=self.num_draft_tokens, prefix_cache_size=self.prefix_cache_size)  # their checks
         check_quantize(self.quantize)
 
     @property

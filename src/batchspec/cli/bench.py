@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from inspect import Signature, signature
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -16,18 +17,17 @@ from batchspec.bench.runners import draft_length, needs_draft, plan_cells
 from batchspec.cli.common import (
     MaxNewTokensOption,
     Method,
-    NumDraftTokensOption,
-    PrefixCacheOption,
     PromptChoice,
     encode_prompts,
     load_prompt_records,
     model_choice,
     prompt_choice,
+    settings_choice,
     with_options,
 )
 from batchspec.cli.errors import user_errors
-from batchspec.config import PROPOSERS
-from batchspec.engine.core import resolve_special_ids
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, PROPOSERS, SpecConfig
+from batchspec.engine import resolve_special_ids
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.models.kernels import kernels_in_use
 from batchspec.models.pair import ModelPair
@@ -55,6 +55,10 @@ ProposersOption = Annotated[
 OutputDirOption = Annotated[
     Path, typer.Option("--output", "-o", metavar="DIR", file_okay=False, help="Folder for the results.")
 ]
+
+
+ONLINE_METHODS = ("eqspec", "exspec", "autoregressive")
+ONLINE_DEFAULTS = {"rate": 1.0, "requests": 32}
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -95,26 +99,34 @@ def parse_proposers(text: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Cells:
-    """What every cell of a sweep shares: the batch sizes and proposers it runs, the budget and the draft length."""
+    """What every cell of a sweep shares: the batch sizes and proposers it runs, the budget, and the settings of
+    the record that a sweep holds fixed (the draft length and the prefix cache)."""
 
     batch_sizes: tuple[int, ...]
     proposers: tuple[str, ...]
     max_new_tokens: int
-    num_draft_tokens: int | str
-    prefix_cache_size: int | str = "auto"
+    settings: SpecConfig
+
+
+CELL_SETTINGS = settings_choice("num_draft_tokens", "prefix_cache_size")
 
 
 def cells_choice(
     batch_sizes: BatchSizesOption = "1,4,8",
     proposers: ProposersOption = "draft",
-    max_new_tokens: MaxNewTokensOption = 128,
-    num_draft_tokens: NumDraftTokensOption = "auto",
-    prefix_cache_size: PrefixCacheOption = "auto",
+    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
+    **settings: Any,
 ) -> Cells:
-    """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens``, ``--num-draft-tokens`` and
-    ``--prefix-cache-size``."""
-    return Cells(parse_batch_sizes(batch_sizes), parse_proposers(proposers), max_new_tokens, num_draft_tokens,
-                 prefix_cache_size)
+    """The cells of ``--batch-sizes``, ``--proposers``, ``--max-new-tokens`` and the settings of
+    :data:`CELL_SETTINGS` (``--num-draft-tokens``, ``--prefix-cache-size``)."""
+    return Cells(parse_batch_sizes(batch_sizes), parse_proposers(proposers), max_new_tokens,
+                 CELL_SETTINGS(**settings))
+
+
+cells_choice.__signature__ = Signature([
+    *list(signature(cells_choice, eval_str=True).parameters.values())[:-1],
+    *signature(CELL_SETTINGS).parameters.values(),
+])
 
 
 def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Workload:
@@ -128,13 +140,13 @@ def build_workload(loaded: ModelPair, prompts: PromptChoice, cells: Cells) -> Wo
         prompt_source=prompts.source,
         prompts=tuple(tuple(p) for p in token_ids),
         max_new_tokens=cells.max_new_tokens,
-        num_draft_tokens=cells.num_draft_tokens,
+        num_draft_tokens=cells.settings.num_draft_tokens,
         eos_token_ids=eos_ids,
         pad_token_id=pad,
         kernels=kernels_in_use(loaded.target),
         device=loaded.device,
         quantize=loaded.quantize,
-        prefix_cache_size=cells.prefix_cache_size,
+        prefix_cache_size=cells.settings.prefix_cache_size,
     )
 
 
@@ -176,8 +188,12 @@ def bench_command(
             "method (eqspec, exspec, autoregressive) at the first --batch-sizes value; writes online.json."
         ),
     ] = False,
-    rate: Annotated[float, typer.Option("--rate", min=0.0, help="--online: mean requests per second.")] = 1.0,
-    requests: Annotated[int, typer.Option("--requests", min=1, help="--online: requests to send.")] = 32,
+    rate: Annotated[
+        float, typer.Option("--rate", min=0.0, help="--online: mean requests per second.")
+    ] = ONLINE_DEFAULTS["rate"],
+    requests: Annotated[
+        int, typer.Option("--requests", min=1, help="--online: requests to send.")
+    ] = ONLINE_DEFAULTS["requests"],
 ) -> None:
     """Measure throughput, time anatomy, grouping and equivalence of methods across batch sizes.
 
@@ -185,6 +201,8 @@ def bench_command(
     and PNG plots (throughput.png, anatomy.png, grouping.png) into --output, updated after every cell. With
     --online, measures request latency (P50/P90/P99), time to first token and throughput under load instead.
     """
+    with user_errors():
+        _check_mode_options(online, cells, compare, rate, requests)
     if online:
         with user_errors():
             online_methods = _online_methods(methods)
@@ -214,7 +232,23 @@ def bench_header(workload: Workload) -> str:
     )
 
 
-ONLINE_METHODS = ("eqspec", "exspec", "autoregressive")
+
+
+def _check_mode_options(online: bool, cells: Cells, compare: bool, rate: float, requests: int) -> None:
+    """Refuse, in one line, an option the chosen mode would drop: ``--rate`` and ``--requests`` apply only with
+    ``--online``; ``--no-compare`` and other ``--proposers`` than draft only to the sweep (the online servers draft
+    with their default proposer)."""
+    given = {"rate": rate, "requests": requests}
+    if not online:
+        dropped = [f"--{name}" for name, value in given.items() if value != ONLINE_DEFAULTS[name]]
+        if dropped:
+            raise ValueError(f"{', '.join(dropped)} {'applies' if len(dropped) == 1 else 'apply'} only with --online")
+        return
+    dropped = ["--no-compare"] if not compare else []
+    dropped += ["--proposers"] if cells.proposers != ("draft",) else []
+    if dropped:
+        raise ValueError(f"{', '.join(dropped)} {'applies' if len(dropped) == 1 else 'apply'} only to the sweep, "
+                         "not --online")
 
 
 def _online_methods(text: str) -> tuple[str, ...]:
@@ -234,7 +268,8 @@ def _run_online(loaded: ModelPair, workload: Workload, methods, batch_size: int,
         prompts=workload.prompts, rate=rate, requests=requests, max_tokens=workload.max_new_tokens
     )
     return run_online_benchmark(
-        online, models=loaded, methods=methods, batch_size=batch_size, num_draft_tokens=workload.num_draft_tokens
+        online, models=loaded, methods=methods, batch_size=batch_size, num_draft_tokens=workload.num_draft_tokens,
+        prefix_cache_size=workload.prefix_cache_size,
     )
 
 

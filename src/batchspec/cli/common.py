@@ -9,19 +9,26 @@ models to load and loading them is the library's (:mod:`batchspec.models.choice`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from functools import wraps
 from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
 from batchspec.cli.errors import user_errors
-from batchspec.config import AUTO, CudaGraphs, Method, ProposerKind, default_cache_dir
+from batchspec.config import (
+    CudaGraphs,
+    Method,
+    ProposerKind,
+    SpecConfig,
+    default_cache_dir,
+    read_size,
+)
 from batchspec.data import PromptRecord, format_prompts, load_prompts
-from batchspec.engine.metrics import STAGES
+from batchspec.engine import STAGES
 from batchspec.models.choice import ModelChoice
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS
 
@@ -117,14 +124,6 @@ BatchInvariantOption = Annotated[
         "a seed gives the same samples at any batch size. On the CPU, --quantize int8 does this.",
     ),
 ]
-CudaGraphsOption = Annotated[
-    CudaGraphs,
-    typer.Option(
-        "--cuda-graphs",
-        help="on: capture the decode forwards of models on a CUDA device as CUDA graphs and replay them (needs "
-        "--device cuda); off: run them as they come; auto (default): on for a CUDA device, off elsewhere.",
-    ),
-]
 CacheDirOption = Annotated[
     Path | None,
     typer.Option(
@@ -133,94 +132,68 @@ CacheDirOption = Annotated[
         f"else $XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec (now: {default_cache_dir()}).",
     ),
 ]
-MethodOption = Annotated[
-    Method,
-    typer.Option(
-        "--method", "-m",
-        help="eqspec: speculative, the batch realigned after every round (serving: one running batch, predictable "
-        "latency); exspec: speculative, batches regrouped from a window of sequences by length (more throughput, "
-        "longer tail latency); autoregressive: the target alone, batched (no draft is loaded when only --target "
-        "is given).",
-    ),
-]
-
-
-def batch_size_option(name: str) -> Any:
-    """The batch size, one option named for what a command does with it: ``generate`` decodes batches of
-    ``--batch-size`` rows, ``serve`` a running batch of at most ``--max-batch-size`` requests."""
-    return typer.Option(
-        name, "-b", metavar="B", min=1,
-        help="Rows decoded together at most (serving: requests decoded together per round).",
-    )
-
-
-BatchSizeOption = Annotated[int, batch_size_option("--batch-size")]
-MaxBatchSizeOption = Annotated[int, batch_size_option("--max-batch-size")]
 MaxNewTokensOption = Annotated[
     int,
     typer.Option("--max-new-tokens", metavar="N", min=0, help="New tokens per prompt at most."),
 ]
 
 
-def parse_auto_or_count(value: str) -> int | str:
-    """``"auto"`` or an integer >= 1 (typer callback of ``--num-draft-tokens`` and ``--prefill-chunk``)."""
-    if value == AUTO:
-        return AUTO
-    try:
-        k = int(value)
-    except ValueError:
-        raise typer.BadParameter(f"expected 'auto' or an integer >= 1; got {value!r}") from None
-    if k < 1:
-        raise typer.BadParameter(f"expected 'auto' or an integer >= 1; got {value!r}")
-    return k
-
-
-SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
-
-
 def parse_size(value: str) -> int | str:
-    """``"auto"`` or a number of bytes >= 0, with an optional unit (``512MiB``, ``2GB``; typer callback of
-    ``--prefix-cache-size``)."""
-    if value == AUTO:
-        return AUTO
-    number = value.rstrip("kKmMgGiIbB")
-    unit = value[len(number):].upper()
+    """``"auto"`` or a number of bytes >= 0, with an optional unit (``512MiB``, ``2GB``), as ``--prefix-cache-size``
+    reads it."""
+    return _read(read_size, value)
+
+
+def _read(read: Callable[[str], Any], value: Any) -> Any:
+    """``read(value)`` as a typer callback: a ValueError is typer's BadParameter (a value already read passes)."""
+    if not isinstance(value, str):
+        return value
     try:
-        size = int(float(number) * SIZE_UNITS[unit])
-    except (ValueError, KeyError):
-        raise typer.BadParameter(f"expected 'auto' or a size such as 0, 512MiB or 2GB; got {value!r}") from None
-    if size < 0:
-        raise typer.BadParameter(f"expected a size >= 0; got {value!r}")
-    return size
+        return read(value)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
 
 
-PrefixCacheOption = Annotated[
-    str,
-    typer.Option(
-        "--prefix-cache-size", metavar="BYTES|auto", callback=parse_size,
-        help="Keys and values of read prompts kept for later prompts that start the same way (multi-turn chats, "
-        "shared system prompts), least recently used first out: 0 turns it off; auto: a quarter of free memory, "
-        "at most 4 GiB. Outputs are the same either way (with int8, the reused KV is the same bits).",
-    ),
-]
-NumDraftTokensOption = Annotated[
-    str,
-    typer.Option(
-        "--num-draft-tokens", "-k", metavar="K|auto", callback=parse_auto_or_count,
-        help="Drafts per row and round (each row's capped by its own budget), or 'auto': chosen every round for "
-        "the most expected tokens per second from the rows' recent acceptance and the measured costs, down to "
-        "plain steps where speculation does not pay.",
-    ),
-]
-ProposerOption = Annotated[
-    ProposerKind | None,
-    typer.Option(
-        "--proposer",
-        help="Who drafts: draft (the draft model), ngram (prompt lookup in each prompt and its output: no draft "
-        "model is loaded) or hybrid (lookup where it finds a match, the draft model elsewhere). Default: hybrid, "
-        "or ngram when only --target is given.",
-    ),
-]
+SETTINGS = {spec.name: spec for spec in fields(SpecConfig)}
+HINTS = get_type_hints(SpecConfig)
+
+
+def setting_option(name: str, flag: str | None = None) -> Any:
+    """The command-line option of :class:`~batchspec.config.SpecConfig`'s field ``name``: its type, flag, help and
+    bounds as the field declares them; ``flag`` renames it for a command (``serve``'s ``--max-batch-size``)."""
+    spec = SETTINGS[name]
+    cli = dict(spec.metadata["cli"])
+    flag = flag or "--" + name.replace("_", "-")
+    kind = HINTS[name]
+    declared = [f"{flag}/--no-{flag[2:]}"] if cli.pop("switch", False) else [flag]
+    if "short" in cli:
+        declared.append(cli.pop("short"))
+    options: dict[str, Any] = {"help": spec.metadata["help"], "metavar": cli.pop("metavar", None)}
+    if "minimum" in cli:
+        options["min"] = cli.pop("minimum")
+    if "read" in cli:
+        read = cli.pop("read")
+        kind, options["callback"] = str, lambda value: _read(read, value)
+    return Annotated[kind, typer.Option(*declared, **options)]
+
+
+def settings_choice(*names: str, flags: dict[str, str] | None = None, **defaults: Any) -> Callable[..., SpecConfig]:
+    """A group of options for :func:`with_options`: the fields ``names`` of :class:`~batchspec.config.SpecConfig`
+    as command-line options (renamed by ``flags``, with a command's own ``defaults``), built into the record."""
+    flags = flags or {}
+    parameters = [
+        Parameter(name, Parameter.KEYWORD_ONLY, annotation=setting_option(name, flags.get(name)),
+                  default=defaults.get(name, SETTINGS[name].default))
+        for name in names
+    ]
+
+    def build(**values: Any) -> SpecConfig:
+        return SpecConfig(**values)
+
+    build.__signature__ = Signature(parameters)
+    return build
+
+
 TemperatureOption = Annotated[
     float,
     typer.Option(

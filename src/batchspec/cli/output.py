@@ -1,5 +1,5 @@
-"""What ``batchspec generate`` writes: the generated texts printed or as JSONL, and the sampling summary (shared by
-the single-process and the Ray paths)."""
+"""What ``batchspec generate`` writes: the generated texts printed or as JSONL, and the summary's names of the
+settings and the sampling (shared by the single-process and the Ray paths)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import typer
 
+from batchspec.config import SpecConfig
 from batchspec.data import PromptRecord
 
 
@@ -83,3 +84,10 @@ def sampling_summary(temperature: float, top_k: int | None, top_p: float | None,
     parts += [f"{name} {value:g}" for name, value in (("top-k", top_k), ("top-p", top_p), ("seed", seed))
               if value is not None]
     return ", ".join(parts)
+
+
+def run_label(settings: SpecConfig) -> str:
+    """``eqspec, batch size 8, hybrid proposer, k=auto``: how the summary names the run's settings."""
+    proposer = settings.proposer
+    drafting = "" if proposer is None else f", {proposer.value} proposer, k={settings.num_draft_tokens}"
+    return f"{settings.method.value}, batch size {settings.batch_size}{drafting}"

@@ -17,15 +17,15 @@ from typing import Annotated, Any
 import typer
 from tqdm.auto import tqdm
 
-from batchspec.cli.common import Method, ProposerKind, summary_lines
+from batchspec.cli.common import Method, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
-from batchspec.cli.output import GeneratedText, print_texts, sampling_summary, write_jsonl
+from batchspec.cli.output import GeneratedText, print_texts, run_label, sampling_summary, write_jsonl
+from batchspec.config import SpecConfig
 from batchspec.data import PromptRecord
-from batchspec.engine.metrics import GenerationStats
-from batchspec.engine.sampling import derive_row_seeds
+from batchspec.engine import GenerationStats, derive_row_seeds
 from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.obtain import obtain_preset
-from batchspec.ray import STATS_COLUMN, BatchspecPredictor, GenerationSettings, merge_batch_stats
+from batchspec.ray import STATS_COLUMN, BatchspecPredictor, merge_batch_stats
 
 EXSPEC_WINDOW_FACTOR = 4
 
@@ -97,10 +97,12 @@ class RayRun:
 
 
 def generate_on_ray(
-    records: list[PromptRecord], models: ModelChoice, settings: GenerationSettings, seed: int | None,
-    choice: RayChoice,
+    records: list[PromptRecord], models: ModelChoice, settings: SpecConfig, generation: dict[str, Any],
+    seed: int | None, choice: RayChoice,
 ) -> RayRun:
-    """Generate for ``records`` with :class:`BatchspecPredictor` actors; rows come back in prompt order."""
+    """Generate for ``records`` with :class:`BatchspecPredictor` actors; rows come back in prompt order.
+    ``generation``: the predictors' keywords besides the settings (``max_new_tokens``, sampling, ``chat_template``).
+    """
     ray = _import_ray()
     if _starts_local_cluster(ray, choice):
         _obtain_presets(models, settings)
@@ -108,12 +110,12 @@ def generate_on_ray(
     try:
         _warn_if_short_of_cpus(ray, choice)
         _configure_ray_data(ray)
-        dataset = prompt_dataset(records, _rows_per_call(settings), settings, seed)
-        predicted = dataset.map_batches(
-            BatchspecPredictor, fn_constructor_kwargs=_predictor_kwargs(models, settings, choice), batch_size=None,
-            concurrency=choice.num_actors, num_cpus=choice.threads,
-        )
-        rows = _collect(predicted, len(records), settings.method)
+        seeds = seed if generation["temperature"] > 0 else None
+        dataset = prompt_dataset(records, _rows_per_call(settings), seeds)
+        kwargs = _predictor_kwargs(models, settings, generation, choice)
+        predicted = dataset.map_batches(BatchspecPredictor, fn_constructor_kwargs=kwargs, batch_size=None,
+                                        concurrency=choice.num_actors, num_cpus=choice.threads)
+        rows = _collect(predicted, len(records), settings.method.value)
         cluster = "local cluster" if started_here else f"cluster {ray.get_runtime_context().gcs_address}"
     finally:
         if started_here:
@@ -135,10 +137,9 @@ def _starts_local_cluster(ray: Any, choice: RayChoice) -> bool:
     return not ray.is_initialized() and not (choice.address or os.environ.get("RAY_ADDRESS"))
 
 
-def _obtain_presets(models: ModelChoice, settings: GenerationSettings) -> None:
+def _obtain_presets(models: ModelChoice, settings: SpecConfig) -> None:
     """Download and convert missing presets once here, rather than in every local actor at the same time."""
-    proposer = None if settings.proposer is None else ProposerKind(settings.proposer)
-    for name in presets_used(models, Method(settings.method), proposer):
+    for name in presets_used(models, settings.method, settings.proposer):
         obtain_preset(name, models.cache_dir)
 
 
@@ -170,17 +171,15 @@ def _configure_ray_data(ray: Any) -> None:
     logging.getLogger("ray.data").setLevel(logging.CRITICAL)
 
 
-def _rows_per_call(settings: GenerationSettings) -> int:
-    factor = EXSPEC_WINDOW_FACTOR if settings.method == Method.EXSPEC.value else 1
+def _rows_per_call(settings: SpecConfig) -> int:
+    factor = EXSPEC_WINDOW_FACTOR if settings.method is Method.EXSPEC else 1
     return settings.batch_size * factor
 
 
-def prompt_dataset(
-    records: list[PromptRecord], rows_per_call: int, settings: GenerationSettings, seed: int | None
-) -> Any:
+def prompt_dataset(records: list[PromptRecord], rows_per_call: int, seed: int | None) -> Any:
     """The prompts as a Dataset of blocks of ``rows_per_call`` rows (one ``generate`` call each), in order.
 
-    Rows: ``index``, ``prompt``, ``code_completion``, and ``seed`` when sampling with a seed (the seed the
+    Rows: ``index``, ``prompt``, ``code_completion``, and ``seed`` when given one (sampling with a seed: the seed the
     single-process run gives that prompt).
     """
     import pyarrow as pa
@@ -191,19 +190,21 @@ def prompt_dataset(
         "prompt": [r.text for r in records],
         "code_completion": [r.code_completion for r in records],
     }
-    if settings.temperature > 0 and seed is not None:
+    if seed is not None:
         columns["seed"] = derive_row_seeds(seed, len(records))
     table = pa.table(columns)
     blocks = [table.slice(start, rows_per_call) for start in range(0, len(records), rows_per_call)]
     return ray.data.from_arrow(blocks)
 
 
-def _predictor_kwargs(models: ModelChoice, settings: GenerationSettings, choice: RayChoice) -> dict[str, Any]:
+def _predictor_kwargs(
+    models: ModelChoice, settings: SpecConfig, generation: dict[str, Any], choice: RayChoice
+) -> dict[str, Any]:
     cache_dir = None if models.cache_dir is None else str(models.cache_dir)
     return dict(
         preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype,
-        kernels=models.kernels, quantize=models.quantize, cache_dir=cache_dir, num_threads=choice.threads,
-        **vars(settings),
+        kernels=models.kernels, quantize=models.quantize, device=models.device, batch_invariant=models.batch_invariant,
+        cache_dir=cache_dir, num_threads=choice.threads, **generation, **settings.options(),
     )
 
 
@@ -221,12 +222,11 @@ def _collect(predicted: Any, total: int, method: str) -> list[dict[str, Any]]:
 
 
 def run_generate_on_ray(
-    records: list[PromptRecord], models: ModelChoice, settings: GenerationSettings, seed: int | None,
-    choice: RayChoice, output: Path | None,
+    records: list[PromptRecord], models: ModelChoice, settings: SpecConfig, generation: dict[str, Any],
+    seed: int | None, choice: RayChoice, output: Path | None,
 ) -> None:
     """``batchspec generate --ray``: generate on Ray, then print or write the results and the summary."""
-
-    run = _reporting_actor_failures(generate_on_ray, records, models, settings, seed, choice)
+    run = _reporting_actor_failures(generate_on_ray, records, models, settings, generation, seed, choice)
     results = [
         GeneratedText(index=i, prompt=record.text, text=str(row["text"]), token_ids=[int(t) for t in row["token_ids"]],
                       num_tokens=int(row["num_tokens"]), finish_reason=str(row["finish_reason"]))
@@ -237,13 +237,9 @@ def run_generate_on_ray(
     else:
         write_jsonl(output, results)
         typer.echo(f"Wrote {len(results)} results to {output}", err=True)
-    method = Method(settings.method)
-    proposer = settings.proposer
-    drafting = "" if proposer is None else f", {proposer} proposer, k={settings.num_draft_tokens}"
-    sampling = sampling_summary(settings.temperature, settings.top_k, settings.top_p, seed)
-    typer.echo(f"Summary: {model_label(models, method)}, {method.value}, batch size {settings.batch_size}{drafting}, "
-               f"{sampling}")
-    for line in ray_summary_lines(run, choice, [r.finish_reason for r in results], method):
+    sampling = sampling_summary(generation["temperature"], generation["top_k"], generation["top_p"], seed)
+    typer.echo(f"Summary: {model_label(models, settings.method)}, {run_label(settings)}, {sampling}")
+    for line in ray_summary_lines(run, choice, [r.finish_reason for r in results], settings.method):
         typer.echo(f"  {line}")
 
 

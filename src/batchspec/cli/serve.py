@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from batchspec.cli.common import (
-    CudaGraphs,
-    CudaGraphsOption,
-    MaxBatchSizeOption,
-    Method,
-    MethodOption,
-    NumDraftTokensOption,
-    PrefixCacheOption,
-    ProposerOption,
-    model_choice,
-    parse_auto_or_count,
-    with_options,
-)
+from batchspec.cli.common import model_choice, settings_choice, with_options
 from batchspec.cli.errors import user_errors
+from batchspec.config import SpecConfig
 from batchspec.devices import resolve_device
-from batchspec.engine.graphs import graph_mode
+from batchspec.engine import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.hosting import DEFAULT_KEEP_ALIVE_S, HttpOptions
 from batchspec.server.limits import (
@@ -38,7 +27,13 @@ from batchspec.server.limits import (
     RequestLimits,
 )
 from batchspec.server.security import API_KEY_ENV, SecurityConfig
-from batchspec.server.settings import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_PREFILL_CHUNK, DEFAULT_SHUTDOWN_TIMEOUT_S
+from batchspec.server.settings import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ServerConfig,
+)
 from batchspec.server.transport import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_IDLE
 
 
@@ -60,29 +55,11 @@ MaxQueueOption = Annotated[
         help="Requests that may wait for a free row; beyond that the server answers 429 with Retry-After.",
     ),
 ]
-WindowSizeOption = Annotated[
-    int | None,
-    typer.Option("--window-size", metavar="W", min=1, help="exspec: requests admitted at once (default 4 x B)."),
-]
 ServedNameOption = Annotated[
     str | None,
     typer.Option("--served-model-name", metavar="NAME", help="The model name clients send (default: the preset)."),
 ]
 LogLevelOption = Annotated[LogLevel, typer.Option("--log-level", help="Server log verbosity.")]
-PrefillChunkOption = Annotated[
-    str,
-    typer.Option(
-        "--prefill-chunk", metavar="N|auto", callback=parse_auto_or_count,
-        help="Columns of new prompts read per round while other requests decode (chunked prefill): a long prompt "
-        "then delays the running streams a bounded amount per round. auto (default): as many columns as take "
-        "about one decode round to read (measured while serving), so a stream waits about two rounds at most.",
-    ),
-]
-TimingOption = Annotated[
-    bool,
-    typer.Option("--timing/--no-timing", help="Split round time into stages for /metrics (cheap on the CPU)."),
-]
-
 ApiKeyOption = Annotated[
     str | None,
     typer.Option(
@@ -163,6 +140,11 @@ ShutdownTimeoutOption = Annotated[
 ]
 
 
+def names(value: str | None) -> tuple[str, ...]:
+    """A comma-separated option as a tuple of its non-empty, stripped items."""
+    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
+
+
 @dataclass(frozen=True)
 class NetworkOptions:
     """The options of ``batchspec serve`` that shape its HTTP side, as parsed."""
@@ -204,26 +186,8 @@ class NetworkOptions:
                            head_timeout_s=self.head_timeout, max_idle_connections=self.max_idle_connections)
 
 
-def names(value: str | None) -> tuple[str, ...]:
-    """A comma-separated option as a tuple of its non-empty, stripped items."""
-    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
-
-
-@with_options(models=model_choice)
-def serve_command(
-    models: ModelChoice,
+def network_choice(
     host: HostOption = DEFAULT_HOST,
-    port: PortOption = DEFAULT_PORT,
-    method: MethodOption = Method.EQSPEC,
-    proposer: ProposerOption = None,
-    max_batch_size: MaxBatchSizeOption = 8,
-    max_queue: MaxQueueOption = 64,
-    num_draft_tokens: NumDraftTokensOption = "auto",
-    window_size: WindowSizeOption = None,
-    prefill_chunk: PrefillChunkOption = DEFAULT_PREFILL_CHUNK,
-    timing: TimingOption = True,
-    served_model_name: ServedNameOption = None,
-    log_level: LogLevelOption = LogLevel.INFO,
     api_key: ApiKeyOption = None,
     allowed_origins: AllowedOriginsOption = None,
     allowed_hosts: AllowedHostsOption = None,
@@ -239,9 +203,33 @@ def serve_command(
     max_content_parts: MaxContentPartsOption = DEFAULT_MAX_CONTENT_PARTS,
     request_timeout: RequestTimeoutOption = None,
     default_max_tokens: DefaultMaxTokensOption = DEFAULT_MAX_TOKENS,
+) -> NetworkOptions:
+    """The HTTP side of ``serve``: where it listens, who may call it and the bounds of every request."""
+    return NetworkOptions(
+        host=host, api_key=api_key, allowed_origins=allowed_origins, allowed_hosts=allowed_hosts,
+        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, max_body_bytes=max_body_bytes, head_timeout=head_timeout,
+        read_timeout=read_timeout, keep_alive_timeout=keep_alive_timeout, max_connections=max_connections,
+        max_idle_connections=max_idle_connections, max_messages=max_messages, max_content_parts=max_content_parts,
+        request_timeout=request_timeout, default_max_tokens=default_max_tokens,
+    )
+
+
+SERVE_SETTINGS = settings_choice(
+    "method", "proposer", "batch_size", "num_draft_tokens", "window_size", "prefill_chunk", "timing", "cuda_graphs",
+    "prefix_cache_size", flags={"batch_size": "--max-batch-size"}, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+)
+
+
+@with_options(models=model_choice, network=network_choice, settings=SERVE_SETTINGS)
+def serve_command(
+    models: ModelChoice,
+    network: NetworkOptions,
+    settings: SpecConfig,
+    port: PortOption = DEFAULT_PORT,
+    max_queue: MaxQueueOption = 64,
+    served_model_name: ServedNameOption = None,
+    log_level: LogLevelOption = LogLevel.INFO,
     shutdown_timeout: ShutdownTimeoutOption = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    cuda_graphs: CudaGraphsOption = CudaGraphs.AUTO,
-    prefix_cache_size: PrefixCacheOption = "auto",
 ) -> None:
     """Serve the models over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions (also streaming),
     /v1/models, /health and /metrics (Prometheus).
@@ -251,31 +239,21 @@ def serve_command(
     on the CPU), up to near-ties (the two best tokens within a few rounding steps) in bfloat16 or float16.
     SIGTERM or Ctrl-C gives the requests in flight --shutdown-timeout seconds to finish, then exits.
     """
-    from batchspec.server import ServerConfig, create_app, serve_forever
+    from batchspec.server import create_app, serve_forever
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    network = NetworkOptions(
-        host=host, api_key=api_key, allowed_origins=allowed_origins, allowed_hosts=allowed_hosts,
-        ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, max_body_bytes=max_body_bytes, head_timeout=head_timeout,
-        read_timeout=read_timeout, keep_alive_timeout=keep_alive_timeout, max_connections=max_connections,
-        max_idle_connections=max_idle_connections, max_messages=max_messages, max_content_parts=max_content_parts,
-        request_timeout=request_timeout, default_max_tokens=default_max_tokens,
-    )
     with user_errors():
         http, limits, security = network.http(), network.limits(), network.security()
-        models.check_for(method, proposer)
-        graph_mode(cuda_graphs, resolve_device(models.device))
-        resolved = models.proposer_for(method, proposer)
+        models.check_for(settings.method, settings.proposer)
+        graph_mode(settings.cuda_graphs, resolve_device(models.device))
+        engine = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
         config = ServerConfig(
-            method=method.value, proposer=None if resolved is None else resolved.value,
-            max_batch_size=max_batch_size, max_queue=max_queue, num_draft_tokens=num_draft_tokens,
-            window_size=window_size, served_model_name=served_model_name, prefill_chunk=prefill_chunk, timing=timing,
-            shutdown_timeout_s=shutdown_timeout, limits=limits, security=security, cuda_graphs=cuda_graphs.value,
-            prefix_cache_size=prefix_cache_size,
+            engine=engine, max_queue=max_queue, served_model_name=served_model_name,
+            shutdown_timeout_s=shutdown_timeout, limits=limits, security=security,
         )
-        loaded = load_models(models, method, proposer)
+        loaded = load_models(models, engine.method, engine.proposer)
         typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
         app = create_app(loaded, config)
         served = config.served_model_name or loaded.name
-        typer.echo(f"Serving {served} ({loaded.dtype}) on {http.scheme}://{host}:{port}/v1", err=True)
-        serve_forever(app, host, port, log_level=log_level.value, http=http)
+        typer.echo(f"Serving {served} ({loaded.dtype}) on {http.scheme}://{network.host}:{port}/v1", err=True)
+        serve_forever(app, network.host, port, log_level=log_level.value, http=http)

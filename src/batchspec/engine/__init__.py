@@ -6,12 +6,40 @@
 - ``prefill``: new prompts read apart from the rows that already have KV.
 - ``proposers``, ``lookup``: the draft model and prompt lookup fill each row's draft (the n-gram index).
 - ``verifier``, ``sampling``: greedy verification and speculative sampling; per-row warping and random numbers.
+- ``shaping``, ``penalties``: a row's penalties, logit bias and grammar applied to the target's logits; the
+  penalties record itself.
 - ``realign``: lazy unpad → append → repad as index arithmetic, and compaction.
-- ``controller``: adaptive k, each row's draft length from its acceptance and the round-cost model.
+- ``draft_length``: the draft-length policy: a fixed k, or adaptive k, each row's draft length from its acceptance
+  (``acceptance``, the counts each row keeps) and the round-cost model.
 - ``schedulers``: EqSpec's fixed batches, ExSpec's pool, and the one driver that loops them.
 - ``core``: build_engine and the Engine, whose step is the decode loop.
+- ``request``: the request record (GenerationParams) that the front doors hand the engine, and its rows.
 - ``metrics``: GenerationStats and the stage timer.
+- ``errors``: InvariantError, what a broken invariant raises (never an ``assert``, which ``python -O`` strips).
 
 Front doors (``batchspec.api``, ``batchspec.hf``, ``batchspec.ray``, the CLI, the server, the benchmarks) sit
-outside this package and import its modules by name; nothing is re-exported here.
+outside this package and import what they use from here, its face, never its modules by name (tests/test_imports.py
+checks): the modules can then move and split inside without a change outside.
 """
+
+from batchspec.engine.core import Engine, build_engine, resolve_special_ids
+from batchspec.engine.errors import InvariantError
+from batchspec.engine.grammar import Grammar, GrammarCompiler, GrammarError
+from batchspec.engine.graphs import graph_mode
+from batchspec.engine.kv_cache import BatchKVCache
+from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
+from batchspec.engine.metrics import STAGES, GenerationStats
+from batchspec.engine.penalties import MAX_BIAS, Penalties
+from batchspec.engine.request import GenerationParams
+from batchspec.engine.runner import ModelRunner
+from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.schedulers import Scheduler, make_scheduler
+from batchspec.engine.schedulers.drive import Offline, drive
+from batchspec.engine.state import FINISH_LENGTH, BatchState, Sequence, check_budget
+
+__all__ = [
+    "FINISH_LENGTH", "MAX_BIAS", "MAX_TOP", "STAGES", "BatchKVCache", "BatchState", "Engine", "GenerationParams",
+    "GenerationStats", "Grammar", "GrammarCompiler", "GrammarError", "InvariantError", "ModelRunner", "Offline",
+    "Penalties", "SamplingParams", "Scheduler", "Sequence", "TokenLogprob", "build_engine", "check_budget",
+    "derive_row_seeds", "drive", "graph_mode", "make_scheduler", "resolve_special_ids",
+]

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from batchspec.config import ProposerKind, SpecConfig
-from batchspec.engine.controller import AdaptiveLength, FixedLength, Reach, RoundRecord
+from batchspec.engine.draft_length import AdaptiveLength, FixedLength, Reach, RoundRecord
 from batchspec.engine.graphs import graph_mode
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from batchspec.invariants import InvariantError
+from batchspec.engine.errors import InvariantError
 
 GROWTH = 256
 

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import torch
 
 from batchspec.config import AUTO
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.logprobs import TokenLogprob, scored, unpacked
 from batchspec.engine.realign import assemble, layout_columns, plan_layout
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.state import BatchState, KVLocation, Sequence
-from batchspec.invariants import InvariantError
 
 FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
 GROUP_SPREAD = 16  # padding columns a prompt may read to share a forward with longer ones

@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import GROWTH, BatchKVCache, Slab
 from batchspec.engine.state import BatchState, HostColumns, Sequence
-from batchspec.invariants import InvariantError
 
 DRAFT_SLACK = 4
 

@@ -7,7 +7,8 @@ distribution, and greedy output is the shaped greedy output, token for token.
 Order, as in vLLM: the repetition penalty (a seen token's logit is divided by ``r`` if positive, multiplied by it
 otherwise; "seen" is in the prompt or the output), then ``frequency × count`` and ``presence × (count > 0)`` are
 subtracted (counts over the output only), then the bias is added, then the grammar's refused tokens are set to
-``-inf``. Every operation is elementwise in a row, so a row's shaped logits do not depend on the batch.
+``-inf``. Every operation is elementwise in a row, so a row's shaped logits do not depend on the batch. What a row
+asks for is its :class:`~batchspec.engine.penalties.Penalties` and its grammar; this module applies them.
 
 Terms: ``k`` drafts per row, verified position ``j = 0 .. k`` (it scores the ``j+1``-th new token, after the drafts
 ``d_1 .. d_j``).
@@ -16,50 +17,12 @@ Terms: ``k`` drafts per row, verified position ``j = 0 .. k`` (it scores the ``j
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from batchspec.engine.state import Sequence
-
-MAX_BIAS = 100.0
-
-
-@dataclass(frozen=True)
-class Penalties:
-    """A row's penalties and logit bias (the defaults change nothing).
-
-    Attributes:
-        presence: subtracted from the logit of every token the output holds (OpenAI's ``presence_penalty``).
-        frequency: subtracted once per occurrence in the output (``frequency_penalty``).
-        repetition: > 0; a token seen in the prompt or output has its logit divided by it if positive, multiplied
-            by it otherwise (``repetition_penalty``; 1 is none).
-        logit_bias: ``(token id, bias)`` pairs added to the logits, each bias in ``[-100, 100]``.
-    """
-
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("presence", "frequency", "repetition"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.repetition <= 0:
-            raise ValueError(f"repetition must be > 0, got {self.repetition}")
-        for token, bias in self.logit_bias:
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-            if not -MAX_BIAS <= bias <= MAX_BIAS:
-                raise ValueError(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r}")
-
-    @property
-    def neutral(self) -> bool:
-        return self.presence == 0 and self.frequency == 0 and self.repetition == 1 and not self.logit_bias
 
 
 def shaped_rows(rows: list[Sequence]) -> list[int]:

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchspec.config import require_int
-from batchspec.engine.controller import RowAcceptance
+from batchspec.engine.acceptance import RowAcceptance
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
+from batchspec.engine.penalties import Penalties
 from batchspec.engine.sampling import SamplingParams
-from batchspec.engine.shaping import Penalties
-from batchspec.invariants import InvariantError
 
 if TYPE_CHECKING:
     from batchspec.engine.grammar import Grammar, GrammarState
@@ -160,7 +160,7 @@ class Sequence:
         self.kv = None
 
     def check_location(self) -> None:
-        """Raise :class:`~batchspec.invariants.InvariantError` unless the row's KV location matches its tokens and
+        """Raise :class:`~batchspec.engine.errors.InvariantError` unless the row's KV location matches its tokens and
         the caches. A row whose prompt is still being read in chunks (no output yet) may hold fewer target columns
         than a ready row."""
         kv = self.kv
@@ -264,7 +264,7 @@ class BatchState:
         return position_ids(torch.arange(start, end, device=self.device), self.pad)
 
     def check(self) -> None:
-        """Raise :class:`~batchspec.invariants.InvariantError` unless I1, I2, every row's token stream and the cache
+        """Raise :class:`~batchspec.engine.errors.InvariantError` unless I1, I2, every row's token stream and the cache
         lengths agree."""
         width = self.width
         if self.tokens.shape != (self.size, width):

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server with continuous admission, and an online load generator.
+"""An OpenAI-compatible HTTP server with continuous admission (its load generator is :mod:`batchspec.bench.online`).
 
 One engine loop (:mod:`~batchspec.server.loop`) owns the models in a thread of its own; requests arriving while
 others decode join the running rows between rounds, and every request's output is what ``batchspec.generate``

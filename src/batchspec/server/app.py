@@ -25,22 +25,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchspec.config import SpecConfig
-from batchspec.engine.core import build_engine
-from batchspec.engine.schedulers import make_scheduler
+from batchspec.engine import build_engine, make_scheduler
 from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder
 from batchspec.server.errors import APIError, bad_request
-from batchspec.server.formats import (
-    ChatFormat,
-    CompletionFormat,
-    ReplyContext,
-    ReplyFormat,
-    TokenTexts,
-    new_request_id,
-)
 from batchspec.server.handlers import Reply, Tracker, answer, submit
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop
@@ -48,7 +38,15 @@ from batchspec.server.middleware import install_middleware
 from batchspec.server.params import ModelLimits, PromptReader, PromptSize, StructuredOutputs
 from batchspec.server.prometheus import CONTENT_TYPE, ServerMetrics, endpoint_label
 from batchspec.server.protocol import ModelCard, ModelList, SamplingFields
-from batchspec.server.responses import ResponsesFormat, read_request
+from batchspec.server.response_bodies import (
+    ChatFormat,
+    CompletionFormat,
+    ReplyContext,
+    ReplyFormat,
+    TokenTexts,
+    new_request_id,
+)
+from batchspec.server.responses_api import ResponsesFormat, read_request
 from batchspec.server.security import cache_namespace
 from batchspec.server.settings import ServerConfig
 from batchspec.server.tools import ToolUse
@@ -81,13 +79,7 @@ class ServingState:
 
 def build_state(models: ModelPair, config: ServerConfig) -> ServingState:
     """The engine, its loop and the metrics for ``models`` (checked like ``batchspec.generate`` checks them)."""
-    spec = SpecConfig(
-        method=config.method, batch_size=config.max_batch_size, num_draft_tokens=config.num_draft_tokens,
-        proposer=config.proposer,
-        window_size=config.window_size, check_invariants=config.check_invariants, timing=config.timing,
-        prefill_chunk=config.prefill_chunk, cuda_graphs=config.cuda_graphs, prefix_cache_size=config.prefix_cache_size,
-    )
-    engine = build_engine(models.target, models.draft, spec)
+    engine = build_engine(models.target, models.draft, config.engine)
     metrics = ServerMetrics()
     scheduler = make_scheduler(engine.config, online=True)
     loop = EngineLoop(engine, scheduler, models.tokenizer, max_queue=config.max_queue, metrics=metrics)
@@ -156,7 +148,8 @@ def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.loop.start()
-        logger.info("serving %s with %s, batch size %d", state.model_name, config.method, config.max_batch_size)
+        settings = config.engine
+        logger.info("serving %s with %s, batch size %d", state.model_name, settings.method.value, settings.batch_size)
         yield
         logger.info("draining the engine loop")
         front.close()
@@ -201,7 +194,7 @@ async def chat_completions(http: Request) -> Response:
 
 
 async def responses(http: Request) -> Response:
-    """``POST /v1/responses``, served as the chat request it stands for (:mod:`~batchspec.server.responses`)."""
+    """``POST /v1/responses``, served as the chat request it stands for (:mod:`~batchspec.server.responses_api`)."""
     front = _front(http)
     body, chat, params = await front.prepare(partial(read_request, front.reader), await _json_body(http))
     fmt = ResponsesFormat(body, parse_calls=ToolUse.of(chat).parsed)

@@ -2,32 +2,32 @@
 
 A 4 MiB body can hold millions of JSON values, and CPython's C JSON parser and pydantic's validator each hold the
 interpreter lock for the whole of one call: on the event loop, or even in another thread, a body of many small
-values would stall ``/health`` and every stream for hundreds of milliseconds. So a body is parsed by the standard
-library's pure-Python scanner (strings are still read by the C ``scanstring``), which hands the interpreter lock
-to the event loop and the engine every :data:`YIELD_EVERY` values, and which stops at the first value past the
-body's budget: at most :attr:`BodyBounds.max_values` values, :attr:`BodyBounds.max_containers` arrays and objects,
-nested at most :data:`MAX_DEPTH` deep. The budget follows from the bounds (the context's worth of token ids, the
-messages and content parts allowed), so a hostile body costs a few tens of milliseconds of a pool thread, and a
-legitimate one is never refused by it. Chat requests may then hold at most ``max_messages`` messages and
-``max_content_parts`` content parts, checked before pydantic validates what is left, so validation too is short.
+values would stall ``/health`` and every stream for hundreds of milliseconds. So a body's shape is first counted
+by a pre-scan of its text (:class:`BoundedDecoder`: whole strings and structural characters found by one regular
+expression in C, counted in Python), which hands the interpreter lock to the event loop and the engine every
+:data:`YIELD_EVERY` values, and which stops at the first value past the body's budget: at most
+:attr:`BodyBounds.max_values` values, :attr:`BodyBounds.max_containers` arrays and objects, :data:`MAX_MEMBERS` keys
+to an object, nested at most :data:`MAX_DEPTH` deep; only a body within them is then parsed, by ``json.loads``.
+Both steps use public APIs (``re``, ``json.loads``), not the internals of the standard library's JSON scanner. The
+budget follows from the bounds (the context's worth of token ids, the messages and content parts allowed), so a
+hostile body costs a few tens of milliseconds of a pool thread, and a legitimate one is never refused by it. Chat
+requests may then hold at most ``max_messages`` messages and ``max_content_parts`` content parts, checked before
+pydantic validates what is left, so validation too is short.
 
-Most bodies are far inside their bounds, and for those the C parser is both safe and 20-40x faster: a body whose
-raw bytes hold no more commas and brackets than its budget (counted in C; strings can only add to the count, so it
-never passes a body the scanner would refuse on count) is read by ``json.loads``, with the keys of each object
+Most bodies are far inside their bounds, and for those even the pre-scan is needless: a body whose raw bytes hold no
+more commas and brackets than its budget (counted in C; strings can only add to the count, so it never passes a
+body the pre-scan would refuse on count) is read by ``json.loads`` at once, with the keys of each object
 counted as it is built and the nesting checked on the result. A 32k-token-id prompt (220 kB) then parses and
-validates in 2.8-4.8 ms instead of 60-89 (medians of three runs, 2026-11-25, Zen 4, ``python
-scripts/parse_bench.py``).
+validates in 2.8-4.8 ms, where a value-by-value scan in Python took 60-89 (medians of three runs, 2026-11-25, Zen 4,
+``python scripts/parse_bench.py``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from json.decoder import JSONArray, JSONObject
-from json.scanner import py_make_scanner
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -97,7 +97,8 @@ class BodyBounds:
 
 
 def load_json(raw: bytes, bounds: BodyBounds) -> Any:
-    """The JSON value in ``raw``, read by :class:`BoundedDecoder`; a 400 if it is malformed or too complex."""
+    """The JSON value in ``raw`` (counted by :class:`BoundedDecoder` unless its bytes are certainly within the bounds);
+    a 400 if it is malformed or too complex."""
     try:
         text = raw.decode(json.detect_encoding(raw), "surrogatepass")
         if counted_within(raw, bounds):
@@ -144,56 +145,69 @@ class TooComplex(Exception):
     """The body has more values, containers or nesting than its bounds allow."""
 
 
-class BoundedDecoder(json.JSONDecoder):
-    """The standard library's pure-Python JSON scanner, counting what it reads against ``bounds``."""
+TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[][{},:]')  # a whole string, or one structural character
+
+
+class BoundedDecoder:
+    """A pre-scan of the body's text that counts its values, containers, object keys and nesting against
+    ``bounds`` (stopping at the first past them, and handing the interpreter lock over every :data:`YIELD_EVERY`
+    values), then ``json.loads`` for a body within them. The scan reads structure only: whole strings and the
+    structural characters, found by one regular expression in C; a scalar is the text between two of them.
+    Values are counted as the standard library's scanner reads them: every array element and every object member's
+    value, not the body itself."""
 
     def __init__(self, bounds: BodyBounds) -> None:
-        super().__init__()
         self.bounds = bounds
         self.values = 0
         self.containers = 0
-        self.depth = 0
-        self.parse_object = self._object
-        self.parse_array = self._array
-        self.scan_once = py_make_scanner(self)
 
-    def _object(self, s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo):
-        with self._nested():
-            counted = self._counted(scan_once, MAX_MEMBERS)
-            return JSONObject(s_and_end, strict, counted, object_hook, object_pairs_hook, memo)
+    def decode(self, text: str) -> Any:
+        self.scan(text)
+        return json.loads(text)
 
-    def _array(self, s_and_end, scan_once):
-        with self._nested():
-            return JSONArray(s_and_end, self._counted(scan_once))
+    def scan(self, text: str) -> None:
+        """Raise :class:`TooComplex` at the first value, container, key or level past the bounds."""
+        open_: list[list[int]] = []  # per open container: [is an object, keys read]
+        pending = key_next = False  # a value may start here (after "[", ":" or an array's ","); a key (in an object)
+        last = 0
+        for match in TOKENS.finditer(text):
+            token, scalar = match.group(), bool(text[last:match.start()].strip())
+            last = match.end()
+            if pending and (scalar or token[0] in '"[{'):
+                self._value()
+            if key_next and token[0] == '"':
+                self._key(open_[-1])
+            pending = key_next = False
+            if token in "[{":
+                self._open(open_, token == "{")
+                pending, key_next = token == "[", token == "{"
+            elif token in "]}":
+                if not open_:
+                    return  # malformed: json.loads says where
+                open_.pop()
+            elif token == ":":
+                pending = True
+            elif token == "," and open_:
+                pending, key_next = not open_[-1][0], bool(open_[-1][0])
 
-    def _counted(self, scan_once: Callable, members: int | None = None) -> Callable:
-        """``scan_once`` counting the values it reads (and, for an object, its ``members`` at most)."""
-        read = [0]
+    def _value(self) -> None:
+        self.values += 1
+        if self.values % YIELD_EVERY == 0:
+            time.sleep(0)  # other threads waiting for the lock get it now, not at the next switch interval
+        if self.values > self.bounds.max_values:
+            raise TooComplex(f"the request body has more than {self.bounds.max_values} JSON values "
+                             f"({self.bounds.describe()})")
 
-        def counted(string: str, index: int):
-            self.values += 1
-            read[0] += 1
-            if members is not None and read[0] > members:
-                raise TooComplex(f"a JSON object of the request body has more than {members} keys")
-            if self.values % YIELD_EVERY == 0:
-                time.sleep(0)  # other threads waiting for the lock get it now, not at the next switch interval
-            if self.values > self.bounds.max_values:
-                raise TooComplex(f"the request body has more than {self.bounds.max_values} JSON values "
-                                 f"({self.bounds.describe()})")
-            return scan_once(string, index)
+    def _key(self, container: list[int]) -> None:
+        container[1] += 1
+        if container[1] > MAX_MEMBERS:
+            raise TooComplex(f"a JSON object of the request body has more than {MAX_MEMBERS} keys")
 
-        return counted
-
-    @contextmanager
-    def _nested(self) -> Iterator[None]:
+    def _open(self, open_: list[list[int]], is_object: bool) -> None:
         self.containers += 1
         if self.containers > self.bounds.max_containers:
             raise TooComplex(f"the request body has more than {self.bounds.max_containers} JSON arrays and objects "
                              f"({self.bounds.describe()})")
-        self.depth += 1
-        try:
-            if self.depth > MAX_DEPTH:
-                raise TooComplex(f"the request body nests arrays and objects more than {MAX_DEPTH} deep")
-            yield
-        finally:
-            self.depth -= 1
+        open_.append([is_object, 0])
+        if len(open_) > MAX_DEPTH:
+            raise TooComplex(f"the request body nests arrays and objects more than {MAX_DEPTH} deep")

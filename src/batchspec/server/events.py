@@ -13,59 +13,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from batchspec.engine.grammar import Grammar
-from batchspec.engine.logprobs import TokenLogprob
-from batchspec.engine.sampling import SamplingParams, derive_row_seeds
-from batchspec.engine.shaping import Penalties
+from batchspec.engine import GenerationParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """One validated request as the engine loop sees it.
-
-    Attributes:
-        prompt: token ids, non-empty, already checked against the context length.
-        max_tokens: new tokens at most (>= 1).
-        stop: strings that end the output (the text is cut before the first one found).
-        sampling: temperature, top-k and top-p; the default (temperature 0) is greedy decoding.
-        seed: the request's seed; the row's seed is derived from it as ``batchspec.generate(..., seed=seed)``
-            derives it for a single prompt, so both give the same tokens. None draws a fresh seed.
-        cache_namespace: which requests may share cached prompt prefixes with this one (one API key and
-            ``cache_salt``: :func:`batchspec.server.security.cache_namespace`).
-        penalties: presence, frequency and repetition penalties and the logit bias (default: none).
-        grammar: the grammar the output must follow (structured outputs, tool calls), or None.
-        logprobs: None for no logprobs; else how many top alternatives each output token reports (0: its own only).
-        prompt_logprobs: likewise for the prompt's tokens after the first (completions' ``echo``); each choice's
-            row reads the prompt once more for them.
-        n: how many choices (rows) to generate for the prompt; choice ``i`` samples with ``row_seeds()[i]``.
-    """
-
-    prompt: list[int]
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int | None = None
-    cache_namespace: str = ""
-    penalties: Penalties = field(default_factory=Penalties)
-    grammar: Grammar | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        if not self.prompt:
-            raise ValueError("prompt must hold at least one token")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1; got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1; got {self.n}")
-
-    def row_seeds(self) -> list[int]:
-        """One seed per choice, as ``batchspec.generate(..., seed=seed)`` derives them for ``n`` prompts (so
-        choice 0's seed is the one a lone ``n = 1`` request gets)."""
-        return derive_row_seeds(self.seed, self.n)
 
 
 @dataclass(frozen=True)

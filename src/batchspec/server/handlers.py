@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from batchspec.engine import GenerationParams
 from batchspec.server.errors import APIError
-from batchspec.server.events import Disconnected, Event, Failed, Finished, GenerationParams, RequestHandle, Tokens
-from batchspec.server.formats import ChoiceOutput, ReplyContext, ReplyFormat
+from batchspec.server.events import Disconnected, Event, Failed, Finished, RequestHandle, Tokens
 from batchspec.server.lifecycle import InFlight
 from batchspec.server.loop import EngineLoop, QueueFull, ServerClosing
 from batchspec.server.prometheus import ServerMetrics
 from batchspec.server.protocol import wire
+from batchspec.server.response_bodies import ChoiceOutput, ReplyContext, ReplyFormat
 
 logger = logging.getLogger(__name__)
 

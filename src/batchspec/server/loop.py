@@ -18,10 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchspec.engine.core import Engine
-from batchspec.engine.schedulers import Scheduler
-from batchspec.engine.schedulers.drive import drive
-from batchspec.engine.state import FINISH_LENGTH, Sequence
+from batchspec.engine import FINISH_LENGTH, Engine, Scheduler, Sequence, drive
 from batchspec.server.events import Failed, Finished, RequestHandle, Tokens
 from batchspec.server.prometheus import ServerMetrics
 from batchspec.server.text import TextTracker
@@ -110,12 +107,7 @@ class EngineLoop:
         :class:`QueueFull` or :class:`ServerClosing`."""
         params = handle.params
         jobs = [
-            Job(handle, choice, Sequence(
-                next(self._ids), list(params.prompt), params.max_tokens, sampling=params.sampling, seed=seed,
-                penalties=params.penalties, grammar=params.grammar, logprobs=params.logprobs,
-                prompt_logprobs=params.prompt_logprobs,
-                prefix_namespace=params.cache_namespace,
-            ), TextTracker(self.tokenizer, params.stop))
+            Job(handle, choice, params.sequence(next(self._ids), seed), TextTracker(self.tokenizer, params.stop))
             for choice, seed in enumerate(params.row_seeds())
         ]
         with self._cond:

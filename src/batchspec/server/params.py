@@ -1,4 +1,4 @@
-"""From a request body to :class:`~batchspec.server.events.GenerationParams`: parsing and validation, the checks
+"""From a request body to :class:`~batchspec.engine.GenerationParams`: parsing and validation, the checks
 against the model's context length and vocabulary (each a 400 naming the field), the chat template and
 tokenization, the penalties and logit bias, and the grammar of a ``response_format``."""
 
@@ -9,13 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from batchspec.engine.grammar import Grammar, GrammarCompiler, GrammarError
-from batchspec.engine.sampling import SamplingParams
-from batchspec.engine.shaping import Penalties
+from batchspec.engine import GenerationParams, Grammar, GrammarCompiler, GrammarError, Penalties, SamplingParams
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder, MessageCost, template_messages
 from batchspec.server.errors import bad_request
-from batchspec.server.events import GenerationParams
 from batchspec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from batchspec.engine.logprobs import MAX_TOP as MAX_TOP_LOGPROBS
-from batchspec.engine.shaping import MAX_BIAS
+from batchspec.engine import MAX_BIAS
+from batchspec.engine import MAX_TOP as MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 SEED_LIMIT = 1 << 63

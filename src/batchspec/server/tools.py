@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from batchspec.engine.grammar import Grammar, GrammarCompiler, GrammarError
+from batchspec.engine import Grammar, GrammarCompiler, GrammarError
 from batchspec.server.errors import bad_request
 from batchspec.server.protocol import FunctionCall, NamedToolChoice, ToolCall, ToolDefinition, ToolFields
 

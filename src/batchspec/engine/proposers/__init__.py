@@ -17,7 +17,7 @@ with the row's ``Stream.DRAFT`` uniform for its output position (see :mod:`batch
 * :class:`~batchspec.engine.proposers.ngram.NgramProposer` copies drafts from the row's own text (``"ngram"``).
 
 A third, cheap method, ``reach``, tells how far each row could draft before the round's lengths are chosen
-(:mod:`batchspec.engine.controller`).
+(:mod:`batchspec.engine.draft_length`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from batchspec.engine.controller import Reach
+from batchspec.engine.draft_length import Reach
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sampling import RoundSampling
 from batchspec.engine.state import BatchState, Sequence

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import torch
 
-from batchspec.engine.controller import Reach
+from batchspec.engine.draft_length import Reach
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.grammar import DraftGuide
 from batchspec.engine.lookup import lookup_on_device
 from batchspec.engine.proposers import Proposal, ProposalHost, ProposalPlan
@@ -15,7 +16,6 @@ from batchspec.engine.proposers.ngram import NgramProposer
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sampling import RoundSampling, Stream, sample_draft, warp_rows
 from batchspec.engine.state import BatchState, Sequence
-from batchspec.invariants import InvariantError
 
 
 class DraftModelProposer:

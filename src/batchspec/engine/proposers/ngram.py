@@ -4,7 +4,7 @@ draft model; sampling rows get a one-hot ``q`` at every lookup draft."""
 from __future__ import annotations
 
 from batchspec.config import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
-from batchspec.engine.controller import Reach
+from batchspec.engine.draft_length import Reach
 from batchspec.engine.lookup import NgramIndex
 from batchspec.engine.proposers import Proposal, ProposalHost, ProposalPlan
 from batchspec.engine.runner import ModelRunner

@@ -24,9 +24,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from batchspec.engine.errors import InvariantError
 from batchspec.engine.realign import compact
 from batchspec.engine.state import Sequence
-from batchspec.invariants import InvariantError
 
 
 @dataclass
@@ -121,8 +121,8 @@ class SequencePool:
         return sorted(self.window, key=distance)[:batch_size]
 
     def check(self, total: int) -> None:
-        """Raise :class:`~batchspec.invariants.InvariantError` unless the pool is consistent: every sequence in exactly
-        one place."""
+        """Raise :class:`~batchspec.engine.errors.InvariantError` unless the pool is consistent: every sequence in
+        exactly one place."""
         if len(self.window) > self.capacity:
             raise InvariantError(f"window holds {len(self.window)} > W = {self.capacity}")
         if self.done + len(self.window) + len(self.waiting) != total:
@@ -167,7 +167,7 @@ class PooledWindow:
 
     batch_size: int
     window: int
-    sort_by_length: bool = False
+    sort_by_length: bool
     check: bool = False
     pool: SequencePool = field(init=False)
     added: int = 0

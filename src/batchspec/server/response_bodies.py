@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from batchspec.engine.logprobs import TokenLogprob
+from batchspec.engine import TokenLogprob
 from batchspec.server.events import Finished, Tokens
 from batchspec.server.protocol import (
     AssistantMessage,

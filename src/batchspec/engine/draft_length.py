@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchspec.engine.acceptance import RowAcceptance
+
 PRIOR_ACCEPTANCE = 0.6
 ROW_DECAY = 0.7  # weight of a row's earlier rounds when a round is observed
 ENGINE_DECAY = 0.97
@@ -50,33 +52,6 @@ DRAFT_DECAY = 0.8  # weight of the earlier draft-forward timings in their runnin
 READ_DECAY = 0.5  # weight of the earlier prompt-reading timings in their running mean
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
-
-
-@dataclass
-class Share:
-    """An exponentially weighted count of accepted drafts out of the drafts that were tested."""
-
-    accepted: float = 0.0
-    tested: float = 0.0
-
-    def observe(self, accepted: int, tested: int, decay: float) -> None:
-        self.accepted = decay * self.accepted + accepted
-        self.tested = decay * self.tested + tested
-
-    def fade(self, decay: float) -> None:
-        self.accepted *= decay
-        self.tested *= decay
-
-    def estimate(self, prior: float, weight: float) -> float:
-        return (self.accepted + weight * prior) / (self.tested + weight)
-
-
-@dataclass
-class RowAcceptance:
-    """One row's recent acceptance of draft-model and of lookup drafts."""
-
-    model: Share = field(default_factory=Share)
-    lookup: Share = field(default_factory=Share)
 
 
 @dataclass

@@ -21,11 +21,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator
 
+from batchspec.engine import GenerationParams
 from batchspec.server.errors import APIError, bad_request
-from batchspec.server.events import Finished, GenerationParams, Tokens
-from batchspec.server.formats import ChoiceOutput, ReplyContext
+from batchspec.server.events import Finished, Tokens
 from batchspec.server.params import PromptReader
 from batchspec.server.protocol import ChatCompletionRequest, StrictRequest, ToolCall
+from batchspec.server.response_bodies import ChoiceOutput, ReplyContext
 from batchspec.server.tools import CallReader, split_calls
 from batchspec.server.validation import validation_error
 
