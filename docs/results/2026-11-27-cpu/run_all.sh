@@ -14,7 +14,8 @@ lscpu > $R/lscpu.txt
 python $R/product_speed.py > $R/product_speed.jsonl
 "${AVX2_FLOAT[@]}" python $R/product_speed.py float32 >> $R/product_speed.jsonl
 python $R/product_speed.py float32 >> $R/product_speed.jsonl
-# 2. A plain B = 1 step (and a B = 8 verification of 5 tokens) against its floor: each build, and the main before
+# 2. A plain B = 1 step (and a B = 8 verification of 5 tokens) against its floor: each build, and the main before.
+# (A first run's, before the 256-bit products streamed a panel in order, is step_floor_first.txt.)
 for isa in avx2 avxvnni avx512vnni; do
     BATCHSPEC_CPU_ISA=$isa python docs/results/2026-11-26b-cpu/step_floor.py $isa 2>/dev/null | tail -1 >> $R/step_floor.txt
 done
