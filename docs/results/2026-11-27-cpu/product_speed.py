@@ -52,7 +52,7 @@ def int8_builds() -> list[dict]:
                 codes = native.codes(torch.randint(-127, 128, (rows, IN), generator=generator).float())
                 scale, col = torch.ones(rows, 1), torch.ones(OUT)
                 read = bandwidth()
-                seconds = timed(lambda i: native.linear(codes, *weights[i], scale, col), COUNT)
+                seconds = timed(lambda i, c=codes, s=scale, o=col: native.linear(c, *weights[i], s, o), COUNT)
                 row[f"rows_{rows}"] = {"ms": round(1e3 * seconds, 3), "GB_per_s": round(OUT * IN / seconds / 1e9, 1),
                                        "read_GB_per_s": round(read / 1e9, 1),
                                        "of_read": round(OUT * IN / seconds / read, 2),
@@ -67,7 +67,7 @@ def float32() -> list[dict]:
     for rows in (1, 8, 64):
         x = torch.randn(rows, IN, generator=generator)
         read = bandwidth()
-        seconds = timed(lambda i: torch.nn.functional.linear(x, weights[i]), len(weights))
+        seconds = timed(lambda i, x=x: torch.nn.functional.linear(x, weights[i]), len(weights))
         row[f"rows_{rows}"] = {"ms": round(1e3 * seconds, 3), "GB_per_s": round(4 * OUT * IN / seconds / 1e9, 1),
                                "read_GB_per_s": round(read / 1e9, 1),
                                "TFLOP_per_s": round(2 * OUT * IN * rows / seconds / 1e12, 3)}
