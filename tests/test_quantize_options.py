@@ -286,7 +286,7 @@ def test_bench_audit_and_costs_commands_record_int8(tiny_dirs, tmp_path):
     budget = ["--max-new-tokens", "4", "-k", "2", "--batch-sizes", "2"]
     bench = run_cli("bench", *common, *budget, "--methods", "eqspec", "-o", str(tmp_path / "bench"))
     assert bench.exit_code == 0, bench.output
-    assert re.search(r"\(float32, int8 exact on \w+\), 3 prompts", bench.stdout)
+    assert "(float32, int8 exact), 3 prompts" in bench.stdout
     assert [c["quantize"] for c in json.loads((tmp_path / "bench" / "results.json").read_text())] == ["int8"]
     audit = run_cli("audit", *common, *budget, "--methods", "eqspec", "-o", str(tmp_path / "audit"))
     assert audit.exit_code == 0, audit.output
