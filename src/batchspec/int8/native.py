@@ -157,31 +157,21 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
-def quantize_product(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize` of ``x * y`` for float32 ``x``, ``y`` ``[N, K]``, bit for bit, the product never stored."""
-    return _quantize_pair("quantize_product", x, y)
-
-
 def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[float, ...]) -> tuple[
         torch.Tensor, torch.Tensor]:
     """:func:`quantize` of ``silu(gate) * up`` for float32 ``gate``, ``up`` ``[N, K]``, with :func:`silu`'s bits (its
-    ``2**t``'s ten ``coefficients``): the MLP's activation quantized a row at a time, never stored."""
-    return _quantize_pair("quantize_gated", gate, up, _float_table(_checked(coefficients)))
-
-
-def _quantize_pair(function: str, x: torch.Tensor, y: torch.Tensor, *extra: object) -> tuple[
-        torch.Tensor, torch.Tensor]:
-    """The codes ``[N, 4 G]`` and scales ``[N, 1]`` of the C ``function`` of two float32 ``[N, K]`` operands (and
-    ``extra`` arguments before the thread count)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or y.dtype != x.dtype or y.shape != x.shape:
-        raise ValueError(f"native quantization takes float32 [N, K] twice, not {x.dtype} {tuple(x.shape)}, "
-                         f"{y.dtype} {tuple(y.shape)}")
-    x, y = x.contiguous(), y.contiguous()
-    rows, inner = x.shape
+    ``2**t``'s ten ``coefficients``): the MLP's activation quantized a row at a time, never stored. Returns
+    ``(codes [N, 4 G], scale [N, 1])``."""
+    if gate.dtype != torch.float32 or gate.dim() != 2 or up.dtype != gate.dtype or up.shape != gate.shape:
+        raise ValueError(f"native quantization takes float32 [N, K] twice, not {gate.dtype} {tuple(gate.shape)}, "
+                         f"{up.dtype} {tuple(up.shape)}")
+    table = _float_table(_checked(coefficients))
+    gate, up = gate.contiguous(), up.contiguous()
+    rows, inner = gate.shape
     out = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8)  # [N, 4 G]
     scale = torch.empty(rows, 1)  # [N, 1]
-    getattr(_library(), function)(x.data_ptr(), y.data_ptr(), rows, inner, out.shape[1], out.data_ptr(),
-                                  scale.data_ptr(), *extra, torch.get_num_threads())
+    _library().quantize_gated(gate.data_ptr(), up.data_ptr(), rows, inner, out.shape[1], out.data_ptr(),
+                              scale.data_ptr(), table, torch.get_num_threads())
     return out, scale
 
 
@@ -457,7 +447,6 @@ def _signatures() -> dict[str, list]:
         "linear": [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, i64, i64, pointer, pointer, i64,
                    pointer, threads],
         "quantize": [pointer, i64, i64, i64, pointer, pointer, threads],
-        "quantize_product": [pointer, pointer, i64, i64, i64, pointer, pointer, threads],
         "quantize_gated": [pointer, pointer, i64, i64, i64, pointer, pointer, pointer, threads],
         "silu": [pointer, pointer, i64, pointer, threads],
         "rms_norm": [pointer, i64, i64, f32, pointer, pointer, threads],

@@ -199,25 +199,19 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
     free(wide);
 }
 
-/* 2. One row (x, or x * y, each product rounded once) quantized to the product's codes (entry.h's
- * batchspec_quantize): the maximum of |x| eight lanes at a time (exact in any order), the rest as scalar.h's
+/* 2. One row quantized to the product's codes (entry.h's batchspec_quantize): the maximum of |x| eight lanes at a time (exact in any order), the rest as scalar.h's
  * token_code with 127 levels. */
-static inline __m256 row8(const float *x, const float *y, int64_t n) {
-    __m256 v = _mm256_maskload_ps(x, first8(n));
-    return y ? _mm256_mul_ps(v, _mm256_maskload_ps(y, first8(n))) : v;
-}
-
-static void quantize_values(const float *x, const float *y, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
+static void quantize_values(const float *x, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 most = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 8)
-        most = _mm256_max_ps(most, _mm256_and_ps(magnitude, row8(x + i, y ? y + i : y, k - i)));
+        most = _mm256_max_ps(most, _mm256_and_ps(magnitude, _mm256_maskload_ps(x + i, first8(k - i))));
     __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
     half = _mm_max_ps(half, _mm_movehl_ps(half, half));
     float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
     float s = top > 0.0f ? top / 127.0f : 1.0f, inverse = 1.0f / s;
     for (int64_t i = 0; i < k; i++)
-        codes[i] = (uint8_t)((int32_t)token_code(y ? x[i] * y[i] : x[i], inverse, 127.0f) + 128);
+        codes[i] = (uint8_t)((int32_t)token_code(x[i], inverse, 127.0f) + 128);
     for (int64_t i = k; i < ldc; i++) codes[i] = 128;
     *scale = s;
 }

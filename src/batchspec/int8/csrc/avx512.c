@@ -118,24 +118,18 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
 /* 2. Per-token quantization to the product's codes (entry.h's batchspec_quantize) */
 static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
-/* sixteen values of row x, or of x * y (each product rounded once) where y is not NULL; zeros past n */
-static inline __attribute__((always_inline)) __m512 row_values(const float *x, const float *y, int64_t n) {
-    __m512 v = _mm512_maskz_loadu_ps(first(n), x);
-    return y ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(first(n), y)) : v;
-}
-
-/* one row (x, or x * y) quantized to codes, sixteen values at a time: the maximum is exact in any order, the rest
+/* one row quantized to codes, sixteen values at a time: the maximum is exact in any order, the rest
  * elementwise (roundscale to nearest is rintf's rounding) */
-static inline __attribute__((always_inline)) void quantize_values(const float *x, const float *y, int64_t k,
+static inline __attribute__((always_inline)) void quantize_values(const float *x, int64_t k,
                                                                   int64_t ldc, uint8_t *codes, float *scale) {
     __m512 most = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16)
-        most = _mm512_max_ps(most, _mm512_abs_ps(row_values(x + i, y ? y + i : y, k - i)));
+        most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_maskz_loadu_ps(first(k - i), x + i)));
     float top = _mm512_reduce_max_ps(most);
     float s = top > 0.0f ? top / 127.0f : 1.0f;
     const __m512 inverse = _mm512_set1_ps(1.0f / s), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
     for (int64_t i = 0; i < k; i += 16) {
-        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(row_values(x + i, y ? y + i : y, k - i), inverse),
+        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(first(k - i), x + i), inverse),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         q = _mm512_min_ps(_mm512_max_ps(q, low), high);
         _mm512_mask_cvtepi32_storeu_epi8(codes + i, first(k - i),

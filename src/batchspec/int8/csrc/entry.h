@@ -1,7 +1,7 @@
 /* The exported functions every build of batchspec's native kernels shares, built on what the including file
  * (avx512.c, avx2.c) defines for its instruction set before it includes this one:
  *
- *   quantize_values(x, y, k, ldc, codes, scale)  one row (x, or x * y) quantized to the product's codes;
+ *   quantize_values(x, k, ldc, codes, scale)     one row quantized to the product's codes;
  *   silu_values(x, up, out, k, c)                out = silu_value(x) (times up where up is not NULL);
  *   attend_group(g, query, k, v, visible, s, out, out_head, out_query)   one GQA group's exact attention;
  *
@@ -14,15 +14,7 @@
 void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8_t *codes, float *scale,
                         int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, NULL, k, ldc, codes + r * ldc, scale + r);
-}
-
-/* batchspec_quantize of x * y (elementwise, each product rounded once as torch's mul rounds it), the product
- * computed where it is read and never written out */
-void batchspec_quantize_product(const float *x, const float *y, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
-                                float *scale, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, y + r * k, k, ldc, codes + r * ldc, scale + r);
+    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, k, ldc, codes + r * ldc, scale + r);
 }
 
 /* arithmetic.py's exact_silu, elementwise */
@@ -42,7 +34,7 @@ void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int
     for (int64_t r = 0; r < n; r++) {
         float row[k];
         silu_values(gate + r * k, up + r * k, row, k, c);
-        quantize_values(row, NULL, k, ldc, codes + r * ldc, scale + r);
+        quantize_values(row, k, ldc, codes + r * ldc, scale + r);
     }
 }
 
@@ -61,7 +53,7 @@ void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, float eps, co
     for (int64_t r = 0; r < n; r++) {
         float normed[h];
         rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
-        quantize_values(normed, NULL, h, ldc, codes + r * ldc, scale + r);
+        quantize_values(normed, h, ldc, codes + r * ldc, scale + r);
     }
 }
 
