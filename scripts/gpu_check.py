@@ -12,7 +12,7 @@ figures are of cost, not of acceptance). Each part prints a JSON object and writ
     python scripts/gpu_check.py hybrid          # the hybrid proposer reading its lookups' hits, or not (7B/0.5B)
     python scripts/gpu_check.py all --out docs/results/DATE-gpu
 
-``--batch-invariant`` runs every part's models on the batch-invariant kernels (``batchspec.invariant``), and
+``--batch-invariant`` runs every part's models on the batch-invariant kernels (``batchspec.exact.invariant``), and
 ``--tiny-dtype bfloat16`` the tiny models of ``equivalence`` in bfloat16 (issue 27's matrix: run it with and without
 the mode). ``--cuda-graphs on`` runs batchspec's decode forwards as CUDA graphs in every part
 (``batchspec.engine.graphs``; compare a run with ``off``, the default, written to another ``--out``).
@@ -49,7 +49,7 @@ from batchspec.engine.kv_cache import BatchKVCache  # noqa: E402
 from batchspec.engine.proposers.draft import DraftModelProposer  # noqa: E402
 from batchspec.engine.runner import ModelRunner  # noqa: E402
 from batchspec.engine.state import BatchState  # noqa: E402
-from batchspec.invariant import make_batch_invariant  # noqa: E402
+from batchspec.exact.invariant import make_batch_invariant  # noqa: E402
 
 CONFIGS = [(m, p, k) for m in ("eqspec", "exspec") for p in ("draft", "ngram", "hybrid") for k in ("auto", 4)]
 QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -232,17 +232,17 @@ def test_sampling_settings_without_temperature_are_refused(tiny_pair, extra):
 
 def test_seed_out_of_range_is_refused(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--temperature", "1", "--seed", "-1"))
-    assert_one_line_error(result, 1, "--seed must be in [0, 2**63)")
+    assert_one_line_error(result, 2, "--seed must be an int in [0, 2**63)")
 
 
 def test_infinite_temperature_is_refused(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--temperature", "inf"))
-    assert_one_line_error(result, 1, "--temperature must be a finite number")
+    assert_one_line_error(result, 2, "--temperature must be finite")
 
 
 def test_top_p_zero_is_refused(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--temperature", "1", "--top-p", "0"))
-    assert_one_line_error(result, 1, "--top-p must be above 0")
+    assert_one_line_error(result, 2, "--top-p must be finite, > 0 and <= 1")
 
 
 def test_module_entry_point_exits_non_zero_with_one_line():

@@ -16,8 +16,8 @@ from batchspec.bench.costs import (
     step_floors,
     weight_bytes,
 )
-from batchspec.int8 import quantize_model
-from batchspec.int8.linear import Int8Linear
+from batchspec.exact.int8 import quantize_model
+from batchspec.exact.int8.linear import Int8Linear
 
 torch = pytest.importorskip("torch")
 

@@ -54,3 +54,60 @@ def test_outside_the_engine_only_its_face_is_imported():
         for path in outside
     }
     assert outside and not {path: names for path, names in offenders.items() if names}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports (at its top or in a function): a
+    ``from package import name`` counts as an import of ``package.name`` where that is a module. A package's face
+    (its ``__init__``) is left out of its own modules' imports: Python runs it first whatever they import."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.update(
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    for alias in node.names
+                )
+        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import loops of ``graph``: each a path that starts and ends at one module (depth-first search)."""
+    found, done, path = [], set(), []
+
+    def visit(module: str) -> None:
+        if module in path:
+            found.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        path.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    return found
+
+
+def test_no_module_of_the_package_imports_itself_round_a_circle():
+    graph = import_graph()
+    assert len(graph) > 100 and graph["batchspec.api"], "the graph was not read"
+    assert circles(graph) == []
+
+
+def test_the_circle_search_finds_a_loop():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

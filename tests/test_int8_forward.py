@@ -1,4 +1,4 @@
-"""The int8 model's own forward (:mod:`batchspec.int8.forward`) against transformers' forward of the same model.
+"""The int8 model's own forward (:mod:`batchspec.exact.int8.forward`) against transformers' forward of the same model.
 
 * Its fused native calls give the bits of the torch code they replace (rotary embedding and KV packing, norm then
   quantization, products with a residual, stacked products).
@@ -20,12 +20,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.runner import cache_keyword
-from batchspec.int8 import native, quantize_model
-from batchspec.int8.arithmetic import EXP2_COEFFICIENTS
-from batchspec.int8.attention import QKV_LEVELS, pack, packed_width
-from batchspec.int8.forward import Int8Forward, int8_forward
-from batchspec.int8.linear import Int8Stack, gated, quantize_gated
-from batchspec.int8.model import exact_rms_norm
+from batchspec.exact.int8 import native, quantize_model
+from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS
+from batchspec.exact.int8.attention import QKV_LEVELS, pack, packed_width
+from batchspec.exact.int8.forward import Int8Forward, int8_forward
+from batchspec.exact.int8.linear import Int8Stack, gated, quantize_gated
+from batchspec.exact.int8.model import exact_rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 

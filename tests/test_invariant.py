@@ -1,4 +1,5 @@
-"""The batch-invariant mode (``batchspec.invariant``): Triton kernels whose result for a row cannot depend on the batch.
+"""The batch-invariant mode (``batchspec.exact.invariant``): Triton kernels whose result for a row cannot depend on the
+batch.
 
 With a CPU build of torch the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``conftest.py``
 before triton is first imported), in float32; on a GPU the same tests run the compiled kernels.
@@ -33,8 +34,8 @@ from hypothesis import strategies as st  # noqa: E402
 from ragged import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
 
 from batchspec.engine.graphs import graph_mode  # noqa: E402
-from batchspec.invariant import batch_invariant, check_batch_invariant, make_batch_invariant  # noqa: E402
-from batchspec.invariant.kernels import KEY_BLOCK, MATMUL_TILES, attention, matmul, rms_norm  # noqa: E402
+from batchspec.exact.invariant import batch_invariant, check_batch_invariant, make_batch_invariant  # noqa: E402
+from batchspec.exact.invariant.kernels import KEY_BLOCK, MATMUL_TILES, attention, matmul, rms_norm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -45,7 +46,7 @@ def invariant_models() -> dict[str, torch.nn.Module]:
     return {kind: make_batch_invariant(build(seed=0).to(DEVICE, torch.float32)) for kind, build in builders.items()}
 
 
-def test_kernels_match_float64_references():
+def test_packing_match_float64_references():
     generator = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(shape, generator=generator).to(DEVICE) for shape in ((7, 50), (33, 50), (33,)))
     expected = x.double() @ w.double().T + b.double()

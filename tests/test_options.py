@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 import batchspec
 import batchspec.server
 from batchspec.cli import app, bench, generate, ray_generate, serve
-from batchspec.config import SpecConfig
+from batchspec.config import REQUEST_OPTIONS, SamplingParams, SpecConfig
 from batchspec.ray import BatchspecPredictor
 
 PROMPTS = ["first prompt", "second prompt", "third prompt"]
@@ -243,7 +243,7 @@ def written_defaults(path: Path) -> list[tuple[str, int]]:
     return found
 
 
-SETTING_NAMES = {spec.name for spec in fields(SpecConfig)} | {"max_new_tokens"}
+SETTING_NAMES = {spec.name for record in (SpecConfig, SamplingParams) for spec in fields(record)} | set(REQUEST_OPTIONS)
 
 
 def _reads_the_record(default: ast.expr) -> bool:

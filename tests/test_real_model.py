@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 import batchspec
 from batchspec.cli import app
 from batchspec.data import format_prompts, load_prompts
-from batchspec.int8 import native
+from batchspec.exact.int8 import native
 from batchspec.models import loading
 from batchspec.server import ServerConfig, create_app, serve_in_thread
 

@@ -345,7 +345,7 @@ def test_rows_with_different_settings_share_rounds(seq_models):
     )
     decoder = build_engine(seq_models.target, seq_models.perturbed, config)
     rows = [
-        Sequence(i, p, SEQ_MAX_NEW, sampling=s, seed=seed)
+        Sequence(i, p, SEQ_MAX_NEW, sampling=s, row_seed=seed)
         for i, (p, s, seed) in enumerate(zip(prompts, settings, seeds, strict=True))
     ]
     scheduler = make_scheduler(decoder.config)
@@ -357,7 +357,7 @@ def test_rows_with_different_settings_share_rounds(seq_models):
     for row in rows:
         params = row.sampling
         alone = run_seq(
-            seq_models, [row.prompt], method="eqspec", batch_size=1, num_draft_tokens=3, seed=[row.seed],
+            seq_models, [row.prompt], method="eqspec", batch_size=1, num_draft_tokens=3, seed=[row.row_seed],
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         )
         assert row.output == alone.sequences[0], params
@@ -444,7 +444,7 @@ def test_seeded_tokens_do_not_depend_on_the_schedule(
     seeds = derive_row_seeds(7, len(SCHEDULE_PROMPTS))
     rows = [
         Sequence(i, p, SEQ_MAX_NEW, sampling=SamplingParams() if i in greedy else SamplingParams(**SEQ_SAMPLING),
-                 seed=seed)
+                 row_seed=seed)
         for i, (p, seed) in enumerate(zip(SCHEDULE_PROMPTS, seeds, strict=True))
     ]
     with torch.inference_mode():
@@ -470,7 +470,7 @@ def test_rows_a_draft_catch_up_leaves_behind_are_caught_up_too(seq_models):
     )
     decoder = build_engine(seq_models.target, seq_models.perturbed, config)
     rows = [
-        Sequence(i, p, SEQ_MAX_NEW, sampling=SamplingParams(**SEQ_SAMPLING), seed=s)
+        Sequence(i, p, SEQ_MAX_NEW, sampling=SamplingParams(**SEQ_SAMPLING), row_seed=s)
         for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
     ]
     target, draft = Reader(seq_models.target), Reader(seq_models.perturbed, draft=True)

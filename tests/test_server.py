@@ -401,7 +401,7 @@ def test_models_health_and_metrics(eqspec_server):
 
 def test_online_benchmark_reports_each_method(served):
     prompts = plain_prompts(6, seed=29)
-    workload = OnlineWorkload(prompts, rate=40.0, requests=6, max_tokens=16, seed=1)
+    workload = OnlineWorkload(prompts, rate=40.0, requests=6, max_tokens=16, arrival_seed=1)
     result = run_online_benchmark(workload, models=served.models, methods=("eqspec", "exspec"), batch_size=2,
                                   num_draft_tokens=3, warmup=0)
     expected_tokens = sum(len(served.reference(p, 16)[0]) for p in prompts)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SpecConfig
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SpecConfig, setting_default
 from batchspec.engine import (
     FINISH_LENGTH,
     Engine,
@@ -62,7 +62,7 @@ def generate(
     eos_token_id: int | Seq[int] | None = None,
     tokenizer=None,
     progress: bool = False,
-    temperature: float = 0.0,
+    temperature: float = setting_default("temperature"),
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | Seq[int] | None = None,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 WINDOW_MULTIPLE = 4
 # new tokens per prompt when none are asked for (batchspec.generate, `batchspec generate` and `bench`); a request's
@@ -136,6 +137,22 @@ def optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
     return lambda name, value: None if value is None else check(name, value)
 
 
+def number(minimum: float, maximum: float | None = None, *, above: bool = False) -> Callable[[str, Any], Any]:
+    """The check of a finite real option >= ``minimum`` (> with ``above``) and <= ``maximum``."""
+    low = f"> {minimum:g}" if above else f">= {minimum:g}"
+    bounds = low if maximum is None else f"{low} and <= {maximum:g}"
+
+    def check(name: str, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{name} must be a number; got {value!r}")
+        inside = (value > minimum if above else value >= minimum) and (maximum is None or value <= maximum)
+        if not math.isfinite(value) or not inside:
+            raise ValueError(f"{name} must be finite, {bounds}; got {value!r}")
+        return value
+
+    return check
+
+
 def eos_ids(name: str, value: Any) -> Any:
     for eos in value or ():
         require_int("eos_token_id", eos, minimum=0)
@@ -256,9 +273,74 @@ class SpecConfig:
         return self.window_size if self.window_size is not None else WINDOW_MULTIPLE * self.batch_size
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request samples, each setting declared once here like :class:`SpecConfig`'s (default, help text, check
+    and command-line reading) and checked on construction: ``batchspec generate``, ``batchspec.generate``, the
+    server and the adapters take theirs from here. The default (temperature 0) is greedy decoding. The seed is a
+    request's as well (:data:`REQUEST_OPTIONS`); each row samples with one derived from it.
+    """
+
+    temperature: float = option(
+        0.0, check=number(0.0), short="-t", metavar="T", minimum=0.0,
+        help="0 decodes greedily; above 0 samples from the target's logits divided by it, and speculative outputs "
+        "follow the target's own distribution at this temperature.",
+    )
+    top_k: int | None = option(
+        None, check=optional(integer(1)), metavar="K", minimum=1,
+        help="Sample only from the K most probable tokens (tokens tied with the K-th are kept too; T > 0).",
+    )
+    top_p: float | None = option(
+        None, check=optional(number(0.0, 1.0, above=True)), metavar="P", minimum=0.0, maximum=1.0,
+        help="Sample only from the smallest set of most probable tokens whose probability reaches P, 0 < P <= 1 "
+        "(T > 0).",
+    )
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            spec.metadata["check"](spec.name, getattr(self, spec.name))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+SEED_LIMIT = 1 << 63  # seeds are in [0, 2**63): an int64 on any device
+
+
+def one_seed(name: str, value: Any) -> Any:
+    """The check of one seed: an int in ``[0, 2**63)``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"{name} must be an int in [0, 2**63); got {value!r}")
+    return value
+
+
+# What a request carries besides its sampling, declared as the fields above are: its budget of new tokens (a
+# request's, not a setting of the run: each Sequence carries its own) and its seed
+REQUEST_OPTIONS = {
+    "max_new_tokens": option(DEFAULT_MAX_NEW_TOKENS, check=integer(0), metavar="N", minimum=0,
+                             help="New tokens per prompt at most."),
+    "seed": option(
+        None, check=optional(one_seed), metavar="S",
+        help="Seed for sampling (T > 0): with a draft, the same seed gives the same outputs whatever the batch size, "
+        "draft length or method (eqspec, exspec).",
+    ),
+}
+_REQUEST_TYPES = {"max_new_tokens": int, "seed": int | None}
+
+
+def declaration(name: str) -> tuple[Any, Any]:
+    """The declaration of the option ``name`` and its type: a field of :class:`SpecConfig` or
+    :class:`SamplingParams`, or one of :data:`REQUEST_OPTIONS` (a KeyError for any other name)."""
+    for record in (SpecConfig, SamplingParams):
+        if name in record.__dataclass_fields__:
+            return record.__dataclass_fields__[name], get_type_hints(record)[name]
+    return REQUEST_OPTIONS[name], _REQUEST_TYPES[name]
+
+
 def setting_default(name: str) -> Any:
-    """The default :class:`SpecConfig` declares for its field ``name`` (for holders that must not write it again)."""
-    return SpecConfig.__dataclass_fields__[name].default
+    """The default declared for the option ``name`` (for holders that must not write it again)."""
+    return declaration(name)[0].default
 
 
 def require_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

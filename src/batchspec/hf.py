@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
 from batchspec.api import generate
-from batchspec.config import SpecConfig
+from batchspec.config import SEED_LIMIT, SamplingParams, SpecConfig
 
 SUPPORTED_FIELDS = frozenset({
     "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p",
@@ -65,16 +65,14 @@ class GenerateCall:
 
     draft: torch.nn.Module | None
     max_new_tokens: int
-    temperature: float
-    top_k: int | None
-    top_p: float | None
+    sampling: SamplingParams
     seed: list[int] | None
     settings: SpecConfig
 
     def kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``batchspec.generate``."""
-        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                    top_p=self.top_p, seed=self.seed, **self.settings.options())
+        return dict(max_new_tokens=self.max_new_tokens, seed=self.seed, **asdict(self.sampling),
+                    **self.settings.options())
 
 
 def hf_generate(
@@ -175,11 +173,12 @@ def plan_call(config: GenerationConfig, assistant_model: torch.nn.Module | None,
     """How to run ``config`` with batchspec: the method and drafter, the budget, EOS, padding and sampling."""
     eos = _eos_ids(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    sampling = _sampling(config, rows)
+    sampling, seed = _sampling(config, rows)
     method, proposer, k = _drafting(config, assistant_model)
     settings = SpecConfig(method=method, proposer=proposer, batch_size=rows, num_draft_tokens=k,
                           eos_token_ids=tuple(eos), pad_token_id=int(pad))
-    return GenerateCall(draft=assistant_model, max_new_tokens=_budget(config, width), settings=settings, **sampling)
+    return GenerateCall(draft=assistant_model, max_new_tokens=_budget(config, width), sampling=sampling, seed=seed,
+                        settings=settings)
 
 
 def _eos_ids(eos_token_id: int | list[int] | torch.Tensor | None) -> list[int]:
@@ -202,16 +201,16 @@ def _budget(config: GenerationConfig, width: int) -> int:
     return config.max_length - width
 
 
-def _sampling(config: GenerationConfig, rows: int) -> dict[str, Any]:
+def _sampling(config: GenerationConfig, rows: int) -> tuple[SamplingParams, list[int] | None]:
     """Greedy unless ``do_sample``; seeds drawn from torch's global generator, so ``torch.manual_seed`` repeats."""
     if not config.do_sample:
-        return dict(temperature=0.0, top_k=None, top_p=None, seed=None)
+        return SamplingParams(), None
     if config.temperature is None or config.temperature <= 0:
         raise ValueError(f"temperature must be a strictly positive float with do_sample=True; got {config.temperature}")
     top_k = config.top_k if config.top_k else None
     top_p = config.top_p if config.top_p is not None and config.top_p < 1 else None
-    seeds = torch.randint(0, 2**63 - 1, (rows,), dtype=torch.int64).tolist()
-    return dict(temperature=float(config.temperature), top_k=top_k, top_p=top_p, seed=seeds)
+    seeds = torch.randint(0, SEED_LIMIT - 1, (rows,), dtype=torch.int64).tolist()
+    return SamplingParams(temperature=float(config.temperature), top_k=top_k, top_p=top_p), seeds
 
 
 def _drafting(config: GenerationConfig, assistant_model: torch.nn.Module | None) -> tuple[str, str | None, int]:

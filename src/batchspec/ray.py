@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from batchspec.api import GenerationResult, generate
-from batchspec.config import AUTO, SpecConfig
+from batchspec.config import AUTO, SamplingParams, SpecConfig
 from batchspec.data import PromptRecord, format_prompts
 from batchspec.engine import GenerationStats
 from batchspec.models.choice import ModelChoice, load_models
@@ -53,7 +53,7 @@ STATS_COLUMN = "batch_stats"
 
 
 # the keywords of ``batchspec.generate`` a predictor takes besides the settings record's (:class:`SpecConfig`)
-GENERATION_KEYWORDS = ("max_new_tokens", "temperature", "top_k", "top_p")
+GENERATION_KEYWORDS = ("max_new_tokens", *(spec.name for spec in fields(SamplingParams)))
 
 
 class BatchspecPredictor:

@@ -18,7 +18,7 @@ build up over the layers of the two differently batched forwards. A larger margi
 it fails the audit and points at a synchronisation bug. A method that goes on where the reference ended has an
 infinite margin. ``batchspec audit --near-tie-ulps`` overrides the multiple.
 
-**int8 pairs: no near-ties.** The exact int8 models of ``--quantize int8`` (:mod:`batchspec.int8`) compute
+**int8 pairs: no near-ties.** The exact int8 models of ``--quantize int8`` (:mod:`batchspec.exact.int8`) compute
 each row's logits with arithmetic that does not depend on the batch, the padding or the tokens beside it: they are
 bit-identical in every forward, so rounding cannot flip an argmax and the near-tie rule does not apply. Auditing
 an int8 pair judges with :data:`EXACT_RULE`: every divergence is a failure (``near_tie`` is False even at an exact
@@ -40,8 +40,8 @@ from tqdm.auto import tqdm
 from batchspec.bench.reference import Reference, first_divergence, load_or_compute_reference, match_summary
 from batchspec.bench.runners import draft_length, plan_cells, runner_for, runs
 from batchspec.bench.workload import Workload
-from batchspec.int8 import quantization
-from batchspec.invariant import batch_invariant
+from batchspec.exact.int8 import quantization
+from batchspec.exact.invariant import batch_invariant
 from batchspec.models.pair import ModelPair
 
 NEAR_TIE_ULPS = 4.0
@@ -97,7 +97,7 @@ EXACT_RULE = NearTieRule(ulps=0.0, exact=True)
 
 def rule_for(pair: ModelPair, workload: Workload, rule: NearTieRule) -> NearTieRule:
     """The rule that judges ``pair``'s outputs: ``rule``, or :data:`EXACT_RULE` for an int8 pair (``pair.quantize``,
-    or its target's modules, say so) and for a batch-invariant one (:mod:`batchspec.invariant`). A ValueError when
+    or its target's modules, say so) and for a batch-invariant one (:mod:`batchspec.exact.invariant`). A ValueError when
     ``workload.quantize`` names another quantization: the reference (keyed by the workload) would be another
     model's."""
     quantize = "int8" if quantization(pair.target) == "int8" else pair.quantize

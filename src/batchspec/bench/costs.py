@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from batchspec.engine import BatchKVCache, BatchState, ModelRunner
-from batchspec.int8.product import PackedWeight
+from batchspec.exact.int8.product import PackedWeight
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS
 from batchspec.models.pair import ModelPair
 from batchspec.server.app import create_app
 from batchspec.server.hosting import serve_in_thread
@@ -37,8 +38,8 @@ class OnlineWorkload:
     prompts: Sequence[str] | Sequence[Sequence[int]]
     rate: float
     requests: int
-    max_tokens: int = 128
-    seed: int = 0
+    max_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    arrival_seed: int = 0  # the arrival times' random generator
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -53,7 +54,7 @@ class OnlineWorkload:
 
     def arrivals(self) -> list[float]:
         """Seconds from the start at which each request is sent (a seeded Poisson process)."""
-        rng = random.Random(self.seed)
+        rng = random.Random(self.arrival_seed)
         offsets, now = [], 0.0
         for _ in range(self.requests):
             offsets.append(now)

@@ -29,7 +29,7 @@ from batchspec.cli.errors import user_errors
 from batchspec.config import DEFAULT_MAX_NEW_TOKENS, PROPOSERS, SpecConfig
 from batchspec.engine import resolve_special_ids
 from batchspec.models.choice import ModelChoice, load_models
-from batchspec.models.kernels import kernels_in_use
+from batchspec.models.packing import kernels_in_use
 from batchspec.models.pair import ModelPair
 
 ALL_METHODS = ",".join(METHODS)

@@ -9,12 +9,12 @@ models to load and loading them is the library's (:mod:`batchspec.models.choice`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import StrEnum
 from functools import wraps
 from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any
 
 import typer
 
@@ -23,9 +23,12 @@ from batchspec.config import (
     CudaGraphs,
     Method,
     ProposerKind,
+    SamplingParams,
     SpecConfig,
+    declaration,
     default_cache_dir,
     read_size,
+    setting_default,
 )
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.engine import STAGES
@@ -132,21 +135,16 @@ CacheDirOption = Annotated[
         f"else $XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec (now: {default_cache_dir()}).",
     ),
 ]
-MaxNewTokensOption = Annotated[
-    int,
-    typer.Option("--max-new-tokens", metavar="N", min=0, help="New tokens per prompt at most."),
-]
-
-
 def parse_size(value: str) -> int | str:
     """``"auto"`` or a number of bytes >= 0, with an optional unit (``512MiB``, ``2GB``), as ``--prefix-cache-size``
     reads it."""
     return _read(read_size, value)
 
 
-def _read(read: Callable[[str], Any], value: Any) -> Any:
-    """``read(value)`` as a typer callback: a ValueError is typer's BadParameter (a value already read passes)."""
-    if not isinstance(value, str):
+def _read(read: Callable[[Any], Any], value: Any, *, always: bool = False) -> Any:
+    """``read(value)`` as a typer callback: a ValueError is typer's BadParameter (a value already read passes, unless
+    ``always``: a check of a value typer has read)."""
+    if not always and not isinstance(value, str):
         return value
     try:
         return read(value)
@@ -154,73 +152,53 @@ def _read(read: Callable[[str], Any], value: Any) -> Any:
         raise typer.BadParameter(str(error)) from None
 
 
-SETTINGS = {spec.name: spec for spec in fields(SpecConfig)}
-HINTS = get_type_hints(SpecConfig)
-
-
 def setting_option(name: str, flag: str | None = None) -> Any:
-    """The command-line option of :class:`~batchspec.config.SpecConfig`'s field ``name``: its type, flag, help and
-    bounds as the field declares them; ``flag`` renames it for a command (``serve``'s ``--max-batch-size``)."""
-    spec = SETTINGS[name]
+    """The command-line option of the option ``name`` (a field of :class:`~batchspec.config.SpecConfig` or
+    :class:`~batchspec.config.SamplingParams`, or a request's budget or seed): its type, flag, help and bounds as
+    :func:`~batchspec.config.declaration` gives them; ``flag`` renames it for a command (``serve``'s
+    ``--max-batch-size``)."""
+    spec, kind = declaration(name)
     cli = dict(spec.metadata["cli"])
     flag = flag or "--" + name.replace("_", "-")
-    kind = HINTS[name]
     declared = [f"{flag}/--no-{flag[2:]}"] if cli.pop("switch", False) else [flag]
     if "short" in cli:
         declared.append(cli.pop("short"))
     options: dict[str, Any] = {"help": spec.metadata["help"], "metavar": cli.pop("metavar", None)}
     if "minimum" in cli:
         options["min"] = cli.pop("minimum")
+    if "maximum" in cli:
+        options["max"] = cli.pop("maximum")
     if "read" in cli:
         read = cli.pop("read")
         kind, options["callback"] = str, lambda value: _read(read, value)
+    elif spec.metadata["check"] is not None:
+        options["callback"] = lambda value: _read(lambda text: spec.metadata["check"](flag, text), value, always=True)
     return Annotated[kind, typer.Option(*declared, **options)]
 
 
-def settings_choice(*names: str, flags: dict[str, str] | None = None, **defaults: Any) -> Callable[..., SpecConfig]:
-    """A group of options for :func:`with_options`: the fields ``names`` of :class:`~batchspec.config.SpecConfig`
-    as command-line options (renamed by ``flags``, with a command's own ``defaults``), built into the record."""
+def settings_choice(
+    *names: str, record: type = SpecConfig, flags: dict[str, str] | None = None, **defaults: Any
+) -> Callable[..., Any]:
+    """A group of options for :func:`with_options`: the fields ``names`` of ``record``
+    (:class:`~batchspec.config.SpecConfig` or :class:`~batchspec.config.SamplingParams`) as command-line options
+    (renamed by ``flags``, with a command's own ``defaults``), built into the record."""
     flags = flags or {}
     parameters = [
         Parameter(name, Parameter.KEYWORD_ONLY, annotation=setting_option(name, flags.get(name)),
-                  default=defaults.get(name, SETTINGS[name].default))
+                  default=defaults.get(name, setting_default(name)))
         for name in names
     ]
 
-    def build(**values: Any) -> SpecConfig:
-        return SpecConfig(**values)
+    def build(**values: Any) -> Any:
+        return record(**values)
 
     build.__signature__ = Signature(parameters)
     return build
 
 
-TemperatureOption = Annotated[
-    float,
-    typer.Option(
-        "--temperature", "-t", metavar="T", min=0.0,
-        help="0 decodes greedily; above 0 samples, and speculative outputs follow the target's own "
-        "distribution at this temperature.",
-    ),
-]
-TopKOption = Annotated[
-    int | None,
-    typer.Option("--top-k", metavar="K", min=1, help="Sample only from the K most probable tokens (T > 0)."),
-]
-TopPOption = Annotated[
-    float | None,
-    typer.Option(
-        "--top-p", metavar="P", min=0.0, max=1.0,
-        help="Sample only from the smallest set of tokens whose probability reaches P, 0 < P <= 1 (T > 0).",
-    ),
-]
-SeedOption = Annotated[
-    int | None,
-    typer.Option(
-        "--seed", metavar="S",
-        help="Seed for sampling (T > 0): with a draft, the same seed gives the same outputs whatever the "
-        "batch size, draft length or method (eqspec, exspec).",
-    ),
-]
+MaxNewTokensOption = setting_option("max_new_tokens")
+SeedOption = setting_option("seed")
+sampling_choice = settings_choice("temperature", "top_k", "top_p", record=SamplingParams)
 
 
 def with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., None]], Callable[..., None]]:

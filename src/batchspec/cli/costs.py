@@ -29,7 +29,7 @@ from batchspec.cli.bench import (
 from batchspec.cli.common import model_choice, with_options
 from batchspec.cli.errors import user_errors
 from batchspec.models.choice import ModelChoice
-from batchspec.models.kernels import kernels_in_use
+from batchspec.models.packing import kernels_in_use
 from batchspec.models.pair import ModelPair
 
 DraftLengthsOption = Annotated[

@@ -4,14 +4,13 @@ settings and the sampling (shared by the single-process and the Ray paths)."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from batchspec.config import SpecConfig
+from batchspec.config import SamplingParams, SpecConfig
 from batchspec.data import PromptRecord
 
 
@@ -63,26 +62,21 @@ def print_texts(records: list[PromptRecord], results: list[GeneratedText]) -> No
         typer.echo()
 
 
-def check_sampling_options(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> None:
+def check_sampling_options(sampling: SamplingParams, seed: int | None) -> None:
     """Refuse sampling settings that greedy decoding (temperature 0) would silently ignore."""
-    if not math.isfinite(temperature):
-        raise ValueError(f"--temperature must be a finite number; got {temperature}")
-    given = [name for name, value in (("--top-k", top_k), ("--top-p", top_p), ("--seed", seed)) if value is not None]
-    if temperature == 0 and given:
+    given = [name for name, value in (("--top-k", sampling.top_k), ("--top-p", sampling.top_p), ("--seed", seed))
+             if value is not None]
+    if sampling.greedy and given:
         raise ValueError(f"{', '.join(given)} only apply when sampling: add --temperature above 0")
-    if top_p is not None and top_p == 0:
-        raise ValueError("--top-p must be above 0 (1 keeps every token)")
-    if seed is not None and not 0 <= seed < 2**63:
-        raise ValueError(f"--seed must be in [0, 2**63); got {seed}")
 
 
-def sampling_summary(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> str:
+def sampling_summary(sampling: SamplingParams, seed: int | None) -> str:
     """``greedy`` or e.g. ``temperature 0.7, top-k 5, seed 3``."""
-    if temperature == 0:
+    if sampling.greedy:
         return "greedy"
-    parts = [f"temperature {temperature:g}"]
-    parts += [f"{name} {value:g}" for name, value in (("top-k", top_k), ("top-p", top_p), ("seed", seed))
-              if value is not None]
+    parts = [f"temperature {sampling.temperature:g}"]
+    parts += [f"{name} {value:g}" for name, value in (("top-k", sampling.top_k), ("top-p", sampling.top_p),
+                                                       ("seed", seed)) if value is not None]
     return ", ".join(parts)
 
 

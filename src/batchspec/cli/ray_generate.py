@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from batchspec.cli.common import Method, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
 from batchspec.cli.output import GeneratedText, print_texts, run_label, sampling_summary, write_jsonl
-from batchspec.config import SpecConfig
+from batchspec.config import SamplingParams, SpecConfig
 from batchspec.data import PromptRecord
 from batchspec.engine import GenerationStats, derive_row_seeds
 from batchspec.models.choice import ModelChoice, presets_used
@@ -237,7 +237,7 @@ def run_generate_on_ray(
     else:
         write_jsonl(output, results)
         typer.echo(f"Wrote {len(results)} results to {output}", err=True)
-    sampling = sampling_summary(generation["temperature"], generation["top_k"], generation["top_p"], seed)
+    sampling = sampling_summary(SamplingParams(**{k: generation[k] for k in ("temperature", "top_k", "top_p")}), seed)
     typer.echo(f"Summary: {model_label(models, settings.method)}, {run_label(settings)}, {sampling}")
     for line in ray_summary_lines(run, choice, [r.finish_reason for r in results], settings.method):
         typer.echo(f"  {line}")

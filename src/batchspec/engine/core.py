@@ -283,7 +283,7 @@ def _sampling_columns(rows: list[Sequence]) -> tuple:
         return ()
     columns = RowParams.columns([row.sampling for row in rows])
     return (
-        [row.seed for row in rows],
+        [row.row_seed for row in rows],
         [len(row.output) for row in rows],
         columns["top_k"],
         [i for i, row in enumerate(rows) if not row.sampling.greedy],

@@ -62,7 +62,7 @@ class GenerationParams:
         """Row ``index`` of this request, sampling with ``seed`` (one of :meth:`row_seeds`, or the seed
         ``batchspec.generate`` derived for the prompt)."""
         return Sequence(
-            index, list(self.prompt), self.max_tokens, sampling=self.sampling, seed=seed, penalties=self.penalties,
+            index, list(self.prompt), self.max_tokens, sampling=self.sampling, row_seed=seed, penalties=self.penalties,
             grammar=self.grammar, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
             prefix_namespace=self.cache_namespace,
         )

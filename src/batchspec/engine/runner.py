@@ -43,9 +43,9 @@ from batchspec.engine.errors import InvariantError
 from batchspec.engine.graphs import GRAPHED_ATTENTION, GraphedForwards, GraphMode
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.state import BatchState, visible_keys
-from batchspec.int8.attention import NAME as EXACT_ATTENTION
-from batchspec.int8.forward import int8_forward
-from batchspec.invariant.model import NAME as INVARIANT_ATTENTION
+from batchspec.exact.int8.attention import NAME as EXACT_ATTENTION
+from batchspec.exact.int8.forward import int8_forward
+from batchspec.exact.invariant.model import NAME as INVARIANT_ATTENTION
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ generated ``n`` tokens draws its next token at position ``n``.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ from enum import IntEnum
 
 import torch
 
+from batchspec.config import SEED_LIMIT, SamplingParams, one_seed
+
 _U64 = (1 << 64) - 1
-_SEED_LIMIT = 1 << 63
 
 
 def _signed(value: int) -> int:
@@ -40,39 +40,6 @@ class Stream(IntEnum):
     DRAFT = 0  # the draft's token at a position, drawn from q
     ACCEPT = 1  # the accept test of that draft token
     RECOVER = 2  # the recovered token, drawn from norm(max(0, p - q))
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next-token distribution is shaped before sampling.
-
-    Attributes:
-        temperature: logits are divided by it; 0 means greedy (argmax) decoding.
-        top_k: keep only the ``top_k`` most probable tokens (tokens tied with the ``top_k``-th are kept too).
-        top_p: nucleus sampling: keep the smallest set of most probable tokens whose mass is at least ``top_p``.
-    """
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
-            raise ValueError(f"top_k must be an int or None, got {self.top_k!r}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float)):
-            raise ValueError(f"top_p must be a number or None, got {self.top_p!r}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -308,22 +275,17 @@ def derive_row_seeds(seed: int | Sequence[int] | None, n_prompts: int) -> list[i
     if seed is None:
         return [secrets.randbits(63) for _ in range(n_prompts)]
     if isinstance(seed, int) and not isinstance(seed, bool):
-        _check_seed(seed)
+        one_seed("seed", seed)
         index = torch.arange(n_prompts, dtype=torch.int64)
-        return (mix64(mix64(torch.tensor(seed)) ^ index) & (_SEED_LIMIT - 1)).tolist()
+        return (mix64(mix64(torch.tensor(seed)) ^ index) & (SEED_LIMIT - 1)).tolist()
     if not isinstance(seed, Sequence) or isinstance(seed, str | bytes):
         raise ValueError(f"seed must be an int, a list of ints (one per prompt) or None, got {seed!r}")
     seeds = list(seed)
     if len(seeds) != n_prompts:
         raise ValueError(f"seed must hold one seed per prompt: got {len(seeds)} for {n_prompts} prompts")
     for value in seeds:
-        _check_seed(value)
+        one_seed("seed", value)
     return seeds
-
-
-def _check_seed(value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _SEED_LIMIT:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {value!r}")
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

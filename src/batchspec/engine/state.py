@@ -66,11 +66,12 @@ def check_budget(max_new_tokens: object) -> None:
 class Sequence:
     """One prompt's life: its tokens, its budget, how it samples, why it stopped and where its KV is.
 
-    ``sampling`` and ``seed`` fix the row's tokens: with temperature > 0 the token at output position ``n``
-    is a function of the prefix, ``seed`` and ``n`` (see :mod:`batchspec.engine.sampling`). Rows decoded in one round
-    may each sample differently. ``lookup`` (its prompt-lookup index) and ``acceptance`` (its recent acceptance
-    of drafts) are kept by the proposers and the draft-length planner. ``max_new_tokens`` is the row's budget of new
-    tokens (an integer >= 0, checked on construction), the one the engine reads.
+    ``sampling`` and ``row_seed`` (derived from its request's seed) fix the row's tokens: with temperature > 0 the
+    token at output position ``n`` is a function of the prefix, ``row_seed`` and ``n`` (see
+    :mod:`batchspec.engine.sampling`). Rows decoded in one round may each sample differently. ``lookup`` (its
+    prompt-lookup index) and ``acceptance`` (its recent acceptance of drafts) are kept by the proposers and the
+    draft-length planner. ``max_new_tokens`` is the row's budget of new tokens (an integer >= 0, checked on
+    construction), the one the engine reads.
 
     ``prefix_namespace`` is who may share the row's prompt prefix through the prefix cache
     (:mod:`batchspec.engine.prefix_cache`), and ``cached_tokens`` how many prompt tokens it reused from there.
@@ -85,7 +86,7 @@ class Sequence:
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
+    row_seed: int = 0
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     kv: KVLocation | None = None

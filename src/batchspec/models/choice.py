@@ -15,8 +15,8 @@ from pathlib import Path
 
 from batchspec.config import Method, ProposerKind
 from batchspec.devices import device_name, resolve_device
-from batchspec.int8 import check_quantize, quantization
-from batchspec.invariant import batch_invariant
+from batchspec.exact.int8 import check_quantize, quantization
+from batchspec.exact.invariant import batch_invariant
 from batchspec.memory import keep_freed_memory
 from batchspec.models.loading import (
     DTYPES,

@@ -19,7 +19,7 @@ exactly the target's own; half precision only when asked for. ``device="auto"`` 
 :func:`batchspec.devices.resolve_device`) is the first CUDA device when torch sees one, else the CPU: weights are
 read on the CPU and then moved there.
 
-``quantize="int8"`` (see :mod:`batchspec.int8`) turns each loaded float32 model into the exact int8 model:
+``quantize="int8"`` (see :mod:`batchspec.exact.int8`) turns each loaded float32 model into the exact int8 model:
 every row's logits are then bit-identical whatever the batch, so greedy output is the quantized model's own with no
 near-tie exemption. It runs on the CPU only, on float32 weights, and on its own integer kernels (not oneDNN's
 packed ones); :func:`check_quantize_for` refuses the other combinations before anything loads. Once the models are
@@ -37,15 +37,22 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from batchspec.config import default_cache_dir
 from batchspec.devices import device_name, resolve_device
-from batchspec.int8 import check_quantizable, check_quantize, cpu_default, quantizable, quantization, quantize_model
-from batchspec.invariant import batch_invariant as is_batch_invariant
-from batchspec.invariant import make_batch_invariant
+from batchspec.exact.int8 import (
+    check_quantizable,
+    check_quantize,
+    cpu_default,
+    quantizable,
+    quantization,
+    quantize_model,
+)
+from batchspec.exact.invariant import batch_invariant as is_batch_invariant
+from batchspec.exact.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
-from batchspec.models.kernels import can_pack, pack_linears
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.cache import build_directory, hub_offline
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, get_preset
 from batchspec.models.obtain.gguf import dequantize_gguf, load_dequantized
+from batchspec.models.packing import can_pack, pack_linears
 from batchspec.models.pair import ModelPair
 
 if TYPE_CHECKING:
@@ -84,13 +91,14 @@ def resolve_dtype(dtype: str = "auto") -> str:
 
 def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str = "auto", device="auto") -> str:
     """``quantize`` itself, or for ``"auto"``: on the CPU, when the dtype resolves to float32 and the kernels are not
-    ``"packed"``, :func:`batchspec.int8.cpu_default` (``"int8"`` where batchspec's native int8 kernels run, which it
-    says in one log line); else ``"none"``.
+    ``"packed"``, :func:`batchspec.exact.int8.cpu_default` (``"int8"`` where batchspec's native int8 kernels run, which
+    it says in one log line); else ``"none"``.
 
     int8 is the CPU's default there because it keeps the quality of float32 and is faster: on HumanEval's first 40
     problems (chat template, 384 new tokens) the qwen2.5-coder pair passed 37 in int8 and 35 in float32, and int8
     decoded 1.3-2.0x faster with 0.31x the memory (docs/int8.md). Models the int8 forward does not all support (see
-    :func:`batchspec.int8.model.check_quantizable`) then load as ``"none"``, all of them (:func:`settle_quantize`).
+    :func:`batchspec.exact.int8.model.check_quantizable`) then load as ``"none"``, all of them
+    (:func:`settle_quantize`).
     """
     quantize = check_quantize(quantize)
     if quantize != "auto":
@@ -103,7 +111,7 @@ def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str =
 
 
 def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = "auto") -> None:
-    """Raise ValueError where the batch-invariant mode (:mod:`batchspec.invariant`) cannot run: its kernels are
+    """Raise ValueError where the batch-invariant mode (:mod:`batchspec.exact.invariant`) cannot run: its kernels are
     Triton's, for a CUDA device."""
     place = resolve_device(device)
     if batch_invariant and place.type != "cuda":
@@ -140,7 +148,7 @@ def check_quantize_for(quantize: str, dtype: str, kernels: str, device: str | to
 def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]]) -> str:
     """What the loaded ``models`` (``(spec, model)`` pairs) are all made: ``resolved`` (see
     :func:`check_quantize_for`), except that an ``"int8"`` resolved from ``asked="auto"`` is ``"none"`` unless the
-    int8 forward supports every model (:func:`batchspec.int8.quantizable`), so a pair is never half quantized.
+    int8 forward supports every model (:func:`batchspec.exact.int8.quantizable`), so a pair is never half quantized.
 
     An ``"int8"`` asked for explicitly raises ValueError naming the first model the int8 forward does not support
     and why (before any model is quantized).
@@ -247,10 +255,10 @@ def load_model(
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     ``quantize="int8"`` makes the loaded model the exact int8 model (see
-    :func:`batchspec.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
+    :func:`batchspec.exact.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
     where it applies, before loading, and :func:`settle_quantize` whether the int8 forward supports the model
     (``"auto"``: else it loads as ``"none"``; ``"int8"``: else a ValueError). ``batch_invariant`` runs the model on
-    the batch-invariant kernels (CUDA only, see :mod:`batchspec.invariant`).
+    the batch-invariant kernels (CUDA only, see :mod:`batchspec.exact.invariant`).
     """
     (loaded,) = _load_models(
         [spec], dtype, cache_dir=cache_dir, cache_gguf=cache_gguf, gguf_file=gguf_file, progress=progress,
@@ -300,7 +308,7 @@ def use_kernels(model: Any, kernels: Kernels = "auto") -> bool:
     """Put ``model``'s linear layers on the chosen CPU kernels; returns whether they are packed.
 
     ``"packed"`` and ``"auto"`` swap a float32 CPU model's linear layers for oneDNN ones with prepacked weights
-    (:mod:`batchspec.models.kernels`: 1.4-2x faster steps and verifications on the CPUs measured, same float32
+    (:mod:`batchspec.models.packing`: 1.4-2x faster steps and verifications on the CPUs measured, same float32
     arithmetic in another summation order); ``"auto"`` leaves other models alone, ``"packed"`` raises for them.
     ``"default"`` keeps PyTorch's own kernels.
     """

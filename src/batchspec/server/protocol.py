@@ -19,11 +19,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from batchspec.config import SEED_LIMIT, setting_default
 from batchspec.engine import MAX_BIAS
 from batchspec.engine import MAX_TOP as MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4
-SEED_LIMIT = 1 << 63
 MAX_CHOICES = 16
 MAX_PENALTY = 2.0
 
@@ -66,8 +66,8 @@ class SamplingFields(StrictRequest):
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = setting_default("temperature")
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = setting_default("top_p")
     top_k: Annotated[int, Field(ge=1)] | None = None
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, ValidationInfo, field_validator
 
+from batchspec.config import setting_default
 from batchspec.engine import GenerationParams
 from batchspec.server.errors import APIError, bad_request
 from batchspec.server.events import Finished, Tokens
@@ -138,8 +139,8 @@ class ResponsesRequest(StrictRequest):
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = setting_default("temperature")
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = setting_default("top_p")
     stream: bool = False
     text: TextConfig = TextConfig()
     tools: list[FunctionTool] | None = None
@@ -404,7 +405,8 @@ class ResponsesFormat:
             incomplete_details=IncompleteDetails() if status == "incomplete" else None,
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
             parallel_tool_calls=request.parallel_tool_calls is not False, temperature=request.temperature,
-            top_p=request.top_p, text={"format": request.text.format.model_dump(by_alias=True, exclude_none=True)},
+            top_p=1.0 if request.top_p is None else request.top_p,
+            text={"format": request.text.format.model_dump(by_alias=True, exclude_none=True)},
             tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
             tools=[t.model_dump(exclude_none=True) for t in request.tools or []],
             metadata=request.metadata or {}, user=request.user,

@@ -1,4 +1,4 @@
-"""CPU kernels: float32 linear layers on oneDNN with prepacked weights (``batchspec.models.kernels``).
+"""CPU kernels: float32 linear layers on oneDNN with prepacked weights (``batchspec.models.packing``).
 
 Packing changes only the summation order of float32 products, so logits stay within float32 rounding of the
 default kernels, unpacking restores the exact modules, and greedy speculative output on packed models is still
@@ -14,7 +14,7 @@ import tiny_models
 import torch
 
 from batchspec.models import use_kernels
-from batchspec.models.kernels import PackedLinear, can_pack, kernels_in_use, pack_linears, unpack_linears
+from batchspec.models.packing import PackedLinear, can_pack, kernels_in_use, pack_linears, unpack_linears
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.nn.Linear(2, 2)), reason="this PyTorch has no oneDNN linear kernels"

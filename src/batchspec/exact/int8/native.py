@@ -1,14 +1,14 @@
 """batchspec's own C kernels for the exact int8 forward, built once per machine for the instruction set it runs.
 
 * :func:`linear`: the int8 product with its scales and bias applied (the ``native`` kernel of
-  :mod:`batchspec.int8.product`);
+  :mod:`batchspec.exact.int8.product`);
 * :func:`quantize`: a token's quantization, straight to that kernel's codes; :func:`quantize_gated`, the MLP's
   ``exact_silu(gate) * up`` quantized so (:func:`silu`);
-* :func:`rms_norm`: :class:`~batchspec.int8.model.ExactRMSNorm`;
-* :func:`attention`: :func:`~batchspec.int8.attention.exact_attention` over the int16 KV cache, a call per block of
-  queries; :func:`rotary_into`, :func:`norm_quantize` and :func:`linear`'s residual, what
-  :mod:`batchspec.int8.forward` fuses of a decoder layer (the rotary embedding, the keys' and values' way into that
-  cache, the norms' way into the products, the residual connections);
+* :func:`rms_norm`: :class:`~batchspec.exact.int8.model.ExactRMSNorm`;
+* :func:`attention`: :func:`~batchspec.exact.int8.attention.exact_attention` over the int16 KV cache, a call per block
+  of queries; :func:`rotary_into`, :func:`norm_quantize` and :func:`linear`'s residual, what
+  :mod:`batchspec.exact.int8.forward` fuses of a decoder layer (the rotary embedding, the keys' and values' way into
+  that cache, the norms' way into the products, the residual connections);
   :func:`pack_kv`, :func:`quantize_wide` and :func:`exp2_nonpositive_`, its 15-bit quantization (into the int16 KV
   cache, or float64) and its ``2**t``, for the rest.
 
@@ -145,7 +145,7 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [N, 4 G] uint8, scale [N, 1] float32)`` of float32 ``x`` ``[N, K]``: :func:`codes` of
-    :func:`~batchspec.int8.arithmetic.quantize_rows`' integers and its scale, bit for bit."""
+    :func:`~batchspec.exact.int8.arithmetic.quantize_rows`' integers and its scale, bit for bit."""
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"native quantization takes float32 [N, K], not {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
@@ -176,7 +176,7 @@ def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[flo
 
 
 def silu(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    """:func:`~batchspec.int8.arithmetic.exact_silu` of float32 ``x``, bit for bit, with its ``2**t``'s ten
+    """:func:`~batchspec.exact.int8.arithmetic.exact_silu` of float32 ``x``, bit for bit, with its ``2**t``'s ten
     ``coefficients``."""
     if x.dtype != torch.float32:
         raise ValueError(f"native silu takes float32, not {x.dtype}")
@@ -194,7 +194,7 @@ def _checked(coefficients: tuple[float, ...]) -> tuple[float, ...]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`~batchspec.int8.model.exact_rms_norm` of float32 ``x`` ``[..., H]`` with ``weight`` ``[H]``, bit for
+    """:func:`~batchspec.exact.int8.model.exact_rms_norm` of float32 ``x`` ``[..., H]`` with ``weight`` ``[H]``, bit for
     bit, in one call."""
     x = _norm_input(x, weight)
     out = torch.empty_like(x)
@@ -224,8 +224,8 @@ def _norm_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~batchspec.int8.arithmetic.quantize_rows` of float32 ``x`` ``[..., D]`` to ``levels``, in float64, bit
-    for bit: ``(q [..., D], scale [..., 1])``."""
+    """:func:`~batchspec.exact.int8.arithmetic.quantize_rows` of float32 ``x`` ``[..., D]`` to ``levels``, in float64,
+    bit for bit: ``(q [..., D], scale [..., 1])``."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
     q, scale = torch.empty(x.shape, dtype=torch.float64), torch.empty(*x.shape[:-1], 1, dtype=torch.float64)
@@ -236,13 +236,13 @@ def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
 
 def packed_width(size: int) -> int:
     """int16 per token and head in the KV cache for heads of ``size`` values: one per value, and at least
-    :data:`SCALE_BITS`, whose parities hold the scale's bits (see :func:`~batchspec.int8.attention.pack`). Example:
-    128 -> 128, 5 -> 32."""
+    :data:`SCALE_BITS`, whose parities hold the scale's bits (see :func:`~batchspec.exact.int8.attention.pack`).
+    Example: 128 -> 128, 5 -> 32."""
     return max(size, SCALE_BITS)
 
 
 def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
-    """:func:`~batchspec.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
+    """:func:`~batchspec.exact.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
     ``[..., width]`` int16, each token's integers, the scale's bits in the parities of the first 32."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
@@ -286,8 +286,8 @@ def _wide_input(x: torch.Tensor, levels: int) -> torch.Tensor:
 
 
 def exp2_nonpositive_(t: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    """:func:`~batchspec.int8.arithmetic.exp2_nonpositive` of a contiguous float32 ``t`` in place, bit for bit, with
-    its polynomial's ten ``coefficients`` (lowest degree first)."""
+    """:func:`~batchspec.exact.int8.arithmetic.exp2_nonpositive` of a contiguous float32 ``t`` in place, bit for bit,
+    with its polynomial's ten ``coefficients`` (lowest degree first)."""
     if t.dtype != torch.float32 or not t.is_contiguous() or len(coefficients) != 10:
         raise ValueError("native exp2 takes a contiguous float32 tensor and ten coefficients")
     _library().exp2_nonpositive(t.data_ptr(), t.numel(), _float_table(coefficients), torch.get_num_threads())
@@ -298,7 +298,7 @@ def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float, levels: int,
     coefficients: tuple[float, ...],
 ) -> torch.Tensor | None:
-    """:func:`~batchspec.int8.attention.exact_attention`, bit for bit, for float32 ``query`` ``[B, H, Q, D]``, the
+    """:func:`~batchspec.exact.int8.attention.exact_attention`, bit for bit, for float32 ``query`` ``[B, H, Q, D]``, the
     int16 cache's ``key``/``value`` ``[B, Hk, L, W]`` as :func:`pack_kv` stores them (tokens contiguous),
     ``visible`` bool ``[B, 1, Q, L]``, the queries' 15-bit ``levels`` and ``2**t``'s ``coefficients``:
     ``[B, Q, H, D]`` float32; None where the tensors are not laid out so or heads are larger than

@@ -1,6 +1,6 @@
 """Making a model batch-invariant: every linear layer, RMSNorm and the attention run on the kernels of
-:mod:`batchspec.invariant.kernels`, so each row's logits are the same bits whether it runs alone, one token at a time,
-or padded among other rows with ``k + 1`` tokens a forward (the verification of speculative decoding).
+:mod:`batchspec.exact.invariant.kernels`, so each row's logits are the same bits whether it runs alone, one token at a
+time, or padded among other rows with ``k + 1`` tokens a forward (the verification of speculative decoding).
 
 Elementwise work (embeddings, rotary, SiLU, residual additions) is computed per element and needs nothing. The
 kernels are Triton's: the mode runs where Triton does (CUDA; tests run them on the CPU in Triton's interpreter).
@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from batchspec.layers import RMSNormSwap, is_rms_norm, register_attention, swap_layers
+from batchspec.exact.swap import RMSNormSwap, is_rms_norm, register_attention, swap_layers
 
 NAME = "batchspec_invariant"
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # RMSNorm as ``weight * normalised.to(dtype)``
 
 
 class InvariantLinear(torch.nn.Module):
-    """A linear layer on :func:`~batchspec.invariant.kernels.matmul` (its weight and bias kept as they were)."""
+    """A linear layer on :func:`~batchspec.exact.invariant.kernels.matmul` (its weight and bias kept as they were)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -29,16 +29,16 @@ class InvariantLinear(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        from batchspec.invariant.kernels import matmul
+        from batchspec.exact.invariant.kernels import matmul
 
         return matmul(x, self.weight, self.bias)
 
 
 class InvariantRMSNorm(RMSNormSwap):
-    """An RMSNorm on :func:`~batchspec.invariant.kernels.rms_norm`."""
+    """An RMSNorm on :func:`~batchspec.exact.invariant.kernels.rms_norm`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        from batchspec.invariant.kernels import rms_norm
+        from batchspec.exact.invariant.kernels import rms_norm
 
         return rms_norm(x, self.weight, self.eps)
 
@@ -46,9 +46,9 @@ class InvariantRMSNorm(RMSNormSwap):
 def invariant_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """The attention kernel of :data:`NAME` (see :mod:`batchspec.layers`): ``query`` ``[B, H, q, D]``,
+    """The attention kernel of :data:`NAME` (see :mod:`batchspec.exact.swap`): ``query`` ``[B, H, q, D]``,
     ``key``/``value`` ``[B, Hk, L, D]``, ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``."""
-    from batchspec.invariant.kernels import attention
+    from batchspec.exact.invariant.kernels import attention
 
     return attention(query, key.contiguous(), value.contiguous(), visible, scaling)
 

@@ -1,6 +1,6 @@
-"""What the two exact modes (:mod:`batchspec.int8` on the CPU, :mod:`batchspec.invariant` on CUDA) share in how they
-enter a transformers model: an attention implementation registered by name, the boolean visibility its kernel is
-given, and the swap of a model's layers for their own.
+"""What the two exact modes (:mod:`batchspec.exact.int8` on the CPU, :mod:`batchspec.exact.invariant` on CUDA) share in
+how they enter a transformers model: an attention implementation registered by name, the boolean visibility its kernel
+is given, and the swap of a model's layers for their own.
 
 An attention *kernel* here takes ``query`` ``[B, H, q, D]``, ``key``/``value`` ``[B, Hk, L, D]`` (``H`` a multiple of
 ``Hk``), ``visible`` boolean ``[B, 1, q, L]`` (True: the query sees the key) and the softmax's ``scaling``, and returns

@@ -1,17 +1,17 @@
 """Turning a loaded float model into the exact int8 model: which modules are swapped, and the checks before.
 
-:func:`quantize_model` smooths the float model's activations (:mod:`~batchspec.int8.smoothing`), then
+:func:`quantize_model` smooths the float model's activations (:mod:`~batchspec.exact.int8.smoothing`), then
 swaps, in place:
 
-* every MLP for an :class:`~batchspec.int8.linear.Int8MLP` (its activation
-  :func:`~batchspec.int8.arithmetic.exact_silu`);
-* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.int8.linear.Int8Linear`; an
+* every MLP for an :class:`~batchspec.exact.int8.linear.Int8MLP` (its activation
+  :func:`~batchspec.exact.int8.arithmetic.exact_silu`);
+* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.exact.int8.linear.Int8Linear`; an
   attention's q, k and v projections share one quantization of their input, and its keys and values enter the KV
-  cache quantized (:func:`~batchspec.int8.attention.pack_on_update`);
+  cache quantized (:func:`~batchspec.exact.int8.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
 * the rotary embedding for :class:`RotaryTable` (cos/sin correctly rounded, computed once per position, then looked
   up);
-* the attention implementation for :data:`~batchspec.int8.attention.NAME`.
+* the attention implementation for :data:`~batchspec.exact.int8.attention.NAME`.
 
 The token embedding stays as it is: a lookup copies a row. What is left between these modules is elementwise
 (residual additions, the rotary products), so every row's logits are independent of the batch; and since no value
@@ -29,11 +29,11 @@ from typing import Any
 import mpmath
 import torch
 
-from batchspec.int8 import attention, native
-from batchspec.int8.arithmetic import row_sum, sqrt_rounded
-from batchspec.int8.linear import Int8Linear, Int8MLP, SharedQuantization
-from batchspec.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
-from batchspec.layers import RMSNormSwap, is_rms_norm, swap_layers
+from batchspec.exact.int8 import attention, native
+from batchspec.exact.int8.arithmetic import row_sum, sqrt_rounded
+from batchspec.exact.int8.linear import Int8Linear, Int8MLP, SharedQuantization
+from batchspec.exact.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
+from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.model_checks import check_model
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 class ExactRMSNorm(RMSNormSwap):
     """RMSNorm with its mean of squares summed in an order fixed by the hidden size (:func:`exact_rms_norm`); in
-    float32 on a CPU that runs batchspec's native kernels, :func:`~batchspec.int8.native.rms_norm` gives the same
+    float32 on a CPU that runs batchspec's native kernels, :func:`~batchspec.exact.int8.native.rms_norm` gives the same
     bits in one call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
@@ -66,7 +66,7 @@ class RotaryTable(torch.nn.Module):
 
     transformers computes ``cos``/``sin`` of each forward's positions with torch's vector ``cos``, whose last bit
     can depend on where a value sits in the tensor, on the thread count and on the CPU (see
-    :mod:`batchspec.int8.arithmetic`). The table holds, for position ``p`` and frequency ``f`` (the module's own
+    :mod:`batchspec.exact.int8.arithmetic`). The table holds, for position ``p`` and frequency ``f`` (the module's own
     ``inv_freq``), the float32 angle ``f * p`` as transformers rounds it, its cosine and sine correctly rounded
     (:func:`correctly_rounded`), times the module's ``attention_scaling``: the same bits in every forward, on every
     CPU.
@@ -122,8 +122,8 @@ def check_quantize(quantize: str) -> str:
 
 def cpu_default() -> str:
     """What ``--quantize auto`` makes float32 models on this CPU: ``"int8"`` where a native build of the int8
-    kernels runs (:func:`~batchspec.int8.native.isa`: on each of them the int8 forward reads a prompt and decodes at
-    least as fast as float32, docs/int8.md), else ``"none"``: without them (another architecture, no C compiler,
+    kernels runs (:func:`~batchspec.exact.int8.native.isa`: on each of them the int8 forward reads a prompt and decodes
+    at least as fast as float32, docs/int8.md), else ``"none"``: without them (another architecture, no C compiler,
     ``BATCHSPEC_CPU_ISA=none``) the int8 forward runs in torch, exact but several times slower than float32. Says
     which and why in one log line, once per process and build."""
     isa = native.isa()
@@ -168,7 +168,7 @@ def check_quantizable(model: Any) -> None:
 
 def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
     """Make ``model`` the exact int8 model in place (see the module docstring) and return it; its activations are
-    smoothed first (:mod:`~batchspec.int8.smoothing`), with peaks from the exact int8 model's own decoder before
+    smoothed first (:mod:`~batchspec.exact.int8.smoothing`), with peaks from the exact int8 model's own decoder before
     smoothing, run on text ``tokenizer`` encodes (seeded token ids without one): a forward whose every value is the
     same bits on every CPU, where the float model's would depend on its BLAS and thread count."""
     check_quantizable(model)

@@ -1,10 +1,10 @@
 """The exact int8 forward for the CPU: integer linear layers and a forward whose rows are batch-invariant.
 
 :func:`quantize_model` turns a loaded float32 Llama/Qwen2/Mistral model into it (``--quantize int8``); see
-:mod:`~batchspec.int8.arithmetic` for why each row's logits cannot depend on the batch.
+:mod:`~batchspec.exact.int8.arithmetic` for why each row's logits cannot depend on the batch.
 """
 
-from batchspec.int8.model import (
+from batchspec.exact.int8.model import (
     QUANTIZE,
     check_quantizable,
     check_quantize,

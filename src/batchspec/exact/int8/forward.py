@@ -1,6 +1,6 @@
 """The exact int8 model's forward as batchspec runs it: each decoder layer a short sequence of native calls.
 
-transformers' decoder layer, run around the int8 modules (:mod:`batchspec.int8.model`), took ~9 ms of Python and
+transformers' decoder layer, run around the int8 modules (:mod:`batchspec.exact.int8.model`), took ~9 ms of Python and
 torch operations in a one-token step of the 28-layer 1.5B target, and 17 native calls a layer, the small k and v
 products reading their weights at a third of the memory's speed. :class:`Int8Forward` runs the same arithmetic on
 the same modules' tensors in 12 native calls and 4 torch operations a layer::
@@ -15,7 +15,7 @@ the same modules' tensors in 12 native calls and 4 torch operations a layer::
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
 value of the other positions is computed by the operation transformers' forward of the int8 model runs for it,
-rounded the same way (:func:`~batchspec.int8.native.rotary_into` is ``apply_rotary_pos_emb``'s products and sum,
+rounded the same way (:func:`~batchspec.exact.int8.native.rotary_into` is ``apply_rotary_pos_emb``'s products and sum,
 then the cache's packing; an addition is the same whichever operand comes first), so their logits and KV cache are
 the same bits; that forward stays the reference the tests compare this one with. It runs where the native kernels
 do, on float32 Llama, Qwen2, Qwen3 and Mistral models (:meth:`Int8Forward.of`); elsewhere the runner calls the
@@ -30,10 +30,17 @@ from typing import Any
 
 import torch
 
-from batchspec.int8 import native
-from batchspec.int8.attention import QKV_LEVELS, exact_attention, packed_width
-from batchspec.int8.linear import Int8Linear, Int8MLP, Int8Stack, QuantizedRows, quantize_activations, quantize_gated
-from batchspec.int8.model import ExactRMSNorm, RotaryTable
+from batchspec.exact.int8 import native
+from batchspec.exact.int8.attention import QKV_LEVELS, exact_attention, packed_width
+from batchspec.exact.int8.linear import (
+    Int8Linear,
+    Int8MLP,
+    Int8Stack,
+    QuantizedRows,
+    quantize_activations,
+    quantize_gated,
+)
+from batchspec.exact.int8.model import ExactRMSNorm, RotaryTable
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -107,7 +114,7 @@ class Int8Forward:
 
     @classmethod
     def of(cls, model: Any) -> Int8Forward | None:
-        """The forward of a model :func:`~batchspec.int8.model.quantize_model` made, where the native kernels run
+        """The forward of a model :func:`~batchspec.exact.int8.model.quantize_model` made, where the native kernels run
         and the model is float32 and laid out as Llama-like decoders are; else None."""
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         parts = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -175,7 +182,8 @@ class Int8Forward:
 
 
 def _normed(norm: ExactRMSNorm, x: torch.Tensor) -> QuantizedRows:
-    """``quantize_activations(norm(x))`` for ``x`` ``[..., H]``, by :func:`~batchspec.int8.native.norm_quantize`."""
+    """``quantize_activations(norm(x))`` for ``x`` ``[..., H]``, by
+    :func:`~batchspec.exact.int8.native.norm_quantize`."""
     codes, scale = native.norm_quantize(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps)  # [N, 4 G], [N, 1]
     return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"native": codes})
 

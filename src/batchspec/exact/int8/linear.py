@@ -2,7 +2,7 @@
 
 For one token ``x`` (``[K]``) and output channel ``o``: ``y[o] = (acc[o] * sx) * sw[o] + b[o]`` with
 ``acc = round(x / sx) . W8[o]`` summed exactly in int32, ``sx = max|x| / 127`` and ``sw[o] = max|W[o]| / 127``.
-Every step is elementwise or an exact integer sum (see :mod:`batchspec.int8.arithmetic`), so a token's
+Every step is elementwise or an exact integer sum (see :mod:`batchspec.exact.int8.arithmetic`), so a token's
 output does not depend on the other tokens or rows of the call, nor on how the integer kernel blocks the product.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from batchspec.int8 import native
-from batchspec.int8.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
-from batchspec.int8.native import ZERO_POINT
-from batchspec.int8.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
+from batchspec.exact.int8 import native
+from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
+from batchspec.exact.int8.native import ZERO_POINT
+from batchspec.exact.int8.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +24,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights (``weight``: laid out once for this CPU's exact product, see
-    :mod:`batchspec.int8.product`; ``scale`` ``[O]``) and per-token int8 activations."""
+    :mod:`batchspec.exact.int8.product`; ``scale`` ``[O]``) and per-token int8 activations."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -62,7 +62,7 @@ class Int8Stack:
     """Layers that read one input (an attention's q, k and v; an MLP's gate and up) as one product: their ``native``
     weights stacked in one buffer, which each layer then reads through views of it (its outputs are unchanged:
     each output channel's sum is its own). One pass over the stacked weight gives every layer's output in its own
-    tensor (:func:`~batchspec.int8.native.linear_parts`); a one-row step reads the small k and v weights at the
+    tensor (:func:`~batchspec.exact.int8.native.linear_parts`); a one-row step reads the small k and v weights at the
     memory's speed only as part of a larger read."""
 
     def __init__(self, layers: list[Int8Linear]) -> None:
@@ -121,7 +121,7 @@ class QuantizedRows:
         return self._values
 
     def codes(self, kernel: str) -> torch.Tensor:
-        """The values as ``kernel`` takes them (:func:`~batchspec.int8.product.activation_codes`)."""
+        """The values as ``kernel`` takes them (:func:`~batchspec.exact.int8.product.activation_codes`)."""
         if kernel not in self._codes:
             self._codes[kernel] = activation_codes(self.values, kernel)
         return self._codes[kernel]
@@ -129,7 +129,7 @@ class QuantizedRows:
 
 def quantize_activations(x: torch.Tensor) -> QuantizedRows:
     """Quantize ``x`` (``[..., K]``) per token to int8; float32 on a CPU with batchspec's native kernels goes
-    straight to the ``native`` codes (:func:`~batchspec.int8.native.quantize`, the same bits)."""
+    straight to the ``native`` codes (:func:`~batchspec.exact.int8.native.quantize`, the same bits)."""
     flat = x.reshape(-1, x.shape[-1])  # [N, K]
     if x.dtype == torch.float32 and native.available():
         codes, scale = native.quantize(flat)
@@ -174,13 +174,13 @@ class Int8MLP(torch.nn.Module):
 
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``exact_silu(gate) * up`` (``[..., F]`` each): the MLP's activation, each value from its operands alone
-    (:func:`~batchspec.int8.arithmetic.exact_silu`)."""
+    (:func:`~batchspec.exact.int8.arithmetic.exact_silu`)."""
     return exact_silu(gate).mul_(up)
 
 
 def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
     """``quantize_activations(gated(gate, up))``; with the native kernels neither the SiLU nor the product is written
-    out (:func:`~batchspec.int8.native.quantize_gated`, the same bits)."""
+    out (:func:`~batchspec.exact.int8.native.quantize_gated`, the same bits)."""
     if gate.dtype != torch.float32 or not native.available():
         return quantize_activations(gated(gate, up))
     width = gate.shape[-1]
