@@ -77,7 +77,7 @@ def test_help_explains_commands_and_options():
 @pytest.mark.parametrize("command", ["generate", "fetch"])
 def test_unknown_preset(command):
     result = run(command, "--preset", "nope")
-    assert_one_line_error(result, 1, "Unknown preset 'nope'", "qwen2.5-coder, smollm2")
+    assert_one_line_error(result, 2, "Unknown preset 'nope'", "qwen2.5-coder, smollm2")
 
 
 def test_missing_prompt_file(tiny_pair, tmp_path):

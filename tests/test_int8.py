@@ -200,7 +200,7 @@ def test_a_cpu_without_native_kernels_gets_the_same_bits(tmp_path):
         "torch.manual_seed(0)\n"
         "layer = Int8Linear(torch.nn.Linear(256, 96))\n"
         "x = torch.randint(-1000, 1000, (9, 256)) / 300.0\n"
-        "torch.save({'kernel': product_kernel(), 'y': layer(x)}, sys.argv[1])\n"
+        "torch.save({'kernel': product_kernel(torch.float32), 'y': layer(x)}, sys.argv[1])\n"
     )
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", BATCHSPEC_CPU_ISA="none", ATEN_CPU_CAPABILITY="default")
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
@@ -396,7 +396,7 @@ def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):
         "from batchspec.exact.int8.linear import Int8Linear\n"
         "torch.manual_seed(0)\n"
         "layer = Int8Linear(torch.nn.Linear(1030, 1100))\n"
-        "torch.save({'kernel': product_kernel(), 'y': layer(torch.randn(9, 1030))}, sys.argv[1])\n"
+        "torch.save({'kernel': product_kernel(torch.float32), 'y': layer(torch.randn(9, 1030))}, sys.argv[1])\n"
     )
     env = dict(os.environ, BATCHSPEC_CACHE=str(tmp_path), CC=str(tmp_path / "missing-cc"))
     env["PYTHONPATH"] = os.pathsep.join(sys.path)

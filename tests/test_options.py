@@ -23,6 +23,7 @@ import batchspec
 import batchspec.server
 from batchspec.cli import app, bench, generate, ray_generate, serve
 from batchspec.config import REQUEST_OPTIONS, SamplingParams, SpecConfig
+from batchspec.models.choice import ModelChoice
 from batchspec.ray import BatchspecPredictor
 
 PROMPTS = ["first prompt", "second prompt", "third prompt"]
@@ -237,13 +238,27 @@ def written_defaults(path: Path) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ClassDef):
             pairs = [(st.target.id, st.value) for st in node.body
                      if isinstance(st, ast.AnnAssign) and st.value is not None and isinstance(st.target, ast.Name)]
+            if node.name in RESOLVED_RECORDS:
+                pairs = [(name, d) for name, d in pairs if not _resolved(name, d)]
         for name, default in pairs:
             if name in SETTING_NAMES and not _reads_the_record(default):
                 found.append((name, node.lineno))
     return found
 
 
-SETTING_NAMES = {spec.name for record in (SpecConfig, SamplingParams) for spec in fields(record)} | set(REQUEST_OPTIONS)
+SETTING_NAMES = {
+    spec.name for record in (SpecConfig, SamplingParams, ModelChoice) for spec in fields(record)
+} | set(REQUEST_OPTIONS)
+
+
+# Records of what was loaded or measured: they hold resolved values ("none", "cpu"), never an option's "auto", and
+# their defaults say what a pair loaded by hand is (docs/serving.md), not the option's default.
+RESOLVED_RECORDS = {"ModelPair", "Workload", "AuditReport"}
+
+
+def _resolved(name: str, default: ast.expr) -> bool:
+    """``default`` is a value the option ``name`` resolves to (a constant, never "auto")."""
+    return isinstance(default, ast.Constant) and default.value != "auto"
 
 
 def _reads_the_record(default: ast.expr) -> bool:
@@ -257,13 +272,16 @@ def _reads_the_record(default: ast.expr) -> bool:
 
 
 def test_each_setting_has_its_default_written_once():
-    """The record declares each setting's default (and config.py the default budget of new tokens); no entry point,
-    adapter or bench holder writes one again."""
+    """Each option's default is written once, where it is declared (``option(...)``: config.py's records, and
+    ModelChoice's preset, target and draft); no entry point, adapter or bench holder writes one again."""
     package = Path(batchspec.__file__).resolve().parent
     written = {}
     for path in sorted(package.rglob("*.py")):
         for name, line in written_defaults(path):
             written.setdefault(name, []).append(f"{path.relative_to(package)}:{line}")
-    config = str(Path("config.py"))
-    again = {name: places for name, places in written.items() if [p.split(":")[0] for p in places] != [config]}
+    declared = {"config.py": SETTING_NAMES - {"preset", "target", "draft"},
+                str(Path("models/choice.py")): {"preset", "target", "draft"}}
+    again = {name: places for name, places in written.items()
+             if len(places) != 1 or name not in declared.get(places[0].split(":")[0], ())}
     assert not again, again
+    assert {"num_draft_tokens", "temperature", "dtype"} <= set(written)  # the walk read them

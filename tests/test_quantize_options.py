@@ -20,9 +20,8 @@ from batchspec.bench import Workload, run_audit, run_sweep
 from batchspec.bench.audit import EXACT_RULE, NearTieRule, find_divergences, rule_for
 from batchspec.bench.reference import Reference
 from batchspec.bench.sweep import SweepPlan
-from batchspec.cli.common import Quantize
-from batchspec.config import Method
-from batchspec.exact.int8 import QUANTIZE, cpu_default, native, quantizable, quantization, quantize_model
+from batchspec.config import QUANTIZE, Method, Quantize
+from batchspec.exact.int8 import cpu_default, native, quantizable, quantization, quantize_model
 from batchspec.exact.int8 import model as int8_model
 from batchspec.models import ModelChoice, ModelPair, load_models, loading
 from batchspec.models import choice as choice_module

@@ -473,7 +473,7 @@ def test_rows_a_draft_catch_up_leaves_behind_are_caught_up_too(seq_models):
         Sequence(i, p, SEQ_MAX_NEW, sampling=SamplingParams(**SEQ_SAMPLING), row_seed=s)
         for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
     ]
-    target, draft = Reader(seq_models.target), Reader(seq_models.perturbed, draft=True)
+    target, draft = Reader(seq_models.target), Reader(seq_models.perturbed, is_draft=True)
     read = dict(filler=0, layers=decoder.layers)
     with torch.inference_mode():
         catch_up(rows[:1], [target, draft], decoder.runner, limit=None, **read)

@@ -62,6 +62,49 @@ class CudaGraphs(StrEnum):
 
 CUDA_GRAPHS = tuple(c.value for c in CudaGraphs)
 AUTO = "auto"
+
+
+class DType(StrEnum):
+    """The weights' and compute dtype of both models; auto is float32 (:func:`batchspec.models.resolve_dtype`)."""
+
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class Kernels(StrEnum):
+    """The CPU matrix kernels of float32 models (:mod:`batchspec.models.packing`)."""
+
+    AUTO = "auto"
+    PACKED = "packed"
+    DEFAULT = "default"
+
+
+class Quantize(StrEnum):
+    """Whether the models are made the exact int8 ones (:mod:`batchspec.exact.int8`)."""
+
+    AUTO = "auto"
+    NONE = "none"
+    INT8 = "int8"
+
+
+DTYPES = tuple(d.value for d in DType)
+KERNELS = tuple(k.value for k in Kernels)
+QUANTIZE = tuple(q.value for q in Quantize)
+
+
+def check_option(name: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` as a plain string when it is one of ``choices``, else a ValueError naming ``name``."""
+    if value not in choices:
+        raise ValueError(f"Unsupported {name} {value!r}; expected one of {', '.join(choices)}")
+    return str(value)
+
+
+def named(kind: type[StrEnum]) -> Callable[[str, Any], Any]:
+    """The check of an option held as the plain name of one of ``kind``'s members (:func:`check_option`)."""
+    choices = tuple(k.value for k in kind)
+    return lambda name, value: check_option(name, value, choices)
 MAX_AUTO_DRAFT_TOKENS = 10
 
 
@@ -100,8 +143,9 @@ def read_size(text: str) -> int | str:
 def option(default: Any, help: str, *, check: Callable[[str, Any], Any] | None = None, **cli: Any) -> Any:
     """A field of :class:`SpecConfig` declared once: its default, its help text (the command line's and the
     documentation's), its check (``check(name, value)`` returns the value to keep or raises ValueError) and how the
-    command line reads it (``cli``: ``metavar``, ``short``, ``read`` a text parser, ``minimum``, ``switch`` for a
-    bool given as ``--name/--no-name``, or ``flag=False`` for a field no command line sets)."""
+    command line reads it (``cli``: ``metavar``, ``short``, ``read`` a text parser, ``minimum`` and ``maximum``,
+    ``choices`` an enum of the allowed names, ``switch`` for a bool given as ``--name/--no-name``, ``flag=False`` for
+    a field no command line sets, or any other keyword of ``typer.Option``)."""
     return field(default=default, metadata={"help": help, "check": check, "cli": cli})
 
 
@@ -151,6 +195,15 @@ def number(minimum: float, maximum: float | None = None, *, above: bool = False)
         return value
 
     return check
+
+
+def check_fields(record: Any) -> None:
+    """Run the check each field of the frozen dataclass ``record`` declares (:func:`option`), keeping what it
+    returns (an enum's member for its name, ...)."""
+    for spec in fields(record):
+        check = spec.metadata.get("check")
+        if check is not None:
+            object.__setattr__(record, spec.name, check(spec.name, getattr(record, spec.name)))
 
 
 def eos_ids(name: str, value: Any) -> Any:
@@ -242,10 +295,7 @@ class SpecConfig:
     )
 
     def __post_init__(self) -> None:
-        for spec in fields(self):
-            check = spec.metadata["check"]
-            if check is not None:
-                object.__setattr__(self, spec.name, check(spec.name, getattr(self, spec.name)))
+        check_fields(self)
         require_int("ngram_max", self.ngram_max, minimum=self.ngram_min)
         if self.window_size is not None and self.window_size < self.batch_size:
             raise ValueError(f"window_size must be >= batch_size ({self.batch_size}); got {self.window_size}")
@@ -297,12 +347,59 @@ class SamplingParams:
     )
 
     def __post_init__(self) -> None:
-        for spec in fields(self):
-            spec.metadata["check"](spec.name, getattr(self, spec.name))
+        check_fields(self)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the models load and run, each option declared once here like :class:`SpecConfig`'s (default, help text,
+    check and command-line reading) and checked on construction; names are kept as plain strings.
+    :class:`~batchspec.models.ModelChoice` adds which models; ``batchspec.models.load_pair`` and the Ray predictor
+    take these defaults.
+    """
+
+    dtype: str = option(
+        AUTO, check=named(DType), choices=DType,
+        help="Weights and compute dtype of both models. auto (default): float32, on the CPU and on CUDA, where "
+        "greedy output is exactly the target's own; bfloat16 or float16 halve the memory, and greedy output then "
+        "equals the target's up to near-ties (and on CPUs without native bf16 kernels bfloat16 is also slower).",
+    )
+    kernels: str = option(
+        AUTO, check=named(Kernels), choices=Kernels,
+        help="CPU matrix kernels. auto (default): float32 models on the CPU run their linear layers on oneDNN with "
+        "weights prepacked once (faster steps and verifications, twice the memory for the weights); packed "
+        "insists on it; default keeps PyTorch's own kernels.",
+    )
+    quantize: str = option(
+        AUTO, check=named(Quantize), choices=Quantize,
+        help="auto (default): int8 on the CPU in float32 where batchspec's native int8 kernels run (x86-64 with "
+        "AVX2; it kept float32's HumanEval pass@1 and decodes faster; see docs/int8.md), none elsewhere. "
+        "int8: int8 weights and per-token int8 activations with integer-exact attention: each row's logits are "
+        "bit-identical whatever the batch, so output equals the quantized model's own decoding exactly; CPU only. "
+        "none: the dtype's own arithmetic (float32 on the CPU: the original model).",
+    )
+    cache_dir: Path | None = option(
+        None, metavar="DIR", file_okay=False,
+        help="Where presets and dequantized GGUF files are cached; default $BATCHSPEC_CACHE, else "
+        f"$XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec (now: {default_cache_dir()}).",
+    )
+    device: str = option(
+        AUTO, metavar="auto|cpu|cuda|cuda:N",
+        help="Where the models run. auto (default): the first CUDA device when torch sees one, else the CPU.",
+    )
+    batch_invariant: bool = option(
+        False,
+        help="Run the models on batch-invariant Triton kernels (CUDA only): each row's logits are the same bits "
+        "whatever the batch, so greedy output equals the model's own one-prompt decoding exactly in any dtype, and "
+        "a seed gives the same samples at any batch size. On the CPU, --quantize int8 does this.",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2**63): an int64 on any device
@@ -330,9 +427,9 @@ _REQUEST_TYPES = {"max_new_tokens": int, "seed": int | None}
 
 
 def declaration(name: str) -> tuple[Any, Any]:
-    """The declaration of the option ``name`` and its type: a field of :class:`SpecConfig` or
-    :class:`SamplingParams`, or one of :data:`REQUEST_OPTIONS` (a KeyError for any other name)."""
-    for record in (SpecConfig, SamplingParams):
+    """The declaration of the option ``name`` and its type: a field of :class:`SpecConfig`, :class:`SamplingParams`
+    or :class:`ModelOptions`, or one of :data:`REQUEST_OPTIONS` (a KeyError for any other name)."""
+    for record in (SpecConfig, SamplingParams, ModelOptions):
         if name in record.__dataclass_fields__:
             return record.__dataclass_fields__[name], get_type_hints(record)[name]
     return REQUEST_OPTIONS[name], _REQUEST_TYPES[name]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from batchspec.config import AUTO
+from batchspec.config import AUTO, setting_default
 
 
-def resolve_device(device: str | torch.device = AUTO) -> torch.device:
+def resolve_device(device: str | torch.device = setting_default("device")) -> torch.device:
     """The ``torch.device`` for ``device``: ``"auto"`` is ``cuda`` when available, else ``cpu``."""
     if isinstance(device, torch.device):
         device = str(device)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from batchspec.api import GenerationResult, generate
-from batchspec.config import AUTO, SamplingParams, SpecConfig
+from batchspec.config import SamplingParams, SpecConfig, setting_default
 from batchspec.data import PromptRecord, format_prompts
 from batchspec.engine import GenerationStats
 from batchspec.models.choice import ModelChoice, load_models
@@ -84,11 +84,11 @@ class BatchspecPredictor:
         *,
         target: str | None = None,
         draft: str | None = None,
-        dtype: str = "auto",
-        kernels: str = "auto",
-        quantize: str = "auto",
-        device: str = AUTO,
-        batch_invariant: bool = False,
+        dtype: str = setting_default("dtype"),
+        kernels: str = setting_default("kernels"),
+        quantize: str = setting_default("quantize"),
+        device: str = setting_default("device"),
+        batch_invariant: bool = setting_default("batch_invariant"),
         cache_dir: str | None = None,
         num_threads: int | None = None,
         prompt_column: str = PROMPT_COLUMN,

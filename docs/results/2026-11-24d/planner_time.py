@@ -8,7 +8,6 @@ import json
 import time
 
 from batchspec.engine.controller import AdaptiveLength, Reach, RoundRecord
-
 from batchspec.engine.state import Sequence
 
 rows = [Sequence(i, [1] * 50, 200) for i in range(8)]

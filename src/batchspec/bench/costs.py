@@ -92,7 +92,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def read_bandwidth(device: torch.device | str = "cpu", size: int = 1 << 30, repeats: int = 5) -> float:
+def read_bandwidth(device: torch.device | str, size: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second at which ``device`` reads a ``size``-byte float32 buffer it cannot cache (a sum over it,
     every thread torch uses; the median of ``repeats`` after a discarded first read)."""
     runner = ModelRunner(torch.device(device))

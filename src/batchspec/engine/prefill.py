@@ -111,13 +111,13 @@ def _lacking(row: Sequence) -> int:
 
 @dataclass(frozen=True)
 class Reader:
-    """A model and which of a slab's caches it reads into (``draft=False``: the target's)."""
+    """A model and which of a slab's caches it reads into (``is_draft=False``: the target's)."""
 
     model: torch.nn.Module
-    draft: bool = False
+    is_draft: bool = False
 
     def cache(self, batch: BatchState) -> BatchKVCache:
-        cache = batch.slab.draft if self.draft else batch.slab.target
+        cache = batch.slab.draft if self.is_draft else batch.slab.target
         if cache is None:
             raise InvariantError("a batch read by the draft carries a draft cache")
         return cache
@@ -161,9 +161,9 @@ def catch_up(
             started = time.perf_counter()
             runner.read(reader.model, batch, cache, batch.tokens[:, cache.length : end])
             runner.wait()
-            reading.seconds[reader.draft] = time.perf_counter() - started
-            reading.tokens[reader.draft] = batch.size * (end - cache.length)
-    _locate(batch, draft_read=any(reader.draft for reader in readers))
+            reading.seconds[reader.is_draft] = time.perf_counter() - started
+            reading.tokens[reader.is_draft] = batch.size * (end - cache.length)
+    _locate(batch, draft_read=any(reader.is_draft for reader in readers))
     return reading
 
 

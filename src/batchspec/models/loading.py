@@ -33,9 +33,9 @@ import hashlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from batchspec.config import default_cache_dir
+from batchspec.config import DTYPES, KERNELS, check_option, default_cache_dir, setting_default
 from batchspec.devices import device_name, resolve_device
 from batchspec.exact import int8
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
@@ -51,23 +51,11 @@ from batchspec.models.pair import ModelPair
 if TYPE_CHECKING:
     import torch
 
-DType = Literal["auto", "bfloat16", "float16", "float32"]
-DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
-Kernels = Literal["auto", "packed", "default"]
-KERNELS: tuple[str, ...] = ("auto", "packed", "default")
 LOAD_DEVICE = "cpu"
-Quantize = Literal["auto", "none", "int8"]
 QUANTIZED_DTYPES: tuple[str, ...] = ("float32", "float64")  # the float models quantize_model takes
 
 
-def check_option(name: str, value: str, choices: tuple[str, ...]) -> str:
-    """``value`` as a plain string when it is one of ``choices``, else a ValueError naming ``name``."""
-    if value not in choices:
-        raise ValueError(f"Unsupported {name} {value!r}; expected one of {', '.join(choices)}")
-    return str(value)
-
-
-def resolve_dtype(dtype: str = "auto") -> str:
+def resolve_dtype(dtype: str = setting_default("dtype")) -> str:
     """The name of the dtype to load models in: ``dtype`` itself, or ``"float32"`` for ``"auto"``, on any device.
 
     On a CPU float32 gives exact greedy output and, on CPUs without native bf16 matrix kernels, is faster than
@@ -82,7 +70,10 @@ def resolve_dtype(dtype: str = "auto") -> str:
     return "float32" if dtype == "auto" else dtype
 
 
-def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str = "auto", device="auto") -> str:
+def resolve_quantize(
+    quantize: str = setting_default("quantize"), dtype: str = setting_default("dtype"),
+    kernels: str = setting_default("kernels"), device: str | torch.device = setting_default("device"),
+) -> str:
     """``quantize`` itself, or for ``"auto"``: on the CPU, when the dtype resolves to float32 and the kernels are not
     ``"packed"``, :func:`batchspec.exact.int8.cpu_default` (``"int8"`` where batchspec's native int8 kernels run, which
     it says in one log line); else ``"none"``.
@@ -103,7 +94,7 @@ def resolve_quantize(quantize: str = "auto", dtype: str = "auto", kernels: str =
     return int8.cpu_default()
 
 
-def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = "auto") -> None:
+def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = setting_default("device")) -> None:
     """Raise ValueError where the batch-invariant mode (:mod:`batchspec.exact.invariant`) cannot run: its kernels are
     Triton's, for a CUDA device."""
     place = resolve_device(device)
@@ -114,7 +105,9 @@ def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device 
         )
 
 
-def check_quantize_for(quantize: str, dtype: str, kernels: str, device: str | torch.device = "auto") -> str:
+def check_quantize_for(
+    quantize: str, dtype: str, kernels: str, device: str | torch.device = setting_default("device")
+) -> str:
     """``quantize`` resolved (:func:`resolve_quantize`) when it can apply to models loaded in ``dtype`` with
     ``kernels`` on ``device``, else a ValueError (raised before anything loads).
 
@@ -228,16 +221,16 @@ def _load_hub(repo_id: str, dtype: str, gguf_file: str | None) -> tuple[Any, Any
 
 def load_model(
     spec: str,
-    dtype: DType = "auto",
+    dtype: str = setting_default("dtype"),
     *,
     cache_dir: str | Path | None = None,
     cache_gguf: bool = True,
     gguf_file: str | None = None,
     progress: bool = True,
-    kernels: Kernels = "auto",
-    device: str = "auto",
-    quantize: Quantize = "auto",
-    batch_invariant: bool = False,
+    kernels: str = setting_default("kernels"),
+    device: str = setting_default("device"),
+    quantize: str = setting_default("quantize"),
+    batch_invariant: bool = setting_default("batch_invariant"),
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for ``spec``: a preset role, a local GGUF file or directory, or a Hub id.
 
@@ -297,7 +290,7 @@ def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invar
         use_kernels(model, kernels)
 
 
-def use_kernels(model: Any, kernels: Kernels = "auto") -> bool:
+def use_kernels(model: Any, kernels: str = setting_default("kernels")) -> bool:
     """Put ``model``'s linear layers on the chosen CPU kernels; returns whether they are packed.
 
     ``"packed"`` and ``"auto"`` swap a float32 CPU model's linear layers for oneDNN ones with prepacked weights
@@ -386,14 +379,14 @@ def load_pair(
     preset: str | None = None,
     target: str | None = None,
     draft: str | None = None,
-    dtype: DType = "auto",
+    dtype: str = setting_default("dtype"),
     *,
     cache_dir: str | Path | None = None,
     progress: bool = True,
-    kernels: Kernels = "auto",
-    device: str = "auto",
-    quantize: Quantize = "auto",
-    batch_invariant: bool = False,
+    kernels: str = setting_default("kernels"),
+    device: str = setting_default("device"),
+    quantize: str = setting_default("quantize"),
+    batch_invariant: bool = setting_default("batch_invariant"),
 ) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
     on ``device`` (``"auto"``: CUDA when available) and, on the CPU, the kernels ``kernels`` (see

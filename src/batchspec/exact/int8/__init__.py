@@ -5,7 +5,6 @@
 """
 
 from batchspec.exact.int8.model import (
-    QUANTIZE,
     check_quantizable,
     check_quantize,
     cpu_default,
@@ -15,5 +14,5 @@ from batchspec.exact.int8.model import (
 )
 
 __all__ = [
-    "QUANTIZE", "check_quantizable", "check_quantize", "cpu_default", "quantizable", "quantization", "quantize_model"
+    "check_quantizable", "check_quantize", "cpu_default", "quantizable", "quantization", "quantize_model"
 ]

@@ -29,6 +29,7 @@ from typing import Any
 import mpmath
 import torch
 
+from batchspec.config import QUANTIZE, check_option
 from batchspec.exact.int8 import attention, native
 from batchspec.exact.int8.arithmetic import row_sum, sqrt_rounded
 from batchspec.exact.int8.linear import Int8Linear, Int8MLP, SharedQuantization
@@ -38,7 +39,6 @@ from batchspec.model_checks import check_model
 
 logger = logging.getLogger(__name__)
 
-QUANTIZE: tuple[str, ...] = ("auto", "none", "int8")
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
 STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
@@ -114,10 +114,8 @@ def mp_rounded(value: float, function: str) -> float:
 
 
 def check_quantize(quantize: str) -> str:
-    """``quantize`` when it is one of :data:`QUANTIZE`, else a ValueError naming them."""
-    if quantize not in QUANTIZE:
-        raise ValueError(f"Unsupported quantize {quantize!r}; expected one of {', '.join(QUANTIZE)}")
-    return str(quantize)
+    """``quantize`` when it is one of :data:`~batchspec.config.QUANTIZE`, else a ValueError naming them."""
+    return check_option("quantize", quantize, QUANTIZE)
 
 
 def cpu_default() -> str:

@@ -100,13 +100,13 @@ def split_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high.contiguous(), (weight - 2 * high).contiguous()
 
 
-def product_kernel(dtype: torch.dtype = torch.float32, weight_size: int = ONEDNN_MIN_WEIGHT) -> str:
+def product_kernel(dtype: torch.dtype, weight_size: int = ONEDNN_MIN_WEIGHT) -> str:
     """The kernel :func:`int_product` runs for activations of ``dtype`` and a weight of ``weight_size`` values on
     this CPU (one of :data:`KERNELS`)."""
     return next(k for k in exact_kernels(dtype) if k != "onednn" or weight_size >= ONEDNN_MIN_WEIGHT)
 
 
-def exact_kernels(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+def exact_kernels(dtype: torch.dtype) -> tuple[str, ...]:
     """The kernels that give exact sums on this CPU for activations of ``dtype``, fastest first."""
     if dtype != torch.float32:
         return ("int_mm_split" if int_mm_saturates() else "int_mm",)
