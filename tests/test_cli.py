@@ -77,7 +77,7 @@ def test_help_explains_commands_and_options():
 @pytest.mark.parametrize("command", ["generate", "fetch"])
 def test_unknown_preset(command):
     result = run(command, "--preset", "nope")
-    assert_one_line_error(result, 2, "Unknown preset 'nope'", "qwen2.5-coder, smollm2")
+    assert_one_line_error(result, 1, "Unknown preset 'nope'", "qwen2.5-coder, smollm2")
 
 
 def test_missing_prompt_file(tiny_pair, tmp_path):
@@ -232,17 +232,17 @@ def test_sampling_settings_without_temperature_are_refused(tiny_pair, extra):
 
 def test_seed_out_of_range_is_refused(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--temperature", "1", "--seed", "-1"))
-    assert_one_line_error(result, 2, "--seed must be an int in [0, 2**63)")
+    assert_one_line_error(result, 1, "--seed must be an int in [0, 2**63)")
 
 
 def test_infinite_temperature_is_refused(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--temperature", "inf"))
-    assert_one_line_error(result, 2, "--temperature must be finite")
+    assert_one_line_error(result, 1, "temperature must be finite")
 
 
 def test_top_p_zero_is_refused(tiny_pair):
     result = run(*tiny_args(tiny_pair, "--temperature", "1", "--top-p", "0"))
-    assert_one_line_error(result, 2, "--top-p must be finite, > 0 and <= 1")
+    assert_one_line_error(result, 1, "top_p must be finite, > 0 and <= 1")
 
 
 def test_module_entry_point_exits_non_zero_with_one_line():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +26,9 @@ from batchspec.cli import app, bench, generate, ray_generate, serve
 from batchspec.config import REQUEST_OPTIONS, SamplingParams, SpecConfig
 from batchspec.models.choice import ModelChoice
 from batchspec.ray import BatchspecPredictor
+from batchspec.server.hosting import HttpOptions
+from batchspec.server.limits import RequestLimits
+from batchspec.server.settings import ServerConfig
 
 PROMPTS = ["first prompt", "second prompt", "third prompt"]
 CATEGORIES = ["coding", "writing", "coding"]
@@ -246,9 +250,21 @@ def written_defaults(path: Path) -> list[tuple[str, int]]:
     return found
 
 
-SETTING_NAMES = {
-    spec.name for record in (SpecConfig, SamplingParams, ModelChoice) for spec in fields(record)
-} | set(REQUEST_OPTIONS)
+def declared_in(*records: type) -> dict[str, str]:
+    """Each option a record declares (a field written with ``option(...)``: it has help text) and the file, relative
+    to the package, of the class that declares it."""
+    package = Path(batchspec.__file__).resolve().parent
+    places = {}
+    for record in records:
+        for cls in reversed(record.__mro__[:-1]):  # without object
+            own = vars(cls).get("__annotations__", {})
+            path = Path(sys.modules[cls.__module__].__file__).resolve().relative_to(package)
+            places |= {spec.name: str(path) for spec in fields(record) if spec.name in own and "help" in spec.metadata}
+    return places
+
+
+DECLARED = declared_in(SpecConfig, SamplingParams, ModelChoice, RequestLimits, HttpOptions, ServerConfig)
+SETTING_NAMES = set(DECLARED) | set(REQUEST_OPTIONS)
 
 
 # Records of what was loaded or measured: they hold resolved values ("none", "cpu"), never an option's "auto", and
@@ -272,16 +288,16 @@ def _reads_the_record(default: ast.expr) -> bool:
 
 
 def test_each_setting_has_its_default_written_once():
-    """Each option's default is written once, where it is declared (``option(...)``: config.py's records, and
-    ModelChoice's preset, target and draft); no entry point, adapter or bench holder writes one again."""
+    """Each option's default is written once, where it is declared (``option(...)``: config.py's records,
+    ModelChoice's preset, target and draft, the server's limits, HTTP options and own settings); no entry point,
+    adapter or bench holder writes one again."""
     package = Path(batchspec.__file__).resolve().parent
     written = {}
     for path in sorted(package.rglob("*.py")):
         for name, line in written_defaults(path):
             written.setdefault(name, []).append(f"{path.relative_to(package)}:{line}")
-    declared = {"config.py": SETTING_NAMES - {"preset", "target", "draft"},
-                str(Path("models/choice.py")): {"preset", "target", "draft"}}
+    declared = DECLARED | {name: "config.py" for name in REQUEST_OPTIONS}
     again = {name: places for name, places in written.items()
-             if len(places) != 1 or name not in declared.get(places[0].split(":")[0], ())}
+             if len(places) != 1 or places[0].split(":")[0] != declared[name]}
     assert not again, again
-    assert {"num_draft_tokens", "temperature", "dtype"} <= set(written)  # the walk read them
+    assert {"num_draft_tokens", "temperature", "dtype", "max_queue", "max_body_bytes"} <= set(written)  # all read

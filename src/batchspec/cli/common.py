@@ -40,21 +40,14 @@ def parse_size(value: str) -> int | str:
     return _read(read_size, value)
 
 
-def _read(read: Callable[[Any], Any], value: Any, *, always: bool = False) -> Any:
-    """``read(value)`` as a typer callback: a ValueError is typer's BadParameter (a value already read passes, unless
-    ``always``: a check of a value typer has read)."""
-    if not always and not isinstance(value, str):
+def _read(read: Callable[[str], Any], value: Any) -> Any:
+    """``read(value)`` as a typer callback: a ValueError is typer's BadParameter (a value already read passes)."""
+    if not isinstance(value, str):
         return value
     try:
         return read(value)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
-
-
-def checked_by(check: Callable[[str, Any], Any], flag: str) -> Callable[[Any], Any]:
-    """A typer callback running an option's declared ``check`` on the value typer read: a ValueError is a one-line
-    usage error naming ``flag``."""
-    return lambda value: _read(lambda read: check(flag, read), value, always=True)
 
 
 def setting_option(name: str, flag: str | None = None, record: type | None = None) -> Any:
@@ -81,8 +74,6 @@ def setting_option(name: str, flag: str | None = None, record: type | None = Non
         kind, options["callback"] = str, lambda value: _read(read, value)
     elif "choices" in cli:
         kind = cli.pop("choices")
-    elif spec.metadata["check"] is not None:
-        options["callback"] = checked_by(spec.metadata["check"], flag)
     return Annotated[kind, typer.Option(*declared, **options, **cli)]
 
 

@@ -9,16 +9,14 @@ from typing import Annotated
 
 import typer
 
-from batchspec.cli.common import checked_by, setting_option
+from batchspec.cli.common import setting_option
 from batchspec.cli.errors import user_errors
-from batchspec.models.choice import known_preset
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, PresetPaths, get_preset
 
 FetchPresetOption = Annotated[
     str,
-    typer.Option("--preset", "-p", metavar="NAME", help=f"The preset to obtain: {', '.join(sorted(PRESETS))}.",
-                 callback=checked_by(known_preset, "--preset")),
+    typer.Option("--preset", "-p", metavar="NAME", help=f"The preset to obtain: {', '.join(sorted(PRESETS))}."),
 ]
 CacheDirOption = setting_option("cache_dir")
 
@@ -56,6 +54,7 @@ def fetch_command(preset: FetchPresetOption = DEFAULT_PRESET, cache_dir: CacheDi
     with the tokenizer. Prints the model directories and the time each step took.
     """
     with user_errors():
+        get_preset(preset)
         started = time.perf_counter()
         paths = obtain_preset(preset, cache_dir, progress=True)
         report = FetchReport(preset, paths, time.perf_counter() - started)

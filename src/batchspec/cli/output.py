@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from batchspec.config import SamplingParams, SpecConfig
+from batchspec.config import SamplingParams, SpecConfig, one_seed
 from batchspec.data import PromptRecord
 
 
@@ -68,6 +68,8 @@ def check_sampling_options(sampling: SamplingParams, seed: int | None) -> None:
              if value is not None]
     if sampling.greedy and given:
         raise ValueError(f"{', '.join(given)} only apply when sampling: add --temperature above 0")
+    if seed is not None:
+        one_seed("--seed", seed)
 
 
 def sampling_summary(sampling: SamplingParams, seed: int | None) -> str:

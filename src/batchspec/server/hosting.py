@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from batchspec.config import check_fields, integer, number, option, optional
 from batchspec.server.app import Front
 from batchspec.server.transport import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_IDLE, timed_protocol
 
@@ -32,6 +33,13 @@ STARTUP_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 120.0
 SHUTDOWN_BACKSTOP_S = 5.0
 DEFAULT_KEEP_ALIVE_S = 5
+
+
+def a_file(name: str, value: str) -> str:
+    """The check of a file option: a path to an existing file."""
+    if not Path(value).is_file():
+        raise ValueError(f"{value} does not exist or is not a file")
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -47,22 +55,27 @@ class HttpOptions:
             closes the one idle longest. (The cap on requests handled at once is ``RequestLimits.max_connections``.)
     """
 
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    keep_alive_timeout_s: int = DEFAULT_KEEP_ALIVE_S
-    head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
-    max_idle_connections: int = DEFAULT_MAX_IDLE
+    ssl_keyfile: str | None = option(None, check=optional(a_file), metavar="PATH",
+                                     help="Serve HTTPS with this PEM private key.")
+    ssl_certfile: str | None = option(None, check=optional(a_file), metavar="PATH",
+                                      help="Serve HTTPS with this PEM certificate.")
+    keep_alive_timeout_s: int = option(DEFAULT_KEEP_ALIVE_S, check=integer(1), metavar="S", minimum=1,
+                                       help="Seconds an idle connection stays open.")
+    head_timeout_s: float = option(
+        DEFAULT_HEAD_TIMEOUT_S, check=number(0.0, above=True), metavar="S", minimum=0.001,
+        help="Seconds a client has to send a request's line and headers once connected (or once it starts its next "
+        "request on a kept-alive connection); a slower one is disconnected.",
+    )
+    max_idle_connections: int = option(
+        DEFAULT_MAX_IDLE, check=integer(1), metavar="N", minimum=1,
+        help="Connections kept open without a request in progress; a new one beyond them closes the connection "
+        "idle longest.",
+    )
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both a key file and a certificate file")
-        for path in (self.ssl_keyfile, self.ssl_certfile):
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{path} does not exist or is not a file")
-        if self.keep_alive_timeout_s < 1 or self.max_idle_connections < 1:
-            raise ValueError("the keep-alive timeout and the idle connection limit must be >= 1")
-        if not self.head_timeout_s > 0:
-            raise ValueError(f"the head timeout must be > 0 seconds; got {self.head_timeout_s!r}")
 
     @property
     def scheme(self) -> str:

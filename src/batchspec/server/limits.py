@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from batchspec.config import check_fields, integer, number, option, optional
 from batchspec.server.errors import APIError
 from batchspec.server.security import Refuse, header
 
@@ -26,6 +27,7 @@ DEFAULT_MAX_CONNECTIONS = 128
 DEFAULT_MAX_MESSAGES = 1024
 DEFAULT_MAX_CONTENT_PARTS = 1024
 BUSY_RETRY_AFTER_S = 1
+SECONDS = number(0.0, above=True)  # the check of a timeout
 ALWAYS_ANSWERED = frozenset({"/health"})
 CLOSE = {"Connection": "close"}
 
@@ -45,23 +47,38 @@ class RequestLimits:
         max_content_parts: content parts of one chat request, all messages together; more is a 400.
     """
 
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
-    request_timeout_s: float | None = None
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-    max_messages: int = DEFAULT_MAX_MESSAGES
-    max_content_parts: int = DEFAULT_MAX_CONTENT_PARTS
+    max_body_bytes: int = option(
+        DEFAULT_MAX_BODY_BYTES, check=integer(1), metavar="N", minimum=1,
+        help="Largest request body; a larger one gets 413.",
+    )
+    read_timeout_s: float = option(
+        DEFAULT_READ_TIMEOUT_S, check=SECONDS, metavar="S", minimum=0.001,
+        help="Seconds a client has to send a request's body once its headers have arrived (408).",
+    )
+    request_timeout_s: float | None = option(
+        None, check=optional(SECONDS), metavar="S", minimum=0.001,
+        help="Seconds from arrival to the last token; a slower request is ended with 504 (default: none).",
+    )
+    default_max_tokens: int = option(
+        DEFAULT_MAX_TOKENS, check=integer(1), metavar="N", minimum=1,
+        help="Output budget of a request without max_tokens (capped by the context).",
+    )
+    max_connections: int = option(
+        DEFAULT_MAX_CONNECTIONS, check=integer(1), metavar="N", minimum=1,
+        help="Requests handled at once (streams included; idle connections and /health do not count); one more "
+        "gets 503 server_busy with Retry-After.",
+    )
+    max_messages: int = option(
+        DEFAULT_MAX_MESSAGES, check=integer(1), metavar="N", minimum=1,
+        help="Messages of one chat request (400 beyond).",
+    )
+    max_content_parts: int = option(
+        DEFAULT_MAX_CONTENT_PARTS, check=integer(1), metavar="N", minimum=1,
+        help="Content parts of one chat request, all messages together (400 beyond).",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "default_max_tokens", "max_connections", "max_messages", "max_content_parts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-        for name in ("read_timeout_s", "request_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds; got {value!r}")
+        check_fields(self)
 
 
 class RequestCap:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from batchspec.config import AUTO, SpecConfig, require_int
+from batchspec.config import AUTO, SpecConfig, check_fields, integer, number, option
 from batchspec.server.limits import RequestLimits
 from batchspec.server.security import SecurityConfig
 
@@ -39,16 +39,21 @@ class ServerConfig:
     """
 
     engine: SpecConfig = field(default_factory=serving_settings)
-    max_queue: int = 64
-    served_model_name: str | None = None
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    max_queue: int = option(
+        64, check=integer(0), metavar="N", minimum=0,
+        help="Requests that may wait for a free row; beyond that the server answers 429 with Retry-After.",
+    )
+    served_model_name: str | None = option(None, metavar="NAME",
+                                           help="The model name clients send (default: the preset).")
+    shutdown_timeout_s: float = option(
+        DEFAULT_SHUTDOWN_TIMEOUT_S, check=number(0.0), metavar="S", minimum=0.0,
+        help="On SIGTERM, seconds requests in flight get to finish; the rest then get 503.",
+    )
     limits: RequestLimits = field(default_factory=RequestLimits)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
-        require_int("max_queue", self.max_queue, minimum=0)
-        if not self.shutdown_timeout_s >= 0:
-            raise ValueError(f"shutdown_timeout_s must be >= 0; got {self.shutdown_timeout_s}")
+        check_fields(self)
 
     @classmethod
     def of(cls, **options: object) -> ServerConfig:
