@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from batchspec.config import ProposerKind, SpecConfig
-from batchspec.engine.draft_length import AdaptiveLength, FixedLength, Reach, RoundRecord
+from batchspec.engine.draft_length import Reach, RoundRecord, planner_for
 from batchspec.engine.graphs import graph_mode
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked
@@ -52,7 +52,8 @@ class Engine:
         self.eos = frozenset(config.eos_token_ids)
         self.proposer = _proposer(draft, config)
         self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
-        self.planner = _planner(target, draft if self.proposer.uses_draft_model else None, config)
+        drafter = draft if self.proposer.uses_draft_model else None
+        self.planner = planner_for(config, 0.0 if drafter is None else _parameters(drafter) / _parameters(target))
         self.chunks = ChunkBudget(config.prefill_chunk)
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None
@@ -264,16 +265,6 @@ def _proposer(draft: torch.nn.Module | None, config: SpecConfig) -> Proposer:
     if config.proposer is ProposerKind.NGRAM:
         return lookup
     return DraftModelProposer(draft, lookup=lookup if config.proposer is ProposerKind.HYBRID else None)
-
-
-def _planner(target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig):
-    """Fixed ``k``, or the adaptive planner with the draft's share of the pair's parameters as its cost prior."""
-    if not config.speculative:
-        return FixedLength(0)
-    if not config.adaptive:
-        return FixedLength(config.num_draft_tokens)
-    ratio = 0.0 if draft is None else _parameters(draft) / _parameters(target)
-    return AdaptiveLength(config.max_draft_tokens, ratio)
 
 
 def _sampling_columns(rows: list[Sequence]) -> tuple:

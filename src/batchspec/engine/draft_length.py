@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchspec.config import SpecConfig
 from batchspec.engine.acceptance import RowAcceptance
 
 PRIOR_ACCEPTANCE = 0.6
@@ -254,6 +255,17 @@ class AdaptiveLength:
             start = self.fits[min(self.fits, key=lambda b: abs(b - rows))].theta[0] if self.fits else None
             self.fits[rows] = CostFit(min(1.0, rows / KNEE_TOKENS), self.draft_ratio, start)
         return self.fits[rows]
+
+
+def planner_for(config: SpecConfig, draft_share: float) -> FixedLength | AdaptiveLength:
+    """The draft-length policy of ``config``: no drafts without speculation, a fixed ``num_draft_tokens``, or (``auto``)
+    the adaptive planner, whose cost prior is ``draft_share``, the draft model's parameters over the target's (0 for
+    prompt lookup)."""
+    if not config.speculative:
+        return FixedLength(0)
+    if not config.adaptive:
+        return FixedLength(config.num_draft_tokens)
+    return AdaptiveLength(config.max_draft_tokens, draft_share)
 
 
 def _expected(m: int, found: int, shares: tuple[float, float], uses_draft_model: bool) -> float:
