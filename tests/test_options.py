@@ -1,4 +1,5 @@
-"""Every option of ``generate``, ``generate --ray`` and ``serve`` reaches what the command hands on, or is refused.
+"""Every option of ``generate``, ``generate --ray``, ``serve``, ``bench``, ``audit`` and ``costs`` reaches what the
+command hands on, or is refused.
 
 Each option is given a value other than its default, one at a time; the command runs with the model loading, the
 generation and the serving replaced by recorders, and what they were handed (the model choice, the ``generate``
@@ -22,7 +23,7 @@ from typer.testing import CliRunner
 
 import batchspec
 import batchspec.server
-from batchspec.cli import app, bench, generate, ray_generate, serve
+from batchspec.cli import app, bench, costs, generate, ray_generate, serve
 from batchspec.config import REQUEST_OPTIONS, SamplingParams, SpecConfig
 from batchspec.models.choice import ModelChoice
 from batchspec.ray import BatchspecPredictor
@@ -64,6 +65,9 @@ BENCH = {
     "--num-draft-tokens": "3", "--prefix-cache-size": "1MiB", "--no-compare": None, "--rate": "2",
     "--requests": "3",
 }
+AUDIT = {k: v for k, v in BENCH.items() if k not in {"--no-compare", "--rate", "--requests"}} | {"--near-tie-ulps": "2"}
+COSTS = {"--batch-sizes": "2", "--draft-lengths": "4", "--context": "16", "--repeats": "1",
+         "--mean-accepted-length": "2.5"}
 # What the walk leaves out, and why: the prompt file itself (every run needs one), --output (written after
 # generation; test_cli checks the file), --ray and --online (the switches between two walks).
 NOT_WALKED = {"--prompts", "--output", "--ray", "--online", "--help"}
@@ -144,6 +148,11 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(bench, "load_workload", load_workload)
     monkeypatch.setattr(bench, "run_sweep", record("sweep", stop=True))
+    monkeypatch.setattr(bench, "run_audit", record("audit", stop=True))
+    monkeypatch.setattr(costs, "load_for_methods", lambda choice, methods: (record("models")(choice, methods),
+                                                                           fake_models(choice))[1])
+    monkeypatch.setattr(costs, "measure_forward_costs", record("measure", result=[]))
+    monkeypatch.setattr(costs, "speculation_costs", record("speculation", stop=True))
     monkeypatch.setattr("batchspec.bench.online.run_online_benchmark", record("online", stop=True))
     monkeypatch.setattr(batchspec.server, "create_app", record("app", result=object()))
     monkeypatch.setattr(batchspec.server, "serve_forever", record("serve", stop=True))
@@ -301,3 +310,15 @@ def test_each_setting_has_its_default_written_once():
              if len(places) != 1 or places[0].split(":")[0] != declared[name]}
     assert not again, again
     assert {"num_draft_tokens", "temperature", "dtype", "max_queue", "max_body_bytes"} <= set(written)  # all read
+
+
+def test_every_audit_option_reaches_the_audit(recorded, prompts_file, tmp_path):
+    base = ["audit", "--prompts", str(prompts_file), "--output", str(tmp_path / "out")]
+    refused = check_every_option(recorded, tmp_path, base, AUDIT | MODELS | PROMPT_OPTIONS, "audit")
+    assert refused == [], refused
+
+
+def test_every_costs_option_reaches_the_measurement(recorded, tmp_path):
+    base = ["costs", "--output", str(tmp_path / "out")]
+    refused = check_every_option(recorded, tmp_path, base, COSTS | MODELS, "costs")
+    assert refused == [], refused
