@@ -19,9 +19,9 @@ import sys
 import torch
 
 import batchspec
-from batchspec.config import SpecConfig
+from batchspec.config import SamplingParams, SpecConfig
 from batchspec.engine.core import build_engine
-from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.sampling import derive_row_seeds
 from batchspec.engine.schedulers import make_scheduler
 from batchspec.engine.schedulers.drive import Offline, drive
 from batchspec.engine.state import Sequence

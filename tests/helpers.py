@@ -27,7 +27,8 @@ import tiny_models
 import torch
 from scipy import stats
 
-from batchspec.engine.sampling import SamplingParams, warp
+from batchspec.config import SamplingParams
+from batchspec.engine.sampling import warp
 
 # --------------------------------------------------------------------------------------------------
 # reference

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
-from batchspec.engine.sampling import SamplingParams
+from batchspec.config import SamplingParams
 from batchspec.exact.int8 import attention, check_quantize, linear, native, quantization, quantize_model
 from batchspec.exact.int8.arithmetic import (
     EXP2_COEFFICIENTS,

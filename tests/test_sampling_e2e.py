@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 import batchspec
 import batchspec.engine.core as engine
 import batchspec.engine.verifier as verifier
-from batchspec.config import SpecConfig
+from batchspec.config import SamplingParams, SpecConfig
 from batchspec.engine.core import build_engine
 from batchspec.engine.prefill import Reader, catch_up
 from batchspec.engine.realign import plan_layout
-from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.sampling import derive_row_seeds
 from batchspec.engine.schedulers import make_scheduler
 from batchspec.engine.schedulers.drive import Offline, drive
 from batchspec.engine.state import Sequence

@@ -18,10 +18,10 @@ import torch
 from helpers import cached_or_skip, exact_joint, joint_pvalue
 
 import batchspec
+from batchspec.config import SamplingParams
 from batchspec.engine.grammar import GrammarCompiler, GrammarError, unpack
 from batchspec.engine.penalties import Penalties
 from batchspec.engine.prefill import prompt_logprobs
-from batchspec.engine.sampling import SamplingParams
 from batchspec.exact.int8 import quantize_model
 
 PENALTIES = Penalties(presence=0.6, frequency=0.35, repetition=1.4, logit_bias=((5, 1.5), (7, -4.0), (11, 0.25)))

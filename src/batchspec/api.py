@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SpecConfig, setting_default
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SamplingParams, SpecConfig, setting_default
 from batchspec.engine import (
     FINISH_LENGTH,
     Engine,
@@ -18,7 +18,6 @@ from batchspec.engine import (
     Grammar,
     Offline,
     Penalties,
-    SamplingParams,
     Sequence,
     TokenLogprob,
     build_engine,

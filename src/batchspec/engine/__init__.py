@@ -32,7 +32,7 @@ from batchspec.engine.metrics import STAGES, GenerationStats
 from batchspec.engine.penalties import MAX_BIAS, Penalties
 from batchspec.engine.request import GenerationParams
 from batchspec.engine.runner import ModelRunner
-from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.sampling import derive_row_seeds
 from batchspec.engine.schedulers import Scheduler, make_scheduler
 from batchspec.engine.schedulers.drive import Offline, drive
 from batchspec.engine.state import FINISH_LENGTH, BatchState, Sequence, check_budget
@@ -40,6 +40,6 @@ from batchspec.engine.state import FINISH_LENGTH, BatchState, Sequence, check_bu
 __all__ = [
     "FINISH_LENGTH", "MAX_BIAS", "MAX_TOP", "STAGES", "BatchKVCache", "BatchState", "Engine", "GenerationParams",
     "GenerationStats", "Grammar", "GrammarCompiler", "GrammarError", "InvariantError", "ModelRunner", "Offline",
-    "Penalties", "SamplingParams", "Scheduler", "Sequence", "TokenLogprob", "build_engine", "check_budget",
+    "Penalties", "Scheduler", "Sequence", "TokenLogprob", "build_engine", "check_budget",
     "derive_row_seeds", "drive", "graph_mode", "make_scheduler", "resolve_special_ids",
 ]

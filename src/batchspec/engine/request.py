@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchspec.config import require_int
+from batchspec.config import SamplingParams, require_int
 from batchspec.engine.grammar import Grammar
 from batchspec.engine.penalties import Penalties
-from batchspec.engine.sampling import SamplingParams, derive_row_seeds
+from batchspec.engine.sampling import derive_row_seeds
 from batchspec.engine.state import Sequence
 
 

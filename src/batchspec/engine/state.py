@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchspec.config import require_int
+from batchspec.config import SamplingParams, require_int
 from batchspec.engine.acceptance import RowAcceptance
 from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
 from batchspec.engine.penalties import Penalties
-from batchspec.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from batchspec.engine.grammar import Grammar, GrammarState

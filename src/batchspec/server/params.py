@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from batchspec.engine import GenerationParams, Grammar, GrammarCompiler, GrammarError, Penalties, SamplingParams
+from batchspec.config import SamplingParams
+from batchspec.engine import GenerationParams, Grammar, GrammarCompiler, GrammarError, Penalties
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder, MessageCost, template_messages
 from batchspec.server.errors import bad_request
