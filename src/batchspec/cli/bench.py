@@ -42,6 +42,7 @@ MethodsOption = Annotated[
         "generate, hf-assisted its assisted generation with the draft (batch size 1 only).",
     ),
 ]
+DEFAULT_BATCH_SIZES = "1,4,8"
 BatchSizesOption = Annotated[
     str, typer.Option("--batch-sizes", metavar="B1,B2,...", help="Comma-separated batch sizes.")
 ]
@@ -112,7 +113,7 @@ CELL_SETTINGS = settings_choice("num_draft_tokens", "prefix_cache_size")
 
 
 def cells_choice(
-    batch_sizes: BatchSizesOption = "1,4,8",
+    batch_sizes: BatchSizesOption = DEFAULT_BATCH_SIZES,
     proposers: ProposersOption = "draft",
     max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
     **settings: Any,

@@ -20,6 +20,7 @@ from batchspec.bench.costs import (
     weight_bytes,
 )
 from batchspec.cli.bench import (
+    DEFAULT_BATCH_SIZES,
     BatchSizesOption,
     OutputDirOption,
     load_for_methods,
@@ -60,7 +61,7 @@ def costs_report(
 def costs_command(
     models: ModelChoice,
     output: OutputDirOption,
-    batch_sizes: BatchSizesOption = "1,4,8",
+    batch_sizes: BatchSizesOption = DEFAULT_BATCH_SIZES,
     draft_lengths: DraftLengthsOption = "3,5",
     context: Annotated[int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")] = 128,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = 3,

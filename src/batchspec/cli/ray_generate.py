@@ -27,7 +27,6 @@ from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.obtain import obtain_preset
 from batchspec.ray import STATS_COLUMN, BatchspecPredictor, merge_batch_stats
 
-EXSPEC_WINDOW_FACTOR = 4
 
 @dataclass(frozen=True)
 class RayChoice:
@@ -172,8 +171,8 @@ def _configure_ray_data(ray: Any) -> None:
 
 
 def _rows_per_call(settings: SpecConfig) -> int:
-    factor = EXSPEC_WINDOW_FACTOR if settings.method is Method.EXSPEC else 1
-    return settings.batch_size * factor
+    """Prompts per ``generate`` call: exspec's window (it regroups rows from it), else one batch."""
+    return settings.window if settings.method is Method.EXSPEC else settings.batch_size
 
 
 def prompt_dataset(records: list[PromptRecord], rows_per_call: int, seed: int | None) -> Any:
