@@ -30,6 +30,9 @@ import torch
 from batchspec.engine import BatchKVCache, BatchState, ModelRunner
 from batchspec.exact.int8.product import PackedWeight
 
+DEFAULT_CONTEXT = 128  # cached columns before the timed tokens
+DEFAULT_REPEATS = 3  # timed forwards per cost (their median)
+
 
 @dataclass(frozen=True)
 class ForwardCost:
@@ -168,8 +171,8 @@ def measure_forward_costs(
     batch_sizes: tuple[int, ...],
     draft_lengths: tuple[int, ...],
     *,
-    context: int = 128,
-    repeats: int = 3,
+    context: int = DEFAULT_CONTEXT,
+    repeats: int = DEFAULT_REPEATS,
 ) -> list[ForwardCost]:
     """``c_t(B, 1)``, ``c_t(B, k+1)`` for every ``k`` in ``draft_lengths`` and ``c_d(B, 1)``, for every ``B``
     (each median of ``repeats`` forwards after a discarded warm-up)."""

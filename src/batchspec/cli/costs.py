@@ -10,6 +10,8 @@ import torch
 import typer
 
 from batchspec.bench.costs import (
+    DEFAULT_CONTEXT,
+    DEFAULT_REPEATS,
     ForwardCost,
     SpeculationCost,
     StepFloor,
@@ -63,8 +65,10 @@ def costs_command(
     output: OutputDirOption,
     batch_sizes: BatchSizesOption = DEFAULT_BATCH_SIZES,
     draft_lengths: DraftLengthsOption = "3,5",
-    context: Annotated[int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")] = 128,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = 3,
+    context: Annotated[
+        int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")
+    ] = DEFAULT_CONTEXT,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = DEFAULT_REPEATS,
     mean_accepted_length: Annotated[
         float | None,
         typer.Option(
