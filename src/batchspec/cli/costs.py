@@ -68,7 +68,9 @@ def costs_command(
     context: Annotated[
         int, typer.Option("--context", min=1, help="Cached columns before the timed tokens.")
     ] = DEFAULT_CONTEXT,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")] = DEFAULT_REPEATS,
+    repeats: Annotated[
+        int, typer.Option("--repeats", min=1, help="Timed forwards per cost (median).")
+    ] = DEFAULT_REPEATS,
     mean_accepted_length: Annotated[
         float | None,
         typer.Option(
