@@ -1,4 +1,7 @@
-"""Validated configuration of one generation run."""
+"""Every option batchspec takes, declared once (default, help text, check, command-line form; :func:`option`): the
+settings of a run (:class:`SpecConfig`), a request's sampling, budget and seed (:class:`SamplingParams`,
+:data:`REQUEST_OPTIONS`) and how the models load (:class:`ModelOptions`). The commands, the server, the Python API
+and the adapters take theirs from here; serve's own options are declared beside their users in ``server/``."""
 
 from __future__ import annotations
 
