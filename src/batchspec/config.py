@@ -1,6 +1,6 @@
 """Every option batchspec takes, declared once (default, help text, check, command-line form; :func:`option`): the
 settings of a run (:class:`SpecConfig`), a request's sampling, budget and seed (:class:`SamplingParams`,
-:data:`REQUEST_OPTIONS`) and how the models load (:class:`ModelOptions`). The commands, the server, the Python API
+:class:`RequestOptions`) and how the models load (:class:`ModelOptions`). The commands, the server, the Python API
 and the adapters take theirs from here; serve's own options are declared beside their users in ``server/``."""
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ class SamplingParams:
     """How a request samples, each setting declared once here like :class:`SpecConfig`'s (default, help text, check
     and command-line reading) and checked on construction: ``batchspec generate``, ``batchspec.generate``, the
     server and the adapters take theirs from here. The default (temperature 0) is greedy decoding. The seed is a
-    request's as well (:data:`REQUEST_OPTIONS`); each row samples with one derived from it.
+    request's as well (:class:`RequestOptions`); each row samples with one derived from it.
     """
 
     temperature: float = option(
@@ -415,27 +415,32 @@ def one_seed(name: str, value: Any) -> Any:
     return value
 
 
-# What a request carries besides its sampling, declared as the fields above are: its budget of new tokens (a
-# request's, not a setting of the run: each Sequence carries its own) and its seed
-REQUEST_OPTIONS = {
-    "max_new_tokens": option(DEFAULT_MAX_NEW_TOKENS, check=integer(0), metavar="N", minimum=0,
-                             help="New tokens per prompt at most."),
-    "seed": option(
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request carries besides its sampling, declared as :class:`SamplingParams`'s fields are: its budget of new
+    tokens (a request's, not a setting of the run: each Sequence carries its own) and its seed (each row samples with
+    one derived from it). Only the declarations are read (:func:`declaration`); the API and the commands take the two
+    as keywords."""
+
+    max_new_tokens: int = option(DEFAULT_MAX_NEW_TOKENS, check=integer(0), metavar="N", minimum=0,
+                                 help="New tokens per prompt at most.")
+    seed: int | None = option(
         None, check=optional(one_seed), metavar="S",
         help="Seed for sampling (T > 0): with a draft, the same seed gives the same outputs whatever the batch size, "
         "draft length or method (eqspec, exspec).",
-    ),
-}
-_REQUEST_TYPES = {"max_new_tokens": int, "seed": int | None}
+    )
+
+
+DECLARING = (SpecConfig, SamplingParams, RequestOptions, ModelOptions)
 
 
 def declaration(name: str) -> tuple[Any, Any]:
-    """The declaration of the option ``name`` and its type: a field of :class:`SpecConfig`, :class:`SamplingParams`
-    or :class:`ModelOptions`, or one of :data:`REQUEST_OPTIONS` (a KeyError for any other name)."""
-    for record in (SpecConfig, SamplingParams, ModelOptions):
-        if name in record.__dataclass_fields__:
-            return record.__dataclass_fields__[name], get_type_hints(record)[name]
-    return REQUEST_OPTIONS[name], _REQUEST_TYPES[name]
+    """The declaration of the option ``name`` (a field of :class:`SpecConfig`, :class:`SamplingParams`,
+    :class:`RequestOptions` or :class:`ModelOptions`) and its type; a KeyError for any other name."""
+    record = next((r for r in DECLARING if name in r.__dataclass_fields__), None)
+    if record is None:
+        raise KeyError(f"no option {name!r} is declared in config.py")
+    return record.__dataclass_fields__[name], get_type_hints(record)[name]
 
 
 def setting_default(name: str) -> Any:

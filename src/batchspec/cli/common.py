@@ -80,9 +80,10 @@ def setting_option(name: str, flag: str | None = None, record: type | None = Non
 def settings_choice(
     *names: str, record: type = SpecConfig, flags: dict[str, str] | None = None, **defaults: Any
 ) -> Callable[..., Any]:
-    """A group of options for :func:`with_options`: the fields ``names`` of ``record``
-    (:class:`~batchspec.config.SpecConfig` or :class:`~batchspec.config.SamplingParams`) as command-line options
-    (renamed by ``flags``, with a command's own ``defaults``), built into the record."""
+    """A group of options for :func:`with_options`: the fields ``names`` of ``record`` (a dataclass whose fields are
+    declared with :func:`~batchspec.config.option`: :class:`~batchspec.config.SpecConfig`, ``SamplingParams``,
+    ``ModelChoice``, the server's records) as command-line options (renamed by ``flags``, with a command's own
+    ``defaults``), built into the record."""
     flags = flags or {}
     parameters = [
         Parameter(name, Parameter.KEYWORD_ONLY, annotation=setting_option(name, flags.get(name), record),
