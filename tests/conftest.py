@@ -38,7 +38,8 @@ if importlib.util.find_spec("batchspec") is None and _SRC.is_dir():
 import tiny_models  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
 from helpers import Checks, make_prompts_for, reference_greedy  # noqa: E402
 
-torch.set_num_threads(2)
+# two workers (pytest -n 2, as scripts/setup.sh runs the suite) share the two cores: one torch thread each
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ from batchspec.exact.int8 import native, quantize_model
 from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS
 from batchspec.exact.int8.attention import QKV_LEVELS, pack, packed_width
 from batchspec.exact.int8.forward import Int8Forward, int8_forward
-from batchspec.exact.int8.linear import Int8Stack, gated, quantize_gated
+from batchspec.exact.int8.int4 import Int4Weight, from_float
+from batchspec.exact.int8.linear import Int4Stack, Int8Stack, gated, quantize_gated
 from batchspec.exact.int8.model import exact_rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
@@ -34,16 +35,42 @@ KINDS = ("llama", "qwen2", "qwen3", "mistral")
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
 
+BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
+            "mistral": tiny_models.build_mistral}
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[tuple[str, bool], torch.nn.Module]:
     """``(kind, stackable) -> float32 int8 model``: the tiny targets (48 wide: nothing stacks) and 128-wide ones."""
-    builders = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
-                "mistral": tiny_models.build_mistral}
     out = {}
     for kind in KINDS:
         for stackable in (False, True):
-            model = builders[kind](seed=3, **(STACKABLE if stackable else {})).float()
+            model = BUILDERS[kind](seed=3, **(STACKABLE if stackable else {})).float()
             out[kind, stackable] = quantize_model(model)
+    return out
+
+
+def _mixed_source(model: torch.nn.Module):
+    """A source of int4 weights that leaves layer 0's v and down projections int8, as a GGUF file's 6-bit tensors
+    are: that layer's q, k, v and its gate, up, down then read their inputs in both forms."""
+
+    def source(name: str) -> Int4Weight | None:
+        if name.endswith(("v_proj", "down_proj")) and ".0." in name:
+            return None
+        return from_float(model.get_submodule(name).weight)
+
+    return source
+
+
+@pytest.fixture(scope="module")
+def int4_models() -> dict[tuple[str, bool], torch.nn.Module]:
+    """``(kind, mixed) -> float32 int4 model``: every layer int4, or layer 0's v and down int8 (:func:`_mixed_source`),
+    320 wide so a super-block ends partway."""
+    out = {}
+    for kind in KINDS:
+        for mixed in (False, True):
+            model = BUILDERS[kind](seed=3, hidden_size=320, intermediate_size=160).float()
+            out[kind, mixed] = quantize_model(model, width="int4", source=_mixed_source(model) if mixed else None)
     return out
 
 
@@ -156,13 +183,15 @@ def test_stacks_where_widths_allow_and_the_layers_read_views_of_them(models):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-@pytest.mark.parametrize("stackable", [False, True])
+@pytest.mark.parametrize("variant", ["int8", "int8 stacked", "int4", "int4 mixed"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, stackable, models, data):
+def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, variant, models, int4_models, data):
     """A left-padded batch: a prefill, then forwards of 1..5 tokens, each run by :class:`Int8Forward` into one
     cache and by the model's own forward into another; the logits of every position that sees a key and both caches'
-    contents past each row's padding are equal. (Padding is not read: its logits are the output layer's of zeros.)"""
-    model = models[kind, stackable]
+    contents past each row's padding are equal. (Padding is not read: its logits are the output layer's of zeros.)
+    Int8 models with q/k/v and gate/up stacked and not; int4 models, all int4 or with int8 layers beside."""
+    width, extra = variant.split()[0], " " in variant
+    model = models[kind, extra] if width == "int8" else int4_models[kind, extra]
     forward = Int8Forward.of(model)
     batch = data.draw(st.integers(1, 4), label="batch")
     pad = torch.tensor(data.draw(st.lists(st.integers(0, 6), min_size=batch, max_size=batch), label="pad"))
@@ -188,6 +217,16 @@ def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, stack
             for row, left in enumerate(pad.tolist()):  # [layers, 2, B, Hk, C, W]
                 assert torch.equal(ours.storage[:, :, row, :, left:stop], theirs.storage[:, :, row, :, left:stop])
             start = stop
+
+
+def test_int4_layers_stack_where_all_three_are_int4(int4_models):
+    """q, k, v and gate, up of an all-int4 layer run as one stacked product each; where one of them is int8 (layer 0
+    of the mixed model) they run one by one, reading one input quantized both ways."""
+    stacked = int8_forward(int4_models["qwen2", False])
+    assert all(isinstance(layer.qkv, Int4Stack) and isinstance(layer.gate_up, Int4Stack) for layer in stacked.layers)
+    mixed = int8_forward(int4_models["qwen2", True])
+    assert isinstance(mixed.layers[0].qkv, list) and isinstance(mixed.layers[1].qkv, Int4Stack)
+    assert isinstance(mixed.layers[0].gate_up, Int4Stack)  # down is the int8 one there
 
 
 def test_read_fills_the_cache_as_logits_does(models):

@@ -41,7 +41,7 @@ THREADS = (1, 2, 16)
 def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
     """A build is forced only among those the CPU runs (here an AVX2-only CPU, by its flags): one the CPU lacks, or
     a name that is none of them, is a ValueError naming what is possible, never an emulation."""
-    monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
     native.host_isas.cache_clear()
     native._default.cache_clear()
     try:

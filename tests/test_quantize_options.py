@@ -97,14 +97,14 @@ def test_the_choices_check_their_quantize():
     assert ModelChoice().quantize == "auto" and ModelChoice(quantize="int8").quantize == "int8"
     assert type(ModelChoice(quantize=Quantize.INT8).quantize) is str  # the CLI's enum is stored as its value
     assert tuple(q.value for q in Quantize) == QUANTIZE
-    with pytest.raises(ValueError, match="Unsupported quantize 'int4'; expected one of auto, none, int8"):
-        ModelChoice(quantize="int4")
+    with pytest.raises(ValueError, match="Unsupported quantize 'int2'; expected one of auto, none, int8, int4"):
+        ModelChoice(quantize="int2")
     with pytest.raises(ValueError, match="Unsupported quantize 'fp8'"):
         ModelPair(None, None, None, "pair", "float32", quantize="fp8")
     with pytest.raises(ValueError, match="not 'auto'"):
         ModelPair(None, None, None, "pair", "float32", quantize="auto")
-    with pytest.raises(ValueError, match="Unsupported quantize 'int4'"):
-        loading.load_model("/no/such/model", quantize="int4")
+    with pytest.raises(ValueError, match="Unsupported quantize 'int2'"):
+        loading.load_model("/no/such/model", quantize="int2")
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_the_workload_key_tells_int8_apart(int8_tiny):
     plain = replace(workload, quantize="none")
     assert plain.key != workload.key
     with pytest.raises(ValueError, match="Unsupported quantize"):
-        replace(workload, quantize="int4")
+        replace(workload, quantize="int2")
 
 
 def test_an_int8_sweep_records_the_quantization(int8_tiny, tmp_path):

@@ -85,11 +85,13 @@ class Kernels(StrEnum):
 
 
 class Quantize(StrEnum):
-    """Whether the models are made the exact int8 ones (:mod:`batchspec.exact.int8`)."""
+    """Whether the models are made the exact integer ones (:mod:`batchspec.exact.int8`): int8, or int4 weights with
+    int8 activations."""
 
     AUTO = "auto"
     NONE = "none"
     INT8 = "int8"
+    INT4 = "int4"
 
 
 DTYPES = tuple(d.value for d in DType)

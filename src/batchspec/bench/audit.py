@@ -96,17 +96,18 @@ EXACT_RULE = NearTieRule(ulps=0.0, exact=True)
 
 
 def rule_for(pair: ModelPair, workload: Workload, rule: NearTieRule) -> NearTieRule:
-    """The rule that judges ``pair``'s outputs: ``rule``, or :data:`EXACT_RULE` for an int8 pair (``pair.quantize``,
-    or its target's modules, say so) and for a batch-invariant one (:mod:`batchspec.exact.invariant`). A ValueError when
-    ``workload.quantize`` names another quantization: the reference (keyed by the workload) would be another
-    model's."""
-    quantize = "int8" if quantization(pair.target) == "int8" else pair.quantize
+    """The rule that judges ``pair``'s outputs: ``rule``, or :data:`EXACT_RULE` for an int8 or int4 pair
+    (``pair.quantize``, or its target's modules, say so) and for a batch-invariant one
+    (:mod:`batchspec.exact.invariant`). A ValueError when ``workload.quantize`` names another quantization: the
+    reference (keyed by the workload) would be another model's."""
+    made = quantization(pair.target)
+    quantize = made if made != "none" else pair.quantize
     if workload.quantize != quantize:
         raise ValueError(
             f"the workload records quantize {workload.quantize!r} but the models are {quantize!r}: "
             f"build the Workload with quantize={quantize!r}"
         )
-    return EXACT_RULE if quantize == "int8" or batch_invariant(pair.target) else rule
+    return EXACT_RULE if quantize != "none" or batch_invariant(pair.target) else rule
 
 
 @dataclass(frozen=True)

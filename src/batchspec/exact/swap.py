@@ -79,16 +79,16 @@ def register_attention(name: str, kernel: AttentionKernel) -> None:
 
 
 def swap_layers(
-    parent: torch.nn.Module, replacement: Callable[[str, torch.nn.Module], torch.nn.Module | None]
+    parent: torch.nn.Module, replacement: Callable[[str, torch.nn.Module], torch.nn.Module | None], prefix: str = ""
 ) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-    """Replace ``parent``'s descendants by ``replacement(name, child)`` wherever it gives a module, depth first, not
-    descending into a replaced one; returns ``(parent, name, child)`` of each module replaced, in order (setting
-    them back in reverse undoes the swap)."""
+    """Replace ``parent``'s descendants by ``replacement(qualified name, child)`` wherever it gives a module, depth
+    first, not descending into a replaced one (names as ``named_modules`` gives them, ``model.layers.0.mlp``); returns
+    ``(parent, name, child)`` of each module replaced, in order (setting them back in reverse undoes the swap)."""
     replaced = []
     for name, child in list(parent.named_children()):
-        new = replacement(name, child)
+        new = replacement(prefix + name, child)
         if new is None:
-            replaced += swap_layers(child, replacement)
+            replaced += swap_layers(child, replacement, f"{prefix}{name}.")
         else:
             setattr(parent, name, new)
             replaced.append((parent, name, child))

@@ -21,10 +21,12 @@ read on the CPU and then moved there.
 
 ``quantize="int8"`` (see :mod:`batchspec.exact.int8`) turns each loaded float32 model into the exact int8 model:
 every row's logits are then bit-identical whatever the batch, so greedy output is the quantized model's own with no
-near-tie exemption. It runs on the CPU only, on float32 weights, and on its own integer kernels (not oneDNN's
-packed ones); :func:`check_quantize_for` refuses the other combinations before anything loads. Once the models are
-loaded, :func:`settle_quantize` decides for all of them together: ``"auto"`` leaves them all unquantized unless the
-int8 forward supports every one, an asked-for ``"int8"`` is refused unless it does.
+near-tie exemption. ``quantize="int4"`` makes the exact int4 model instead (4-bit weights, 8-bit activations): a
+model loaded from a GGUF file keeps the file's own 4-bit blocks (:mod:`batchspec.models.gguf_weights`), its other
+tensors int8. Both run on the CPU only, on float32 weights, and on their own integer kernels (not oneDNN's packed
+ones); :func:`check_quantize_for` refuses the other combinations before anything loads. Once the models are loaded,
+:func:`settle_quantize` decides for all of them together: ``"auto"`` leaves them all unquantized unless the int8
+forward supports every one, an asked-for ``"int8"`` or ``"int4"`` is refused unless it does.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from batchspec.exact import int8
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.exact.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
+from batchspec.models.gguf_weights import GgufInt4Source, GgufOrigin
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.cache import build_directory, hub_offline
-from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, get_preset
-from batchspec.models.obtain.gguf import dequantize_gguf, load_dequantized
+from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, GgufSource, get_preset
+from batchspec.models.obtain.gguf import dequantize_gguf, load_dequantized, obtain_gguf
 from batchspec.models.packing import can_pack, pack_linears
 from batchspec.models.pair import ModelPair
 
@@ -139,13 +142,13 @@ def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]]
     An ``"int8"`` asked for explicitly raises ValueError naming the first model the int8 forward does not support
     and why (before any model is quantized).
     """
-    if resolved != "int8":
+    if resolved not in ("int8", "int4"):
         return resolved
     if asked == "auto":
-        return "int8" if all(int8.quantizable(model) for _, model in models) else "none"
+        return resolved if all(int8.quantizable(model) for _, model in models) else "none"
     for spec, model in models:
         try:
-            int8.check_quantizable(model)
+            int8.check_quantizable(model, resolved)
         except ValueError as error:
             raise ValueError(f"{spec}: {error} (--quantize auto or none loads it unquantized)") from None
     return resolved
@@ -266,9 +269,31 @@ def _load_models(
     loaded = [_load_on(spec, dtype, place, cache_dir, cache_gguf, gguf_file, progress) for spec in specs]
     models = [model for model, _ in loaded]
     resolved = settle_quantize(quantize, resolved, list(zip(specs, models, strict=True)))
-    for model, tokenizer in loaded:
-        _finish(model, tokenizer, resolved, kernels, batch_invariant)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    for spec, (model, tokenizer) in zip(specs, loaded, strict=True):
+        origin = _origin(spec, root, gguf_file, progress) if resolved == "int4" else None
+        source = None if origin is None else GgufInt4Source(origin, model)
+        _finish(model, tokenizer, resolved, kernels, batch_invariant, source)
     return loaded
+
+
+def _origin(spec: str, root: Path, gguf_file: str | None, progress: bool) -> GgufOrigin | None:
+    """The GGUF file ``spec``'s weights were read from (a preset's, obtained again if it left the cache; a local
+    file), or None (a checkpoint directory, a Hub id)."""
+    preset_role = parse_preset_spec(spec)
+    if preset_role is not None:
+        preset = get_preset(preset_role[0])
+        source = preset.role(preset_role[1]).source
+        layers = None if isinstance(source, GgufSource) else source.layers
+        target = source if isinstance(source, GgufSource) else preset.target.source
+        path = root / "gguf" / target.filename
+        if not path.is_file() or path.stat().st_size != target.size:
+            path = obtain_gguf(target, root, progress=progress)
+        return GgufOrigin(path, layers)
+    path = Path(spec).expanduser()
+    if path.is_dir() and gguf_file is not None:
+        path = path / gguf_file
+    return GgufOrigin(path) if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _load_on(
@@ -279,11 +304,12 @@ def _load_on(
     return (model if place.type == LOAD_DEVICE else model.to(place)), tokenizer
 
 
-def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invariant: bool) -> None:
-    """Make the loaded ``model`` the exact int8 one (``quantize``, settled), else batch-invariant, else put it on
-    ``kernels``."""
-    if quantize == "int8":
-        int8.quantize_model(model, tokenizer)
+def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invariant: bool,
+            source: GgufInt4Source | None = None) -> None:
+    """Make the loaded ``model`` the exact integer one (``quantize``, settled; int4 from ``source``'s blocks where
+    given), else batch-invariant, else put it on ``kernels``."""
+    if quantize in ("int8", "int4"):
+        int8.quantize_model(model, tokenizer, quantize, source)
     elif batch_invariant:
         make_batch_invariant(model)
     else:

@@ -33,16 +33,19 @@ import torch
 from batchspec.exact.int8 import native
 from batchspec.exact.int8.attention import QKV_LEVELS, exact_attention, packed_width
 from batchspec.exact.int8.linear import (
+    Int4Linear,
+    Int4Stack,
     Int8Linear,
-    Int8MLP,
     Int8Stack,
+    IntLinear,
+    QuantizedMLP,
     QuantizedRows,
     quantize_activations,
-    quantize_gated,
 )
 from batchspec.exact.int8.model import ExactRMSNorm, RotaryTable
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+Stack = Int8Stack | Int4Stack
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Int8Forward | None
 
@@ -54,12 +57,12 @@ class _Layer:
 
     before: ExactRMSNorm
     after: ExactRMSNorm
-    qkv: list[Int8Linear] | Int8Stack
-    o: Int8Linear
+    qkv: list[IntLinear] | Stack
+    o: IntLinear
     q_norm: ExactRMSNorm | None
     k_norm: ExactRMSNorm | None
-    gate_up: list[Int8Linear] | Int8Stack
-    down: Int8Linear
+    gate_up: list[IntLinear] | Stack
+    down: IntLinear
     scaling: float
 
 
@@ -166,7 +169,7 @@ class Int8Forward:
         """One decoder layer on ``x`` ``[N, H]`` (the positions ``rows`` reads), its keys and values written to
         ``store`` ``[2, B, Hk, C, W]`` at columns ``start .. end-1``."""
         batch, seq = rows.batch, rows.seq
-        products = _products(layer.qkv, _normed(layer.before, x))  # [N, Hq*D], [N, Hk*D] x 2
+        products = _products(layer.qkv, _normed(layer.before, x, layer.qkv))  # [N, Hq*D], [N, Hk*D] x 2
         q, k, v = (rows.spread(t) for t in products)  # [B, S, Hq*D], [B, S, Hk*D] x 2
         q, k = q.view(batch, seq, self.heads, self.size), k.view(batch, seq, self.kv_heads, self.size)
         if layer.q_norm is not None:  # and k_norm (_laid_out)
@@ -177,20 +180,29 @@ class Int8Forward:
         out = exact_attention(query, store[0, :, :, :end], store[1, :, :, :end], visible, layer.scaling)
         # out: [B, S, Hq, D]
         x = layer.o.apply_to(quantize_activations(rows.take(out.view(batch * seq, -1))), residual=x)  # [N, H]
-        gate, up = _products(layer.gate_up, _normed(layer.after, x))  # [N, F] each
-        return layer.down.apply_to(quantize_gated(gate, up), residual=x)
+        gate, up = _products(layer.gate_up, _normed(layer.after, x, layer.gate_up))  # [N, F] each
+        return layer.down.apply_to(layer.down.gated_rows(gate, up), residual=x)
 
 
-def _normed(norm: ExactRMSNorm, x: torch.Tensor) -> QuantizedRows:
-    """``quantize_activations(norm(x))`` for ``x`` ``[..., H]``, by
-    :func:`~batchspec.exact.int8.native.norm_quantize`."""
-    codes, scale = native.norm_quantize(x.reshape(-1, x.shape[-1]), norm.weight, norm.eps)  # [N, 4 G], [N, 1]
-    return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"native": codes})
+def _normed(norm: ExactRMSNorm, x: torch.Tensor, readers: list[IntLinear] | Stack) -> QuantizedRows:
+    """``quantize_activations(norm(x))`` for ``x`` ``[N, H]`` in the forms its ``readers`` take (per token, or in
+    blocks of a size), the normalized rows never written out where they all take one form
+    (:func:`~batchspec.exact.int8.native.norm_quantize`, :func:`~batchspec.exact.int8.native.norm_quantize_blocks`)."""
+    shape, inner = tuple(x.shape[:-1]), x.shape[-1]
+    forms = {layer.block for layer in (readers if isinstance(readers, list) else [readers])}  # None: per token
+    if forms == {None}:
+        codes, scale = native.norm_quantize(x, norm.weight, norm.eps)  # [N, 4 G], [N, 1]
+        return QuantizedRows(x.dtype, shape, inner, scale=scale, codes={"native": codes})
+    if len(forms) == 1:
+        (block,) = forms
+        blocked = native.norm_quantize_blocks(x, norm.weight, norm.eps, block)
+        return QuantizedRows(x.dtype, shape, inner, blocked={block: blocked})
+    return quantize_activations(native.rms_norm(x, norm.weight, norm.eps))
 
 
-def _products(layers: list[Int8Linear] | Int8Stack, rows: QuantizedRows) -> list[torch.Tensor]:
+def _products(layers: list[IntLinear] | Stack, rows: QuantizedRows) -> list[torch.Tensor]:
     """Each layer's output for the same quantized ``rows``: one pass over a stack, else a product per layer."""
-    return layers(rows) if isinstance(layers, Int8Stack) else [layer.apply_to(rows) for layer in layers]
+    return [layer.apply_to(rows) for layer in layers] if isinstance(layers, list) else layers(rows)
 
 
 def _laid_out(module: torch.nn.Module) -> bool:
@@ -206,7 +218,8 @@ def _laid_out(module: torch.nn.Module) -> bool:
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     norms = [module.input_layernorm, module.post_attention_layernorm]
     norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
-    return (all(isinstance(linear, Int8Linear) for linear in linears) and isinstance(module.mlp, Int8MLP)
+    return (all(isinstance(linear, Int8Linear | Int4Linear) for linear in linears)
+            and isinstance(module.mlp, QuantizedMLP)
             and all(isinstance(norm, ExactRMSNorm) for norm in norms) and hasattr(attention, "scaling"))
 
 
@@ -215,6 +228,12 @@ def _layer(module: torch.nn.Module) -> _Layer:
     attention, mlp = module.self_attn, module.mlp
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
-    return _Layer(module.input_layernorm, module.post_attention_layernorm, Int8Stack.of(qkv) or qkv, attention.o_proj,
-                  getattr(attention, "q_norm", None), getattr(attention, "k_norm", None),
-                  Int8Stack.of(gate_up) or gate_up, mlp.down_proj, float(attention.scaling))
+    return _Layer(module.input_layernorm, module.post_attention_layernorm, _stacked(qkv), attention.o_proj,
+                  getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), _stacked(gate_up),
+                  mlp.down_proj, float(attention.scaling))
+
+
+def _stacked(layers: list[IntLinear]) -> list[IntLinear] | Stack:
+    """``layers`` as one stacked product where they can be (all int8 or all int4, see the stacks), else as they
+    are."""
+    return Int8Stack.of(layers) or Int4Stack.of(layers) or layers

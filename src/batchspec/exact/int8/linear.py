@@ -1,16 +1,21 @@
-"""The int8 linear layer: int8 weights with one scale per output channel, activations quantized per token.
+"""The integer linear layers and the MLP on them.
 
-For one token ``x`` (``[K]``) and output channel ``o``: ``y[o] = (acc[o] * sx) * sw[o] + b[o]`` with
-``acc = round(x / sx) . W8[o]`` summed exactly in int32, ``sx = max|x| / 127`` and ``sw[o] = max|W[o]| / 127``.
+* :class:`Int8Linear`: int8 weights with one scale per output channel, activations quantized per token. For one token
+  ``x`` (``[K]``) and output channel ``o``: ``y[o] = (acc[o] * sx) * sw[o] + b[o]`` with ``acc = round(x / sx) .
+  W8[o]`` summed exactly in int32, ``sx = max|x| / 127`` and ``sw[o] = max|W[o]| / 127``.
+* :class:`Int4Linear`: int4 weights in GGUF's Q4_K grid, activations quantized per super-block
+  (:mod:`batchspec.exact.int8.int4`).
+
 Every step is elementwise or an exact integer sum (see :mod:`batchspec.exact.int8.arithmetic`), so a token's
 output does not depend on the other tokens or rows of the call, nor on how the integer kernel blocks the product.
+:class:`QuantizedRows` holds one input's activations in each form its readers take, each made once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchspec.exact.int8 import native
+from batchspec.exact.int8 import int4, native
 from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
 from batchspec.exact.int8.native import ZERO_POINT
 from batchspec.exact.int8.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
@@ -35,6 +40,8 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.quantizer: SharedQuantization | None = None
 
+    block = None  # its activations are quantized per token, not in blocks
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
         return self.apply_to(quantize_activations(x) if self.quantizer is None else self.quantizer(x))
 
@@ -54,6 +61,10 @@ class Int8Linear(torch.nn.Module):
             y.add_(flat)
         return y.reshape(*rows.shape, self.out_features)
 
+    def gated_rows(self, gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
+        """The MLP's ``gated(gate, up)`` as this layer reads it (:func:`quantize_gated`)."""
+        return quantize_gated(gate, up)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -64,6 +75,8 @@ class Int8Stack:
     each output channel's sum is its own). One pass over the stacked weight gives every layer's output in its own
     tensor (:func:`~batchspec.exact.int8.native.linear_parts`); a one-row step reads the small k and v weights at the
     memory's speed only as part of a larger read."""
+
+    block = None  # its activations are quantized per token
 
     def __init__(self, layers: list[Int8Linear]) -> None:
         self.widths = tuple(layer.out_features for layer in layers)
@@ -86,7 +99,9 @@ class Int8Stack:
         """The stack of ``layers`` where they can be one (all on the ``native`` kernel, one input size, every width
         but the last a multiple of the kernel's panel, all with a bias or none; float32), else None."""
         first = layers[0]
-        if any(layer.weight.kernel != "native" or layer.in_features != first.in_features for layer in layers):
+        if not all(isinstance(layer, Int8Linear) and layer.weight.kernel == "native" for layer in layers):
+            return None
+        if any(layer.in_features != first.in_features for layer in layers):
             return None
         if any(layer.out_features % native.PANEL for layer in layers[:-1]):
             return None
@@ -101,41 +116,75 @@ class Int8Stack:
 
 
 class QuantizedRows:
-    """Activations quantized per token: ``scale`` ``[N, 1]``, the float ``dtype`` and the leading ``shape``
-    (``[...]``) they had, and the integers in ``[-127, 127]`` as each product kernel takes them (:meth:`codes`, made
-    once per kernel). :attr:`values` holds the integers in the float dtype (``[N, K]``)."""
+    """One input's activations (``[..., K]``, ``shape`` the leading dimensions, ``dtype`` the float dtype they had) in
+    the forms the products take, each made once from the float ``source`` (``[N, K]``) where it is held:
 
-    def __init__(self, scale: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], inner: int,
-                 values: torch.Tensor | None = None, codes: dict[str, torch.Tensor] | None = None) -> None:
-        if values is None and not codes:
-            raise ValueError("quantized rows need their values or the codes of one kernel")
-        self.scale, self.dtype, self.shape, self.inner = scale, dtype, shape, inner
-        self._values, self._codes = values, dict(codes or {})
+    * per token (:class:`Int8Linear`): ``scale`` ``[N, 1]`` and the integers in ``[-127, 127]`` as each int8 kernel
+      takes them (:meth:`codes`; :attr:`values` holds them in the float dtype, ``[N, K]``);
+    * per super-block (:class:`Int4Linear`): :meth:`blocks`, for a block size.
+
+    Rows quantized straight from a fused kernel hold only that form (``codes`` with ``scale``, or ``blocked``)."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], inner: int, *, source: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                 codes: dict[str, torch.Tensor] | None = None,
+                 blocked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None) -> None:
+        if source is None and scale is None and not blocked:
+            raise ValueError("quantized rows need their float source, their per-token scale or a blocked form")
+        if scale is not None and values is None and not codes:
+            raise ValueError("per-token rows need their values or the codes of one kernel")
+        self.dtype, self.shape, self.inner, self.source = dtype, shape, inner, source
+        self._scale, self._values, self._codes, self._blocked = scale, values, dict(codes or {}), dict(blocked or {})
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The per-token scale, ``[N, 1]``."""
+        if self._scale is None:
+            self._per_token()
+        return self._scale
 
     @property
     def values(self) -> torch.Tensor:
         """The integers in the float dtype, ``[N, K]`` (derived exactly from the ``native`` codes when only those
         were made)."""
+        if self._scale is None:
+            self._per_token()
         if self._values is None:
             self._values = self._codes["native"][:, : self.inner].to(self.dtype).sub_(ZERO_POINT)
         return self._values
 
     def codes(self, kernel: str) -> torch.Tensor:
         """The values as ``kernel`` takes them (:func:`~batchspec.exact.int8.product.activation_codes`)."""
+        if self._scale is None:
+            self._per_token()
         if kernel not in self._codes:
             self._codes[kernel] = activation_codes(self.values, kernel)
         return self._codes[kernel]
 
+    def blocks(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The int4 product's activations in blocks of ``block``
+        (:func:`~batchspec.exact.int8.int4.quantize_blocks`)."""
+        if block not in self._blocked:
+            if self.source is None:
+                raise ValueError(f"these rows were quantized per token only, not in blocks of {block}")
+            self._blocked[block] = int4.quantize_blocks(self.source, block)
+        return self._blocked[block]
+
+    def _per_token(self) -> None:
+        """Quantize the source per token: straight to the ``native`` codes where the native kernels run (the same
+        bits)."""
+        if self.source is None:
+            raise ValueError("these rows were quantized in blocks only, not per token")
+        if self.source.dtype == torch.float32 and native.available():
+            codes, self._scale = native.quantize(self.source)
+            self._codes["native"] = codes
+        else:
+            self._values, self._scale = quantize_rows(self.source)  # [N, K], [N, 1]
+
 
 def quantize_activations(x: torch.Tensor) -> QuantizedRows:
-    """Quantize ``x`` (``[..., K]``) per token to int8; float32 on a CPU with batchspec's native kernels goes
-    straight to the ``native`` codes (:func:`~batchspec.exact.int8.native.quantize`, the same bits)."""
-    flat = x.reshape(-1, x.shape[-1])  # [N, K]
-    if x.dtype == torch.float32 and native.available():
-        codes, scale = native.quantize(flat)
-        return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], codes={"native": codes})
-    q, scale = quantize_rows(flat)  # [N, K], [N, 1]
-    return QuantizedRows(scale, x.dtype, tuple(x.shape[:-1]), x.shape[-1], values=q)
+    """``x`` (``[..., K]``) as :class:`QuantizedRows`, each form made when a product first asks for it."""
+    return QuantizedRows(x.dtype, tuple(x.shape[:-1]), x.shape[-1], source=x.reshape(-1, x.shape[-1]))
 
 
 class SharedQuantization:
@@ -158,14 +207,105 @@ class SharedQuantization:
         return rows
 
 
-class Int8MLP(torch.nn.Module):
-    """The gated SiLU MLP of Llama-like models on :class:`Int8Linear` layers: ``down(silu(gate(x)) * up(x))``,
-    with ``x`` quantized once for gate and up and the activation computed in place."""
+class Int4Linear(torch.nn.Module):
+    """``nn.Linear`` with an int4 weight (:class:`~batchspec.exact.int8.int4.Int4Weight`) and activations quantized
+    per super-block: ``packed`` as the native kernels read it where a build runs here (the only copy held), else the
+    weight itself for the torch path (``weight4``)."""
 
-    def __init__(self, mlp: torch.nn.Module) -> None:
+    def __init__(self, weight: int4.Int4Weight, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj = Int8Linear(mlp.gate_proj), Int8Linear(mlp.up_proj)
-        self.down_proj = Int8Linear(mlp.down_proj)
+        self.in_features, self.out_features = weight.inner, weight.outputs
+        self.block, self.subs = weight.block, weight.subs
+        self.weight4: int4.Int4Weight | None = None if native.available() else weight
+        self.register_buffer("packed", weight.packed() if self.weight4 is None else None)  # [P, bytes] uint8
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.quantizer: SharedQuantization | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
+        return self.apply_to(quantize_activations(x) if self.quantizer is None else self.quantizer(x))
+
+    def apply_to(self, rows: QuantizedRows, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for ``rows`` (their blocked form), plus ``residual`` (``[..., O]``) where given."""
+        blocked = rows.blocks(self.block)
+        flat = None if residual is None else residual.reshape(-1, self.out_features)  # [N, O]
+        if self.weight4 is None:
+            y = native.linear4(blocked, self.packed, self.in_features, self.subs, self.out_features, self.bias,
+                               residual=flat)[0]  # [N, O]
+        else:
+            y = int4.int4_product(blocked, self.weight4, self.bias)  # [N, O]
+            y = y if flat is None else flat + y
+        return y.reshape(*rows.shape, self.out_features)
+
+    def gated_rows(self, gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
+        """The MLP's ``gated(gate, up)`` (``[..., F]`` each) as this layer reads it: in its blocks, neither the SiLU
+        nor the product written out where the native kernels run."""
+        if gate.dtype != torch.float32 or not native.available():
+            return quantize_activations(gated(gate, up))
+        width = gate.shape[-1]
+        blocked = native.quantize_gated_blocks(gate.reshape(-1, width), up.reshape(-1, width), EXP2_COEFFICIENTS,
+                                               self.block)
+        return QuantizedRows(gate.dtype, tuple(gate.shape[:-1]), width, blocked={self.block: blocked})
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block={self.block}")
+
+
+IntLinear = Int8Linear | Int4Linear
+
+
+class Int4Stack:
+    """:class:`Int4Linear` layers that read one input (q, k and v; gate and up), their packed panels stacked in one
+    buffer that each layer then reads through a view of it: one pass of the kernel gives every layer's output in its
+    own tensor (each output channel's sum is its own, so the outputs are unchanged)."""
+
+    block: int
+
+    def __init__(self, layers: list[Int4Linear]) -> None:
+        first = layers[0]
+        self.widths = tuple(layer.out_features for layer in layers)
+        self.block, self.subs, self.inner = first.block, first.subs, first.in_features
+        self.packed = torch.cat([layer.packed for layer in layers])  # [P, bytes]
+        self.bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])  # [O]
+        panel, start = 0, 0
+        for layer, width in zip(layers, self.widths, strict=True):
+            count = -(-width // native.PANEL4)
+            layer.packed = self.packed[panel : panel + count]
+            if self.bias is not None:
+                layer.bias = torch.nn.Parameter(self.bias[start : start + width], requires_grad=False)
+            panel, start = panel + count, start + width
+
+    @classmethod
+    def of(cls, layers: list[IntLinear]) -> Int4Stack | None:
+        """The stack of ``layers`` where they can be one (all int4 on the native kernels, one input size and
+        super-block, every width but the last a multiple of the kernel's panel, all with a bias or none), else
+        None."""
+        if not all(isinstance(layer, Int4Linear) and layer.packed is not None for layer in layers):
+            return None
+        first = layers[0]
+        if any((layer.in_features, layer.subs) != (first.in_features, first.subs) for layer in layers):
+            return None
+        if any(layer.out_features % native.PANEL4 for layer in layers[:-1]):
+            return None
+        if len({layer.bias is None for layer in layers}) > 1:
+            return None
+        return cls(layers)
+
+    def __call__(self, rows: QuantizedRows) -> list[torch.Tensor]:
+        """Each layer's output for ``rows`` (``[..., K]`` quantized): ``[..., width]`` per layer."""
+        outs = native.linear4(rows.blocks(self.block), self.packed, self.inner, self.subs, sum(self.widths),
+                              self.bias, self.widths)
+        return [out.view(*rows.shape, out.shape[-1]) for out in outs]
+
+
+class QuantizedMLP(torch.nn.Module):
+    """The gated SiLU MLP of Llama-like models on integer layers (:class:`Int8Linear` or :class:`Int4Linear`, each
+    as its weight came): ``down(silu(gate(x)) * up(x))``, with ``x`` quantized once for gate and up and the
+    activation computed in place."""
+
+    def __init__(self, gate: IntLinear, up: IntLinear, down: IntLinear) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         rows = quantize_activations(x)
@@ -179,10 +319,10 @@ def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
-    """``quantize_activations(gated(gate, up))``; with the native kernels neither the SiLU nor the product is written
-    out (:func:`~batchspec.exact.int8.native.quantize_gated`, the same bits)."""
+    """``quantize_activations(gated(gate, up))`` per token; with the native kernels neither the SiLU nor the product
+    is written out (:func:`~batchspec.exact.int8.native.quantize_gated`, the same bits)."""
     if gate.dtype != torch.float32 or not native.available():
         return quantize_activations(gated(gate, up))
     width = gate.shape[-1]
     codes, scale = native.quantize_gated(gate.reshape(-1, width), up.reshape(-1, width), EXP2_COEFFICIENTS)
-    return QuantizedRows(scale, gate.dtype, tuple(gate.shape[:-1]), width, codes={"native": codes})
+    return QuantizedRows(gate.dtype, tuple(gate.shape[:-1]), width, scale=scale, codes={"native": codes})

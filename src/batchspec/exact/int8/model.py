@@ -1,13 +1,16 @@
-"""Turning a loaded float model into the exact int8 model: which modules are swapped, and the checks before.
+"""Turning a loaded float model into the exact integer model: which modules are swapped, and the checks before.
 
-:func:`quantize_model` smooths the float model's activations (:mod:`~batchspec.exact.int8.smoothing`), then
-swaps, in place:
+:func:`quantize_model` makes the int8 model (``width="int8"``) or the int4 one (``"int4"``). For int8 it smooths the
+float model's activations (:mod:`~batchspec.exact.int8.smoothing`); int4's activations are quantized per super-block
+instead (:mod:`~batchspec.exact.int8.int4`). Then it swaps, in place:
 
-* every MLP for an :class:`~batchspec.exact.int8.linear.Int8MLP` (its activation
+* every MLP for a :class:`~batchspec.exact.int8.linear.QuantizedMLP` (its activation
   :func:`~batchspec.exact.int8.arithmetic.exact_silu`);
-* every other ``nn.Linear`` (the output layer too) for an :class:`~batchspec.exact.int8.linear.Int8Linear`; an
-  attention's q, k and v projections share one quantization of their input, and its keys and values enter the KV
-  cache quantized (:func:`~batchspec.exact.int8.attention.pack_on_update`);
+* every other ``nn.Linear`` for an :class:`~batchspec.exact.int8.linear.Int8Linear` or, in int4, an
+  :class:`~batchspec.exact.int8.linear.Int4Linear` (the output layer stays int8): a GGUF file's own 4-bit blocks
+  where the model came from one (its other tensors int8), else the float weight rounded to int4; an attention's q,
+  k and v projections share one quantization of their input, and its keys and values enter the KV cache quantized
+  (:func:`~batchspec.exact.int8.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
 * the rotary embedding for :class:`RotaryTable` (cos/sin correctly rounded, computed once per position, then looked
   up);
@@ -32,7 +35,8 @@ import torch
 from batchspec.config import QUANTIZE, check_option
 from batchspec.exact.int8 import attention, native
 from batchspec.exact.int8.arithmetic import row_sum, sqrt_rounded
-from batchspec.exact.int8.linear import Int8Linear, Int8MLP, SharedQuantization
+from batchspec.exact.int8.int4 import Int4Weight, from_float
+from batchspec.exact.int8.linear import Int4Linear, Int8Linear, IntLinear, QuantizedMLP, SharedQuantization
 from batchspec.exact.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.model_checks import check_model
@@ -148,49 +152,79 @@ def quantizable(model: Any) -> bool:
     return True
 
 
-def check_quantizable(model: Any) -> None:
-    """Raise ValueError naming what stands in the way unless :func:`quantize_model` can make ``model`` exact."""
-    check_model(model, "int8")
+def check_quantizable(model: Any, width: str = "int8") -> None:
+    """Raise ValueError naming what stands in the way unless :func:`quantize_model` can make ``model`` exact in
+    ``width`` (int4 takes float32 models only)."""
+    check_model(model, width)
     config = model.config
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
-        raise ValueError(f"--quantize int8 runs on the CPU; this model is on {parameter.device}")
-    if parameter.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"--quantize int8 needs a float32 (or float64) model, not {parameter.dtype}")
+        raise ValueError(f"--quantize {width} runs on the CPU; this model is on {parameter.device}")
+    dtypes = (torch.float32,) if width == "int4" else (torch.float32, torch.float64)
+    if parameter.dtype not in dtypes:
+        raise ValueError(f"--quantize {width} needs a float32 model, not {parameter.dtype}")
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"--quantize int8 needs a SiLU MLP; this model uses {config.hidden_act!r}")
+        raise ValueError(f"--quantize {width} needs a SiLU MLP; this model uses {config.hidden_act!r}")
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in STATIC_ROPE_TYPES:
-        raise ValueError(f"--quantize int8 needs a rotary embedding fixed per position, not {rope!r}")
+        raise ValueError(f"--quantize {width} needs a rotary embedding fixed per position, not {rope!r}")
 
 
-def quantize_model(model: Any, tokenizer: Any | None = None) -> Any:
-    """Make ``model`` the exact int8 model in place (see the module docstring) and return it; its activations are
-    smoothed first (:mod:`~batchspec.exact.int8.smoothing`), with peaks from the exact int8 model's own decoder before
-    smoothing, run on text ``tokenizer`` encodes (seeded token ids without one): a forward whose every value is the
-    same bits on every CPU, where the float model's would depend on its BLAS and thread count."""
-    check_quantizable(model)
+# a model's own int4 weights, by module name: an Int4Weight, or None where the file holds that weight otherwise
+Int4Source = Callable[[str], Int4Weight | None]
+
+
+def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8",
+                   source: Int4Source | None = None) -> Any:
+    """Make ``model`` the exact integer model of ``width`` in place (see the module docstring) and return it.
+
+    int8: the activations are smoothed first (:mod:`~batchspec.exact.int8.smoothing`), with peaks from the exact
+    int8 model's own decoder before smoothing, run on text ``tokenizer`` encodes (seeded token ids without one): a
+    forward whose every value is the same bits on every CPU, where the float model's would depend on its BLAS and
+    thread count. int4: ``source`` gives each linear layer's own int4 weight where the model came from a file that
+    holds them (None: that layer is int8); without a source every linear layer but the output is rounded to int4."""
+    check_quantizable(model, width)
     attention.register()
+    if width == "int4":
+        _swap_in(model, head=True, make=_int4_maker(source))
+        return model
     ids = calibration_ids(tokenizer, model.config.vocab_size)[: model.config.max_position_embeddings]  # the table's
-    restore = _swap_in(model, head=False)
+    restore = _swap_in(model, head=False, make=_int8)
     try:
         peaks = calibration_peaks(model, ids)
     finally:
         restore()
     smooth_model(model, peaks)
-    _swap_in(model, head=True)
+    _swap_in(model, head=True, make=_int8)
     return model
 
 
-def _swap_in(model: Any, head: bool) -> Callable[[], None]:
-    """Swap the exact modules into the float ``model`` in place (the output layer too where ``head``); returns what
-    puts the float modules back."""
+def _int8(name: str, linear: torch.nn.Linear) -> IntLinear:
+    return Int8Linear(linear)
+
+
+def _int4_maker(source: Int4Source | None) -> Callable[[str, torch.nn.Linear], IntLinear]:
+    """The layer ``--quantize int4`` makes of the linear layer ``name``: the output layer int8; else ``source``'s
+    int4 weight, int8 where it has none, or without a source the float weight rounded to int4."""
+
+    def make(name: str, linear: torch.nn.Linear) -> IntLinear:
+        if name.split(".")[-1] == "lm_head":
+            return Int8Linear(linear)
+        weight = from_float(linear.weight) if source is None else source(name)
+        return Int8Linear(linear) if weight is None else Int4Linear(weight, linear.bias)
+
+    return make
+
+
+def _swap_in(model: Any, head: bool, make: Callable[[str, torch.nn.Linear], IntLinear]) -> Callable[[], None]:
+    """Swap the exact modules into the float ``model`` in place (the output layer too where ``head``), each linear
+    layer as ``make(qualified name, layer)`` makes it; returns what puts the float modules back."""
     config, dtype = model.config, next(model.parameters()).dtype
-    replaced = swap_layers(model, lambda name, child: _replacement(name, child, config, dtype, head))
+    replaced = swap_layers(model, lambda name, child: _replacement(name, child, config, dtype, head, make))
     hooks = []
     for module in model.modules():
         projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-        if all(isinstance(p, Int8Linear) for p in projections):
+        if all(isinstance(p, Int8Linear | Int4Linear) for p in projections):
             shared = SharedQuantization(readers=len(projections))
             for projection in projections:
                 projection.quantizer = shared
@@ -207,21 +241,23 @@ def _swap_in(model: Any, head: bool) -> Callable[[], None]:
     return restore
 
 
-def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype,
-                 head: bool) -> torch.nn.Module | None:
-    if name == "lm_head" and not head:
+def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype, head: bool,
+                 make: Callable[[str, torch.nn.Linear], IntLinear]) -> torch.nn.Module | None:
+    if name.split(".")[-1] == "lm_head" and not head:
         return None
-    if name == "mlp":
-        return Int8MLP(child)
+    if name.split(".")[-1] == "mlp":
+        return QuantizedMLP(*(make(f"{name}.{part}", getattr(child, part))
+                              for part in ("gate_proj", "up_proj", "down_proj")))
     if isinstance(child, torch.nn.Linear):
-        return Int8Linear(child)
+        return make(name, child)
     if is_rms_norm(child):
         return ExactRMSNorm(child)
-    if name == "rotary_emb":
+    if name.split(".")[-1] == "rotary_emb":
         return RotaryTable(child, config.max_position_embeddings, dtype)
     return None
 
 
 def quantization(model: Any) -> str:
-    """``"int8"`` when :func:`quantize_model` made ``model``, else ``"none"``."""
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"
+    """``"int4"`` or ``"int8"`` when :func:`quantize_model` made ``model`` so, else ``"none"``."""
+    kinds = {type(m) for m in model.modules()}
+    return "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "none"

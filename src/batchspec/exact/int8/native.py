@@ -62,6 +62,8 @@ from batchspec.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 PANEL = 64  # outputs per panel (csrc/scalar.h)
+PANEL4 = 16  # outputs per panel of the int4 weight (csrc/scalar.h)
+GROUP4 = 32  # inputs per sub-block of the int4 weight
 GROUP = 4  # inner positions per vpdpbusd lane
 ZERO_POINT = 128  # the uint8 code of the integer 0
 # |q . w| <= 127 * 127 * K stays below 2^31 (the C product's modular int32 sum is then the sum itself)
@@ -141,6 +143,101 @@ def linear_parts(
 
 def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def linear4(
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], panels: torch.Tensor, inner: int, subs: int, outputs: int,
+    bias: torch.Tensor | None = None, widths: tuple[int, ...] | None = None, residual: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The int4 product (:func:`~batchspec.exact.int8.int4.int4_product`'s bits) of activations ``rows`` =
+    :func:`quantize_blocks`' ``(codes [N, 32 S], scales [N, B], sums [N, S2])`` and an int4 weight packed as
+    ``panels`` (``[P, bytes]`` uint8, :func:`~batchspec.exact.int8.int4.Int4Weight.packed`) of ``outputs`` outputs,
+    ``inner`` inputs and ``subs`` sub-blocks a super-block, plus ``bias`` ``[O]``, then ``residual`` ``[N, O]``:
+    one float32 ``[N, width]`` per part of ``widths`` (default: one, ``O`` wide; each but the last a multiple of 16)."""
+    codes, scales, sums = rows
+    widths = (outputs,) if widths is None else widths
+    count, panel_bytes = panels.shape
+    nsub = -(-inner // GROUP4)
+    fits = codes.dtype == torch.int8 and codes.shape[1] == GROUP4 * nsub and panels.dtype == torch.uint8
+    fits = fits and scales.shape == (codes.shape[0], -(-nsub // subs)) and sums.shape[0] == codes.shape[0]
+    fits = fits and sums.dtype == torch.int16 and sums.shape[1] >= nsub + nsub % 2 and PANEL4 * (count - 1) < outputs
+    fits = fits and outputs <= PANEL4 * count and sum(widths) == outputs and all(w % PANEL4 == 0 for w in widths[:-1])
+    fits = fits and all(t is None or (t.dtype == torch.float32 and t.numel() == numel)
+                        for t, numel in ((bias, outputs), (residual, codes.shape[0] * outputs)))
+    fits = fits and (residual is None or len(widths) == 1)
+    if not fits:
+        raise ValueError(f"int4 codes {tuple(codes.shape)} do not fit panels {tuple(panels.shape)} of {outputs} x "
+                         f"{inner}")
+    n = codes.shape[0]
+    codes, scales, sums, panels, bias, residual = (
+        None if t is None else t.contiguous() for t in (codes, scales, sums, panels, bias, residual))
+    outs = [torch.empty(n, width) for width in widths]  # [N, width] float32 each
+    starts = (ctypes.c_int64 * (len(widths) + 1))(0, *itertools.accumulate(widths))
+    pointers = (ctypes.c_void_p * len(outs))(*(out.data_ptr() for out in outs))
+    _library().linear4(codes.data_ptr(), n, codes.shape[1], scales.data_ptr(), scales.shape[1], sums.data_ptr(),
+                       sums.shape[1], panels.data_ptr(), panel_bytes, count, nsub, subs, outputs, _pointer(bias),
+                       pointers, starts, len(outs), _pointer(residual), torch.get_num_threads())
+    return outs
+
+
+def block_shapes(inner: int, block: int) -> tuple[int, int, int]:
+    """``(padded, blocks, counted)`` of :func:`quantize_blocks` for rows of ``inner`` values in blocks of ``block``:
+    the codes' width (a multiple of 32), the scales per row and the sub-block sums per row (rounded up to even).
+    Example: 100 values in blocks of 64 -> (128, 2, 4)."""
+    nsub = -(-inner // GROUP4)
+    return GROUP4 * nsub, -(-inner // block), nsub + nsub % 2
+
+
+def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int4 product's activations of float32 ``x`` ``[N, K]``, in blocks of ``block`` values (a multiple of 32):
+    ``(codes [N, 32 S] int8, scales [N, B] float32, sums [N, S2] int16)``, the bits of
+    :func:`~batchspec.exact.int8.int4.quantize_blocks`."""
+    x = _block_input(x, block)
+    out = _block_outputs(*x.shape, block)
+    _library().quantize_blocks(x.data_ptr(), x.shape[0], x.shape[1], block, *_block_pointers(out),
+                               torch.get_num_threads())
+    return out
+
+
+def norm_quantize_blocks(x: torch.Tensor, weight: torch.Tensor, eps: float, block: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blocks` of :func:`rms_norm` of float32 ``x`` ``[N, H]``, bit for bit, in one call."""
+    x = _block_input(_norm_input(x, weight), block)
+    out = _block_outputs(*x.shape, block)
+    _library().norm_quantize_blocks(x.data_ptr(), x.shape[0], x.shape[1], eps, weight.data_ptr(), block,
+                                    *_block_pointers(out), torch.get_num_threads())
+    return out
+
+
+def quantize_gated_blocks(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[float, ...], block: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blocks` of ``silu(gate) * up`` (:func:`quantize_gated`'s activation), bit for bit."""
+    if up.dtype != gate.dtype or up.shape != gate.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    gate, up = _block_input(gate, block), _block_input(up, block)
+    out = _block_outputs(*gate.shape, block)
+    _library().quantize_gated_blocks(gate.data_ptr(), up.data_ptr(), gate.shape[0], gate.shape[1], block,
+                                     *_block_pointers(out), _float_table(_checked(coefficients)),
+                                     torch.get_num_threads())
+    return out
+
+
+def _block_input(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 2 or block <= 0 or block % GROUP4:
+        raise ValueError(f"block quantization takes float32 [N, K] and blocks of 32 n values, not {x.dtype} "
+                         f"{tuple(x.shape)}, {block}")
+    return x.contiguous()
+
+
+def _block_outputs(rows: int, inner: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    padded, blocks, counted = block_shapes(inner, block)
+    return (torch.empty(rows, padded, dtype=torch.int8), torch.empty(rows, blocks),
+            torch.empty(rows, counted, dtype=torch.int16))
+
+
+def _block_pointers(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[int, ...]:
+    codes, scales, sums = out
+    return (codes.shape[1], codes.data_ptr(), scales.data_ptr(), scales.shape[1], sums.data_ptr(), sums.shape[1])
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,14 +450,16 @@ def host_isas() -> tuple[str, ...]:
 
 def _build_flags(name: str, flags: frozenset[str]) -> tuple[str, ...] | None:
     """The compiler flags of build ``name`` on a CPU with ``flags``; None where that CPU cannot run it."""
+    if "f16c" not in flags:  # the int4 weight's float16 scales; every CPU with AVX2 has it
+        return None
     if name == "avx512vnni" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        return ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+        return ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c")
     if name == "avxvnni" and {"avx2", "avx_vnni"} <= flags:
-        return ("-mavx2", "-mavxvnni")
+        return ("-mavx2", "-mavxvnni", "-mf16c")
     if name == "avxvnni" and {"avx2", "avx512vl", "avx512_vnni"} <= flags:
-        return ("-mavx2", "-mavx512vl", "-mavx512vnni")
+        return ("-mavx2", "-mavx512vl", "-mavx512vnni", "-mf16c")
     if name == "avx2" and "avx2" in flags:
-        return ("-mavx2",)
+        return ("-mavx2", "-mf16c")
     return None
 
 
@@ -447,6 +546,13 @@ def _signatures() -> dict[str, list]:
         "linear": [pointer, i64, i64, pointer, pointer, pointer, pointer, pointer, i64, i64, i64, pointer, pointer, i64,
                    pointer, threads],
         "quantize": [pointer, i64, i64, i64, pointer, pointer, threads],
+        "linear4": [pointer, i64, i64, pointer, i64, pointer, i64, pointer, i64, i64, i64, i64, i64, pointer, pointer,
+                    pointer, i64, pointer, threads],
+        "quantize_blocks": [pointer, i64, i64, i64, i64, pointer, pointer, i64, pointer, i64, threads],
+        "norm_quantize_blocks": [pointer, i64, i64, f32, pointer, i64, i64, pointer, pointer, i64, pointer, i64,
+                                 threads],
+        "quantize_gated_blocks": [pointer, pointer, i64, i64, i64, i64, pointer, pointer, i64, pointer, i64, pointer,
+                                  threads],
         "quantize_gated": [pointer, pointer, i64, i64, i64, pointer, pointer, pointer, threads],
         "silu": [pointer, pointer, i64, pointer, threads],
         "rms_norm": [pointer, i64, i64, f32, pointer, pointer, threads],

@@ -327,4 +327,138 @@ static void attend_group(group_t g, const float *query, const int16_t *k, const 
     }
 }
 
+/* 4. The int4 product (batchspec_linear4, entry.h): the weight as scalar.h lays it out, a panel of 16 outputs in two
+ * passes of 8 (one 8-lane vector each). A sub-block's nibbles times the codes, the unsigned nibbles first:
+ *
+ * - with VNNI, vpdpbusd adds four products a lane into int32 sums, scaled by the sub-block's sc with vpmulld;
+ * - without, vpmaddubsw adds two (|n q| <= 15 * 127, a pair at most 3,810: no saturation) into int16 lanes, and a
+ *   sub-block's eight of them sum to at most 30,480 < 2**15 in each lane, still exact; vpmaddwd then multiplies each
+ *   output's two lanes by its sc and adds them, into int32.
+ *
+ * Either way i1 is the same integer, as are i2 (vpmaddwd on the mins and the codes' sub-block sums) and the float
+ * steps of scalar.h, lane by lane: the bits of avx512.c's. ROWS4 rows share each weight load. */
+#if VNNI
+#define ROWS4 4
+#define SUB_ROW(r) __m256i s##r = _mm256_setzero_si256();
+#define DOT4_ROW(r)                                                                  \
+    if (NR > r) {                                                                    \
+        s##r = DPBUSD(s##r, lo, broadcast4(q + r * ldq + at));                       \
+        s##r = DPBUSD(s##r, hi, broadcast4(q + r * ldq + at + 4));                   \
+    }
+#define SCALE_ROW(r) if (NR > r) one##r = subs > 1 ? _mm256_add_epi32(one##r, _mm256_mullo_epi32(s##r, scale)) : s##r;
+#define SUB_SCALE _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 16 * s + 8 * half)))
+#else
+#define ROWS4 3
+#define SUB_ROW(r) __m256i s##r = _mm256_setzero_si256();
+#define DOT4_ROW(r)                                                                                      \
+    if (NR > r) {                                                                                        \
+        s##r = _mm256_add_epi16(s##r, _mm256_maddubs_epi16(lo, broadcast4(q + r * ldq + at)));           \
+        s##r = _mm256_add_epi16(s##r, _mm256_maddubs_epi16(hi, broadcast4(q + r * ldq + at + 4)));       \
+    }
+#define SCALE_ROW(r) if (NR > r) one##r = _mm256_add_epi32(one##r, _mm256_madd_epi16(s##r, scale));
+/* each output's sc in both int16 halves of its lane (1 where subs == 1) */
+#define SUB_SCALE                                                                                        \
+    (subs > 1 ? pair16(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scales + 16 * s + 8 * half)))) \
+              : _mm256_set1_epi16(1))
+/* each int32 lane's value (below 2**15) in both of its int16 halves */
+static inline __m256i pair16(__m256i x) { return _mm256_or_si256(x, _mm256_slli_epi32(x, 16)); }
+#endif
+#define SUPER_ROW(r) __m256i one##r = _mm256_setzero_si256();
+#define Y_ROW(r) __m256 y##r = _mm256_setzero_ps();
+#define MIN_ROW(r)                                                                                                \
+    if (NR > r) {                                                                                                 \
+        __m256i i2 = _mm256_setzero_si256();                                                                      \
+        if (subs > 1)                                                                                             \
+            for (int64_t p = 0; p < even / 2; p++) {                                                              \
+                int32_t two;                                                                                      \
+                memcpy(&two, sums + r * lds + sub0 + 2 * p, sizeof two);                                          \
+                __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(mins + 32 * p + 16 * half))); \
+                i2 = _mm256_add_epi32(i2, _mm256_madd_epi16(mn, _mm256_set1_epi32(two)));                          \
+            }                                                                                                     \
+        else                                                                                                      \
+            i2 = _mm256_set1_epi32(sums[r * lds + sub0]);                                                         \
+        __m256 t = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(one##r), d), _mm256_mul_ps(_mm256_cvtepi32_ps(i2), dmin)); \
+        y##r = _mm256_add_ps(y##r, _mm256_mul_ps(t, _mm256_set1_ps(xs[r * ldx + b])));                           \
+    }
+#define STORE_ROW(r)                                                                                              \
+    if (NR > r) {                                                                                                 \
+        __m256 y = y##r;                                                                                          \
+        if (bias) y = _mm256_add_ps(y, _mm256_maskload_ps(bias + 8 * half, lanes));                               \
+        if (residual) y = _mm256_add_ps(_mm256_maskload_ps(residual + r * ldo + 8 * half, lanes), y);             \
+        _mm256_maskstore_ps(out + r * ldo + 8 * half, lanes, y);                                                  \
+    }
+#if VNNI
+#define ROWS4_DO(M) M(0) M(1) M(2) M(3)
+#else
+#define ROWS4_DO(M) M(0) M(1) M(2)
+#endif
+
+/* four int8 codes broadcast to every lane */
+static inline __m256i broadcast4(const int8_t *q) {
+    int32_t four;
+    memcpy(&four, q, sizeof four);
+    return _mm256_set1_epi32(four);
+}
+
+/* outputs col + 8 half .. of rows r < NR (half a panel), to out[r * ldo + 8 half ..) */
+static inline __attribute__((always_inline)) void half_panel4_rows(
+    const int NR, int half, const int8_t *q, int64_t ldq, const float *xs, int64_t ldx, const int16_t *sums,
+    int64_t lds, const uint8_t *panel, int64_t nsub, int64_t subs, const float *bias, const float *residual,
+    float *out, int64_t ldo, int64_t valid) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    ROWS4_DO(Y_ROW)
+    const uint8_t *block = panel;
+    for (int64_t b = 0, sub0 = 0; sub0 < nsub; b++, sub0 += subs) {
+        int64_t count = nsub - sub0 < subs ? nsub - sub0 : subs, even = (count + 1) / 2 * 2;
+        const uint8_t *scales = block + 64, *mins = scales + 16 * even;
+        const uint8_t *nibbles = subs > 1 ? mins + 16 * even : block + 64;
+        ROWS4_DO(SUPER_ROW)
+        for (int64_t s = 0; s < count; s++) {
+            ROWS4_DO(SUB_ROW)
+            for (int64_t g = 0; g < 4; g++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(nibbles + 64 * (4 * s + g) + 32 * half));
+                __m256i lo = _mm256_and_si256(raw, low_nibbles);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+                int64_t at = 32 * (sub0 + s) + 8 * g;
+                ROWS4_DO(DOT4_ROW)
+            }
+            __m256i scale = SUB_SCALE;
+            ROWS4_DO(SCALE_ROW)
+        }
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * half)));
+        __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 32 + 16 * half)));
+        ROWS4_DO(MIN_ROW)
+        block += super_block_bytes(count, subs);
+    }
+    __m256i lanes = first8(valid - 8 * half);
+    ROWS4_DO(STORE_ROW)
+}
+
+#define PANELS4 1 /* panels a pass */
+
+/* one panel's outputs (entry.h's batchspec_linear4 hands it one at a time) */
+static void panels4_block(const int8_t *q, int64_t rows, int64_t ldq, const float *xs, int64_t ldx,
+                          const int16_t *sums, int64_t lds, const uint8_t *panel, int64_t panel_bytes, int64_t count,
+                          int64_t nsub, int64_t subs, const out4_t *where) {
+    (void)panel_bytes, (void)count;
+    const float *bias = where->bias, *residual = where->residual;
+    float *out = where->out;
+    int64_t ldo = where->ldo, valid = where->valid;
+    for (int64_t r = 0; r < rows; r += ROWS4)
+        for (int half = 0; half < 2 && 8 * half < valid; half++) {
+            const int8_t *qr = q + r * ldq;
+            const float *xr = xs + r * ldx, *rr = residual ? residual + r * ldo : NULL;
+            const int16_t *sr = sums + r * lds;
+            float *o = out + r * ldo;
+            switch (rows - r < ROWS4 ? rows - r : ROWS4) {
+            case 1: half_panel4_rows(1, half, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, bias, rr, o, ldo, valid); break;
+            case 2: half_panel4_rows(2, half, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, bias, rr, o, ldo, valid); break;
+#if VNNI
+            case 3: half_panel4_rows(3, half, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, bias, rr, o, ldo, valid); break;
+#endif
+            default: half_panel4_rows(ROWS4, half, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, bias, rr, o, ldo, valid); break;
+            }
+        }
+}
+
 #include "entry.h"

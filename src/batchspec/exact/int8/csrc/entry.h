@@ -38,6 +38,27 @@ void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int
     }
 }
 
+/* The int4 product's activations (scalar.h's quantize_block_row), a row at a time: codes q [n, padded] int8,
+ * scales [n, ceil(k / block)] float32, sub-block sums [n, counted] int16 */
+void batchspec_quantize_blocks(const float *x, int64_t n, int64_t k, int64_t block, int64_t padded, int8_t *q,
+                               float *scale, int64_t lds, int16_t *sums, int64_t counted, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++)
+        quantize_block_row(x + r * k, k, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
+}
+
+/* batchspec_quantize_blocks of exact_silu(gate) * up, a row at a time, never written out (as batchspec_quantize_gated) */
+void batchspec_quantize_gated_blocks(const float *gate, const float *up, int64_t n, int64_t k, int64_t block,
+                                     int64_t padded, int8_t *q, float *scale, int64_t lds, int16_t *sums,
+                                     int64_t counted, const float *c, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        float row[k];
+        silu_values(gate + r * k, up + r * k, row, k, c);
+        quantize_block_row(row, k, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
+    }
+}
+
 /* RMSNorm as model.py's exact_rms_norm computes it in float32 (scalar.h's rms_root, then rms_apply_row) */
 void batchspec_rms_norm(const float *x, int64_t n, int64_t h, float eps, const float *weight, float *out,
                         int threads) {
@@ -54,6 +75,18 @@ void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, float eps, co
         float normed[h];
         rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
         quantize_values(normed, h, ldc, codes + r * ldc, scale + r);
+    }
+}
+
+/* batchspec_rms_norm, then batchspec_quantize_blocks of its rows (as batchspec_norm_quantize) */
+void batchspec_norm_quantize_blocks(const float *x, int64_t n, int64_t h, float eps, const float *weight,
+                                    int64_t block, int64_t padded, int8_t *q, float *scale, int64_t lds,
+                                    int16_t *sums, int64_t counted, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < n; r++) {
+        float normed[h];
+        rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
+        quantize_block_row(normed, h, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
     }
 }
 
@@ -173,4 +206,29 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
         scratch_done();
     }
     return failed;
+}
+
+/* The int4 product with its bias and residual (each build's panels4_block on PANELS4 panels of PANEL4 outputs at a
+ * time): q int8 [n, 32 nsub] (row stride ldq), xs float32 [n, ldx] (one scale per super-block), sums int16 [n, lds]
+ * (one per sub-block, zero-padded to even), w the packed weight (`panels` panels of panel_bytes, scalar.h), bias [o]
+ * or NULL; the outputs go to `segments` float32 matrices as batchspec_linear's do, residual ([n, o], one segment)
+ * added last. Panels are split between threads; each row's outputs come from one thread, the super-blocks in order. */
+void batchspec_linear4(const int8_t *q, int64_t n, int64_t ldq, const float *xs, int64_t ldx, const int16_t *sums,
+                       int64_t lds, const uint8_t *w, int64_t panel_bytes, int64_t panels, int64_t nsub,
+                       int64_t subs, int64_t o, const float *bias, float *const *outs, const int64_t *starts,
+                       int64_t segments, const float *residual, int threads) {
+    int64_t steps = (panels + PANELS4 - 1) / PANELS4;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < steps; i++) {
+        int64_t first = i * PANELS4, count = panels - first < PANELS4 ? panels - first : PANELS4;
+        out4_t where[PANELS4];
+        for (int64_t c = 0; c < count; c++) {
+            int64_t col = (first + c) * PANEL4, s = 0;
+            while (s + 1 < segments && starts[s + 1] <= col) s++;
+            int64_t width = starts[s + 1] - starts[s], end = starts[s + 1], at = col - starts[s];
+            where[c] = (out4_t){outs[s] + at, width, end - col < PANEL4 ? end - col : PANEL4, bias ? bias + col : NULL,
+                                residual ? residual + at : NULL};
+        }
+        panels4_block(q, n, ldq, xs, ldx, sums, lds, w + first * panel_bytes, panel_bytes, count, nsub, subs, where);
+    }
 }

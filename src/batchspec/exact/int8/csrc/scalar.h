@@ -130,6 +130,53 @@ static inline void rotate(const float *x, const float *cos, const float *sin, in
     }
 }
 
+/* The int4 product's activations (batchspec_quantize_blocks): a row of k values quantized per block of `block`
+ * values (a super-block of the weight, 32 * sub-blocks) as quantize_rows quantizes a token, block by block: top =
+ * max |x| over the block, scale = top > 0 ? top / 127 : 1, q = clamp(rint(x * (1 / scale)), -127, 127) as int8,
+ * zeros from k up to `padded` (a multiple of 32); sums[s] = the sum of the 32 codes of sub-block s, for s <
+ * `counted` (zero past the codes: the int4 kernels read the sums in pairs). */
+static inline void quantize_block_row(const float *x, int64_t k, int64_t block, int64_t padded, int8_t *q,
+                                      float *scale, int16_t *sums, int64_t counted) {
+    for (int64_t b0 = 0, j = 0; b0 < k; b0 += block, j++) {
+        int64_t length = k - b0 < block ? k - b0 : block;
+        float s = token_scale(x + b0, length, 127.0f), inverse = 1.0f / s;
+        for (int64_t i = 0; i < length; i++) q[b0 + i] = (int8_t)token_code(x[b0 + i], inverse, 127.0f);
+        scale[j] = s;
+    }
+    for (int64_t i = k; i < padded; i++) q[i] = 0;
+    for (int64_t s = 0; s < counted; s++) {
+        int32_t total = 0;
+        for (int64_t i = 32 * s; i < 32 * s + 32 && i < padded; i++) total += q[i];
+        sums[s] = (int16_t)total;
+    }
+}
+
+/* The int4 weight as the kernels read it (int4.py's pack): panels of PANEL4 outputs, each the same number of bytes;
+ * a panel holds the weight's super-blocks in order, each of `count` sub-blocks of 32 inputs (`subs`, the last one
+ * fewer where the inner size ends):
+ *   d[16], dmin[16]                 float16: the super-block's scale and min scale per output;
+ *   sc[even][16], mn[even / 2][16][2]  uint8, only where subs > 1: each sub-block's integer scale and min per output
+ *                                   (mn interleaved by pairs of sub-blocks; `even`: count rounded up to even, zeros);
+ *   nibbles[count][4][16][4]        uint8: for sub-block s, pair of groups g and output j, byte i holds the weight's
+ *                                   input 32 s + 8 g + i in its low nibble and input 32 s + 8 g + 4 + i in its high.
+ * The weight is w = (d sc) n - (dmin mn) per input (subs == 1: sc = mn = 1), as gguf expands a Q4_K block. A row's
+ * output sums the super-blocks in order: y = y + (((float)i1 * d - (float)i2 * dmin) * scale), each operation
+ * rounded once, from y = 0, where i1 = sum_s sc[s] (q . n over sub-block s) and i2 = sum_s mn[s] (sum of the codes of
+ * sub-block s) are exact in int32 (|i1| <= 8 * 255 * 32 * 127 * 15 < 2**31) and scale is the activations' for the
+ * super-block; then + bias, then residual + y, as the int8 product's epilogue. */
+#define PANEL4 16
+
+/* where one panel's outputs go: out (row stride ldo, `valid` columns), plus bias and residual where not NULL */
+typedef struct {
+    float *out;
+    int64_t ldo, valid;
+    const float *bias, *residual;
+} out4_t;
+
+static inline int64_t super_block_bytes(int64_t count, int64_t subs) {
+    return 64 + (subs > 1 ? 32 * ((count + 1) / 2 * 2) : 0) + 256 * count;
+}
+
 /* The attention (batchspec_attention) of one KV head of one batch row: its R = G * Q query rows, r = g * Q + i
  * for head hk * G + g and query i (see entry.h for the arithmetic and its bounds). */
 #define PASS_ROWS 6      /* query rows per weighted-sum pass; R is padded with zero rows to a multiple of it */
