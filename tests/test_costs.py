@@ -16,8 +16,8 @@ from batchspec.bench.costs import (
     step_floors,
     weight_bytes,
 )
-from batchspec.exact.int8 import quantize_model
-from batchspec.exact.int8.linear import Int8Linear
+from batchspec.exact.integer import quantize_model
+from batchspec.exact.integer.linear import Int8Linear
 
 torch = pytest.importorskip("torch")
 

@@ -1,4 +1,4 @@
-"""The exact int4 forward (``--quantize int4``, :mod:`batchspec.exact.int8.int4`): 4-bit weights, 8-bit activations.
+"""The exact int4 forward (``--quantize int4``, :mod:`batchspec.exact.integer.int4`): 4-bit weights, 8-bit activations.
 
 * Weights: a GGUF file's Q4_0, Q4_1 and Q4_K blocks are held as they are (expanded, they equal gguf's own
   dequantization element for element); a float weight rounds to the nearest point of the grid; the packed layout.
@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ragged import alone_one_token_at_a_time, ragged_forwards
 
-from batchspec.exact.int8 import native, quantization, quantize_model
-from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS
-from batchspec.exact.int8.int4 import Int4Weight, from_float, from_gguf, int4_product, quantize_blocks
-from batchspec.exact.int8.linear import Int4Linear, Int8Linear, gated
-from batchspec.exact.int8.model import exact_rms_norm
+from batchspec.exact.integer import native, quantization, quantize_model
+from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
+from batchspec.exact.integer.int4 import Int4Weight, from_float, from_gguf, int4_product, quantize_blocks
+from batchspec.exact.integer.linear import Int4Linear, Int8Linear, gated
+from batchspec.exact.integer.model import exact_rms_norm
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
           for name in native.ISAS]

@@ -1,4 +1,4 @@
-"""The exact int8 forward (``--quantize int8``, :mod:`batchspec.exact.int8`).
+"""The exact int8 forward (``--quantize int8``, :mod:`batchspec.exact.integer`).
 
 * Arithmetic: each building block computes what it claims (quantization, exp, fixed-order sums, the exact SiLU,
   the correctly rounded square root, exact integer products, also through the two-halves path for ``_int_mm``).
@@ -29,8 +29,8 @@ from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
 from batchspec.config import SamplingParams
-from batchspec.exact.int8 import attention, check_quantize, linear, native, quantization, quantize_model
-from batchspec.exact.int8.arithmetic import (
+from batchspec.exact.integer import attention, check_quantize, linear, native, quantization, quantize_model
+from batchspec.exact.integer.arithmetic import (
     EXP2_COEFFICIENTS,
     exact_silu,
     exp2_nonpositive,
@@ -38,10 +38,10 @@ from batchspec.exact.int8.arithmetic import (
     row_sum,
     sqrt_rounded,
 )
-from batchspec.exact.int8.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
-from batchspec.exact.int8.linear import Int8Linear
-from batchspec.exact.int8.model import correctly_rounded, exact_rms_norm, mp_rounded
-from batchspec.exact.int8.product import (
+from batchspec.exact.integer.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
+from batchspec.exact.integer.linear import Int8Linear
+from batchspec.exact.integer.model import correctly_rounded, exact_rms_norm, mp_rounded
+from batchspec.exact.integer.product import (
     KERNELS,
     activation_codes,
     exact_kernels,
@@ -50,7 +50,7 @@ from batchspec.exact.int8.product import (
     product_kernel,
     split_weight,
 )
-from batchspec.exact.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
+from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, smooth_model
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -195,8 +195,8 @@ def test_a_cpu_without_native_kernels_gets_the_same_bits(tmp_path):
     ``randn`` itself differs between its scalar and vector code.)"""
     script = (
         "import sys, torch\n"
-        "from batchspec.exact.int8.product import product_kernel\n"
-        "from batchspec.exact.int8.linear import Int8Linear\n"
+        "from batchspec.exact.integer.product import product_kernel\n"
+        "from batchspec.exact.integer.linear import Int8Linear\n"
         "torch.manual_seed(0)\n"
         "layer = Int8Linear(torch.nn.Linear(256, 96))\n"
         "x = torch.randint(-1000, 1000, (9, 256)) / 300.0\n"
@@ -392,8 +392,8 @@ def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):
     script = (
         "import logging, sys, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from batchspec.exact.int8.product import product_kernel\n"
-        "from batchspec.exact.int8.linear import Int8Linear\n"
+        "from batchspec.exact.integer.product import product_kernel\n"
+        "from batchspec.exact.integer.linear import Int8Linear\n"
         "torch.manual_seed(0)\n"
         "layer = Int8Linear(torch.nn.Linear(1030, 1100))\n"
         "torch.save({'kernel': product_kernel(torch.float32), 'y': layer(torch.randn(9, 1030))}, sys.argv[1])\n"

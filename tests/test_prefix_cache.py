@@ -19,7 +19,7 @@ import batchspec
 from batchspec.engine.kv_cache import BatchKVCache, Slab
 from batchspec.engine.prefix_cache import BLOCK, PrefixCache, block_keys
 from batchspec.engine.state import KVLocation, Sequence
-from batchspec.exact.int8 import quantize_model
+from batchspec.exact.integer import quantize_model
 from batchspec.models import ModelPair
 from batchspec.server import ServerConfig, create_app, serve_in_thread
 

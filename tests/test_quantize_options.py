@@ -1,6 +1,6 @@
 """``quantize`` ("none" | "int8") through loading, :class:`ModelChoice`, the command line, the bench and the audit.
 
-The int8 models themselves (:mod:`batchspec.exact.int8`) are tested beside them; here the option is checked to
+The int8 models themselves (:mod:`batchspec.exact.integer`) are tested beside them; here the option is checked to
 reach them, to be refused before loading where it cannot apply, and to be recorded wherever the dtype is.
 """
 
@@ -21,8 +21,8 @@ from batchspec.bench.audit import EXACT_RULE, NearTieRule, find_divergences, rul
 from batchspec.bench.reference import Reference
 from batchspec.bench.sweep import SweepPlan
 from batchspec.config import QUANTIZE, Method, Quantize
-from batchspec.exact.int8 import cpu_default, native, quantizable, quantization, quantize_model
-from batchspec.exact.int8 import model as int8_model
+from batchspec.exact.integer import cpu_default, native, quantizable, quantization, quantize_model
+from batchspec.exact.integer import model as int8_model
 from batchspec.models import ModelChoice, ModelPair, load_models, loading
 from batchspec.models import choice as choice_module
 
@@ -33,7 +33,8 @@ def not_loaded(*args, **kwargs):
 
 @pytest.fixture(autouse=True)
 def auto_is_int8_on_this_cpu(monkeypatch):
-    """``--quantize auto``'s CPU choice (:func:`batchspec.exact.int8.cpu_default`, tested on its own below) as on a CPU
+    """``--quantize auto``'s CPU choice (:func:`batchspec.exact.integer.cpu_default`, tested on its own below) as on a
+    CPU
     with native int8 kernels, so these tests read the same on every host."""
     monkeypatch.setattr(loading.int8, "cpu_default", lambda: "int8")
 
@@ -42,7 +43,7 @@ def test_auto_takes_int8_only_where_native_kernels_run(caplog, monkeypatch):
     """``--quantize auto`` picks int8 where a native build runs and float32 without one (the int8 forward in torch is
     exact but slow), in one log line naming the choice and why."""
     monkeypatch.setattr(int8_model, "_SAID", set())
-    with caplog.at_level("INFO", logger="batchspec.exact.int8.model"):
+    with caplog.at_level("INFO", logger="batchspec.exact.integer.model"):
         with native.using("none"):
             assert cpu_default() == "none"
         for isa in native.host_isas():
@@ -152,7 +153,7 @@ def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
     assert packed.quantize == "none" and packed.precision == "float32, packed kernels"
 
 
-def test_auto_loads_a_pair_the_int8_forward_does_not_support_unquantized(gelu_dirs):
+def test_auto_loads_a_pair_the_integer_forward_does_not_support_unquantized(gelu_dirs):
     target, draft = str(gelu_dirs / "target"), str(gelu_dirs / "draft")
     pair = loading.load_pair(target=target, draft=draft, progress=False)  # auto: int8 on the CPU in float32 ...
     assert pair.quantize == "none" and pair.dtype == "float32"  # ... but not for GELU MLPs

@@ -24,8 +24,9 @@ from typer.testing import CliRunner
 
 import batchspec
 from batchspec.cli import app
+from batchspec.config import default_cache_dir
 from batchspec.data import format_prompts, load_prompts
-from batchspec.exact.int8 import native
+from batchspec.exact.integer import native
 from batchspec.models import loading
 from batchspec.server import ServerConfig, create_app, serve_in_thread
 
@@ -184,6 +185,67 @@ def test_int8_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_i
         torch_path = loading.load_pair("smollm2", progress=False, quantize="int8").target
         got = logits(torch_path)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4():
+    cached_or_skip("smollm2")
+    return loading.load_pair("smollm2", progress=False)  # auto: its GGUF holds Q4_1 blocks, so int4
+
+
+def test_auto_keeps_the_ggufs_own_4_bit_blocks(smollm2_int4):
+    """``--quantize auto`` on a preset published in 4 bits is int4, and every int4 layer holds the file's own Q4_1
+    blocks: expanded as gguf expands them, they equal gguf's dequantization of the file element for element."""
+    from gguf import GGUFReader, dequantize
+
+    from batchspec.exact.integer.linear import Int4Linear
+    from batchspec.models.gguf_weights import GgufInt4Source, GgufOrigin
+
+    assert smollm2_int4.quantize == "int4" and smollm2_int4.precision.startswith("float32, int4 exact on ")
+    path = default_cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tensors = {tensor.name: tensor for tensor in GGUFReader(str(path)).tensors}
+    dense = loading.load_model("smollm2:target", progress=False, quantize="none")[0]
+    source = GgufInt4Source(GgufOrigin(path), dense)
+    layers = [(name, m) for name, m in smollm2_int4.target.named_modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 7 * dense.config.num_hidden_layers
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.29.self_attn.v_proj", "model.layers.7.mlp.gate_proj"):
+        tensor = tensors[source.tensor_name(name) + ".weight"]
+        assert torch.equal(source(name).values(), torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)))
+    q = source("model.layers.3.self_attn.q_proj")  # llama.cpp's row order undone, as transformers undoes it
+    assert torch.equal(q.values().bfloat16(), dense.model.layers[3].self_attn.q_proj.weight.bfloat16())
+
+
+@pytest.mark.parametrize("method, proposer", [("eqspec", "hybrid"), ("exspec", "draft")])
+def test_int4_batched_generation_equals_its_own_greedy(smollm2_int4, humaneval_ids, reference, method, proposer):
+    eos = smollm2_int4.target.generation_config.eos_token_id
+    expected = [reference(smollm2_int4.target, ids, MAX_NEW_TOKENS, eos) for ids in humaneval_ids]
+    result = batchspec.generate(
+        smollm2_int4.target, smollm2_int4.draft, humaneval_ids, method=method, proposer=proposer,
+        batch_size=BATCH_SIZE, max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=4, check_invariants=True,
+    )
+    assert result.sequences == expected
+
+
+def test_int4_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_int4, humaneval_ids):
+    """The int4 target's logits of a ragged batch: the same bits on every native build (2 threads), with 1 and 16
+    threads, and on the torch path (the model made there from the same file)."""
+    rows = [ids[-40:] for ids in humaneval_ids]
+    prefix = [len(row) - 5 for row in rows]
+
+    def logits(model) -> list[torch.Tensor]:
+        return ragged_forwards(model, rows, prefix, [1, 3, 1])
+
+    threads, want = torch.get_num_threads(), logits(smollm2_int4.target)
+    try:
+        for isa, count in [(isa, 2) for isa in native.host_isas()] + [(native.isa(), 1), (native.isa(), 16)]:
+            torch.set_num_threads(count)
+            with native.using(isa):
+                assert all(torch.equal(a, b) for a, b in zip(logits(smollm2_int4.target), want, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+    with native.using("none"):
+        torch_path = loading.load_model("smollm2:target", progress=False, quantize="int4")[0]
+        assert all(torch.equal(a, b) for a, b in zip(logits(torch_path), want, strict=True))
 
 
 LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),

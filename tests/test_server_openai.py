@@ -32,7 +32,7 @@ from serving import (
 )
 
 import batchspec
-from batchspec.exact.int8 import quantize_model
+from batchspec.exact.integer import quantize_model
 from batchspec.models import ModelPair
 from batchspec.server import ServerConfig, create_app, serve_in_thread
 from batchspec.server.errors import APIError

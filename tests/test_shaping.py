@@ -22,7 +22,7 @@ from batchspec.config import SamplingParams
 from batchspec.engine.grammar import GrammarCompiler, GrammarError, unpack
 from batchspec.engine.penalties import Penalties
 from batchspec.engine.prefill import prompt_logprobs
-from batchspec.exact.int8 import quantize_model
+from batchspec.exact.integer import quantize_model
 
 PENALTIES = Penalties(presence=0.6, frequency=0.35, repetition=1.4, logit_bias=((5, 1.5), (7, -4.0), (11, 0.25)))
 METHODS = [("eqspec", "draft", 3), ("exspec", "hybrid", 2), ("eqspec", "ngram", 4), ("eqspec", "hybrid", "auto")]

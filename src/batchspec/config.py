@@ -85,7 +85,7 @@ class Kernels(StrEnum):
 
 
 class Quantize(StrEnum):
-    """Whether the models are made the exact integer ones (:mod:`batchspec.exact.int8`): int8, or int4 weights with
+    """Whether the models are made the exact integer ones (:mod:`batchspec.exact.integer`): int8, or int4 weights with
     int8 activations."""
 
     AUTO = "auto"
@@ -381,11 +381,13 @@ class ModelOptions:
     )
     quantize: str = option(
         AUTO, check=named(Quantize), choices=Quantize,
-        help="auto (default): int8 on the CPU in float32 where batchspec's native int8 kernels run (x86-64 with "
-        "AVX2; it kept float32's HumanEval pass@1 and decodes faster; see docs/int8.md), none elsewhere. "
-        "int8: int8 weights and per-token int8 activations with integer-exact attention: each row's logits are "
-        "bit-identical whatever the batch, so output equals the quantized model's own decoding exactly; CPU only. "
-        "none: the dtype's own arithmetic (float32 on the CPU: the original model).",
+        help="auto (default): on the CPU in float32 where batchspec's native kernels run (x86-64 with AVX2), int4 "
+        "for models read from GGUF files that hold 4-bit weights (the presets: the model as published), int8 for "
+        "others; none elsewhere (see docs/integer.md). int8: int8 weights and per-token int8 activations with "
+        "integer-exact attention: each row's logits are bit-identical whatever the batch, so output equals the "
+        "quantized model's own decoding exactly; CPU only. int4: the same with 4-bit weights (a GGUF file's own "
+        "Q4_0/Q4_1/Q4_K blocks, its other tensors int8) and int8 activations per block of 256: half the bytes a "
+        "step reads. none: the dtype's own arithmetic (float32 on the CPU: the original model).",
     )
     cache_dir: Path | None = option(
         None, metavar="DIR", file_okay=False,

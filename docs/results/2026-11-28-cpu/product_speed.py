@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from batchspec.exact.int8 import int4, native
+from batchspec.exact.integer import int4, native
 
 torch.set_num_threads(2)
 COUNT = 30

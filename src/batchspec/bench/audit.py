@@ -18,7 +18,7 @@ build up over the layers of the two differently batched forwards. A larger margi
 it fails the audit and points at a synchronisation bug. A method that goes on where the reference ended has an
 infinite margin. ``batchspec audit --near-tie-ulps`` overrides the multiple.
 
-**int8 pairs: no near-ties.** The exact int8 models of ``--quantize int8`` (:mod:`batchspec.exact.int8`) compute
+**int8 pairs: no near-ties.** The exact int8 models of ``--quantize int8`` (:mod:`batchspec.exact.integer`) compute
 each row's logits with arithmetic that does not depend on the batch, the padding or the tokens beside it: they are
 bit-identical in every forward, so rounding cannot flip an argmax and the near-tie rule does not apply. Auditing
 an int8 pair judges with :data:`EXACT_RULE`: every divergence is a failure (``near_tie`` is False even at an exact
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from batchspec.bench.reference import Reference, first_divergence, load_or_compute_reference, match_summary
 from batchspec.bench.runners import draft_length, plan_cells, runner_for, runs
 from batchspec.bench.workload import Workload
-from batchspec.exact.int8 import quantization
+from batchspec.exact.integer import quantization
 from batchspec.exact.invariant import batch_invariant
 from batchspec.models.pair import ModelPair
 

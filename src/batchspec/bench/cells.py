@@ -16,7 +16,9 @@ from batchspec.engine import STAGES
 class Cell:
     """The measurements of one cell; None where a field does not apply to the method (e.g. the peers have no
     acceptance statistics or stage split, only exspec groups, and only the speculative methods have a proposer
-    and a draft length)."""
+    and a draft length). ``target_gb`` is what one target forward reads of its weights and ``read_gb_per_s`` the
+    rate the decoding rounds' target forwards read them at (:func:`read_rate`): a plain B = 1 step's ratio to the
+    memory's read bandwidth is how far it is from its floor."""
 
     method: str
     proposer: str | None
@@ -51,6 +53,8 @@ class Cell:
     grouping_rate: float | None
     exact_match: float | None
     partial_match: float | None
+    target_gb: float | None = None
+    read_gb_per_s: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -81,6 +85,7 @@ def make_cell(
     workload: Workload,
     out: RunOutput,
     match: MatchSummary | None,
+    target_bytes: int | None = None,
 ) -> Cell:
     tokens = sum(len(s) for s in out.sequences)
     stats = out.stats
@@ -118,4 +123,16 @@ def make_cell(
         grouping_rate=stats.grouping_rate if speculative and method == "exspec" else None,
         exact_match=None if match is None else match.exact_match,
         partial_match=None if match is None else match.partial_match,
+        target_gb=None if target_bytes is None else target_bytes / 1e9,
+        read_gb_per_s=_per_billion(None if stats is None or target_bytes is None else read_rate(target_bytes, stats)),
     )
+
+
+def _per_billion(value: float | None) -> float | None:
+    return None if value is None else value / 1e9
+
+
+def read_rate(target_bytes: int, stats) -> float | None:
+    """Bytes per second the target's weights were read at while decoding: each round's verification (or plain step)
+    is one target forward, which reads ``target_bytes``; over the time the rounds spent in it (``verify_s``)."""
+    return target_bytes * stats.rounds / stats.verify_s if stats.verify_s > 0 else None

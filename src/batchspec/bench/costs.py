@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from batchspec.engine import BatchKVCache, BatchState, ModelRunner
-from batchspec.exact.int8.product import PackedWeight
+from batchspec.exact.integer.product import PackedWeight
 
 DEFAULT_CONTEXT = 128  # cached columns before the timed tokens
 DEFAULT_REPEATS = 3  # timed forwards per cost (their median)

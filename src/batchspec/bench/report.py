@@ -25,6 +25,7 @@ TABLE = (
     ("verify", "verify_share"),
     ("realign", "realign_share"),
     ("other", "other_share"),
+    ("read GB/s", "read_gb_per_s"),
     ("grouping", "grouping_rate"),
     ("exact", "exact_match"),
     ("partial", "partial_match"),
@@ -75,8 +76,9 @@ def write_results(out_dir: Path, cells: list[Cell]) -> None:
     if cells:
         first = cells[0]
         arithmetic = f"{first.kernels} kernels" if first.quantize == "none" else f"{first.quantize} exact"
+        reads = "" if first.target_gb is None else f", the target reads {first.target_gb:.3f} GB a forward"
         title = (
-            f"{first.model}, {first.dtype} ({arithmetic}), {first.prompts} prompts, "
+            f"{first.model}, {first.dtype} ({arithmetic}{reads}), {first.prompts} prompts, "
             f"{first.max_new_tokens} new tokens, "
             f"{first.torch_threads} threads, {first.machine}" + ("" if first.device == "cpu" else f", {first.device}")
         )

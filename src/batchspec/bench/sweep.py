@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from batchspec.bench.audit import NearTieRule, audit_cell, empty_report, rule_for
 from batchspec.bench.cells import Cell, make_cell
+from batchspec.bench.costs import weight_bytes
 from batchspec.bench.plots import write_plots
 from batchspec.bench.reference import MatchSummary, Reference, load_or_compute_reference
 from batchspec.bench.report import write_results
@@ -82,6 +83,7 @@ def run_sweep(
         reference = load_or_compute_reference(pair, workload, out_dir / "reference.json", progress)
     todo = plan.cells()
     warm_up(pair, workload, todo)
+    target_bytes = weight_bytes(pair.target)
     skipped = [where for where in plan.wanted() if where not in todo]
     cells: list[Cell] = []
     audit = empty_report(workload, rule)
@@ -92,7 +94,7 @@ def run_sweep(
             compared = audit_cell(method, batch_size, workload, out.sequences, reference, rule, proposer)
             audit.cells.append(compared)
         match = None if compared is None else MatchSummary(compared.exact_match, compared.partial_match)
-        cells.append(make_cell(method, proposer, batch_size, workload, out, match))
+        cells.append(make_cell(method, proposer, batch_size, workload, out, match, target_bytes))
         write_results(out_dir, cells)
         if compared is not None:
             audit.write(out_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from batchspec.config import SpecConfig, setting_default
-from batchspec.exact.int8 import check_quantize
+from batchspec.exact.integer import check_quantize
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Workload:
         pad_token_id: filler for padded batches.
         kernels: the models' CPU matrix kernels (``packed`` or ``default``, see :func:`batchspec.models.use_kernels`).
         device: where the models run (``cpu``, or the GPU's name: see :func:`batchspec.devices.device_name`).
-        quantize: ``"int8"`` when the models are the exact int8 ones (see :mod:`batchspec.exact.int8`), else
+        quantize: ``"int8"`` when the models are the exact int8 ones (see :mod:`batchspec.exact.integer`), else
             ``"none"``.
         prefix_cache_size: batchspec's prefix cache in bytes, 0 or ``"auto"`` (it changes times, never outputs).
     """

@@ -17,6 +17,7 @@ from typing import Annotated, Any, get_type_hints
 
 import typer
 
+from batchspec.bench.cells import read_rate
 from batchspec.cli.errors import user_errors
 from batchspec.config import (
     CudaGraphs,
@@ -209,8 +210,9 @@ def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
 
 
-def summary_lines(stats: Any, finish_reasons: list[str], method: Method) -> list[str]:
-    """A short human-readable summary of a run's ``GenerationStats``."""
+def summary_lines(stats: Any, finish_reasons: list[str], method: Method, target_bytes: int | None = None) -> list[str]:
+    """A short human-readable summary of a run's ``GenerationStats``; with ``target_bytes`` (what a target forward
+    reads of its weights, :func:`~batchspec.bench.costs.weight_bytes`) the rate its forwards read them at."""
     reasons = {reason: finish_reasons.count(reason) for reason in sorted(set(finish_reasons))}
     finished = ", ".join(f"{reason} {count}" for reason, count in reasons.items())
     lines = [
@@ -227,4 +229,8 @@ def summary_lines(stats: Any, finish_reasons: list[str], method: Method) -> list
     stages = [(stage, getattr(stats, f"{stage}_s")) for stage in STAGES]
     split = ", ".join(f"{name} {seconds:.1f} s ({_percent(seconds, stats.wall_s)})" for name, seconds in stages)
     lines.append(f"time             {split}")
+    rate = None if target_bytes is None else read_rate(target_bytes, stats)
+    if rate is not None:
+        lines.append(f"weights          the target reads {target_bytes / 1e9:.3f} GB a forward: {rate / 1e9:.1f} GB/s "
+                     f"over its {stats.rounds} decoding forwards (a plain step's floor is the memory's read rate)")
     return lines

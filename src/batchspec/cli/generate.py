@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from batchspec.api import generate
+from batchspec.bench.costs import weight_bytes
 from batchspec.cli.common import (
     CudaGraphs,
     MaxNewTokensOption,
@@ -105,6 +106,6 @@ def generate_command(
             typer.echo(f"Wrote {len(results)} results to {output}", err=True)
     typer.echo(f"Summary: {loaded.name} ({loaded.precision}), {run_label(settings)}, "
                f"{sampling_summary(sampling, seed)}")
-    for line in summary_lines(result.stats, result.finish_reasons, settings.method):
+    for line in summary_lines(result.stats, result.finish_reasons, settings.method, weight_bytes(loaded.target)):
         typer.echo(f"  {line}")
 

@@ -43,8 +43,8 @@ from batchspec.engine.errors import InvariantError
 from batchspec.engine.graphs import GRAPHED_ATTENTION, GraphedForwards, GraphMode
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.state import BatchState, visible_keys
-from batchspec.exact.int8.attention import NAME as EXACT_ATTENTION
-from batchspec.exact.int8.forward import int8_forward
+from batchspec.exact.integer.attention import NAME as EXACT_ATTENTION
+from batchspec.exact.integer.forward import integer_forward
 from batchspec.exact.invariant.model import NAME as INVARIANT_ATTENTION
 
 
@@ -78,7 +78,7 @@ class ModelRunner:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
         Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.engine.graphs`)."""
-        forward = int8_forward(model) if cache.write_at is None else None
+        forward = integer_forward(model) if cache.write_at is None else None
         if forward is not None:  # the int8 model's own forward: the same bits as the model's, in fewer calls
             return forward.logits(input_ids, *_placement(model, batch, cache, input_ids), cache, keep)
         end = cache.length + input_ids.shape[1]
@@ -93,7 +93,7 @@ class ModelRunner:
     def read(self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> None:
         """Feed ``input_ids`` ``[B, q]`` like :meth:`logits`, for their KV only: the decoder runs, the output layer
         (``[B, q, V]`` logits, the largest matrix product of a prefill) does not."""
-        forward = int8_forward(model) if cache.write_at is None else None
+        forward = integer_forward(model) if cache.write_at is None else None
         if forward is not None:
             forward.read(input_ids, *_placement(model, batch, cache, input_ids), cache)
             return

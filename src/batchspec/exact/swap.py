@@ -1,4 +1,5 @@
-"""What the two exact modes (:mod:`batchspec.exact.int8` on the CPU, :mod:`batchspec.exact.invariant` on CUDA) share in
+"""What the two exact modes (:mod:`batchspec.exact.integer` on the CPU, :mod:`batchspec.exact.invariant` on CUDA)
+share in
 how they enter a transformers model: an attention implementation registered by name, the boolean visibility its kernel
 is given, and the swap of a model's layers for their own.
 

@@ -1,7 +1,7 @@
 """Models, loading only: presets and obtaining them (:mod:`batchspec.models.obtain`), loading, which models a method
 needs (:class:`ModelChoice`), CPU kernels and the loaded pair (:class:`ModelPair`). Which models batchspec supports is
 checked beside the engine (:mod:`batchspec.model_checks`). ``packing.py`` here is the float32 models' prepacked
-oneDNN linear (``--kernels``); the exact modes' own kernels live in their rooms (``exact/int8/product.py``,
+oneDNN linear (``--kernels``); the exact modes' own kernels live in their rooms (``exact/integer/product.py``,
 ``exact/invariant/kernels.py``)."""
 
 from batchspec.config import default_cache_dir

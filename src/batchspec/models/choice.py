@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from batchspec.config import Method, ModelOptions, ProposerKind, option, optional
 from batchspec.devices import device_name, resolve_device
-from batchspec.exact.int8 import quantization
+from batchspec.exact.integer import quantization
 from batchspec.exact.invariant import batch_invariant
 from batchspec.memory import keep_freed_memory
 from batchspec.models.loading import (

@@ -4,7 +4,7 @@ The dense model batchspec loads from a GGUF file (a preset's cache, or the file 
 dequantization of each weight, already rounded to bf16 in a preset's cache. :class:`GgufInt4Source` hands the int4
 model the file's own blocks instead: for a linear layer it finds the tensor (gguf's name map, the layer index through
 a derived draft's kept layers), reads its Q4_0 / Q4_1 / Q4_K blocks as an
-:class:`~batchspec.exact.int8.int4.Int4Weight`, undoes the row order llama.cpp gives Llama's q and k (as
+:class:`~batchspec.exact.integer.int4.Int4Weight`, undoes the row order llama.cpp gives Llama's q and k (as
 transformers does), and checks that it expands to the loaded weight, so a wrong tensor can never be used silently.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from batchspec.exact.int8.int4 import GGUF_INT4, Int4Weight, from_gguf
+from batchspec.exact.integer.int4 import GGUF_INT4, Int4Weight, from_gguf
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,22 @@ class GgufOrigin:
 
     path: Path
     layers: tuple[int, ...] | None = None
+
+
+def four_bit(origin: GgufOrigin) -> bool:
+    """Whether ``origin``'s file holds the weights of its decoder layers in 4-bit blocks (Q4_0, Q4_1, Q4_K: what
+    int4 keeps as they are), most of them by count: a Q4_K_M file does (its 6-bit tensors are a minority), a Q8_0 one
+    does not."""
+    return _four_bit(origin.path, origin.path.stat().st_mtime_ns)
+
+
+@functools.cache
+def _four_bit(path: Path, modified: int) -> bool:
+    from gguf import GGUFReader
+
+    kinds = [t.tensor_type.name for t in GGUFReader(str(path)).tensors if t.name.startswith("blk.") and
+             t.name.endswith(".weight") and len(t.shape) == 2]
+    return sum(kind in GGUF_INT4 for kind in kinds) * 2 > len(kinds)
 
 
 class GgufInt4Source:
@@ -47,7 +63,7 @@ class GgufInt4Source:
         self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
 
     def __call__(self, name: str) -> Int4Weight | None:
-        tensor = self.tensors.get(f"{self._file_name(name)}.weight")
+        tensor = self.tensors.get(f"{self.tensor_name(name)}.weight")
         if tensor is None:
             raise ValueError(f"{self.origin.path.name} holds no tensor for {name}")
         if tensor.tensor_type.name not in GGUF_INT4:
@@ -60,7 +76,7 @@ class GgufInt4Source:
             raise ValueError(f"{self.origin.path.name}: the blocks of {tensor.name} do not expand to {name}'s weight")
         return weight
 
-    def _file_name(self, name: str) -> str:
+    def tensor_name(self, name: str) -> str:
         """The file's name of module ``name``: gguf's map, after the layer index of a derived draft is the file's."""
         parts = name.split(".")
         if self.origin.layers is not None and len(parts) > 2 and parts[-3].isdigit():

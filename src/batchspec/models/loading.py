@@ -19,7 +19,7 @@ exactly the target's own; half precision only when asked for. ``device="auto"`` 
 :func:`batchspec.devices.resolve_device`) is the first CUDA device when torch sees one, else the CPU: weights are
 read on the CPU and then moved there.
 
-``quantize="int8"`` (see :mod:`batchspec.exact.int8`) turns each loaded float32 model into the exact int8 model:
+``quantize="int8"`` (see :mod:`batchspec.exact.integer`) turns each loaded float32 model into the exact int8 model:
 every row's logits are then bit-identical whatever the batch, so greedy output is the quantized model's own with no
 near-tie exemption. ``quantize="int4"`` makes the exact int4 model instead (4-bit weights, 8-bit activations): a
 model loaded from a GGUF file keeps the file's own 4-bit blocks (:mod:`batchspec.models.gguf_weights`), its other
@@ -32,6 +32,7 @@ forward supports every one, an asked-for ``"int8"`` or ``"int4"`` is refused unl
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 from batchspec.config import DTYPES, KERNELS, check_option, default_cache_dir, setting_default
 from batchspec.devices import device_name, resolve_device
-from batchspec.exact import int8
+from batchspec.exact import integer
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.exact.invariant import make_batch_invariant
 from batchspec.model_checks import vocab_size
-from batchspec.models.gguf_weights import GgufInt4Source, GgufOrigin
+from batchspec.models.gguf_weights import GgufInt4Source, GgufOrigin, four_bit
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.cache import build_directory, hub_offline
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, GgufSource, get_preset
@@ -53,6 +54,8 @@ from batchspec.models.pair import ModelPair
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 LOAD_DEVICE = "cpu"
 QUANTIZED_DTYPES: tuple[str, ...] = ("float32", "float64")  # the float models quantize_model takes
@@ -78,23 +81,24 @@ def resolve_quantize(
     kernels: str = setting_default("kernels"), device: str | torch.device = setting_default("device"),
 ) -> str:
     """``quantize`` itself, or for ``"auto"``: on the CPU, when the dtype resolves to float32 and the kernels are not
-    ``"packed"``, :func:`batchspec.exact.int8.cpu_default` (``"int8"`` where batchspec's native int8 kernels run, which
+    ``"packed"``, :func:`batchspec.exact.integer.cpu_default` (``"int8"`` where batchspec's native int8 kernels run,
+    which
     it says in one log line); else ``"none"``.
 
     int8 is the CPU's default there because it keeps the quality of float32 and is faster: on HumanEval's first 40
     problems (chat template, 384 new tokens) the qwen2.5-coder pair passed 37 in int8 and 35 in float32, and int8
-    decoded 1.3-2.0x faster with 0.31x the memory (docs/int8.md). Models the int8 forward does not all support (see
-    :func:`batchspec.exact.int8.model.check_quantizable`) then load as ``"none"``, all of them
+    decoded 1.3-2.0x faster with 0.31x the memory (docs/integer.md). Models the int8 forward does not all support (see
+    :func:`batchspec.exact.integer.model.check_quantizable`) then load as ``"none"``, all of them
     (:func:`settle_quantize`).
     """
-    quantize = int8.check_quantize(quantize)
+    quantize = integer.check_quantize(quantize)
     if quantize != "auto":
         return quantize
     on_cpu = resolve_device(device).type == "cpu"
     float32 = resolve_dtype(dtype) == "float32"
     if not (on_cpu and float32 and check_option("kernels", kernels, KERNELS) != "packed"):
         return "none"
-    return int8.cpu_default()
+    return integer.cpu_default()
 
 
 def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = setting_default("device")) -> None:
@@ -134,21 +138,30 @@ def check_quantize_for(
     return quantize
 
 
-def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]]) -> str:
+def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]],
+                    origins: Sequence[GgufOrigin | None] = ()) -> str:
     """What the loaded ``models`` (``(spec, model)`` pairs) are all made: ``resolved`` (see
-    :func:`check_quantize_for`), except that an ``"int8"`` resolved from ``asked="auto"`` is ``"none"`` unless the
-    int8 forward supports every model (:func:`batchspec.exact.int8.quantizable`), so a pair is never half quantized.
+    :func:`check_quantize_for`), except that from ``asked="auto"`` an ``"int8"`` is ``"none"`` unless the integer
+    forward supports every model (:func:`batchspec.exact.integer.quantizable`), so a pair is never half quantized, and
+    ``"int4"`` where every model came from a GGUF file that holds its weights in 4 bits (``origins``: the model as
+    published; :func:`four_bit`), which it says in one log line.
 
-    An ``"int8"`` asked for explicitly raises ValueError naming the first model the int8 forward does not support
-    and why (before any model is quantized).
+    An ``"int8"`` or ``"int4"`` asked for explicitly raises ValueError naming the first model the integer forward does
+    not support and why (before any model is quantized).
     """
     if resolved not in ("int8", "int4"):
         return resolved
     if asked == "auto":
-        return resolved if all(int8.quantizable(model) for _, model in models) else "none"
+        if not all(integer.quantizable(model) for _, model in models):
+            return "none"
+        if origins and all(origin is not None and four_bit(origin) for origin in origins):
+            names = ", ".join(origin.path.name for origin in dict.fromkeys(origins))
+            logger.info("batchspec: --quantize auto: int4 (%s hold 4-bit weights: their own blocks are kept)", names)
+            return "int4"
+        return resolved
     for spec, model in models:
         try:
-            int8.check_quantizable(model, resolved)
+            integer.check_quantizable(model, resolved)
         except ValueError as error:
             raise ValueError(f"{spec}: {error} (--quantize auto or none loads it unquantized)") from None
     return resolved
@@ -244,7 +257,7 @@ def load_model(
     inside a Hub repository or local directory. ``kernels`` picks the CPU matrix kernels (see :func:`use_kernels`).
     ``device`` is where the model runs (``auto``: CUDA when available, see :func:`batchspec.devices.resolve_device`).
     ``quantize="int8"`` makes the loaded model the exact int8 model (see
-    :func:`batchspec.exact.int8.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
+    :func:`batchspec.exact.integer.quantize_model`) instead of packing its kernels; :func:`check_quantize_for` says
     where it applies, before loading, and :func:`settle_quantize` whether the int8 forward supports the model
     (``"auto"``: else it loads as ``"none"``; ``"int8"``: else a ValueError). ``batch_invariant`` runs the model on
     the batch-invariant kernels (CUDA only, see :mod:`batchspec.exact.invariant`).
@@ -268,18 +281,19 @@ def _load_models(
     resolved = check_quantize_for(quantize, dtype, kernels, place)
     loaded = [_load_on(spec, dtype, place, cache_dir, cache_gguf, gguf_file, progress) for spec in specs]
     models = [model for model, _ in loaded]
-    resolved = settle_quantize(quantize, resolved, list(zip(specs, models, strict=True)))
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    for spec, (model, tokenizer) in zip(specs, loaded, strict=True):
-        origin = _origin(spec, root, gguf_file, progress) if resolved == "int4" else None
-        source = None if origin is None else GgufInt4Source(origin, model)
-        _finish(model, tokenizer, resolved, kernels, batch_invariant, source)
+    looks = resolved == "int4" or (quantize == "auto" and resolved == "int8")
+    origins = [_origin(spec, root, gguf_file, progress, fetch=resolved == "int4") for spec in specs] if looks else []
+    resolved = settle_quantize(quantize, resolved, list(zip(specs, models, strict=True)), origins)
+    for index, (model, tokenizer) in enumerate(loaded):
+        origin = origins[index] if resolved == "int4" else None
+        _finish(model, tokenizer, resolved, kernels, batch_invariant, origin and GgufInt4Source(origin, model))
     return loaded
 
 
-def _origin(spec: str, root: Path, gguf_file: str | None, progress: bool) -> GgufOrigin | None:
-    """The GGUF file ``spec``'s weights were read from (a preset's, obtained again if it left the cache; a local
-    file), or None (a checkpoint directory, a Hub id)."""
+def _origin(spec: str, root: Path, gguf_file: str | None, progress: bool, fetch: bool) -> GgufOrigin | None:
+    """The GGUF file ``spec``'s weights were read from (a preset's, obtained again if it left the cache and ``fetch``;
+    a local file), or None (a checkpoint directory, a Hub id, a preset's file gone and not fetched)."""
     preset_role = parse_preset_spec(spec)
     if preset_role is not None:
         preset = get_preset(preset_role[0])
@@ -288,6 +302,8 @@ def _origin(spec: str, root: Path, gguf_file: str | None, progress: bool) -> Ggu
         target = source if isinstance(source, GgufSource) else preset.target.source
         path = root / "gguf" / target.filename
         if not path.is_file() or path.stat().st_size != target.size:
+            if not fetch:
+                return None
             path = obtain_gguf(target, root, progress=progress)
         return GgufOrigin(path, layers)
     path = Path(spec).expanduser()
@@ -309,7 +325,7 @@ def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invar
     """Make the loaded ``model`` the exact integer one (``quantize``, settled; int4 from ``source``'s blocks where
     given), else batch-invariant, else put it on ``kernels``."""
     if quantize in ("int8", "int4"):
-        int8.quantize_model(model, tokenizer, quantize, source)
+        integer.quantize_model(model, tokenizer, quantize, source)
     elif batch_invariant:
         make_batch_invariant(model)
     else:
@@ -435,7 +451,7 @@ def load_pair(
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
     seconds = time.perf_counter() - started
-    quantize = int8.quantization(target_model)
+    quantize = integer.quantization(target_model)
     return ModelPair(
         target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place), quantize,
         is_batch_invariant(target_model),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchspec.exact.int8 import check_quantize, native
+from batchspec.exact.integer import check_quantize, native
 from batchspec.models.packing import kernels_in_use
 
 
@@ -24,7 +24,7 @@ class ModelPair:
         seconds: time spent loading them (0.0 when not measured).
         device: where they run, as reports name it (``cpu``, ``cuda:0 (NVIDIA H100 80GB HBM3)``; see
             :func:`batchspec.devices.device_name`).
-        quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.exact.int8`: their
+        quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.exact.integer`: their
             ``dtype`` is then that of the activations and of what stays float), else ``"none"``.
         batch_invariant: whether both run on the batch-invariant kernels (see :mod:`batchspec.exact.invariant`).
     """
@@ -44,7 +44,7 @@ class ModelPair:
         """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``; on a GPU the
         dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``, or ``bfloat16, batch-invariant on
         cuda:0 (...)``; quantized: ``float32, int8 exact on avx2`` (the native build the int8 forward runs on, see
-        :func:`batchspec.exact.int8.native.isa`; ``torch`` without one)."""
+        :func:`batchspec.exact.integer.native.isa`; ``torch`` without one)."""
         if self.device != "cpu":
             return f"{self.dtype}{', batch-invariant' if self.batch_invariant else ''} on {self.device}"
         if self.quantize != "none":

@@ -5,7 +5,7 @@ float64. For one query ``q`` over its visible keys ``j``:
 
 * ``dot[j] = Q . K[j]`` is an integer below 2**37 (``|Q|, |K| <= 32767``, head size <= 128): the float64 product
   is exact in any order. ``score[j] = (dot[j] * sq) * sk[j] * scaling``, elementwise.
-* ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.exact.int8.arithmetic.exp2_nonpositive` (in float32,
+* ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.exact.integer.arithmetic.exp2_nonpositive` (in float32,
   the scores in units of log2), 0 where masked.
 * The softmax-weighted sum ``sum_j e[j] sv[j] V[j] / sum_j e[j]`` is taken over integers: ``a[j] = e[j] sv[j]`` is
   rounded to ``W[j] = round(a[j] / max a * 2**20)`` and ``e[j]`` to ``E[j] = round(e[j] * 2**20)``; then
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchspec.exact.int8 import native
-from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows
-from batchspec.exact.int8.native import SCALE_BITS, packed_width
+from batchspec.exact.integer import native
+from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows
+from batchspec.exact.integer.native import SCALE_BITS, packed_width
 from batchspec.exact.swap import register_attention
 
 NAME = "batchspec_exact"
@@ -87,7 +87,7 @@ def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(x: torch.Tensor) -> torch.Tensor:
     """Keys or values ``[B, Hk, q, D]`` quantized per token and head in float32: ``[B, Hk, q, W]`` int16 (``W`` =
     :func:`packed_width`), the integers ``r = clamp(round(x / s), +-32767)`` of
-    :func:`~batchspec.exact.int8.arithmetic.quantize_rows` (and ``x = 0`` past ``D``), except that integer ``i <``
+    :func:`~batchspec.exact.integer.arithmetic.quantize_rows` (and ``x = 0`` past ``D``), except that integer ``i <``
     :data:`SCALE_BITS` whose parity is not bit ``i`` of the scale ``s`` moves one step towards ``x / s`` (away from
     it where ``x / s`` is ``r`` itself, back inside ``+-32767`` at the edge).
 

@@ -8,7 +8,8 @@ The int8 forward is batch-invariant by construction because it only uses three k
    on the CPU (it differed from the correctly rounded root in 15,509 of 100,000 random float32 values on an AVX-512
    Zen 4, through a vector library that picks its code by CPU), so :func:`sqrt_rounded` takes float64's root and
    rounds it, which is the correctly rounded float32 root.
-2. **Sums of integers held exactly**: the int8 product accumulates in int32 (:mod:`batchspec.exact.int8.product`), and
+2. **Sums of integers held exactly**: the int8 product accumulates in int32 (:mod:`batchspec.exact.integer.product`),
+   and
    float64 holds every integer below 2**53 exactly, so a matrix product of integer-valued float64 tensors whose
    partial sums stay below 2**53 is exact, in any summation order and blocking a BLAS picks.
 3. **Maxima** (``amax``), which are exact in any order.
@@ -20,7 +21,7 @@ of a tensor and of the same tensor shifted by one to 39 elements differ in 147 o
 CPU), and on the instruction set torch dispatches to (its AVX2 and AVX-512 SiLU agree, its scalar one does not). So
 :func:`exp2_nonpositive` builds ``2**t`` from kind-1 operations, :func:`exact_silu` builds the SiLU on it, and
 :func:`row_sum` sums a float row in an order fixed by its length. The native kernels
-(:mod:`batchspec.exact.int8.native`) compute each of these with the same operations in the same order, so every build
+(:mod:`batchspec.exact.integer.native`) compute each of these with the same operations in the same order, so every build
 and the torch path give one set of bits.
 
 Glossary: a *row* is the vector one reduction runs over (one token's hidden state, one head's query); *levels*
@@ -33,7 +34,7 @@ import math
 
 import torch
 
-from batchspec.exact.int8 import native
+from batchspec.exact.integer import native
 
 INT8_LEVELS = 127
 # 2**f on [0, 1) as a polynomial in f: the Taylor terms of exp(f ln 2); the degree-10 remainder is below 1e-8.
@@ -65,7 +66,8 @@ def exp2_nonpositive(t: torch.Tensor) -> torch.Tensor:
     ``2**t = 2**n * 2**f`` with ``n = floor(t)``, ``f = t - n`` in ``[0, 1)``: ``2**f`` is a degree-9 polynomial
     (relative error below 1e-8 before rounding) and ``2**n`` is built from its exponent bits. Arguments below -126
     give ``2**-126``; callers mask what must be exactly zero. ``t`` may be overwritten. A contiguous float32 ``t`` on
-    a CPU with batchspec's native kernels takes :func:`~batchspec.exact.int8.native.exp2_nonpositive_`, the same bits.
+    a CPU with batchspec's native kernels takes :func:`~batchspec.exact.integer.native.exp2_nonpositive_`, the same
+    bits.
     """
     if t.dtype == torch.float32 and t.is_contiguous() and native.available():
         return native.exp2_nonpositive_(t, EXP2_COEFFICIENTS)
@@ -107,7 +109,7 @@ def exact_silu(x: torch.Tensor) -> torch.Tensor:
     alone, on every CPU: ``e = 2**(|x| * -log2 e)`` (``exp(-|x|)``), then ``x * (s / (1 + e))`` with ``s = 1`` for
     ``x >= 0`` and ``e`` below (the sigmoid of ``|x|`` or of ``-|x|``, never an overflow). Within a few units in the
     last place of torch's ``F.silu``; a float32 call on a CPU with batchspec's native kernels runs
-    :func:`~batchspec.exact.int8.native.silu`, the same bits.
+    :func:`~batchspec.exact.integer.native.silu`, the same bits.
 
     Example: ``x = 0`` gives ``e = 1`` and ``0 * (1 / 2) = 0``; ``x = -1`` gives ``e = 0.3679`` and
     ``-1 * (0.3679 / 1.3679) = -0.2689``.

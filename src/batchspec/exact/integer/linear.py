@@ -4,9 +4,9 @@
   ``x`` (``[K]``) and output channel ``o``: ``y[o] = (acc[o] * sx) * sw[o] + b[o]`` with ``acc = round(x / sx) .
   W8[o]`` summed exactly in int32, ``sx = max|x| / 127`` and ``sw[o] = max|W[o]| / 127``.
 * :class:`Int4Linear`: int4 weights in GGUF's Q4_K grid, activations quantized per super-block
-  (:mod:`batchspec.exact.int8.int4`).
+  (:mod:`batchspec.exact.integer.int4`).
 
-Every step is elementwise or an exact integer sum (see :mod:`batchspec.exact.int8.arithmetic`), so a token's
+Every step is elementwise or an exact integer sum (see :mod:`batchspec.exact.integer.arithmetic`), so a token's
 output does not depend on the other tokens or rows of the call, nor on how the integer kernel blocks the product.
 :class:`QuantizedRows` holds one input's activations in each form its readers take, each made once.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from batchspec.exact.int8 import int4, native
-from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
-from batchspec.exact.int8.native import ZERO_POINT
-from batchspec.exact.int8.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
+from batchspec.exact.integer import int4, native
+from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
+from batchspec.exact.integer.native import ZERO_POINT
+from batchspec.exact.integer.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +29,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights (``weight``: laid out once for this CPU's exact product, see
-    :mod:`batchspec.exact.int8.product`; ``scale`` ``[O]``) and per-token int8 activations."""
+    :mod:`batchspec.exact.integer.product`; ``scale`` ``[O]``) and per-token int8 activations."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -73,7 +73,7 @@ class Int8Stack:
     """Layers that read one input (an attention's q, k and v; an MLP's gate and up) as one product: their ``native``
     weights stacked in one buffer, which each layer then reads through views of it (its outputs are unchanged:
     each output channel's sum is its own). One pass over the stacked weight gives every layer's output in its own
-    tensor (:func:`~batchspec.exact.int8.native.linear_parts`); a one-row step reads the small k and v weights at the
+    tensor (:func:`~batchspec.exact.integer.native.linear_parts`); a one-row step reads the small k and v weights at the
     memory's speed only as part of a larger read."""
 
     block = None  # its activations are quantized per token
@@ -154,7 +154,7 @@ class QuantizedRows:
         return self._values
 
     def codes(self, kernel: str) -> torch.Tensor:
-        """The values as ``kernel`` takes them (:func:`~batchspec.exact.int8.product.activation_codes`)."""
+        """The values as ``kernel`` takes them (:func:`~batchspec.exact.integer.product.activation_codes`)."""
         if self._scale is None:
             self._per_token()
         if kernel not in self._codes:
@@ -163,7 +163,7 @@ class QuantizedRows:
 
     def blocks(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The int4 product's activations in blocks of ``block``
-        (:func:`~batchspec.exact.int8.int4.quantize_blocks`)."""
+        (:func:`~batchspec.exact.integer.int4.quantize_blocks`)."""
         if block not in self._blocked:
             if self.source is None:
                 raise ValueError(f"these rows were quantized per token only, not in blocks of {block}")
@@ -208,7 +208,7 @@ class SharedQuantization:
 
 
 class Int4Linear(torch.nn.Module):
-    """``nn.Linear`` with an int4 weight (:class:`~batchspec.exact.int8.int4.Int4Weight`) and activations quantized
+    """``nn.Linear`` with an int4 weight (:class:`~batchspec.exact.integer.int4.Int4Weight`) and activations quantized
     per super-block: ``packed`` as the native kernels read it where a build runs here (the only copy held), else the
     weight itself for the torch path (``weight4``)."""
 
@@ -314,13 +314,13 @@ class QuantizedMLP(torch.nn.Module):
 
 def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``exact_silu(gate) * up`` (``[..., F]`` each): the MLP's activation, each value from its operands alone
-    (:func:`~batchspec.exact.int8.arithmetic.exact_silu`)."""
+    (:func:`~batchspec.exact.integer.arithmetic.exact_silu`)."""
     return exact_silu(gate).mul_(up)
 
 
 def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
     """``quantize_activations(gated(gate, up))`` per token; with the native kernels neither the SiLU nor the product
-    is written out (:func:`~batchspec.exact.int8.native.quantize_gated`, the same bits)."""
+    is written out (:func:`~batchspec.exact.integer.native.quantize_gated`, the same bits)."""
     if gate.dtype != torch.float32 or not native.available():
         return quantize_activations(gated(gate, up))
     width = gate.shape[-1]

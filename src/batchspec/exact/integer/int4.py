@@ -23,7 +23,7 @@ exactly, as integers (``|i1| <= 8 * 255 * 32 * 127 * 15 < 2**31``), then joins t
 rounded once in float32: ``y = y + (((float)i1 * d - (float)i2 * dmin) * scale)`` from ``y = 0``, then ``+ bias``. No
 value depends on another row, on the blocking or on the instruction set, so every row's output is the same bits in
 any batch, on every build and with any thread count — the int8 product's promise, at half the bytes. The native
-kernels (:func:`batchspec.exact.int8.native.linear4`) read the weight as :meth:`Int4Weight.packed` lays it out
+kernels (:func:`batchspec.exact.integer.native.linear4`) read the weight as :meth:`Int4Weight.packed` lays it out
 (``csrc/scalar.h``); this module's torch code is their reference and the path without them.
 """
 
@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from batchspec.exact.int8 import native
-from batchspec.exact.int8.arithmetic import quantize_rows
+from batchspec.exact.integer import native
+from batchspec.exact.integer.arithmetic import quantize_rows
 
 SUB_BLOCK = native.GROUP4  # inputs a sub-block
 SUBS = 8  # sub-blocks a super-block in from_float and Q4_K
@@ -216,8 +216,8 @@ def _from_q4_small(raw: torch.Tensor, inner: int, kind: str) -> Int4Weight:
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 ``x`` ``[N, K]`` as the int4 product's activations, per block of ``block`` values (a super-block):
     ``(codes [N, 32 S] int8, scales [N, B] float32, sums [N, S2] int16)`` — each block quantized as
-    :func:`~batchspec.exact.int8.arithmetic.quantize_rows` quantizes a token, zeros past ``K``, and each sub-block's
-    sum of codes (zeros up to an even count). Runs :func:`~batchspec.exact.int8.native.quantize_blocks` where a
+    :func:`~batchspec.exact.integer.arithmetic.quantize_rows` quantizes a token, zeros past ``K``, and each sub-block's
+    sum of codes (zeros up to an even count). Runs :func:`~batchspec.exact.integer.native.quantize_blocks` where a
     native build does, the same bits.
 
     Example: 40 values in blocks of 32 give codes ``[N, 64]``, scales ``[N, 2]`` and sums ``[N, 2]``."""

@@ -11,7 +11,7 @@ The division is folded into what produces the activations, so it costs nothing a
 * the MLP's down projection: into the rows of the up projection (``silu(gate) * up`` is linear in ``up``).
 
 ``max|x_j|`` comes from one forward of a model's decoder over :data:`CALIBRATION_TEXT` (code and prose written for
-this purpose, so no benchmark's prompts are seen): :func:`~batchspec.exact.int8.model.quantize_model` runs it on the
+this purpose, so no benchmark's prompts are seen): :func:`~batchspec.exact.integer.model.quantize_model` runs it on the
 exact int8 model before smoothing, so the peaks, the factors (correctly rounded roots and a quotient) and the smoothed
 weights are the same bits on every CPU.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from batchspec.exact.int8.arithmetic import sqrt_rounded
+from batchspec.exact.integer.arithmetic import sqrt_rounded
 
 ALPHA = 0.5  # the square roots of _fold
 CALIBRATION_TEXT = """\

@@ -1,13 +1,14 @@
 """batchspec's own C kernels for the exact int8 forward, built once per machine for the instruction set it runs.
 
 * :func:`linear`: the int8 product with its scales and bias applied (the ``native`` kernel of
-  :mod:`batchspec.exact.int8.product`);
+  :mod:`batchspec.exact.integer.product`);
 * :func:`quantize`: a token's quantization, straight to that kernel's codes; :func:`quantize_gated`, the MLP's
   ``exact_silu(gate) * up`` quantized so (:func:`silu`);
-* :func:`rms_norm`: :class:`~batchspec.exact.int8.model.ExactRMSNorm`;
-* :func:`attention`: :func:`~batchspec.exact.int8.attention.exact_attention` over the int16 KV cache, a call per block
+* :func:`rms_norm`: :class:`~batchspec.exact.integer.model.ExactRMSNorm`;
+* :func:`attention`: :func:`~batchspec.exact.integer.attention.exact_attention` over the int16 KV cache, a call per
+  block
   of queries; :func:`rotary_into`, :func:`norm_quantize` and :func:`linear`'s residual, what
-  :mod:`batchspec.exact.int8.forward` fuses of a decoder layer (the rotary embedding, the keys' and values' way into
+  :mod:`batchspec.exact.integer.forward` fuses of a decoder layer (the rotary embedding, the keys' and values' way into
   that cache, the norms' way into the products, the residual connections);
   :func:`pack_kv`, :func:`quantize_wide` and :func:`exp2_nonpositive_`, its 15-bit quantization (into the int16 KV
   cache, or float64) and its ``2**t``, for the rest.
@@ -15,7 +16,8 @@
 Each gives the float32 bits of the torch code it replaces (the same correctly rounded operations in the same order,
 compiled without contracting multiply-adds), in one call where torch runs 10 to 40 operations; integer sums are exact
 in any order, and every row is computed whole by one thread. So the bits are the same on every instruction set, with
-any number of threads, and equal to the torch path's (``tests/test_int8_isa.py`` runs each build this CPU supports).
+any number of threads, and equal to the torch path's (``tests/test_integer_builds.py`` runs each build this CPU
+supports).
 
 There is one build per instruction set (:data:`ISAS`), the first this CPU runs chosen once per process, with one log
 line naming it:
@@ -149,9 +151,9 @@ def linear4(
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], panels: torch.Tensor, inner: int, subs: int, outputs: int,
     bias: torch.Tensor | None = None, widths: tuple[int, ...] | None = None, residual: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """The int4 product (:func:`~batchspec.exact.int8.int4.int4_product`'s bits) of activations ``rows`` =
+    """The int4 product (:func:`~batchspec.exact.integer.int4.int4_product`'s bits) of activations ``rows`` =
     :func:`quantize_blocks`' ``(codes [N, 32 S], scales [N, B], sums [N, S2])`` and an int4 weight packed as
-    ``panels`` (``[P, bytes]`` uint8, :func:`~batchspec.exact.int8.int4.Int4Weight.packed`) of ``outputs`` outputs,
+    ``panels`` (``[P, bytes]`` uint8, :func:`~batchspec.exact.integer.int4.Int4Weight.packed`) of ``outputs`` outputs,
     ``inner`` inputs and ``subs`` sub-blocks a super-block, plus ``bias`` ``[O]``, then ``residual`` ``[N, O]``:
     one float32 ``[N, width]`` per part of ``widths`` (default: one, ``O`` wide; each but the last a multiple of 16)."""
     codes, scales, sums = rows
@@ -191,7 +193,7 @@ def block_shapes(inner: int, block: int) -> tuple[int, int, int]:
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The int4 product's activations of float32 ``x`` ``[N, K]``, in blocks of ``block`` values (a multiple of 32):
     ``(codes [N, 32 S] int8, scales [N, B] float32, sums [N, S2] int16)``, the bits of
-    :func:`~batchspec.exact.int8.int4.quantize_blocks`."""
+    :func:`~batchspec.exact.integer.int4.quantize_blocks`."""
     x = _block_input(x, block)
     out = _block_outputs(*x.shape, block)
     _library().quantize_blocks(x.data_ptr(), x.shape[0], x.shape[1], block, *_block_pointers(out),
@@ -242,7 +244,7 @@ def _block_pointers(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tup
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [N, 4 G] uint8, scale [N, 1] float32)`` of float32 ``x`` ``[N, K]``: :func:`codes` of
-    :func:`~batchspec.exact.int8.arithmetic.quantize_rows`' integers and its scale, bit for bit."""
+    :func:`~batchspec.exact.integer.arithmetic.quantize_rows`' integers and its scale, bit for bit."""
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"native quantization takes float32 [N, K], not {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
@@ -273,7 +275,7 @@ def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[flo
 
 
 def silu(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    """:func:`~batchspec.exact.int8.arithmetic.exact_silu` of float32 ``x``, bit for bit, with its ``2**t``'s ten
+    """:func:`~batchspec.exact.integer.arithmetic.exact_silu` of float32 ``x``, bit for bit, with its ``2**t``'s ten
     ``coefficients``."""
     if x.dtype != torch.float32:
         raise ValueError(f"native silu takes float32, not {x.dtype}")
@@ -291,7 +293,8 @@ def _checked(coefficients: tuple[float, ...]) -> tuple[float, ...]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`~batchspec.exact.int8.model.exact_rms_norm` of float32 ``x`` ``[..., H]`` with ``weight`` ``[H]``, bit for
+    """:func:`~batchspec.exact.integer.model.exact_rms_norm` of float32 ``x`` ``[..., H]`` with ``weight`` ``[H]``,
+    bit for
     bit, in one call."""
     x = _norm_input(x, weight)
     out = torch.empty_like(x)
@@ -321,7 +324,8 @@ def _norm_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~batchspec.exact.int8.arithmetic.quantize_rows` of float32 ``x`` ``[..., D]`` to ``levels``, in float64,
+    """:func:`~batchspec.exact.integer.arithmetic.quantize_rows` of float32 ``x`` ``[..., D]`` to ``levels``, in
+    float64,
     bit for bit: ``(q [..., D], scale [..., 1])``."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
@@ -333,13 +337,13 @@ def quantize_wide(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Ten
 
 def packed_width(size: int) -> int:
     """int16 per token and head in the KV cache for heads of ``size`` values: one per value, and at least
-    :data:`SCALE_BITS`, whose parities hold the scale's bits (see :func:`~batchspec.exact.int8.attention.pack`).
+    :data:`SCALE_BITS`, whose parities hold the scale's bits (see :func:`~batchspec.exact.integer.attention.pack`).
     Example: 128 -> 128, 5 -> 32."""
     return max(size, SCALE_BITS)
 
 
 def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
-    """:func:`~batchspec.exact.int8.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
+    """:func:`~batchspec.exact.integer.attention.pack` of float32 keys or values ``x`` ``[..., D]``, bit for bit:
     ``[..., width]`` int16, each token's integers, the scale's bits in the parities of the first 32."""
     x = _wide_input(x, levels)
     size = x.shape[-1]
@@ -383,7 +387,7 @@ def _wide_input(x: torch.Tensor, levels: int) -> torch.Tensor:
 
 
 def exp2_nonpositive_(t: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    """:func:`~batchspec.exact.int8.arithmetic.exp2_nonpositive` of a contiguous float32 ``t`` in place, bit for bit,
+    """:func:`~batchspec.exact.integer.arithmetic.exp2_nonpositive` of a contiguous float32 ``t`` in place, bit for bit,
     with its polynomial's ten ``coefficients`` (lowest degree first)."""
     if t.dtype != torch.float32 or not t.is_contiguous() or len(coefficients) != 10:
         raise ValueError("native exp2 takes a contiguous float32 tensor and ten coefficients")
@@ -395,7 +399,8 @@ def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float, levels: int,
     coefficients: tuple[float, ...],
 ) -> torch.Tensor | None:
-    """:func:`~batchspec.exact.int8.attention.exact_attention`, bit for bit, for float32 ``query`` ``[B, H, Q, D]``, the
+    """:func:`~batchspec.exact.integer.attention.exact_attention`, bit for bit, for float32 ``query`` ``[B, H, Q,
+    D]``, the
     int16 cache's ``key``/``value`` ``[B, Hk, L, W]`` as :func:`pack_kv` stores them (tokens contiguous),
     ``visible`` bool ``[B, 1, Q, L]``, the queries' 15-bit ``levels`` and ``2**t``'s ``coefficients``:
     ``[B, Q, H, D]`` float32; None where the tensors are not laid out so or heads are larger than

@@ -1,20 +1,20 @@
 """Turning a loaded float model into the exact integer model: which modules are swapped, and the checks before.
 
 :func:`quantize_model` makes the int8 model (``width="int8"``) or the int4 one (``"int4"``). For int8 it smooths the
-float model's activations (:mod:`~batchspec.exact.int8.smoothing`); int4's activations are quantized per super-block
-instead (:mod:`~batchspec.exact.int8.int4`). Then it swaps, in place:
+float model's activations (:mod:`~batchspec.exact.integer.smoothing`); int4's activations are quantized per super-block
+instead (:mod:`~batchspec.exact.integer.int4`). Then it swaps, in place:
 
-* every MLP for a :class:`~batchspec.exact.int8.linear.QuantizedMLP` (its activation
-  :func:`~batchspec.exact.int8.arithmetic.exact_silu`);
-* every other ``nn.Linear`` for an :class:`~batchspec.exact.int8.linear.Int8Linear` or, in int4, an
-  :class:`~batchspec.exact.int8.linear.Int4Linear` (the output layer stays int8): a GGUF file's own 4-bit blocks
+* every MLP for a :class:`~batchspec.exact.integer.linear.QuantizedMLP` (its activation
+  :func:`~batchspec.exact.integer.arithmetic.exact_silu`);
+* every other ``nn.Linear`` for an :class:`~batchspec.exact.integer.linear.Int8Linear` or, in int4, an
+  :class:`~batchspec.exact.integer.linear.Int4Linear` (the output layer stays int8): a GGUF file's own 4-bit blocks
   where the model came from one (its other tensors int8), else the float weight rounded to int4; an attention's q,
   k and v projections share one quantization of their input, and its keys and values enter the KV cache quantized
-  (:func:`~batchspec.exact.int8.attention.pack_on_update`);
+  (:func:`~batchspec.exact.integer.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
 * the rotary embedding for :class:`RotaryTable` (cos/sin correctly rounded, computed once per position, then looked
   up);
-* the attention implementation for :data:`~batchspec.exact.int8.attention.NAME`.
+* the attention implementation for :data:`~batchspec.exact.integer.attention.NAME`.
 
 The token embedding stays as it is: a lookup copies a row. What is left between these modules is elementwise
 (residual additions, the rotary products), so every row's logits are independent of the batch; and since no value
@@ -33,11 +33,11 @@ import mpmath
 import torch
 
 from batchspec.config import QUANTIZE, check_option
-from batchspec.exact.int8 import attention, native
-from batchspec.exact.int8.arithmetic import row_sum, sqrt_rounded
-from batchspec.exact.int8.int4 import Int4Weight, from_float
-from batchspec.exact.int8.linear import Int4Linear, Int8Linear, IntLinear, QuantizedMLP, SharedQuantization
-from batchspec.exact.int8.smoothing import calibration_ids, calibration_peaks, smooth_model
+from batchspec.exact.integer import attention, native
+from batchspec.exact.integer.arithmetic import row_sum, sqrt_rounded
+from batchspec.exact.integer.int4 import Int4Weight, from_float
+from batchspec.exact.integer.linear import Int4Linear, Int8Linear, IntLinear, QuantizedMLP, SharedQuantization
+from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, smooth_model
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.model_checks import check_model
 
@@ -49,7 +49,8 @@ STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 class ExactRMSNorm(RMSNormSwap):
     """RMSNorm with its mean of squares summed in an order fixed by the hidden size (:func:`exact_rms_norm`); in
-    float32 on a CPU that runs batchspec's native kernels, :func:`~batchspec.exact.int8.native.rms_norm` gives the same
+    float32 on a CPU that runs batchspec's native kernels, :func:`~batchspec.exact.integer.native.rms_norm` gives the
+    same
     bits in one call."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
@@ -70,7 +71,8 @@ class RotaryTable(torch.nn.Module):
 
     transformers computes ``cos``/``sin`` of each forward's positions with torch's vector ``cos``, whose last bit
     can depend on where a value sits in the tensor, on the thread count and on the CPU (see
-    :mod:`batchspec.exact.int8.arithmetic`). The table holds, for position ``p`` and frequency ``f`` (the module's own
+    :mod:`batchspec.exact.integer.arithmetic`). The table holds, for position ``p`` and frequency ``f`` (the module's
+    own
     ``inv_freq``), the float32 angle ``f * p`` as transformers rounds it, its cosine and sine correctly rounded
     (:func:`correctly_rounded`), times the module's ``attention_scaling``: the same bits in every forward, on every
     CPU.
@@ -124,8 +126,9 @@ def check_quantize(quantize: str) -> str:
 
 def cpu_default() -> str:
     """What ``--quantize auto`` makes float32 models on this CPU: ``"int8"`` where a native build of the int8
-    kernels runs (:func:`~batchspec.exact.int8.native.isa`: on each of them the int8 forward reads a prompt and decodes
-    at least as fast as float32, docs/int8.md), else ``"none"``: without them (another architecture, no C compiler,
+    kernels runs (:func:`~batchspec.exact.integer.native.isa`: on each of them the int8 forward reads a prompt and
+    decodes
+    at least as fast as float32, docs/integer.md), else ``"none"``: without them (another architecture, no C compiler,
     ``BATCHSPEC_CPU_ISA=none``) the int8 forward runs in torch, exact but several times slower than float32. Says
     which and why in one log line, once per process and build."""
     isa = native.isa()
@@ -178,7 +181,7 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
                    source: Int4Source | None = None) -> Any:
     """Make ``model`` the exact integer model of ``width`` in place (see the module docstring) and return it.
 
-    int8: the activations are smoothed first (:mod:`~batchspec.exact.int8.smoothing`), with peaks from the exact
+    int8: the activations are smoothed first (:mod:`~batchspec.exact.integer.smoothing`), with peaks from the exact
     int8 model's own decoder before smoothing, run on text ``tokenizer`` encodes (seeded token ids without one): a
     forward whose every value is the same bits on every CPU, where the float model's would depend on its BLAS and
     thread count. int4: ``source`` gives each linear layer's own int4 weight where the model came from a file that

@@ -2,7 +2,8 @@
 the torch path without them (``BATCHSPEC_CPU_ISA=none``), torch's own scalar dispatch (``ATEN_CPU_CAPABILITY=default``)
 and any thread count give the same logits.
 
-Each build is forced with :func:`batchspec.exact.int8.native.using` (or the environment variable in a subprocess) among
+Each build is forced with :func:`batchspec.exact.integer.native.using` (or the environment variable in a subprocess)
+among
 the builds this CPU runs: an AVX-512 host runs all three, an AVX2-only host the ``avx2`` build; a build the CPU lacks is
 skipped with its reason, never emulated.
 
@@ -26,11 +27,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ragged import ragged_forwards
 
-from batchspec.exact.int8 import native, quantize_model
-from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
-from batchspec.exact.int8.attention import exact_attention, pack
-from batchspec.exact.int8.linear import Int8Linear, gated
-from batchspec.exact.int8.model import exact_rms_norm
+from batchspec.exact.integer import native, quantize_model
+from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
+from batchspec.exact.integer.attention import exact_attention, pack
+from batchspec.exact.integer.linear import Int8Linear, gated
+from batchspec.exact.integer.model import exact_rms_norm
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
           for name in native.ISAS]
@@ -183,7 +184,7 @@ def test_torchs_own_scalar_dispatch_and_another_blas_change_nothing(tmp_path, fl
         "sys.path.insert(0, sys.argv[3])\n"
         "from ragged import ragged_forwards\n"
         "import tiny_models\n"
-        "from batchspec.exact.int8 import native, quantize_model\n"
+        "from batchspec.exact.integer import native, quantize_model\n"
         "model = quantize_model(transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).float())\n"
         "rows = tiny_models.random_prompts(8, seed=11, min_len=6, max_len=36)\n"
         "prefix = [max(1, len(row) - 5) for row in rows]\n"

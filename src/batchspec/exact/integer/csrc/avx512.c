@@ -431,131 +431,102 @@ static void attend_group(group_t g, const float *query, const int16_t *k, const 
  * vector; activations as int8 codes with a scale per super-block. vpdpbusd multiplies the unsigned nibbles by the
  * signed codes, four products a lane (|n q| <= 15 * 127: no saturation), into a sub-block's int32 sums; vpmulld
  * scales them by the sub-block's sc into the super-block's i1; vpmaddwd pairs each output's mins with the sub-block
- * sums of the codes into i2; then the float steps of scalar.h, lane by lane, into y (ROWS4 x 32 floats on the stack,
- * in L1). A pass takes two panels (32 outputs), so each broadcast of four codes feeds two vpdpbusd, and ROWS4 rows
- * share each weight load. */
-#define ROWS4 4
+ * sums of the codes into i2; then the float steps of scalar.h, lane by lane, into y (ROWS4 x 16 floats on the stack,
+ * in L1). ROWS4 rows share each weight load and its unpacking. (Measured on a Zen 4 against two panels a pass, whose
+ * broadcasts of the codes feed two vpdpbusd: as fast for 5-64 rows, and one panel streamed a row's weight 1.3x as
+ * fast.) */
+#define ROWS4 6
 
-#define SUB_ROW(r) __m512i s##r##_0 = _mm512_setzero_si512(), s##r##_1 = _mm512_setzero_si512();
+#define SUB_ROW(r) __m512i s##r = _mm512_setzero_si512();
 #define DOT4_ROW(r)                                                                                       \
     if (NR > r) {                                                                                         \
         __m512i x0 = broadcast_group((const uint8_t *)(q + r * ldq + at));                                \
         __m512i x1 = broadcast_group((const uint8_t *)(q + r * ldq + at + 4));                            \
-        s##r##_0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s##r##_0, lo0, x0), hi0, x1);                   \
-        if (NP > 1) s##r##_1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s##r##_1, lo1, x0), hi1, x1);       \
+        s##r = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s##r, lo, x0), hi, x1);                            \
     }
-#define SCALE_ROW(r)                                                                                      \
-    if (NR > r) {                                                                                         \
-        one##r##_0 = subs > 1 ? _mm512_add_epi32(one##r##_0, _mm512_mullo_epi32(s##r##_0, scale0)) : s##r##_0; \
-        if (NP > 1)                                                                                       \
-            one##r##_1 = subs > 1 ? _mm512_add_epi32(one##r##_1, _mm512_mullo_epi32(s##r##_1, scale1)) : s##r##_1; \
-    }
-#define SUPER_ROW(r) __m512i one##r##_0 = _mm512_setzero_si512(), one##r##_1 = _mm512_setzero_si512();
-#define MIN_ROW(r)                                                                                        \
-    if (NR > r) {                                                                                         \
-        __m512i acc[2] = {one##r##_0, one##r##_1};                                                        \
-        super_block_end(NP, acc, sums + r * lds + sub0, subs, even, block, block1, xs[r * ldx + b], y[r]); \
-    }
-#define ROWS4_DO(M) M(0) M(1) M(2) M(3)
+#define SCALE_ROW(r) if (NR > r) one##r = subs > 1 ? _mm512_add_epi32(one##r, _mm512_mullo_epi32(s##r, scale)) : s##r;
+#define SUPER_ROW(r) __m512i one##r = _mm512_setzero_si512();
+#define MIN_ROW(r) if (NR > r) super_block_end(one##r, sums + r * lds + sub0, subs, even, block, xs[r * ldx + b], y[r]);
+#define ROWS4_DO(M) M(0) M(1) M(2) M(3) M(4) M(5)
 
-/* y[16 c ..] = y + (((float)i1 * d - (float)i2 * dmin) * scale) for the NP panels' super-block (block, block1), i1
- * given, i2 from the mins and the row's sub-block sums */
+/* y = y + (((float)i1 * d - (float)i2 * dmin) * scale) for a panel's super-block at `block`, i1 given, i2 from the
+ * mins and the row's sub-block sums */
 static inline __attribute__((always_inline)) void super_block_end(
-    const int NP, const __m512i one[2], const int16_t *sums, int64_t subs, int64_t even, const uint8_t *block,
-    const uint8_t *block1, float scale, float *y) {
-    for (int c = 0; c < NP; c++) {
-        const uint8_t *head = c ? block1 : block, *mins = head + 64 + 16 * even;
-        __m512i i2 = _mm512_setzero_si512();
-        if (subs > 1)
-            for (int64_t p = 0; p < even / 2; p++) {
-                int32_t two;
-                memcpy(&two, sums + 2 * p, sizeof two);
-                __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mins + 32 * p)));
-                i2 = _mm512_add_epi32(i2, _mm512_madd_epi16(mn, _mm512_set1_epi32(two)));
-            }
-        else
-            i2 = _mm512_set1_epi32(sums[0]);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head));
-        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32)));
-        __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(one[c]), d), _mm512_mul_ps(_mm512_cvtepi32_ps(i2), dmin));
-        _mm512_storeu_ps(y + 16 * c, _mm512_add_ps(_mm512_loadu_ps(y + 16 * c), _mm512_mul_ps(t, _mm512_set1_ps(scale))));
-    }
+    __m512i i1, const int16_t *sums, int64_t subs, int64_t even, const uint8_t *block, float scale, float *y) {
+    const uint8_t *mins = block + 64 + 16 * even;
+    __m512i i2 = _mm512_setzero_si512();
+    if (subs > 1)
+        for (int64_t p = 0; p < even / 2; p++) {
+            int32_t two;
+            memcpy(&two, sums + 2 * p, sizeof two);
+            __m512i mn = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(mins + 32 * p)));
+            i2 = _mm512_add_epi32(i2, _mm512_madd_epi16(mn, _mm512_set1_epi32(two)));
+        }
+    else
+        i2 = _mm512_set1_epi32(sums[0]);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));
+    __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 32)));
+    __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i1), d), _mm512_mul_ps(_mm512_cvtepi32_ps(i2), dmin));
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), _mm512_mul_ps(t, _mm512_set1_ps(scale))));
 }
 
-/* the NP panels' outputs (panel, panel1) for rows r < NR, into y[r][0 .. 16 NP) */
-static inline __attribute__((always_inline)) void panels4_rows(
-    const int NR, const int NP, const int8_t *q, int64_t ldq, const float *xs, int64_t ldx, const int16_t *sums,
-    int64_t lds, const uint8_t *panel, const uint8_t *panel1, int64_t nsub, int64_t subs, float y[][2 * PANEL4]) {
+/* the panel's outputs for rows r < NR, into y[r][0 .. 16) */
+static inline __attribute__((always_inline)) void panel4_rows(
+    const int NR, const int8_t *q, int64_t ldq, const float *xs, int64_t ldx, const int16_t *sums, int64_t lds,
+    const uint8_t *panel, int64_t nsub, int64_t subs, float y[][PANEL4]) {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    for (int r = 0; r < NR; r++)
-        for (int c = 0; c < 2 * PANEL4; c++) y[r][c] = 0.0f;
-    const uint8_t *block = panel, *block1 = panel1;
+    for (int r = 0; r < NR; r++) _mm512_storeu_ps(y[r], _mm512_setzero_ps());
+    const uint8_t *block = panel;
     for (int64_t b = 0, sub0 = 0; sub0 < nsub; b++, sub0 += subs) {
         int64_t count = nsub - sub0 < subs ? nsub - sub0 : subs, even = (count + 1) / 2 * 2;
-        int64_t skip = 64 + (subs > 1 ? 32 * even : 0);
-        const uint8_t *nibbles = block + skip, *nibbles1 = block1 + skip;
+        const uint8_t *scales = block + 64, *nibbles = block + 64 + (subs > 1 ? 32 * even : 0);
         ROWS4_DO(SUPER_ROW)
         for (int64_t s = 0; s < count; s++) {
             ROWS4_DO(SUB_ROW)
             for (int64_t g = 0; g < 4; g++) {
-                int64_t offset = 64 * (4 * s + g), at = 32 * (sub0 + s) + 8 * g;
-                __m512i raw0 = _mm512_loadu_si512(nibbles + offset);
-                __m512i lo0 = _mm512_and_si512(raw0, low_nibbles);
-                __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low_nibbles);
-                __m512i raw1 = NP > 1 ? _mm512_loadu_si512(nibbles1 + offset) : raw0;
-                __m512i lo1 = _mm512_and_si512(raw1, low_nibbles);
-                __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low_nibbles);
+                int64_t at = 32 * (sub0 + s) + 8 * g;
+                __m512i raw = _mm512_loadu_si512(nibbles + 64 * (4 * s + g));
+                __m512i lo = _mm512_and_si512(raw, low_nibbles);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
                 ROWS4_DO(DOT4_ROW)
             }
-            __m512i scale0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + 64 + 16 * s)));
-            __m512i scale1 = NP > 1 ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block1 + 64 + 16 * s)))
-                                    : scale0;
+            __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scales + 16 * s)));
             ROWS4_DO(SCALE_ROW)
         }
         ROWS4_DO(MIN_ROW)
         block += super_block_bytes(count, subs);
-        block1 += super_block_bytes(count, subs);
     }
 }
 
-/* outputs of one panel: y (rows x 16, row stride 2 PANEL4) + bias, then residual + y, to out (valid columns) */
-static void store4(const float *y, int64_t rows, const float *bias, const float *residual, float *out, int64_t ldo,
-                   int64_t valid) {
-    __mmask16 lanes = first(valid);
-    for (int64_t r = 0; r < rows; r++) {
-        __m512 v = _mm512_loadu_ps(y + r * 2 * PANEL4);
-        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, bias));
-        if (residual) v = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, residual + r * ldo), v);
-        _mm512_mask_storeu_ps(out + r * ldo, lanes, v);
-    }
-}
-
-#define PANELS4 2 /* panels a pass */
+/* one panel's outputs (entry.h's batchspec_linear4 hands it one at a time): ROWS4 rows a pass, then y + bias, then
+ * residual + y, to the panel's valid columns */
+#define PANELS4 1
 
 static void panels4_block(const int8_t *q, int64_t rows, int64_t ldq, const float *xs, int64_t ldx,
                           const int16_t *sums, int64_t lds, const uint8_t *panel, int64_t panel_bytes, int64_t count,
-                          int64_t nsub, int64_t subs, const out4_t *outs) {
-    float y[ROWS4][2 * PANEL4];
+                          int64_t nsub, int64_t subs, const out4_t *where) {
+    (void)panel_bytes, (void)count;
+    float y[ROWS4][PANEL4];
+    __mmask16 lanes = first(where->valid);
     for (int64_t r = 0; r < rows; r += ROWS4) {
         int64_t n = rows - r < ROWS4 ? rows - r : ROWS4;
         const int8_t *qr = q + r * ldq;
         const float *xr = xs + r * ldx;
         const int16_t *sr = sums + r * lds;
-        const uint8_t *next = panel + panel_bytes;
-#define PASS(NR)                                                                                          \
-        if (count > 1) panels4_rows(NR, 2, qr, ldq, xr, ldx, sr, lds, panel, next, nsub, subs, y);        \
-        else panels4_rows(NR, 1, qr, ldq, xr, ldx, sr, lds, panel, panel, nsub, subs, y);
         switch (n) {
-        case 1: PASS(1) break;
-        case 2: PASS(2) break;
-        case 3: PASS(3) break;
-        default: PASS(ROWS4) break;
+        case 1: panel4_rows(1, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, y); break;
+        case 2: panel4_rows(2, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, y); break;
+        case 3: panel4_rows(3, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, y); break;
+        case 4: panel4_rows(4, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, y); break;
+        case 5: panel4_rows(5, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, y); break;
+        default: panel4_rows(ROWS4, qr, ldq, xr, ldx, sr, lds, panel, nsub, subs, y); break;
         }
-#undef PASS
-        for (int64_t c = 0; c < count; c++) {
-            const out4_t *o = outs + c;
-            store4(y[0] + PANEL4 * c, n, o->bias, o->residual ? o->residual + r * o->ldo : NULL, o->out + r * o->ldo,
-                   o->ldo, o->valid);
+        for (int64_t i = 0; i < n; i++) {
+            __m512 v = _mm512_loadu_ps(y[i]);
+            if (where->bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(lanes, where->bias));
+            if (where->residual)
+                v = _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, where->residual + (r + i) * where->ldo), v);
+            _mm512_mask_storeu_ps(where->out + (r + i) * where->ldo, lanes, v);
         }
     }
 }

@@ -3,11 +3,12 @@
 Every kernel here sums int8 products in int32, which is exact in any order or blocking; what differs is how fast it
 reads the weight and whether its products saturate. :func:`product_kernel` picks, for each layer, the first of:
 
-* ``"native"``: batchspec's own kernel for this CPU's instruction set (:func:`batchspec.exact.int8.native.linear`:
+* ``"native"``: batchspec's own kernel for this CPU's instruction set (:func:`batchspec.exact.integer.native.linear`:
   AVX-512 VNNI, AVX-VNNI or AVX2), on a weight prepacked in panels of 64 outputs, activations as ``uint8`` ``q + 128``,
   the zero point's share subtracted in int32, the sum rounded once to float32. On AVX-512 VNNI it read a 1536 x 8960
   weight at 46.6 GB/s for 1 row and 34.5 for 8, against oneDNN's 28.5 and 24.8 (2-core AMD EPYC Zen 4 reading
-  50 GB/s), and has no per-call overhead to speak of. Taken where a build runs (:func:`batchspec.exact.int8.native.isa`)
+  50 GB/s), and has no per-call overhead to speak of. Taken where a build runs
+  (:func:`batchspec.exact.integer.native.isa`)
   and a worst-case probe is exact, for float32 activations.
 * ``"onednn"``: oneDNN's quantized linear with the weight **prepacked once** in the blocked layout its VNNI kernel
   reads (``onednn::qlinear_prepack``); activations enter as ``uint8`` codes ``q + 128`` with zero point 128, and
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchspec.exact.int8 import native
-from batchspec.exact.int8.arithmetic import INT8_LEVELS
+from batchspec.exact.integer import native
+from batchspec.exact.integer.arithmetic import INT8_LEVELS
 
 KERNELS: tuple[str, ...] = ("native", "onednn", "int_mm", "int_mm_split")
 # weights of fewer values take torch._int_mm: oneDNN's quantized linear spends ~20 us a call before it reads the
@@ -42,7 +43,7 @@ ONEDNN_MIN_WEIGHT = 1 << 19
 @dataclass(frozen=True)
 class PackedWeight:
     """An int8 weight ``[O, K]`` laid out once for ``kernel``: ``tensors`` is the prepacked weight with its unit scales
-    and zero points (``onednn``), the panels and zero-point sums of :func:`batchspec.exact.int8.native.pack`
+    and zero points (``onednn``), the panels and zero-point sums of :func:`batchspec.exact.integer.native.pack`
     (``native``), ``([K, O],)`` (``int_mm``) or its two halves ``[K, O]`` (``int_mm_split``)."""
 
     kernel: str

@@ -1,4 +1,5 @@
-"""The int8 model's own forward (:mod:`batchspec.exact.int8.forward`) against transformers' forward of the same model.
+"""The int8 model's own forward (:mod:`batchspec.exact.integer.forward`) against transformers' forward of the same
+model.
 
 * Its fused native calls give the bits of the torch code they replace (rotary embedding and KV packing, norm then
   quantization, products with a residual, stacked products).
@@ -20,13 +21,13 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.runner import cache_keyword
-from batchspec.exact.int8 import native, quantize_model
-from batchspec.exact.int8.arithmetic import EXP2_COEFFICIENTS
-from batchspec.exact.int8.attention import QKV_LEVELS, pack, packed_width
-from batchspec.exact.int8.forward import Int8Forward, int8_forward
-from batchspec.exact.int8.int4 import Int4Weight, from_float
-from batchspec.exact.int8.linear import Int4Stack, Int8Stack, gated, quantize_gated
-from batchspec.exact.int8.model import exact_rms_norm
+from batchspec.exact.integer import native, quantize_model
+from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
+from batchspec.exact.integer.attention import QKV_LEVELS, pack, packed_width
+from batchspec.exact.integer.forward import IntegerForward, integer_forward
+from batchspec.exact.integer.int4 import Int4Weight, from_float
+from batchspec.exact.integer.linear import Int4Stack, Int8Stack, gated, quantize_gated
+from batchspec.exact.integer.model import exact_rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
@@ -171,7 +172,7 @@ def test_fused_calls_refuse_what_does_not_fit():
 
 
 def test_stacks_where_widths_allow_and_the_layers_read_views_of_them(models):
-    plain, stacked = int8_forward(models["qwen2", False]), int8_forward(models["qwen2", True])
+    plain, stacked = integer_forward(models["qwen2", False]), integer_forward(models["qwen2", True])
     assert all(isinstance(layer.qkv, list) and isinstance(layer.gate_up, list) for layer in plain.layers)
     for layer, module in zip(stacked.layers, models["qwen2", True].model.layers, strict=True):
         assert isinstance(layer.qkv, Int8Stack) and isinstance(layer.gate_up, Int8Stack)
@@ -186,13 +187,13 @@ def test_stacks_where_widths_allow_and_the_layers_read_views_of_them(models):
 @pytest.mark.parametrize("variant", ["int8", "int8 stacked", "int4", "int4 mixed"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, variant, models, int4_models, data):
-    """A left-padded batch: a prefill, then forwards of 1..5 tokens, each run by :class:`Int8Forward` into one
+    """A left-padded batch: a prefill, then forwards of 1..5 tokens, each run by :class:`IntegerForward` into one
     cache and by the model's own forward into another; the logits of every position that sees a key and both caches'
     contents past each row's padding are equal. (Padding is not read: its logits are the output layer's of zeros.)
     Int8 models with q/k/v and gate/up stacked and not; int4 models, all int4 or with int8 layers beside."""
     width, extra = variant.split()[0], " " in variant
     model = models[kind, extra] if width == "int8" else int4_models[kind, extra]
-    forward = Int8Forward.of(model)
+    forward = IntegerForward.of(model)
     batch = data.draw(st.integers(1, 4), label="batch")
     pad = torch.tensor(data.draw(st.lists(st.integers(0, 6), min_size=batch, max_size=batch), label="pad"))
     stops = [int(pad.max()) + data.draw(st.integers(1, 70), label="prefill")]
@@ -222,16 +223,16 @@ def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, varia
 def test_int4_layers_stack_where_all_three_are_int4(int4_models):
     """q, k, v and gate, up of an all-int4 layer run as one stacked product each; where one of them is int8 (layer 0
     of the mixed model) they run one by one, reading one input quantized both ways."""
-    stacked = int8_forward(int4_models["qwen2", False])
+    stacked = integer_forward(int4_models["qwen2", False])
     assert all(isinstance(layer.qkv, Int4Stack) and isinstance(layer.gate_up, Int4Stack) for layer in stacked.layers)
-    mixed = int8_forward(int4_models["qwen2", True])
+    mixed = integer_forward(int4_models["qwen2", True])
     assert isinstance(mixed.layers[0].qkv, list) and isinstance(mixed.layers[1].qkv, Int4Stack)
     assert isinstance(mixed.layers[0].gate_up, Int4Stack)  # down is the int8 one there
 
 
 def test_read_fills_the_cache_as_logits_does(models):
     model = models["llama", True]
-    forward = int8_forward(model)
+    forward = integer_forward(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     keys = torch.arange(9)
     visible = (keys[None, :] <= keys[:, None]).expand(2, 1, 9, 9)
@@ -243,12 +244,12 @@ def test_read_fills_the_cache_as_logits_does(models):
 
 
 def test_only_float32_int8_models_take_it(models, bundles):
-    assert int8_forward(models["mistral", False]) is not None
-    assert Int8Forward.of(copy.deepcopy(bundles["llama"].target).float()) is None  # not quantized
-    assert Int8Forward.of(quantize_model(copy.deepcopy(bundles["llama"].target))) is None  # float64
+    assert integer_forward(models["mistral", False]) is not None
+    assert IntegerForward.of(copy.deepcopy(bundles["llama"].target).float()) is None  # not quantized
+    assert IntegerForward.of(quantize_model(copy.deepcopy(bundles["llama"].target))) is None  # float64
     lopsided = copy.deepcopy(models["qwen3", False])
     del lopsided.model.layers[1].self_attn.k_norm  # a q norm without a k norm: not a layout it runs
-    assert Int8Forward.of(lopsided) is None and Int8Forward.of(copy.deepcopy(models["qwen3", False])) is not None
+    assert IntegerForward.of(lopsided) is None and IntegerForward.of(copy.deepcopy(models["qwen3", False])) is not None
 
 
 @pytest.mark.parametrize("method, proposer", [("eqspec", "draft"), ("exspec", "hybrid"), ("autoregressive", None)])
@@ -259,5 +260,5 @@ def test_batchspec_through_it_equals_the_models_own_generate(method, proposer, m
     prompts = tiny_models.random_prompts(6, seed=8, max_len=30)
     result = bs.generate(target, draft, prompts, method=method, proposer=proposer, batch_size=4, max_new_tokens=16,
                          num_draft_tokens=3, check_invariants=True)
-    assert int8_forward(target) is not None and int8_forward(draft) is not None
+    assert integer_forward(target) is not None and integer_forward(draft) is not None
     assert result.sequences == [reference(target, prompt, 16, None) for prompt in prompts]

@@ -1,8 +1,9 @@
 """The exact int8 model's forward as batchspec runs it: each decoder layer a short sequence of native calls.
 
-transformers' decoder layer, run around the int8 modules (:mod:`batchspec.exact.int8.model`), took ~9 ms of Python and
+transformers' decoder layer, run around the int8 modules (:mod:`batchspec.exact.integer.model`), took ~9 ms of Python
+and
 torch operations in a one-token step of the 28-layer 1.5B target, and 17 native calls a layer, the small k and v
-products reading their weights at a third of the memory's speed. :class:`Int8Forward` runs the same arithmetic on
+products reading their weights at a third of the memory's speed. :class:`IntegerForward` runs the same arithmetic on
 the same modules' tensors in 12 native calls and 4 torch operations a layer::
 
     rows = quantize(RMSNorm(x))                        # norm_quantize (torch's sqrt between its two C halves)
@@ -15,10 +16,11 @@ the same modules' tensors in 12 native calls and 4 torch operations a layer::
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
 value of the other positions is computed by the operation transformers' forward of the int8 model runs for it,
-rounded the same way (:func:`~batchspec.exact.int8.native.rotary_into` is ``apply_rotary_pos_emb``'s products and sum,
+rounded the same way (:func:`~batchspec.exact.integer.native.rotary_into` is ``apply_rotary_pos_emb``'s products and
+sum,
 then the cache's packing; an addition is the same whichever operand comes first), so their logits and KV cache are
 the same bits; that forward stays the reference the tests compare this one with. It runs where the native kernels
-do, on float32 Llama, Qwen2, Qwen3 and Mistral models (:meth:`Int8Forward.of`); elsewhere the runner calls the
+do, on float32 Llama, Qwen2, Qwen3 and Mistral models (:meth:`IntegerForward.of`); elsewhere the runner calls the
 model.
 """
 
@@ -30,9 +32,9 @@ from typing import Any
 
 import torch
 
-from batchspec.exact.int8 import native
-from batchspec.exact.int8.attention import QKV_LEVELS, exact_attention, packed_width
-from batchspec.exact.int8.linear import (
+from batchspec.exact.integer import native
+from batchspec.exact.integer.attention import QKV_LEVELS, exact_attention, packed_width
+from batchspec.exact.integer.linear import (
     Int4Linear,
     Int4Stack,
     Int8Linear,
@@ -42,12 +44,12 @@ from batchspec.exact.int8.linear import (
     QuantizedRows,
     quantize_activations,
 )
-from batchspec.exact.int8.model import ExactRMSNorm, RotaryTable
+from batchspec.exact.integer.model import ExactRMSNorm, RotaryTable
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 Stack = Int8Stack | Int4Stack
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
-_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Int8Forward | None
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> IntegerForward | None
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,14 @@ class _Rows:
         return out.view(self.batch, self.seq, rows.shape[-1])
 
 
-def int8_forward(model: torch.nn.Module) -> Int8Forward | None:
-    """:meth:`Int8Forward.of` ``model``, made once per model."""
+def integer_forward(model: torch.nn.Module) -> IntegerForward | None:
+    """:meth:`IntegerForward.of` ``model``, made once per model."""
     if model not in _FORWARDS:
-        _FORWARDS[model] = Int8Forward.of(model)
+        _FORWARDS[model] = IntegerForward.of(model)
     return _FORWARDS[model]
 
 
-class Int8Forward:
+class IntegerForward:
     """The int8 model's forward over a :class:`~batchspec.engine.kv_cache.BatchKVCache` (see the module docstring).
 
     Attributes:
@@ -116,8 +118,9 @@ class Int8Forward:
         self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size
 
     @classmethod
-    def of(cls, model: Any) -> Int8Forward | None:
-        """The forward of a model :func:`~batchspec.exact.int8.model.quantize_model` made, where the native kernels run
+    def of(cls, model: Any) -> IntegerForward | None:
+        """The forward of a model :func:`~batchspec.exact.integer.model.quantize_model` made, where the native kernels
+        run
         and the model is float32 and laid out as Llama-like decoders are; else None."""
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         parts = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -187,7 +190,8 @@ class Int8Forward:
 def _normed(norm: ExactRMSNorm, x: torch.Tensor, readers: list[IntLinear] | Stack) -> QuantizedRows:
     """``quantize_activations(norm(x))`` for ``x`` ``[N, H]`` in the forms its ``readers`` take (per token, or in
     blocks of a size), the normalized rows never written out where they all take one form
-    (:func:`~batchspec.exact.int8.native.norm_quantize`, :func:`~batchspec.exact.int8.native.norm_quantize_blocks`)."""
+    (:func:`~batchspec.exact.integer.native.norm_quantize`,
+    :func:`~batchspec.exact.integer.native.norm_quantize_blocks`)."""
     shape, inner = tuple(x.shape[:-1]), x.shape[-1]
     forms = {layer.block for layer in (readers if isinstance(readers, list) else [readers])}  # None: per token
     if forms == {None}:
