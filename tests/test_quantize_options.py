@@ -36,7 +36,7 @@ def auto_is_int8_on_this_cpu(monkeypatch):
     """``--quantize auto``'s CPU choice (:func:`batchspec.exact.integer.cpu_default`, tested on its own below) as on a
     CPU
     with native int8 kernels, so these tests read the same on every host."""
-    monkeypatch.setattr(loading.int8, "cpu_default", lambda: "int8")
+    monkeypatch.setattr(loading.integer, "cpu_default", lambda: "int8")
 
 
 def test_auto_takes_int8_only_where_native_kernels_run(caplog, monkeypatch):
@@ -184,7 +184,7 @@ def test_auto_loads_a_mixed_pair_unquantized_both(tiny_dirs, gelu_dirs, gelu_rol
 def test_int8_asked_for_a_model_it_does_not_support_is_refused_before_quantizing(
     tiny_dirs, gelu_dirs, gelu_role, monkeypatch
 ):
-    monkeypatch.setattr(loading.int8, "quantize_model", quantized_nowhere)
+    monkeypatch.setattr(loading.integer, "quantize_model", quantized_nowhere)
     specs = {"target": str(tiny_dirs / "target"), "draft": str(tiny_dirs / "draft")}
     specs[gelu_role] = gelu = str(gelu_dirs / gelu_role)
     message = re.escape(f"{gelu}: --quantize int8 needs a SiLU MLP; this model uses 'gelu' (--quantize auto or none")
@@ -276,7 +276,7 @@ def test_an_int8_sweep_records_the_quantization(int8_tiny, tmp_path):
     cells = json.loads((tmp_path / "results.json").read_text())
     assert [c["quantize"] for c in cells] == ["int8", "int8"]
     assert all(c["exact_match"] == 1.0 for c in cells if c["method"] == "eqspec")
-    assert "(int8 exact)" in (tmp_path / "results.md").read_text().splitlines()[0]
+    assert "(int8 exact, the target reads " in (tmp_path / "results.md").read_text().splitlines()[0]
     audit = json.loads((tmp_path / "audit.json").read_text())
     assert audit["quantize"] == "int8" and "does not apply" in audit["near_tie_rule"]
 
@@ -300,3 +300,15 @@ def test_bench_audit_and_costs_commands_record_int8(tiny_dirs, tmp_path):
     report = json.loads((tmp_path / "costs" / "costs.json").read_text())
     assert report["quantize"] == "int8" and report["precision"].startswith("float32, int8 exact on ")
     assert "(float32, int8 exact on " in costs.stdout
+
+
+def test_auto_is_int4_for_4_bit_files_where_int4_was_measured_faster(monkeypatch):
+    """``--quantize auto``'s width: int4 only for models from files holding 4-bit weights, on the builds where int4
+    beat int8 in every measured cell (avx2); int8 on the VNNI builds and for every other model."""
+    from batchspec.exact import integer
+    from batchspec.exact.integer import native
+
+    for isa, four_bit, want in [("avx2", True, "int4"), ("avx2", False, "int8"), ("avx512vnni", True, "int8"),
+                                ("avxvnni", True, "int8")]:
+        monkeypatch.setattr(native, "isa", lambda isa=isa: isa)
+        assert integer.width_for(four_bit) == want, (isa, four_bit)

@@ -15,8 +15,9 @@ from batchspec.exact.integer.model import (
     quantizable,
     quantization,
     quantize_model,
+    width_for,
 )
 
 __all__ = [
-    "check_quantizable", "check_quantize", "cpu_default", "quantizable", "quantization", "quantize_model"
+    "check_quantizable", "check_quantize", "cpu_default", "quantizable", "quantization", "quantize_model", "width_for"
 ]

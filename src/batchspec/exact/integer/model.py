@@ -125,12 +125,12 @@ def check_quantize(quantize: str) -> str:
 
 
 def cpu_default() -> str:
-    """What ``--quantize auto`` makes float32 models on this CPU: ``"int8"`` where a native build of the int8
-    kernels runs (:func:`~batchspec.exact.integer.native.isa`: on each of them the int8 forward reads a prompt and
-    decodes
-    at least as fast as float32, docs/integer.md), else ``"none"``: without them (another architecture, no C compiler,
-    ``BATCHSPEC_CPU_ISA=none``) the int8 forward runs in torch, exact but several times slower than float32. Says
-    which and why in one log line, once per process and build."""
+    """What ``--quantize auto`` makes float32 models on this CPU before it knows where they came from: ``"int8"``
+    where a native build of the kernels runs (:func:`~batchspec.exact.integer.native.isa`: on each of them the int8
+    forward reads a prompt and decodes at least as fast as float32, docs/integer.md), else ``"none"``: without them
+    (another architecture, no C compiler, ``BATCHSPEC_CPU_ISA=none``) the forward runs in torch, exact but several
+    times slower than float32 (:func:`width_for` may then make int8 int4). Says which and why in one log line, once per
+    process and build."""
     isa = native.isa()
     choice = "int8" if native.available() else "none"
     if isa not in _SAID:
@@ -144,6 +144,28 @@ def cpu_default() -> str:
 
 
 _SAID: set[str] = set()  # the builds cpu_default has named in its log line
+
+# builds on which int4 was measured faster than int8 in every cell (docs/integer.md, "Which width"): without VNNI the
+# int8 product's prompt reading and verifications are bound by 256-bit vpmaddwd, and int4's by half as many bytes
+INT4_FIRST: tuple[str, ...] = ("avx2",)
+
+
+def width_for(four_bit: bool) -> str:
+    """The width ``--quantize auto`` gives models that the integer forward supports: ``"int4"`` where they came from
+    files that hold their weights in 4 bits (``four_bit``: the models as published) and the build in use is one of
+    :data:`INT4_FIRST`, else ``"int8"``. On the VNNI builds int8 read prompts and verified drafts faster than int4 (a
+    plain B = 1 step was faster in int4), so it stays their default; ``--quantize int4`` asks for int4 anywhere. Says
+    which and why in one log line."""
+    if not four_bit:
+        return "int8"
+    isa = native.isa()
+    if isa in INT4_FIRST:
+        logger.info("batchspec: --quantize auto: int4 (the files hold 4-bit weights, kept as they are; on the %s "
+                    "build int4 was faster than int8 in every measured cell)", isa)
+        return "int4"
+    logger.info("batchspec: --quantize auto: int8 (the files hold 4-bit weights, but on the %s build int8 reads "
+                "prompts and verifies drafts faster; --quantize int4 keeps the files' own blocks)", isa)
+    return "int8"
 
 
 def quantizable(model: Any) -> bool:
