@@ -48,3 +48,21 @@ def ragged_forwards(model, rows: list[list[int]], prefix: list[int], steps: list
             start = stop
     everything = torch.cat(logits, dim=1)  # [B, columns, V]
     return [everything[i, lead[i] : lead[i] + len(rows[i])] for i in range(batch)]
+
+
+def draw_ragged(data, vocab_size: int, max_batch: int, max_length: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """A ragged batch drawn with hypothesis' ``data``: ``(rows, prefix, steps)`` for :func:`ragged_forwards`, 1 to
+    ``max_batch`` rows of 2 to ``max_length`` random tokens, each read ``prefix[i]`` tokens at first, then forwards of
+    1 to 5 tokens until the longest row is done."""
+    import torch
+    from hypothesis import strategies as st
+
+    batch = data.draw(st.integers(1, max_batch), label="batch")
+    lengths = data.draw(st.lists(st.integers(2, max_length), min_size=batch, max_size=batch), label="lengths")
+    prefix = [data.draw(st.integers(1, n - 1), label="prefix") for n in lengths]
+    steps: list[int] = []
+    while sum(steps) < max(n - p for n, p in zip(lengths, prefix, strict=True)):
+        steps.append(data.draw(st.integers(1, 5), label="step"))
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    rows = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    return rows, prefix, steps

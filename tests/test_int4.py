@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ragged import alone_one_token_at_a_time, ragged_forwards
+from ragged import alone_one_token_at_a_time, draw_ragged, ragged_forwards
 
 from batchspec.exact.integer import native, quantization, quantize_model
 from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
@@ -191,14 +191,7 @@ def test_every_int4_row_is_bit_identical_to_itself_alone(kind, int4_models, data
     """Rows of different lengths, left-padded, in forwards of 1..5 new tokens, give each row exactly the logits it
     gets alone, one token at a time."""
     model = int4_models[kind]
-    batch = data.draw(st.integers(1, 4), label="batch")
-    lengths = data.draw(st.lists(st.integers(2, 20), min_size=batch, max_size=batch), label="lengths")
-    prefix = [data.draw(st.integers(1, n - 1), label="prefix") for n in lengths]
-    steps = []
-    while sum(steps) < max(n - p for n, p in zip(lengths, prefix, strict=True)):
-        steps.append(data.draw(st.integers(1, 5), label="step"))
-    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    rows, prefix, steps = draw_ragged(data, model.config.vocab_size, max_batch=4, max_length=20)
     for row, got in zip(rows, ragged_forwards(model, rows, prefix, steps), strict=True):
         assert torch.equal(got, alone_one_token_at_a_time(model, row))
 

@@ -31,7 +31,7 @@ pytest.importorskip("triton", reason="the batch-invariant kernels need triton")
 import tiny_models  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from ragged import alone_one_token_at_a_time, ragged_forwards  # noqa: E402
+from ragged import alone_one_token_at_a_time, draw_ragged, ragged_forwards  # noqa: E402
 
 from batchspec.engine.graphs import graph_mode  # noqa: E402
 from batchspec.exact.invariant import batch_invariant, check_batch_invariant, make_batch_invariant  # noqa: E402
@@ -184,14 +184,7 @@ def test_every_row_is_itself_alone(kind, invariant_models, data):
     interpreter, where the last bits of ``tl.dot`` are the host BLAS's, within float32 rounding (the mask, the
     positions and the cache reach every kernel as they should)."""
     model = invariant_models[kind].cpu() if DEVICE == "cpu" else invariant_models[kind]
-    batch = data.draw(st.integers(1, 3), label="batch")
-    lengths = data.draw(st.lists(st.integers(2, 10), min_size=batch, max_size=batch), label="lengths")
-    prefix = [data.draw(st.integers(1, n - 1), label="prefix") for n in lengths]
-    steps = []
-    while sum(steps) < max(n - p for n, p in zip(lengths, prefix, strict=True)):
-        steps.append(data.draw(st.integers(1, 5), label="step"))
-    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    rows, prefix, steps = draw_ragged(data, model.config.vocab_size, max_batch=3, max_length=10)
     for row, got in zip(rows, ragged_forwards(model, rows, prefix, steps), strict=True):
         alone = alone_one_token_at_a_time(model, row)
         if DEVICE == "cuda":
