@@ -284,3 +284,32 @@ def test_seeded_int4_samples_do_not_depend_on_the_batch_or_k(int4_models, bs):
     for batch_size, k in [(5, 2), (3, "auto")]:
         assert bs.generate(target, draft, prompts, batch_size=batch_size, num_draft_tokens=k,
                            **common).sequences == alone.sequences
+
+
+def test_the_gguf_index_reads_what_ggufs_reader_reads(tmp_path):
+    """:class:`GgufIndex` (the tensor table and two metadata values, the rest stepped over) gives each tensor's type,
+    shape and bytes as gguf's own reader does, past metadata of every kind (strings, arrays of strings and numbers)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from batchspec.models.gguf_weights import GgufIndex
+
+    writer = GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    writer.add_block_count(2)
+    writer.add_token_list(["<s>", "a", "bc", "déf"])
+    writer.add_array("test.numbers", [1.5, 2.5])
+    writer.add_uint64("test.big", 2**40)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("blk.0.attn_q.weight", quantize(rng.standard_normal((8, 64)).astype(np.float32),
+                                                      GGMLQuantizationType.Q4_0), raw_dtype=GGMLQuantizationType.Q4_0)
+    writer.add_tensor("blk.0.ffn_norm.weight", rng.standard_normal(64).astype(np.float32))
+    writer.add_tensor("blk.1.ffn_up.weight", quantize(rng.standard_normal((16, 64)).astype(np.float32),
+                                                      GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    index = GgufIndex(tmp_path / "tiny.gguf")
+    assert index.arch == "llama" and index.blocks == 2
+    for tensor in GGUFReader(str(tmp_path / "tiny.gguf")).tensors:
+        ours = index.tensors[tensor.name]
+        assert ours.kind == tensor.tensor_type.name and ours.shape == tuple(int(d) for d in reversed(tensor.shape))
+        assert np.array_equal(ours.data.reshape(-1), np.asarray(tensor.data).reshape(-1).view(np.uint8))
