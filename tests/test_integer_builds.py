@@ -39,6 +39,41 @@ KINDS = ("llama", "qwen2", "qwen3", "mistral")
 THREADS = (1, 2, 16)
 
 
+# rows whose largest magnitude is subnormal or just above it: top / levels is subnormal, and 1 / (top / levels) would
+# overflow to inf, making a zero's code 0 * inf (NaN)
+TINY_ROWS = torch.tensor([[-3.62e-39, 0.0, 5e-40, 0.0], [1e-45, -0.0, 0.0, 0.0], [1.4e-36, -7e-37, 0.0, 1e-38],
+                          [0.0, 0.0, 0.0, 0.0]])  # [4, 4]
+
+
+def test_tiny_rows_quantize_to_finite_codes_and_zeros_to_zero():
+    """The scale is at least the smallest normal float (arithmetic.quantize_rows): a zero's code is 0 however small
+    its row, every code is finite, and values below half of 2**-126 are 0."""
+    for levels in (127, 32767):
+        q, scale = quantize_rows(TINY_ROWS.clone(), levels)  # [4, 4], [4, 1]
+        assert torch.isfinite(q).all() and torch.isfinite(1.0 / scale).all()
+        assert torch.equal(q[TINY_ROWS == 0], torch.zeros(int((TINY_ROWS == 0).sum())))
+        assert q[0, 0] == 0 and q[2, 0] == 119  # below half the smallest scale; 1.4e-36 / 2**-126, rounded
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_tiny_rows_give_each_build_the_torch_paths_codes(isa):
+    """Every build quantizes rows of subnormal magnitude as the torch path does: int8 codes, 15-bit codes and the
+    int4 product's blocked codes and sub-block sums."""
+    from batchspec.exact.integer.int4 import quantize_blocks
+
+    with native.using("none"):
+        q8, s8 = quantize_rows(TINY_ROWS.clone())
+        wide = [t.double() for t in quantize_rows(TINY_ROWS.clone(), 32767)]  # float32's, as attention takes them
+        blocked = quantize_blocks(TINY_ROWS.clone(), 256)
+    with native.using(isa):
+        codes, scale = native.quantize(TINY_ROWS.clone())
+        assert torch.equal(codes[:, :4].int() - 128, q8.int()) and torch.equal(scale, s8)
+        assert all(torch.equal(a, b) for a, b in zip(native.quantize_wide(TINY_ROWS.clone(), 32767), wide,
+                                                       strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(native.quantize_blocks(TINY_ROWS.clone(), 256), blocked,
+                                                       strict=True))
+
+
 def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
     """A build is forced only among those the CPU runs (here an AVX2-only CPU, by its flags): one the CPU lacks, or
     a name that is none of them, is a ValueError naming what is possible, never an emulation."""

@@ -209,7 +209,7 @@ static void quantize_values(const float *x, int64_t k, int64_t ldc, uint8_t *cod
     __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
     half = _mm_max_ps(half, _mm_movehl_ps(half, half));
     float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
-    float s = top > 0.0f ? top / 127.0f : 1.0f, inverse = 1.0f / s;
+    float s = scale_of(top, 127.0f), inverse = 1.0f / s;
     for (int64_t i = 0; i < k; i++)
         codes[i] = (uint8_t)((int32_t)token_code(x[i], inverse, 127.0f) + 128);
     for (int64_t i = k; i < ldc; i++) codes[i] = 128;

@@ -126,7 +126,7 @@ static inline __attribute__((always_inline)) void quantize_values(const float *x
     for (int64_t i = 0; i < k; i += 16)
         most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_maskz_loadu_ps(first(k - i), x + i)));
     float top = _mm512_reduce_max_ps(most);
-    float s = top > 0.0f ? top / 127.0f : 1.0f;
+    float s = scale_of(top, 127.0f);
     const __m512 inverse = _mm512_set1_ps(1.0f / s), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
     for (int64_t i = 0; i < k; i += 16) {
         __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(first(k - i), x + i), inverse),

@@ -9,7 +9,7 @@
  * float operation depends on the thread count either. */
 
 /* Per-token quantization to the product's codes, as int8/arithmetic.py's quantize_rows and product.py's
- * activation_codes compute it in float32: top = max |x|; scale = top > 0 ? top / 127 : 1;
+ * activation_codes compute it in float32: top = max |x|; scale = scale_of(top, 127) (scalar.h);
  * q = clamp(rint(x * (1 / scale)), -127, 127); code = q + 128, and 128 in the padding columns k .. ldc. */
 void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8_t *codes, float *scale,
                         int threads) {

@@ -2,6 +2,7 @@
  * -ffp-contract=off, so every float operation is one correctly rounded IEEE operation and the bits cannot depend on
  * the instruction set, the vector width or the thread that runs a row. Each function below is the C twin of a torch
  * function in int8/arithmetic.py, int8/model.py or int8/attention.py, with the same operations in the same order. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -76,12 +77,18 @@ static inline void rms_apply_row(const float *x, int64_t h, float root, const fl
     for (int64_t i = 0; i < h; i++) out[i] = weight[i] * (x[i] * inverse);
 }
 
+/* A token's scale from top = max |x|, as arithmetic.quantize_rows defines it: top / levels, at least FLT_MIN (so
+ * 1 / scale is finite and a zero's code is 0, however small the row), and 1 for a row of zeros. */
+static inline float scale_of(float top, float levels) {
+    return top > 0.0f ? fmaxf(top / levels, FLT_MIN) : 1.0f;
+}
+
 /* Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
- * scale = top > 0 ? top / levels : 1, q = clamp(rint(x * (1 / scale)), -levels, levels). */
+ * scale = scale_of(top, levels), q = clamp(rint(x * (1 / scale)), -levels, levels). */
 static inline float token_scale(const float *x, int64_t k, float levels) {
     float top = 0.0f;
     for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
-    return top > 0.0f ? top / levels : 1.0f;
+    return scale_of(top, levels);
 }
 
 static inline float token_code(float x, float inverse, float levels) {
@@ -132,7 +139,7 @@ static inline void rotate(const float *x, const float *cos, const float *sin, in
 
 /* The int4 product's activations (batchspec_quantize_blocks): a row of k values quantized per block of `block`
  * values (a super-block of the weight, 32 * sub-blocks) as quantize_rows quantizes a token, block by block: top =
- * max |x| over the block, scale = top > 0 ? top / 127 : 1, q = clamp(rint(x * (1 / scale)), -127, 127) as int8,
+ * max |x| over the block, scale = scale_of(top, 127), q = clamp(rint(x * (1 / scale)), -127, 127) as int8,
  * zeros from k up to `padded` (a multiple of 32); sums[s] = the sum of the 32 codes of sub-block s, for s <
  * `counted` (zero past the codes: the int4 kernels read the sums in pairs). */
 static inline void quantize_block_row(const float *x, int64_t k, int64_t block, int64_t padded, int8_t *q,
