@@ -26,7 +26,7 @@ case "$job" in
     env) ;;
     demo)
         .venv/bin/batchspec fetch
-        .venv/bin/batchspec generate --prompts humaneval --limit 4 --batch-size 4 --max-new-tokens 128 "${@:2}"
+        .venv/bin/batchspec generate --prompts humaneval --limit 4 --batch-size 4 --max-new-tokens 256 "${@:2}"
         ;;
     test)
         .venv/bin/ruff check .

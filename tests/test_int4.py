@@ -312,4 +312,4 @@ def test_the_gguf_index_reads_what_ggufs_reader_reads(tmp_path):
     for tensor in GGUFReader(str(tmp_path / "tiny.gguf")).tensors:
         ours = index.tensors[tensor.name]
         assert ours.kind == tensor.tensor_type.name and ours.shape == tuple(int(d) for d in reversed(tensor.shape))
-        assert np.array_equal(ours.data.reshape(-1), np.asarray(tensor.data).reshape(-1).view(np.uint8))
+        assert np.array_equal(ours.read().reshape(-1), np.asarray(tensor.data).reshape(-1).view(np.uint8))

@@ -474,9 +474,20 @@ def test_check_quantize_names_the_choices():
         check_quantize("int2")
 
 
+def test_a_bfloat16_model_quantizes_to_the_bits_of_its_float32_widening(bundles):
+    """A checkpoint held in bfloat16 is computed in float32 as it is quantized: the same bits as widening it first."""
+    held = copy.deepcopy(bundles["llama"].target).to(torch.bfloat16)
+    widened = copy.deepcopy(held).float()
+    ids = torch.tensor([bundles["llama"].probe[0][0]])
+    with torch.no_grad():
+        logits = [quantize_model(model)(ids).logits for model in (held, widened)]
+    assert logits[0].dtype == torch.float32
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_quantize_refuses_what_it_cannot_make_exact(bundles):
     with pytest.raises(ValueError, match="float32"):
-        quantize_model(copy.deepcopy(bundles["llama"].target).to(torch.bfloat16))
+        quantize_model(copy.deepcopy(bundles["llama"].target).to(torch.float64), width="int4")
     gelu = tiny_models.build_llama(seed=5, hidden_act="gelu")
     with pytest.raises(ValueError, match="SiLU"):
         quantize_model(gelu)

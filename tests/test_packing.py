@@ -65,7 +65,8 @@ def test_use_kernels_choices(float32_llama, bundles):
 
 
 def test_tied_output_embeddings_keep_their_weight(float32_llama):
-    """The packed lm_head still exposes the (shared) weight: vocabulary checks and tied embeddings see it."""
+    """The packed lm_head still has a weight of the vocabulary's rows for the vocabulary checks; a tied one's values
+    live on in the input embedding."""
     _, target, _ = float32_llama
     model = copy.deepcopy(target)
     rows = model.get_output_embeddings().weight.shape[0]
@@ -73,6 +74,18 @@ def test_tied_output_embeddings_keep_their_weight(float32_llama):
     head = model.get_output_embeddings()
     assert isinstance(head, PackedLinear)
     assert head.weight.shape[0] == rows == tiny_models.VOCAB_SIZE
+    assert torch.equal(head.weight, model.get_input_embeddings().weight) == model.config.tie_word_embeddings
+
+
+def test_packing_holds_each_weight_once(float32_llama):
+    """After packing, no float32 linear weight is held beside its packed copy: the parameters left are the
+    embedding's and the norms'."""
+    _, target, _ = float32_llama
+    model = copy.deepcopy(target)
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    embedding = id(model.get_input_embeddings().weight)
+    pack_linears(model)
+    assert not {id(p) for p in model.parameters()} & (linear_weights - {embedding})
 
 
 @pytest.mark.parametrize(("method", "proposer"), [("eqspec", "draft"), ("exspec", "hybrid"), ("eqspec", "ngram")])

@@ -29,6 +29,7 @@ import torch
 
 from batchspec.engine import BatchKVCache, BatchState, ModelRunner
 from batchspec.exact.integer.product import PackedWeight
+from batchspec.models.packing import PackedLinear
 
 DEFAULT_CONTEXT = 128  # cached columns before the timed tokens
 DEFAULT_REPEATS = 3  # timed forwards per cost (their median)
@@ -75,18 +76,22 @@ class SpeculationCost:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a one-token forward of ``model`` reads: every parameter and buffer (an int8 layer's
-    packed weight too), each tensor once, except the tables a step reads one row of per token: the input embedding
-    table (unless a tied output layer shares it, which reads all of it) and the rotary embedding's (``rotary_emb``;
-    the int8 model's holds every position's cos and sin)."""
+    packed weight and a float32 layer's oneDNN copy too), each tensor once, except the tables a step reads one row of
+    per token: the input embedding table (unless a tied output layer shares it, which reads all of it; a packed one
+    reads its own copy) and the rotary embedding's (``rotary_emb``; the int8 model's holds every position's cos and
+    sin)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     seen, total = set(), 0
     for name, module in model.named_modules():
-        looked_up = module is embedding and getattr(output, "weight", None) is not embedding.weight
+        reads_table = not isinstance(output, PackedLinear) and getattr(output, "weight", None) is embedding.weight
+        looked_up = module is embedding and not reads_table
         if looked_up or name.endswith("rotary_emb"):
             continue
         packed = getattr(module, "weight", None)
         total += packed.nbytes() if isinstance(packed, PackedWeight) else 0
+        if isinstance(module, PackedLinear):  # oneDNN's copy of the weight, held instead of it
+            total += module.packed.numel() * module.packed.element_size()
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if tensor.data_ptr() not in seen:
                 seen.add(tensor.data_ptr())

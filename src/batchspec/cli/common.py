@@ -30,6 +30,7 @@ from batchspec.config import (
 )
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.engine import STAGES
+from batchspec.memory import peak_resident_bytes
 from batchspec.models.choice import ModelChoice
 
 __all__ = ["CudaGraphs", "Method", "ProposerKind"]
@@ -229,6 +230,8 @@ def summary_lines(stats: Any, finish_reasons: list[str], method: Method, target_
     stages = [(stage, getattr(stats, f"{stage}_s")) for stage in STAGES]
     split = ", ".join(f"{name} {seconds:.1f} s ({_percent(seconds, stats.wall_s)})" for name, seconds in stages)
     lines.append(f"time             {split}")
+    lines.append(f"memory           peak {peak_resident_bytes() / 1e9:.2f} GB resident (this process so far, the "
+                 f"models' load included)")
     rate = None if target_bytes is None else read_rate(target_bytes, stats)
     if rate is not None:
         lines.append(f"weights          the target reads {target_bytes / 1e9:.3f} GB a forward: {rate / 1e9:.1f} GB/s "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,25 +35,41 @@ _STRING, _ARRAY = 8, 9
 @dataclass(frozen=True)
 class GgufTensor:
     """One tensor of a GGUF file: its type's name (``"Q4_K"``), its shape as transformers sees it (``[O, K]``) and
-    its raw bytes, ``[O, bytes a row]`` uint8 (a view of the mapped file)."""
+    where its raw bytes lie (``rows`` rows of ``row_bytes`` from byte ``start`` of ``path``)."""
 
     kind: str
     shape: tuple[int, ...]
-    data: np.ndarray
+    path: Path
+    start: int
+    rows: int
+    row_bytes: int
+
+    def read(self) -> np.ndarray:
+        """The raw bytes, ``[rows, row_bytes]`` uint8, read from the file into memory of their own (a view of a
+        mapping would keep the file's pages in the process's resident set for as long as the weight lives)."""
+        raw = np.empty((self.rows, self.row_bytes), dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(self.start)
+            if handle.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+                raise OSError(f"{self.path.name} ended inside a tensor")
+        return raw
 
 
 class GgufIndex:
     """A GGUF file's tensor table and its ``general.architecture`` and ``<arch>.block_count`` (GGUF v2 and v3,
-    little-endian), read once, the file mapped read-only; the other metadata is stepped over, not decoded."""
+    little-endian), read once through a read-only mapping that is closed after; the other metadata is stepped over,
+    not decoded."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            self._read(data)
+
+    def _read(self, data: mmap.mmap) -> None:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        with open(path, "rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        data, self.path = self._map, path
         if data[:4] != GGUF_MAGIC or struct.unpack_from("<I", data, 4)[0] not in (2, 3):
-            raise ValueError(f"{path.name} is not a GGUF file of version 2 or 3 (little-endian)")
+            raise ValueError(f"{self.path.name} is not a GGUF file of version 2 or 3 (little-endian)")
         tensors, fields = struct.unpack_from("<QQ", data, 8)
         offset, values = 24, {}
         for _ in range(fields):
@@ -76,9 +93,10 @@ class GgufIndex:
         for name, dims, kind, start in table:
             block, size = GGML_QUANT_SIZES[kind]
             rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-            row_bytes = dims[0] // block * size
-            raw = np.frombuffer(data, dtype=np.uint8, count=rows * row_bytes, offset=base + start)
-            self.tensors[name] = GgufTensor(kind.name, tuple(reversed(dims)), raw.reshape(rows, row_bytes))
+            if base + start + rows * (dims[0] // block * size) > len(data):
+                raise ValueError(f"{self.path.name} ends inside tensor {name}")
+            self.tensors[name] = GgufTensor(kind.name, tuple(reversed(dims)), self.path, base + start, rows,
+                                            dims[0] // block * size)
 
 
 def _string(data: mmap.mmap, offset: int) -> tuple[str, int]:
@@ -132,12 +150,15 @@ def four_bit(origin: GgufOrigin) -> bool:
 class GgufInt4Source:
     """``source(name)`` -> the int4 weight of linear layer ``name`` (``model.layers.3.mlp.up_proj``) as the file
     holds it, or None where the file holds that weight in another type; ``model`` is the loaded model, whose weights
-    the blocks must expand to (bf16-rounded, as a preset caches them)."""
+    the blocks must expand to (bf16-rounded, as a preset caches them), read through ``fresh`` where given (see
+    :func:`batchspec.exact.integer.model.quantize_model`)."""
 
-    def __init__(self, origin: GgufOrigin, model: torch.nn.Module) -> None:
+    def __init__(self, origin: GgufOrigin, model: torch.nn.Module,
+                 fresh: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
         from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
         self.origin, self.model = origin, model
+        self.fresh = fresh or (lambda name, tensor: tensor)
         index = gguf_index(origin.path, origin.path.stat().st_mtime_ns)
         self.arch, self.tensors = index.arch, index.tensors
         key = next((k for k, v in MODEL_ARCH_NAMES.items() if v == self.arch), None)
@@ -151,11 +172,11 @@ class GgufInt4Source:
             raise ValueError(f"{self.origin.path.name} holds no tensor for {name}")
         if tensor.kind not in GGUF_INT4:
             return None
-        weight = from_gguf(tensor.kind, tensor.data, tensor.shape[-1])
+        weight = from_gguf(tensor.kind, tensor.read(), tensor.shape[-1])
         if self.arch == "llama" and name.endswith(("q_proj", "k_proj")):
             weight = _reorder(weight, self._heads(name))
-        loaded = self.model.get_submodule(name).weight
-        if not torch.equal(weight.values().bfloat16(), loaded.detach().bfloat16()):
+        loaded = self.fresh(f"{name}.weight", self.model.get_submodule(name).weight.detach())
+        if not torch.equal(weight.values().bfloat16(), loaded.bfloat16()):
             raise ValueError(f"{self.origin.path.name}: the blocks of {tensor.name} do not expand to {name}'s weight")
         return weight
 

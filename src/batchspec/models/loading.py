@@ -42,13 +42,15 @@ from batchspec.devices import device_name, resolve_device
 from batchspec.exact import integer
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.exact.invariant import make_batch_invariant
+from batchspec.memory import returned_when_freed
 from batchspec.model_checks import vocab_size
+from batchspec.models.checkpoint import CheckpointReader, widen_model
 from batchspec.models.gguf_weights import GgufInt4Source, GgufOrigin, four_bit
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.cache import build_directory, hub_offline
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, GgufSource, get_preset
 from batchspec.models.obtain.gguf import dequantize_gguf, load_dequantized, obtain_gguf
-from batchspec.models.packing import can_pack, pack_linears
+from batchspec.models.packing import PackedLinear, can_pack, onednn_linear, pack_linears
 from batchspec.models.pair import ModelPair
 
 if TYPE_CHECKING:
@@ -181,12 +183,12 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1
 
 
-def _load_dir(directory: Path, dtype: str) -> tuple[Any, Any]:
+def _load_dir(directory: Path, dtype: str, stored: bool = False) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with hub_offline():
         model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=_torch_dtype(dtype), local_files_only=True
+            directory, dtype="auto" if stored else _torch_dtype(dtype), local_files_only=True
         )
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model.eval(), tokenizer
@@ -200,11 +202,12 @@ def _gguf_cache_dir(gguf: Path, cache_dir: Path) -> tuple[Path, dict]:
     return cache_dir / "models" / "gguf" / f"{gguf.stem}-{key}", identity
 
 
-def _load_gguf(gguf: Path, dtype: str, cache_gguf: bool, cache_dir: Path, progress: bool) -> tuple[Any, Any]:
+def _load_gguf(gguf: Path, dtype: str, cache_gguf: bool, cache_dir: Path, progress: bool,
+               stored: bool = False) -> tuple[Any, Any]:
     if cache_gguf:
         directory, identity = _gguf_cache_dir(gguf, cache_dir)
         build_directory(directory, identity, lambda tmp: dequantize_gguf(gguf, tmp, progress))
-        return _load_dir(directory, dtype)
+        return _load_dir(directory, dtype, stored)
     model, tokenizer = load_dequantized(gguf, _torch_dtype(dtype))
     return model.eval(), tokenizer
 
@@ -268,20 +271,36 @@ def _load_models(
     progress: bool, kernels: str, device: str, quantize: str, batch_invariant: bool,
 ) -> list[tuple[Any, Any]]:
     """``(model, tokenizer)`` for each of ``specs``, loaded on ``device``, then all quantized alike
-    (:func:`settle_quantize`) or all put on the batch-invariant or the chosen CPU kernels."""
+    (:func:`settle_quantize`) or all put on the batch-invariant or the chosen CPU kernels; what the load frees goes
+    back to the system (:func:`batchspec.memory.returned_when_freed`)."""
     check_option("kernels", kernels, KERNELS)
     check_batch_invariant_for(batch_invariant, device)
     place = resolve_device(device)
     resolved = check_quantize_for(quantize, dtype, kernels, place)
-    loaded = [_load_on(spec, dtype, place, cache_dir, cache_gguf, gguf_file, progress) for spec in specs]
+    with returned_when_freed():
+        return _load_quantized(specs, dtype, place, resolved, quantize, cache_dir=cache_dir, cache_gguf=cache_gguf,
+                               gguf_file=gguf_file, progress=progress, kernels=kernels, batch_invariant=batch_invariant)
+
+
+def _load_quantized(
+    specs: list[str], dtype: str, place: torch.device, resolved: str, quantize: str, *, cache_dir: str | Path | None,
+    cache_gguf: bool, gguf_file: str | None, progress: bool, kernels: str, batch_invariant: bool,
+) -> list[tuple[Any, Any]]:
+    """:func:`_load_models` after its checks: ``resolved`` is :func:`check_quantize_for`'s answer to ``quantize``."""
+    # on the CPU, models load in their files' dtype and widen a tensor at a time (quantize_model, _finish)
+    stored = place.type == "cpu" and (resolved != "none" or resolve_dtype(dtype) == "float32")
+    loaded = [_load_on(spec, dtype, place, cache_dir, cache_gguf, gguf_file, progress, stored) for spec in specs]
     models = [model for model, _ in loaded]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     looks = resolved == "int4" or (quantize == "auto" and resolved == "int8")
     origins = [_origin(spec, root, gguf_file, progress, fetch=resolved == "int4") for spec in specs] if looks else []
     resolved = settle_quantize(quantize, resolved, list(zip(specs, models, strict=True)), origins)
     for index, (model, tokenizer) in enumerate(loaded):
+        reader = CheckpointReader.of(model) if stored else None
+        fresh = None if reader is None else reader.fresh
         origin = origins[index] if resolved == "int4" else None
-        _finish(model, tokenizer, resolved, kernels, batch_invariant, origin and GgufInt4Source(origin, model))
+        source = None if origin is None else GgufInt4Source(origin, model, fresh)
+        _finish(model, tokenizer, resolved, kernels, batch_invariant, source, fresh, _torch_dtype(dtype))
     return loaded
 
 
@@ -308,19 +327,29 @@ def _origin(spec: str, root: Path, gguf_file: str | None, progress: bool, fetch:
 
 def _load_on(
     spec: str, dtype: str, place: torch.device, cache_dir: str | Path | None, cache_gguf: bool,
-    gguf_file: str | None, progress: bool,
+    gguf_file: str | None, progress: bool, stored: bool = False,
 ) -> tuple[Any, Any]:
-    model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress)
+    """``spec`` loaded and moved to ``place``: in ``dtype``, or where ``stored``, a checkpoint directory in the
+    dtype its weights are stored in (a preset's bfloat16: half of float32's memory, for quantize_model to widen)."""
+    model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress, stored)
     return (model if place.type == LOAD_DEVICE else model.to(place)), tokenizer
 
 
 def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invariant: bool,
-            source: GgufInt4Source | None = None) -> None:
+            source: GgufInt4Source | None = None, fresh: Any = None, dtype: Any = None) -> None:
     """Make the loaded ``model`` the exact integer one (``quantize``, settled; int4 from ``source``'s blocks where
-    given), else batch-invariant, else put it on ``kernels``."""
+    given; its weights read afresh through ``fresh``, see :class:`~batchspec.models.checkpoint.CheckpointReader`),
+    else batch-invariant, else ``dtype`` (widened a tensor at a time where loaded narrower, each linear layer packed
+    as it is widened where ``kernels`` packs) on ``kernels``."""
     if quantize in ("int8", "int4"):
-        integer.quantize_model(model, tokenizer, quantize, source)
-    elif batch_invariant:
+        integer.quantize_model(model, tokenizer, quantize, source, fresh)
+        return
+    import torch
+
+    if dtype is not None and next(model.parameters()).dtype != dtype:
+        packs = kernels != "default" and dtype == torch.float32 and onednn_linear()
+        widen_model(model, dtype, fresh or (lambda name, tensor: tensor), PackedLinear if packs else None)
+    if batch_invariant:
         make_batch_invariant(model)
     else:
         use_kernels(model, kernels)
@@ -346,25 +375,26 @@ def use_kernels(model: Any, kernels: str = setting_default("kernels")) -> bool:
 
 
 def _load_any(
-    spec: str, dtype: str, cache_dir: str | Path | None, cache_gguf: bool, gguf_file: str | None, progress: bool
+    spec: str, dtype: str, cache_dir: str | Path | None, cache_gguf: bool, gguf_file: str | None, progress: bool,
+    stored: bool = False,
 ) -> tuple[Any, Any]:
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     preset_role = parse_preset_spec(spec)
     if preset_role is not None:
         name, role = preset_role
         paths = obtain_preset(name, root, progress)
-        return _load_dir(paths.target_dir if role == "target" else paths.draft_dir, dtype)
+        return _load_dir(paths.target_dir if role == "target" else paths.draft_dir, dtype, stored)
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(
                 f"{path} is a file but not a .gguf file; pass a model directory, GGUF file or Hub id"
             )
-        return _load_gguf(path, dtype, cache_gguf, root, progress)
+        return _load_gguf(path, dtype, cache_gguf, root, progress, stored)
     if path.is_dir():
         if gguf_file is not None:
-            return _load_gguf(path / gguf_file, dtype, cache_gguf, root, progress)
-        return _load_dir(path, dtype)
+            return _load_gguf(path / gguf_file, dtype, cache_gguf, root, progress, stored)
+        return _load_dir(path, dtype, stored)
     if _looks_like_path(spec):
         raise FileNotFoundError(f"Model path {spec!r} does not exist")
     return _load_hub(spec, dtype, gguf_file)

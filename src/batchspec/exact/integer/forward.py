@@ -129,7 +129,8 @@ class IntegerForward:
         if not isinstance(decoder.rotary_emb, RotaryTable) or not isinstance(decoder.norm, ExactRMSNorm):
             return None
         head = getattr(model, "lm_head", None)
-        if not isinstance(head, Int8Linear) or decoder.embed_tokens.weight.dtype != torch.float32:
+        embedded = getattr(decoder.embed_tokens, "dtype", decoder.embed_tokens.weight.dtype)  # ExactEmbedding's rows
+        if not isinstance(head, Int8Linear) or embedded != torch.float32:
             return None
         if not decoder.layers or not all(_laid_out(module) for module in decoder.layers):
             return None

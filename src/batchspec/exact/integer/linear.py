@@ -20,22 +20,35 @@ from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, qu
 from batchspec.exact.integer.native import ZERO_POINT
 from batchspec.exact.integer.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
 
+WEIGHT_ROWS = 4096  # output channels quantized at a time: an output layer's float32 copy is never whole
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(int8 [O, K], scale [O])`` of a float weight ``[O, K]``: per output channel, in the weight's dtype."""
-    q, scale = quantize_rows(weight.detach())
-    return q.to(torch.int8).contiguous(), scale[:, 0].contiguous()
+
+def quantize_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 [O, K], scale [O])`` of a float weight ``[O, K]``: per output channel, in ``dtype`` (default: the
+    weight's), :data:`WEIGHT_ROWS` channels at a time (each channel's values depend on its own row alone)."""
+    dtype = dtype or weight.dtype
+    codes = torch.empty(weight.shape, dtype=torch.int8)  # [O, K]
+    scales = torch.empty(weight.shape[0], dtype=dtype)  # [O]
+    for i in range(0, weight.shape[0], WEIGHT_ROWS):
+        q, scale = quantize_rows(weight[i : i + WEIGHT_ROWS].detach().to(dtype))  # [R, K], [R, 1]
+        codes[i : i + WEIGHT_ROWS] = q
+        scales[i : i + WEIGHT_ROWS] = scale[:, 0]
+    return codes, scales
 
 
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights (``weight``: laid out once for this CPU's exact product, see
-    :mod:`batchspec.exact.integer.product`; ``scale`` ``[O]``) and per-token int8 activations."""
+    :mod:`batchspec.exact.integer.product`; ``scale`` ``[O]``) and per-token int8 activations. ``weight`` (default:
+    ``linear``'s) may be held in a narrower dtype than ``dtype``, the one it is quantized and computed in."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, weight: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        qweight, scale = quantize_weight(linear.weight)
-        self.weight: PackedWeight = pack_weight(qweight, product_kernel(linear.weight.dtype, qweight.numel()))
+        weight = linear.weight if weight is None else weight
+        dtype = dtype or weight.dtype
+        qweight, scale = quantize_weight(weight, dtype)
+        self.weight: PackedWeight = pack_weight(qweight, product_kernel(dtype, qweight.numel()))
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.quantizer: SharedQuantization | None = None

@@ -37,8 +37,9 @@ from batchspec.exact.integer import attention, native
 from batchspec.exact.integer.arithmetic import row_sum, sqrt_rounded
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import Int4Linear, Int8Linear, IntLinear, QuantizedMLP, SharedQuantization
-from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, smooth_model
+from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
+from batchspec.memory import give_back_freed_memory
 from batchspec.model_checks import check_model
 
 logger = logging.getLogger(__name__)
@@ -179,15 +180,16 @@ def quantizable(model: Any) -> bool:
 
 def check_quantizable(model: Any, width: str = "int8") -> None:
     """Raise ValueError naming what stands in the way unless :func:`quantize_model` can make ``model`` exact in
-    ``width`` (int4 takes float32 models only)."""
+    ``width``: a CPU model held in float32, bfloat16 or float16 (computed in float32), or for int8 in float64."""
     check_model(model, width)
     config = model.config
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
         raise ValueError(f"--quantize {width} runs on the CPU; this model is on {parameter.device}")
-    dtypes = (torch.float32,) if width == "int4" else (torch.float32, torch.float64)
-    if parameter.dtype not in dtypes:
-        raise ValueError(f"--quantize {width} needs a float32 model, not {parameter.dtype}")
+    held = {t.dtype for t in model.parameters() if t.is_floating_point()}
+    if not held <= set(STORED_DTYPES) and not (width == "int8" and held == {torch.float64}):
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
+        raise ValueError(f"--quantize {width} needs a float32 model (or one held in bfloat16 or float16), not {names}")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"--quantize {width} needs a SiLU MLP; this model uses {config.hidden_act!r}")
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -195,57 +197,149 @@ def check_quantizable(model: Any, width: str = "int8") -> None:
         raise ValueError(f"--quantize {width} needs a rotary embedding fixed per position, not {rope!r}")
 
 
+# the dtypes a model may hold its weights in for quantize_model, which computes in float32 (float64 models: float64)
+STORED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
 # a model's own int4 weights, by module name: an Int4Weight, or None where the file holds that weight otherwise
 Int4Source = Callable[[str], Int4Weight | None]
+Maker = Callable[[str, torch.nn.Linear], IntLinear]
+# a parameter's values by its qualified name, read afresh into memory of its own where it maps a file
+Fresh = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8",
-                   source: Int4Source | None = None) -> Any:
+                   source: Int4Source | None = None, fresh: Fresh | None = None) -> Any:
     """Make ``model`` the exact integer model of ``width`` in place (see the module docstring) and return it.
 
     int8: the activations are smoothed first (:mod:`~batchspec.exact.integer.smoothing`), with peaks from the exact
     int8 model's own decoder before smoothing, run on text ``tokenizer`` encodes (seeded token ids without one): a
     forward whose every value is the same bits on every CPU, where the float model's would depend on its BLAS and
     thread count. int4: ``source`` gives each linear layer's own int4 weight where the model came from a file that
-    holds them (None: that layer is int8); without a source every linear layer but the output is rounded to int4."""
+    holds them (None: that layer is int8); without a source every linear layer but the output is rounded to int4.
+
+    A model held in bfloat16 or float16 is computed in float32 (float64 models in float64): its norms and biases are
+    widened at once, its input embedding keeps its dtype and widens the rows it looks up (:class:`ExactEmbedding`,
+    the same values), and each decoder layer's weights are widened only while that layer is smoothed and quantized,
+    so no float32 copy of the whole model is ever held. The integer weights are the same bits as those of the model
+    widened first. ``fresh`` reads each weight when it is used (from a checkpoint file, into memory of its own: see
+    :class:`batchspec.models.checkpoint.CheckpointReader`), so a lazily loaded model's file mapping never becomes
+    resident as a whole."""
     check_quantizable(model, width)
     attention.register()
-    if width == "int4":
-        _swap_in(model, head=True, make=_int4_maker(source))
-        return model
-    ids = calibration_ids(tokenizer, model.config.vocab_size)[: model.config.max_position_embeddings]  # the table's
-    restore = _swap_in(model, head=False, make=_int8)
-    try:
-        peaks = calibration_peaks(model, ids)
-    finally:
-        restore()
-    smooth_model(model, peaks)
-    _swap_in(model, head=True, make=_int8)
+    compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+    fresh = fresh or _as_held
+    _widen_the_rest(model, compute, fresh)
+    peaks = _calibration(model, tokenizer, compute, fresh) if width == "int8" else None
+    make = _int8_maker(compute, fresh) if width == "int8" else _int4_maker(source, compute, fresh)
+    layers = decoder_layers(model)
+    names = {id(module): name for name, module in model.named_modules() if module in layers}  # holds no module
+    for layer in layers:
+        if peaks is not None:
+            _widen_linears(layer, names[id(layer)], compute, fresh)
+            smooth_layer(layer, peaks[layer])
+        _swap(layer, make, compute, head=True, prefix=f"{names[id(layer)]}.")
+        give_back_freed_memory()  # the layer's widened weights, so that the heap does not grow layer by layer
+    _swap(model, make, compute, head=True)
+    _share_inputs(model)
     return model
 
 
-def _int8(name: str, linear: torch.nn.Linear) -> IntLinear:
-    return Int8Linear(linear)
+def _as_held(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
-def _int4_maker(source: Int4Source | None) -> Callable[[str, torch.nn.Linear], IntLinear]:
-    """The layer ``--quantize int4`` makes of the linear layer ``name``: the output layer int8; else ``source``'s
-    int4 weight, int8 where it has none, or without a source the float weight rounded to int4."""
+def _calibration(model: Any, tokenizer: Any | None, compute: torch.dtype, fresh: Fresh) -> dict[torch.nn.Module, dict]:
+    """:func:`calibration_peaks` of the exact int8 model before smoothing (swapped in, then out again)."""
+    ids = calibration_ids(tokenizer, model.config.vocab_size)[: model.config.max_position_embeddings]  # the table's
+    replaced = _swap(model, _int8_maker(compute, fresh), compute, head=False)
+    restore = _share_inputs(model)
+    try:
+        return calibration_peaks(model, ids)
+    finally:
+        restore()
+        for parent, name, child in reversed(replaced):
+            setattr(parent, name, child)
 
+
+def _int8_maker(compute: torch.dtype, fresh: Fresh) -> Maker:
     def make(name: str, linear: torch.nn.Linear) -> IntLinear:
-        if name.split(".")[-1] == "lm_head":
-            return Int8Linear(linear)
-        weight = from_float(linear.weight) if source is None else source(name)
-        return Int8Linear(linear) if weight is None else Int4Linear(weight, linear.bias)
+        return Int8Linear(linear, fresh(f"{name}.weight", linear.weight.detach()), compute)
 
     return make
 
 
-def _swap_in(model: Any, head: bool, make: Callable[[str, torch.nn.Linear], IntLinear]) -> Callable[[], None]:
-    """Swap the exact modules into the float ``model`` in place (the output layer too where ``head``), each linear
-    layer as ``make(qualified name, layer)`` makes it; returns what puts the float modules back."""
-    config, dtype = model.config, next(model.parameters()).dtype
-    replaced = swap_layers(model, lambda name, child: _replacement(name, child, config, dtype, head, make))
+def _int4_maker(source: Int4Source | None, compute: torch.dtype, fresh: Fresh) -> Maker:
+    """The layer ``--quantize int4`` makes of the linear layer ``name``: the output layer int8; else ``source``'s
+    int4 weight, int8 where it has none, or without a source the float weight rounded to int4."""
+
+    def make(name: str, linear: torch.nn.Linear) -> IntLinear:
+        weight = None
+        if name.split(".")[-1] != "lm_head":
+            weight = from_float(fresh(f"{name}.weight", linear.weight)) if source is None else source(name)
+        if weight is not None:
+            return Int4Linear(weight, linear.bias)
+        return Int8Linear(linear, fresh(f"{name}.weight", linear.weight.detach()), compute)
+
+    return make
+
+
+def _widen_linears(layer: torch.nn.Module, prefix: str, compute: torch.dtype, fresh: Fresh) -> None:
+    """The weights of ``layer``'s linear layers (named from ``prefix``) read afresh and in the ``compute`` dtype, for
+    good (the smoothing scales them)."""
+    for name, module in layer.named_modules(prefix=prefix):
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = fresh(f"{name}.weight", module.weight.data).to(compute)
+
+
+def _widen_the_rest(model: Any, compute: torch.dtype, fresh: Fresh) -> None:
+    """Every floating tensor of ``model`` but the linear layers' weights read afresh and in the ``compute`` dtype
+    (norms, biases, tables); the input embedding read afresh and, where it is held in another dtype, an
+    :class:`ExactEmbedding` of its table."""
+    decoder, names = model.get_decoder(), {id(m): name for name, m in model.named_modules()}
+    embedding, table_name = decoder.embed_tokens, f"{names[id(decoder.embed_tokens)]}.weight"
+    table = fresh(table_name, embedding.weight.detach())
+    if table.dtype != compute:
+        decoder.embed_tokens = ExactEmbedding(table, compute)
+    else:
+        embedding.weight.data = table
+    for prefix, module in model.named_modules():
+        if module is decoder.embed_tokens or module is embedding:
+            continue
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            linear_weight = isinstance(module, torch.nn.Linear) and name == "weight"
+            if tensor.is_floating_point() and not linear_weight:
+                tensor.data = fresh(f"{prefix}.{name}" if prefix else name, tensor.data).to(compute)
+
+
+class ExactEmbedding(torch.nn.Module):
+    """A token embedding whose table stays in the dtype it was loaded in (a bfloat16 checkpoint's: half of float32's
+    memory) and whose rows widen to ``dtype`` as they are looked up: the same values as a widened table's rows, for
+    every id (a widening is exact)."""
+
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", table)  # [V, H]
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        return torch.nn.functional.embedding(ids, self.weight).to(self.dtype)
+
+
+def _swap(root: torch.nn.Module, make: Maker, compute: torch.dtype, head: bool,
+          prefix: str = "") -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """Swap the exact modules into ``root`` in place (named from ``prefix``; the output layer too where ``head``; what
+    is exact already is left), each linear layer as ``make(qualified name, layer)`` makes it; returns what was
+    replaced (setting it back in reverse undoes the swap)."""
+    positions = getattr(root, "config", None)
+    positions = positions.max_position_embeddings if positions is not None else 0
+    return swap_layers(root, lambda name, child: _replacement(name, child, positions, compute, head, make), prefix)
+
+
+def _share_inputs(model: Any) -> Callable[[], None]:
+    """Give each attention whose q, k and v are integer layers one shared quantization of its input, and its keys and
+    values their way into the KV cache quantized; the model's attention implementation is the exact one. Returns what
+    undoes it."""
     hooks = []
     for module in model.modules():
         projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
@@ -259,26 +353,29 @@ def _swap_in(model: Any, head: bool, make: Callable[[str, torch.nn.Linear], IntL
     def restore() -> None:
         for hook in hooks:
             hook.remove()
-        for parent, name, child in reversed(replaced):
-            setattr(parent, name, child)
         model.config._attn_implementation = implementation
 
     return restore
 
 
-def _replacement(name: str, child: torch.nn.Module, config: Any, dtype: torch.dtype, head: bool,
-                 make: Callable[[str, torch.nn.Linear], IntLinear]) -> torch.nn.Module | None:
-    if name.split(".")[-1] == "lm_head" and not head:
+EXACT_MODULES = (QuantizedMLP, Int8Linear, Int4Linear)
+
+
+def _replacement(name: str, child: torch.nn.Module, positions: int, dtype: torch.dtype, head: bool,
+                 make: Maker) -> torch.nn.Module | None:
+    part = name.split(".")[-1]
+    if isinstance(child, EXACT_MODULES + (ExactRMSNorm, RotaryTable, ExactEmbedding)):
         return None
-    if name.split(".")[-1] == "mlp":
-        return QuantizedMLP(*(make(f"{name}.{part}", getattr(child, part))
-                              for part in ("gate_proj", "up_proj", "down_proj")))
+    if part == "lm_head" and not head:
+        return None
+    if part == "mlp":
+        return QuantizedMLP(*(make(f"{name}.{p}", getattr(child, p)) for p in ("gate_proj", "up_proj", "down_proj")))
     if isinstance(child, torch.nn.Linear):
         return make(name, child)
     if is_rms_norm(child):
         return ExactRMSNorm(child)
-    if name.split(".")[-1] == "rotary_emb":
-        return RotaryTable(child, config.max_position_embeddings, dtype)
+    if part == "rotary_emb" and positions:
+        return RotaryTable(child, positions, dtype)
     return None
 
 

@@ -91,9 +91,14 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     outputs, inner = weight.shape
     panels, groups = -(-outputs // PANEL), -(-inner // GROUP)
-    padded = F.pad(weight, (0, groups * GROUP - inner, 0, panels * PANEL - outputs))  # [64 P, 4 G]
-    sums = weight.sum(1, dtype=torch.int32).mul_(ZERO_POINT)  # [O]
+    padding = (0, groups * GROUP - inner, 0, panels * PANEL - outputs)
+    padded = F.pad(weight, padding) if any(padding) else weight  # [64 P, 4 G]
+    sums = torch.cat([rows.sum(1, dtype=torch.int32) for rows in weight.split(PACK_ROWS)]).mul_(ZERO_POINT)  # [O]
     return padded.reshape(panels, PANEL, groups, GROUP).transpose(1, 2).contiguous(), sums
+
+
+# rows summed at a time by pack: a sum in int32 widens its input, so in parts it never holds 4 bytes a weight
+PACK_ROWS = 4096
 
 
 def codes(q: torch.Tensor) -> torch.Tensor:

@@ -99,13 +99,20 @@ def smooth_model(model: Any, peaks: dict[torch.nn.Module, dict[str, torch.Tensor
     """Smooth every decoder layer of the float ``model`` in place with its :func:`calibration_peaks`; returns how
     many linear layers were rescaled."""
     layers = decoder_layers(model)
-    with torch.no_grad():
-        for layer in layers:
-            attn, mlp, peak = layer.self_attn, layer.mlp, peaks[layer]
-            _fold(peak["attention"], [attn.q_proj, attn.k_proj, attn.v_proj], _divide_norm(layer.input_layernorm))
-            _fold(peak["mlp"], [mlp.gate_proj, mlp.up_proj], _divide_norm(layer.post_attention_layernorm))
-            _fold(peak["down"], [mlp.down_proj], _divide_rows(mlp.up_proj))
+    for layer in layers:
+        smooth_layer(layer, peaks[layer])
     return 6 * len(layers)
+
+
+def smooth_layer(layer: torch.nn.Module, peak: dict[str, torch.Tensor]) -> None:
+    """Smooth one decoder layer of a float model in place with its :func:`calibration_peaks` (``peak``): its
+    attention's and MLP's inputs, folded into the norms before them, and its down projection's, folded into the up
+    projection's rows."""
+    attn, mlp = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        _fold(peak["attention"], [attn.q_proj, attn.k_proj, attn.v_proj], _divide_norm(layer.input_layernorm))
+        _fold(peak["mlp"], [mlp.gate_proj, mlp.up_proj], _divide_norm(layer.post_attention_layernorm))
+        _fold(peak["down"], [mlp.down_proj], _divide_rows(mlp.up_proj))
 
 
 def _recorder(peaks: dict[str, torch.Tensor], name: str) -> Callable:

@@ -1,0 +1,101 @@
+"""What a load holds: a checkpoint's tensors read one at a time, the float weights widened a layer at a time, the
+allocator's freed memory given back, and a 7B-shape model's int8 load within 1.3x of what it holds (large)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from fabricated import tiny_tokenizer
+
+from batchspec import memory
+from batchspec.models import loading
+from batchspec.models.checkpoint import CheckpointReader, widen_model
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bfloat16_checkpoint(tmp_path_factory):
+    """A tiny Llama saved in bfloat16 with a tied output layer (stored once, as the embedding)."""
+    directory = tmp_path_factory.mktemp("bf16")
+    model = tiny_models.build_llama(seed=3, tie_word_embeddings=True).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory, model
+
+
+def test_the_reader_gives_each_tensor_as_the_file_holds_it(bfloat16_checkpoint):
+    directory, model = bfloat16_checkpoint
+    reader = CheckpointReader(directory)
+    state = model.state_dict()
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight", "model.embed_tokens.weight"):
+        read = reader.fresh(name, state[name])
+        assert read.dtype == torch.bfloat16 and torch.equal(read, state[name])
+        assert read.untyped_storage().data_ptr() != state[name].untyped_storage().data_ptr()
+    head = reader.fresh("lm_head.weight", model.lm_head.weight)  # stored once, under its twin's name
+    assert torch.equal(head, model.model.embed_tokens.weight)
+    unknown = torch.zeros(3)
+    assert reader.fresh("not.in.the.files", unknown) is unknown
+
+
+def test_widening_a_layer_at_a_time_gives_the_float32_model(bfloat16_checkpoint):
+    """widen_model (what a float32 load does with a bf16 checkpoint) gives the logits of the model widened whole,
+    its linear layers swapped as they are widened."""
+    directory, model = bfloat16_checkpoint
+    whole = tiny_models.build_llama(seed=3, tie_word_embeddings=True).to(torch.bfloat16).float()
+    held = tiny_models.build_llama(seed=3, tie_word_embeddings=True).to(torch.bfloat16)
+    swapped = []
+    widen_model(held, torch.float32, CheckpointReader(directory).fresh, lambda linear: swapped.append(1) or linear)
+    assert all(p.dtype == torch.float32 for p in held.parameters())
+    assert len(swapped) == sum(isinstance(m, torch.nn.Linear) for m in whole.modules())
+    ids = torch.tensor([tiny_models.random_prompts(1, seed=2, min_len=7, max_len=7)[0]])
+    with torch.no_grad():
+        assert torch.equal(held(ids).logits, whole(ids).logits)
+
+
+def test_a_float32_load_of_a_bfloat16_checkpoint_holds_float32_weights(bfloat16_checkpoint):
+    directory, model = bfloat16_checkpoint
+    loaded, _ = loading.load_model(str(directory), quantize="none", kernels="default", progress=False)
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert torch.equal(loaded.model.layers[1].mlp.down_proj.weight, model.model.layers[1].mlp.down_proj.weight.float())
+
+
+def test_the_load_gives_back_what_it_freed(monkeypatch):
+    """Within returned_when_freed the mmap threshold is fixed at LOAD_BLOCK_BYTES; after it the heap is trimmed and
+    the threshold is KEEP_BYTES where keep_freed_memory ran."""
+    calls = []
+
+    class Libc:
+        def mallopt(self, parameter, value):
+            calls.append(("mallopt", parameter, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+            return 1
+
+    monkeypatch.setattr(memory, "_libc", Libc)
+    with memory.returned_when_freed():
+        assert calls == [("mallopt", memory._M_MMAP_THRESHOLD, memory.LOAD_BLOCK_BYTES)]
+    kept = memory.KEEP_BYTES if memory.keep_freed_memory.cache_info().currsize else memory.LOAD_BLOCK_BYTES
+    assert calls[1:] == [("mallopt", memory._M_MMAP_THRESHOLD, kept), ("trim", 0)]
+
+
+@pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
+                    reason="writes a 15 GB 7B-shape checkpoint and loads it in int8 (about 5 minutes); set "
+                           "BATCHSPEC_LARGE_TESTS=1 to run it")
+def test_a_7b_shape_model_loads_in_int8_within_1_3_times_what_it_holds(tmp_path):
+    tokenizer = loading.obtain_preset("qwen2.5-coder", loading.default_cache_dir(), False).target_dir
+    script = str(SCRIPTS / "memory_7b.py")
+    subprocess.run([sys.executable, script, "write", str(tmp_path), "--tokenizer-from", str(tokenizer)], check=True)
+    run = subprocess.run([sys.executable, script, "load", str(tmp_path)], check=True, capture_output=True, text=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 7.5 < result["held_gb"] < 9.0
+    assert result["peak_over_held"] <= 1.3, result
