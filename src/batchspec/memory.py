@@ -62,6 +62,15 @@ def peak_resident_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def resident_bytes() -> int | None:
+    """The memory this process holds resident now (Linux's ``/proc/self/statm``), None where that is not known."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:

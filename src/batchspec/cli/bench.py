@@ -20,6 +20,7 @@ from batchspec.cli.common import (
     PromptChoice,
     encode_prompts,
     load_prompt_records,
+    loaded_line,
     model_choice,
     prompt_choice,
     settings_choice,
@@ -159,7 +160,7 @@ def load_for_methods(
     method = Method.EQSPEC if drafting else Method.AUTOREGRESSIVE
     models.check_for(method)
     loaded = load_models(models, method)
-    typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
+    typer.echo(loaded_line(loaded), err=True)
     return loaded
 
 

@@ -30,7 +30,7 @@ from batchspec.config import (
 )
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.engine import STAGES
-from batchspec.memory import peak_resident_bytes
+from batchspec.memory import peak_resident_bytes, resident_bytes
 from batchspec.models.choice import ModelChoice
 
 __all__ = ["CudaGraphs", "Method", "ProposerKind"]
@@ -211,6 +211,18 @@ def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
 
 
+def loaded_line(loaded: Any) -> str:
+    """What the commands print once the models are loaded: which, how, in how long and the memory it took."""
+    return f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s, {memory_figures()}"
+
+
+def memory_figures() -> str:
+    """``peak 4.12 GB, now 3.46 GB resident``: the process's largest resident set so far and its present one."""
+    now = resident_bytes()
+    held = "" if now is None else f", now {now / 1e9:.2f} GB"
+    return f"peak {peak_resident_bytes() / 1e9:.2f} GB{held} resident"
+
+
 def summary_lines(stats: Any, finish_reasons: list[str], method: Method, target_bytes: int | None = None) -> list[str]:
     """A short human-readable summary of a run's ``GenerationStats``; with ``target_bytes`` (what a target forward
     reads of its weights, :func:`~batchspec.bench.costs.weight_bytes`) the rate its forwards read them at."""
@@ -230,8 +242,7 @@ def summary_lines(stats: Any, finish_reasons: list[str], method: Method, target_
     stages = [(stage, getattr(stats, f"{stage}_s")) for stage in STAGES]
     split = ", ".join(f"{name} {seconds:.1f} s ({_percent(seconds, stats.wall_s)})" for name, seconds in stages)
     lines.append(f"time             {split}")
-    lines.append(f"memory           peak {peak_resident_bytes() / 1e9:.2f} GB resident (this process so far, the "
-                 f"models' load included)")
+    lines.append(f"memory           {memory_figures()} (this process: its most so far, the load included; and now)")
     rate = None if target_bytes is None else read_rate(target_bytes, stats)
     if rate is not None:
         lines.append(f"weights          the target reads {target_bytes / 1e9:.3f} GB a forward: {rate / 1e9:.1f} GB/s "

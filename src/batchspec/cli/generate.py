@@ -18,6 +18,7 @@ from batchspec.cli.common import (
     check_output_path,
     encode_prompts,
     load_prompt_records,
+    loaded_line,
     model_choice,
     prompt_choice,
     sampling_choice,
@@ -94,7 +95,7 @@ def generate_command(
             run_generate_on_ray(records, models, settings, generation, seed, ray, output)
             return
         loaded = load_models(models, settings.method, settings.proposer)
-        typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
+        typer.echo(loaded_line(loaded), err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompts)
         result = generate(loaded.target, loaded.draft, token_ids, max_new_tokens=max_new_tokens, progress=True,
                           seed=seed, **asdict(sampling), **settings.options())

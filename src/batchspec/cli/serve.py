@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from batchspec.cli.common import model_choice, settings_choice, with_options
+from batchspec.cli.common import loaded_line, model_choice, settings_choice, with_options
 from batchspec.cli.errors import user_errors
 from batchspec.config import SpecConfig
 from batchspec.devices import resolve_device
@@ -131,7 +131,7 @@ def serve_command(
         engine = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
         config = replace(server, engine=engine, limits=limits, security=access.security)
         loaded = load_models(models, engine.method, engine.proposer)
-        typer.echo(f"Loaded {loaded.name} ({loaded.precision}) in {loaded.seconds:.1f} s", err=True)
+        typer.echo(loaded_line(loaded), err=True)
         app = create_app(loaded, config)
         served = config.served_model_name or loaded.name
         typer.echo(f"Serving {served} ({loaded.dtype}) on {http.scheme}://{access.host}:{port}/v1", err=True)

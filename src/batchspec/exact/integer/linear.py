@@ -38,16 +38,16 @@ def quantize_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> t
 
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights (``weight``: laid out once for this CPU's exact product, see
-    :mod:`batchspec.exact.integer.product`; ``scale`` ``[O]``) and per-token int8 activations. ``weight`` (default:
-    ``linear``'s) may be held in a narrower dtype than ``dtype``, the one it is quantized and computed in."""
+    :mod:`batchspec.exact.integer.product`; ``scale`` ``[O]``) and per-token int8 activations, computed in ``dtype``
+    (default: ``linear``'s). ``quantized`` is :func:`quantize_weight` of the weight where the caller made it (from a
+    copy it has freed since), else ``linear``'s weight is quantized here."""
 
-    def __init__(self, linear: torch.nn.Linear, weight: torch.Tensor | None = None,
+    def __init__(self, linear: torch.nn.Linear, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight if weight is None else weight
-        dtype = dtype or weight.dtype
-        qweight, scale = quantize_weight(weight, dtype)
+        dtype = dtype or linear.weight.dtype
+        qweight, scale = quantize_weight(linear.weight, dtype) if quantized is None else quantized
         self.weight: PackedWeight = pack_weight(qweight, product_kernel(dtype, qweight.numel()))
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)

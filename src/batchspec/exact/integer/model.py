@@ -36,7 +36,14 @@ from batchspec.config import QUANTIZE, check_option
 from batchspec.exact.integer import attention, native
 from batchspec.exact.integer.arithmetic import row_sum, sqrt_rounded
 from batchspec.exact.integer.int4 import Int4Weight, from_float
-from batchspec.exact.integer.linear import Int4Linear, Int8Linear, IntLinear, QuantizedMLP, SharedQuantization
+from batchspec.exact.integer.linear import (
+    Int4Linear,
+    Int8Linear,
+    IntLinear,
+    QuantizedMLP,
+    SharedQuantization,
+    quantize_weight,
+)
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.memory import give_back_freed_memory
@@ -231,17 +238,21 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
     _widen_the_rest(model, compute, fresh)
     peaks = _calibration(model, tokenizer, compute, fresh) if width == "int8" else None
     make = _int8_maker(compute, fresh) if width == "int8" else _int4_maker(source, compute, fresh)
-    layers = decoder_layers(model)
-    names = {id(module): name for name, module in model.named_modules() if module in layers}  # holds no module
-    for layer in layers:
+    for name, layer in _named_layers(model):
         if peaks is not None:
-            _widen_linears(layer, names[id(layer)], compute, fresh)
+            _widen_linears(layer, name, compute, fresh)
             smooth_layer(layer, peaks[layer])
-        _swap(layer, make, compute, head=True, prefix=f"{names[id(layer)]}.")
+        _swap(layer, make, compute, head=True, prefix=f"{name}.")
         give_back_freed_memory()  # the layer's widened weights, so that the heap does not grow layer by layer
     _swap(model, make, compute, head=True)
     _share_inputs(model)
     return model
+
+
+def _named_layers(model: Any) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, layer)`` of each of ``model``'s decoder layers, in order."""
+    layers = {id(layer) for layer in decoder_layers(model)}
+    return [(name, module) for name, module in model.named_modules() if id(module) in layers]
 
 
 def _as_held(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -251,7 +262,11 @@ def _as_held(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def _calibration(model: Any, tokenizer: Any | None, compute: torch.dtype, fresh: Fresh) -> dict[torch.nn.Module, dict]:
     """:func:`calibration_peaks` of the exact int8 model before smoothing (swapped in, then out again)."""
     ids = calibration_ids(tokenizer, model.config.vocab_size)[: model.config.max_position_embeddings]  # the table's
-    replaced = _swap(model, _int8_maker(compute, fresh), compute, head=False)
+    make, replaced = _int8_maker(compute, fresh), []
+    for name, layer in _named_layers(model):
+        replaced += _swap(layer, make, compute, head=False, prefix=f"{name}.")
+        give_back_freed_memory()  # the layer's read buffers
+    replaced += _swap(model, make, compute, head=False)
     restore = _share_inputs(model)
     try:
         return calibration_peaks(model, ids)
@@ -263,9 +278,16 @@ def _calibration(model: Any, tokenizer: Any | None, compute: torch.dtype, fresh:
 
 def _int8_maker(compute: torch.dtype, fresh: Fresh) -> Maker:
     def make(name: str, linear: torch.nn.Linear) -> IntLinear:
-        return Int8Linear(linear, fresh(f"{name}.weight", linear.weight.detach()), compute)
+        return _int8_layer(name, linear, compute, fresh)
 
     return make
+
+
+def _int8_layer(name: str, linear: torch.nn.Linear, compute: torch.dtype, fresh: Fresh) -> Int8Linear:
+    """``linear`` (module ``name``) as an :class:`Int8Linear` of its weight read through ``fresh``: the read copy is
+    freed once quantized, before the codes are packed."""
+    quantized = quantize_weight(fresh(f"{name}.weight", linear.weight.detach()), compute)
+    return Int8Linear(linear, quantized, compute)
 
 
 def _int4_maker(source: Int4Source | None, compute: torch.dtype, fresh: Fresh) -> Maker:
@@ -278,7 +300,7 @@ def _int4_maker(source: Int4Source | None, compute: torch.dtype, fresh: Fresh) -
             weight = from_float(fresh(f"{name}.weight", linear.weight)) if source is None else source(name)
         if weight is not None:
             return Int4Linear(weight, linear.bias)
-        return Int8Linear(linear, fresh(f"{name}.weight", linear.weight.detach()), compute)
+        return _int8_layer(name, linear, compute, fresh)
 
     return make
 
