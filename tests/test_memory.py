@@ -99,3 +99,16 @@ def test_a_7b_shape_model_loads_in_int8_within_1_3_times_what_it_holds(tmp_path)
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert 7.5 < result["held_gb"] < 9.0
     assert result["peak_over_held"] <= 1.3, result
+
+
+def test_the_forwards_memory_goes_back_once_the_last_row_finishes(monkeypatch, bundles):
+    """The drive gives back freed memory when it runs out of rows (once for an offline call), not between rounds."""
+    import batchspec
+    from batchspec.engine.schedulers import drive
+
+    calls = []
+    monkeypatch.setattr(drive, "give_back_freed_memory", lambda: calls.append(1) or True)
+    bundle = bundles["llama"]
+    prompts = tiny_models.random_prompts(3, seed=1, min_len=4, max_len=8)
+    result = batchspec.generate(bundle.target, bundle.drafts["perturbed"], prompts, max_new_tokens=6)
+    assert result.stats.rounds > 1 and calls == [1]

@@ -11,6 +11,7 @@ from typing import Protocol
 from batchspec.engine.core import Engine
 from batchspec.engine.schedulers import Scheduler
 from batchspec.engine.state import Sequence
+from batchspec.memory import give_back_freed_memory
 
 
 class Hooks(Protocol):
@@ -28,7 +29,8 @@ class Hooks(Protocol):
 
 
 def drive(engine: Engine, scheduler: Scheduler, hooks: Hooks) -> None:
-    """Run rounds until ``hooks.admit`` says stop; each round's time (selection included) is wall time."""
+    """Run rounds until ``hooks.admit`` says stop; each round's time (selection included) is wall time. Whenever the
+    last row has finished, the memory the forwards freed is given back (the allocator keeps it while rows run)."""
     while hooks.admit(scheduler):
         with engine.timer.wall():
             rows = scheduler.select()
@@ -42,6 +44,8 @@ def drive(engine: Engine, scheduler: Scheduler, hooks: Hooks) -> None:
                 continue
             finished = scheduler.ran(rows)
         hooks.ran(rows, finished)
+        if finished and scheduler.waiting + scheduler.running == 0:
+            give_back_freed_memory()  # idle: the forwards' working memory goes back to the system (batchspec.memory)
 
 
 class Offline:
