@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from fabricated import FakeDequantizer, FakeFetcher, save_tiny_model, split_source
 from typer.testing import CliRunner
 
@@ -343,14 +342,16 @@ def test_a_cpu_run_names_its_kernels_not_a_device(tiny_pair, tmp_path):
     assert "(float32, int8 exact on " in result.stdout  # a CPU run names its arithmetic (int8 by default), not a device
 
 
-def test_prefix_cache_sizes_read_with_their_units():
-    from batchspec.cli.common import parse_size
+def test_prefix_cache_sizes_read_with_their_units(tmp_path, tiny_pair):
+    from batchspec.config import read_size
 
-    assert parse_size("auto") == "auto"
-    assert parse_size("0") == 0
-    assert parse_size("512MiB") == 512 << 20
-    assert parse_size("2GB") == 2_000_000_000
-    assert parse_size("1.5GiB") == 3 << 29
+    assert read_size("auto") == "auto"
+    assert read_size("0") == 0
+    assert read_size("512MiB") == 512 << 20
+    assert read_size("2GB") == 2_000_000_000
+    assert read_size("1.5GiB") == 3 << 29
     for bad in ("-1", "12XB", "lots"):
-        with pytest.raises(typer.BadParameter):
-            parse_size(bad)
+        with pytest.raises(ValueError, match="size"):
+            read_size(bad)
+    result = run(*tiny_args(tiny_pair, "--prefix-cache-size", "12XB", "--output", str(tmp_path / "out.jsonl")))
+    assert result.exit_code == 2 and "12XB" in result.output

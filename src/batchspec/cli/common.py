@@ -26,7 +26,6 @@ from batchspec.config import (
     SamplingParams,
     SpecConfig,
     declaration,
-    read_size,
 )
 from batchspec.data import PromptRecord, format_prompts, load_prompts
 from batchspec.engine import STAGES
@@ -34,12 +33,6 @@ from batchspec.memory import peak_resident_bytes, resident_bytes
 from batchspec.models.choice import ModelChoice
 
 __all__ = ["CudaGraphs", "Method", "ProposerKind"]
-
-
-def parse_size(value: str) -> int | str:
-    """``"auto"`` or a number of bytes >= 0, with an optional unit (``512MiB``, ``2GB``), as ``--prefix-cache-size``
-    reads it."""
-    return _read(read_size, value)
 
 
 def _read(read: Callable[[str], Any], value: Any) -> Any:

@@ -14,7 +14,7 @@
  *   directly, saturates its int16 pair sums at 2 * 255 * 127.)
  *
  * Either way the difference is q . w modulo 2^32, which is q . w itself (|q . w| <= 127 * 127 * K < 2^31 for
- * K <= MAX_INNER), rounded once to float32 and scaled as scalar.h's epilogue_value does. A micro-kernel takes 16
+ * K <= MAX_INNER), rounded once to float32 and scaled as scalar.h's epilogue (after epilogue_t) does. A micro-kernel takes 16
  * outputs (a quarter panel: 64 contiguous bytes a group) and up to ROWS rows. */
 #include <immintrin.h>
 
@@ -40,7 +40,7 @@ static inline __m256i first8(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* outputs o .. o + valid - 1 (valid <= 8) of one row from their eight int32 sums, as scalar.h's epilogue_value */
+/* outputs o .. o + valid - 1 (valid <= 8) of one row from their eight int32 sums, as scalar.h's epilogue (after epilogue_t) */
 static inline void store8(__m256i sums, int64_t o, int64_t valid, epilogue_t e, float row_scale, const float *residual,
                           float *out) {
     __m256i lanes = first8(valid);

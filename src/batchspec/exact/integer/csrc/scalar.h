@@ -25,14 +25,9 @@ typedef struct {
     const float *residual;  /* added last, laid out as the output (offset to the panel's first column), or NULL */
 } epilogue_t;
 
-/* One output of the product: ((float)(acc - comp) * row_scale) * col_scale (+ bias) (+ residual), each operation
- * rounded once, in that order (the vector epilogues compute exactly this, lane by lane). */
-static inline float epilogue_value(int32_t acc, int64_t o, epilogue_t e, float row_scale, const float *residual) {
-    float y = ((float)(int32_t)((uint32_t)acc - (uint32_t)e.comp[o]) * row_scale) * e.col_scale[o];
-    if (e.bias) y = y + e.bias[o];
-    if (residual) y = *residual + y;
-    return y;
-}
+/* The epilogue of one output of the product (every build's vector epilogue computes it lane by lane):
+ * ((float)(acc - comp[o]) * row_scale) * col_scale[o] (+ bias[o]) (+ residual), the int32 difference wrapping, each
+ * float operation rounded once, in that order. */
 
 /* 2**t for t <= 0, as arithmetic.py's exp2_nonpositive computes it in float32: t clamped to [-126, 0],
  * n = floor(t), f = t - n, Horner's rule on the ten coefficients c (each product and sum rounded), times 2**n
