@@ -50,7 +50,7 @@ from batchspec.exact.integer.product import (
     product_kernel,
     split_weight,
 )
-from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, smooth_model
+from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -458,14 +458,18 @@ def test_smoothing_leaves_the_float_model_unchanged(kind, bundles):
     """Smoothing moves scale between activations and weights: the float64 model computes the same logits."""
     model = copy.deepcopy(bundles[kind].target)
     ids = torch.tensor([bundles[kind].probe[0][0]])
+    layers = decoder_layers(model)
     with torch.no_grad():
         before = model(ids).logits
-        rescaled = smooth_model(model, calibration_peaks(model, calibration_ids(None, model.config.vocab_size)))
+        peaks = calibration_peaks(model, calibration_ids(None, model.config.vocab_size))
+        for layer in layers:
+            smooth_layer(layer, peaks[layer])
         after = model(ids).logits
-    assert rescaled == 6 * model.config.num_hidden_layers
+    assert len(layers) == model.config.num_hidden_layers
     assert torch.allclose(after, before, rtol=1e-9, atol=1e-9)
-    norm = model.model.layers[0].input_layernorm.weight
-    assert not torch.equal(norm, bundles[kind].target.model.layers[0].input_layernorm.weight)
+    for layer, original in zip(layers, bundles[kind].target.model.layers, strict=True):
+        assert not torch.equal(layer.input_layernorm.weight, original.input_layernorm.weight)
+        assert not torch.equal(layer.mlp.up_proj.weight, original.mlp.up_proj.weight)
 
 
 def test_check_quantize_names_the_choices():

@@ -132,17 +132,21 @@ def smollm2_int8():
     return loading.load_pair("smollm2", progress=False, quantize="int8")  # the CPU's default where kernels run
 
 
-@pytest.mark.parametrize("method, proposer", [("eqspec", "hybrid"), ("exspec", "draft"), ("eqspec", "ngram")])
-def test_int8_batched_generation_equals_its_own_greedy(smollm2_int8, humaneval_ids, reference, method, proposer):
-    """The int8 pair's batched output is its target's own greedy output, with no near-tie exemption."""
-    eos = smollm2_int8.target.generation_config.eos_token_id
-    expected = [reference(smollm2_int8.target, ids, MAX_NEW_TOKENS, eos) for ids in humaneval_ids]
+@pytest.mark.parametrize("width, method, proposer", [
+    ("int8", "eqspec", "hybrid"), ("int8", "exspec", "draft"), ("int8", "eqspec", "ngram"),
+    ("int4", "eqspec", "hybrid"), ("int4", "exspec", "draft"),
+])
+def test_integer_batched_generation_equals_its_own_greedy(request, humaneval_ids, reference, width, method, proposer):
+    """The int8 (or int4) pair's batched output is its target's own greedy output, with no near-tie exemption."""
+    pair = request.getfixturevalue(f"smollm2_{width}")
+    eos = pair.target.generation_config.eos_token_id
+    expected = [reference(pair.target, ids, MAX_NEW_TOKENS, eos) for ids in humaneval_ids]
     result = batchspec.generate(
-        smollm2_int8.target, smollm2_int8.draft, humaneval_ids, method=method, proposer=proposer,
+        pair.target, pair.draft, humaneval_ids, method=method, proposer=proposer,
         batch_size=BATCH_SIZE, max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=4, check_invariants=True,
     )
     assert result.sequences == expected
-    assert smollm2_int8.precision.startswith("float32, int8 exact on ")
+    assert pair.precision.startswith(f"float32, {width} exact on ")
 
 
 def test_int8_rows_are_bit_identical_alone_and_padded(smollm2_int8, humaneval_ids):
@@ -219,17 +223,6 @@ def test_auto_keeps_the_ggufs_own_4_bit_blocks(smollm2_int4):
         assert torch.equal(source(name).values(), torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)))
     q = source("model.layers.3.self_attn.q_proj")  # llama.cpp's row order undone, as transformers undoes it
     assert torch.equal(q.values().bfloat16(), dense.model.layers[3].self_attn.q_proj.weight.bfloat16())
-
-
-@pytest.mark.parametrize("method, proposer", [("eqspec", "hybrid"), ("exspec", "draft")])
-def test_int4_batched_generation_equals_its_own_greedy(smollm2_int4, humaneval_ids, reference, method, proposer):
-    eos = smollm2_int4.target.generation_config.eos_token_id
-    expected = [reference(smollm2_int4.target, ids, MAX_NEW_TOKENS, eos) for ids in humaneval_ids]
-    result = batchspec.generate(
-        smollm2_int4.target, smollm2_int4.draft, humaneval_ids, method=method, proposer=proposer,
-        batch_size=BATCH_SIZE, max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=4, check_invariants=True,
-    )
-    assert result.sequences == expected
 
 
 def test_int4_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_int4, humaneval_ids):

@@ -95,15 +95,6 @@ def calibration_peaks(model: Any, ids: list[int]) -> dict[torch.nn.Module, dict[
     return peaks
 
 
-def smooth_model(model: Any, peaks: dict[torch.nn.Module, dict[str, torch.Tensor]]) -> int:
-    """Smooth every decoder layer of the float ``model`` in place with its :func:`calibration_peaks`; returns how
-    many linear layers were rescaled."""
-    layers = decoder_layers(model)
-    for layer in layers:
-        smooth_layer(layer, peaks[layer])
-    return 6 * len(layers)
-
-
 def smooth_layer(layer: torch.nn.Module, peak: dict[str, torch.Tensor]) -> None:
     """Smooth one decoder layer of a float model in place with its :func:`calibration_peaks` (``peak``): its
     attention's and MLP's inputs, folded into the norms before them, and its down projection's, folded into the up
