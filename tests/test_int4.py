@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -229,7 +230,7 @@ def test_a_sources_4_bit_weights_beside_its_others(bundles):
         given_weights[name] = from_float(model.get_submodule(name).weight)
         return given_weights[name]
 
-    four = quantize_model(model, width="int4", source=source)
+    four = quantize_model(model, width="int4", source=SimpleNamespace(int4=source, embedding=lambda *_: None))
     first = four.model.layers[0]
     assert isinstance(first.self_attn.v_proj, Int8Linear) and isinstance(first.mlp.down_proj, Int8Linear)
     assert isinstance(first.self_attn.q_proj, Int4Linear) and isinstance(four.model.layers[1].mlp.down_proj, Int4Linear)

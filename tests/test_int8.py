@@ -40,7 +40,7 @@ from batchspec.exact.integer.arithmetic import (
 )
 from batchspec.exact.integer.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
 from batchspec.exact.integer.linear import Int8Linear
-from batchspec.exact.integer.model import correctly_rounded, exact_rms_norm, mp_rounded
+from batchspec.exact.integer.model import exact_rms_norm
 from batchspec.exact.integer.product import (
     KERNELS,
     activation_codes,
@@ -49,6 +49,13 @@ from batchspec.exact.integer.product import (
     pack_weight,
     product_kernel,
     split_weight,
+)
+from batchspec.exact.integer.rotary import (
+    CorrectlyRoundedPow,
+    RotaryTable,
+    correctly_rounded,
+    correctly_rounded_frequencies,
+    mp_rounded,
 )
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 
@@ -135,6 +142,90 @@ def test_the_rotary_tables_cos_and_sin_are_correctly_rounded():
             assert _nearest_float32(value, exact), (function, angle)
             if i < 30:
                 assert mp_rounded(angle, function) == value, (function, angle)
+
+
+def test_the_rotary_frequencies_are_the_rope_functions_with_pow_correctly_rounded():
+    """Qwen's base 10**6 and head size 128, where torch's AVX2 and AVX-512 ``pow`` round ``base ** (74 / 128)`` the
+    other way: each frequency is ``1 / p``, ``p`` the float32 nearest to ``base ** (2 i / 128)`` (exact in mpmath),
+    on every host and dispatch; and the table's angles turn at those frequencies."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    rotary = Qwen2RotaryEmbedding(Qwen2Config(hidden_size=1536, num_attention_heads=12, rope_theta=1e6))
+    got = correctly_rounded_frequencies(rotary)
+    exponents = torch.arange(0, 128, 2, dtype=torch.float32) / 128
+    for frequency, exponent in zip(got.tolist(), exponents.tolist(), strict=True):
+        with mpmath.workprec(200):
+            exact = mpmath.power(10**6, mpmath.mpf(exponent))
+        power = min(_neighbours(float(exact)), key=lambda p: abs(mpmath.mpf(p) - exact))
+        assert frequency == (torch.tensor(1.0) / torch.tensor(power, dtype=torch.float32)).item()
+    table = RotaryTable(rotary, 4, torch.float32)
+    assert table.cos[1, :64].tolist() == correctly_rounded(got, "cos").tolist()
+
+
+def _neighbours(value: float) -> list[float]:
+    """The float32 nearest to ``value`` by float64's rounding and its two neighbours."""
+    middle = torch.tensor(value).float()
+    return [torch.nextafter(middle, torch.tensor(d)).item() for d in (-1e9, 1e9)] + [middle.item()]
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    {"rope_type": "linear", "factor": 2.0},
+])
+def test_every_static_rope_type_gets_its_frequencies_with_pow_correctly_rounded(scaling):
+    """The rope types the exact model takes: their own functions run with the correctly rounded ``pow``, which every
+    ``base ** tensor`` in them meets (a spy counts it), within a float32 rounding of torch's values."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=512, num_attention_heads=4, rope_scaling=scaling, max_position_embeddings=4096,
+                         rope_theta=500000.0)
+    rotary = LlamaRotaryEmbedding(config)
+    calls = []
+    original = CorrectlyRoundedPow.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        result = original(self, func, types, args, kwargs)
+        if func is torch.Tensor.__rpow__:
+            calls.append(func)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CorrectlyRoundedPow, "__torch_function__", spy)
+        got = correctly_rounded_frequencies(rotary)
+    assert calls, "the rope function's base ** exponents went past the correctly rounded pow"
+    torch.testing.assert_close(got, rotary.inv_freq, rtol=2.0**-22, atol=0.0)
+
+
+def test_correctly_rounded_pow_rounds_every_element_to_the_nearest_float32():
+    """``base ** x`` inside the mode, 200 exponents and bases drawn over many magnitudes: each element the float32
+    nearest to the exact power; a float64 pow or a zero base is left to torch."""
+    generator = torch.Generator().manual_seed(11)
+    exponents = torch.rand(200, generator=generator) * 4 - 2
+    bases = torch.rand(200, generator=generator) * 2.0 ** torch.randint(-8, 20, (200,), generator=generator).float()
+    two, half = torch.tensor([2.0], dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)
+    with CorrectlyRoundedPow():
+        got = (bases**exponents).tolist()
+        wide = two**half
+        zero = torch.tensor([0.0]) ** torch.tensor([2.0])
+    for value, base, exponent in zip(got, bases.tolist(), exponents.tolist(), strict=True):
+        with mpmath.workprec(200):
+            assert _nearest_float32(value, mpmath.power(mpmath.mpf(base), mpmath.mpf(exponent))), (base, exponent)
+    assert torch.equal(wide, two**half) and zero.item() == 0.0
+
+
+def test_a_rotary_module_without_a_rope_function_keeps_its_frequencies(caplog):
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inv_freq = torch.tensor([1.0, 0.1])
+
+    with caplog.at_level("WARNING"):
+        assert torch.equal(correctly_rounded_frequencies(Rotary()), torch.tensor([1.0, 0.1]))
+    assert "no rope function transformers knows" in caplog.text
 
 
 def test_row_sum_order_is_a_pairwise_tree():

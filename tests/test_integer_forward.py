@@ -11,6 +11,7 @@ model.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import tiny_models
@@ -55,12 +56,12 @@ def _mixed_source(model: torch.nn.Module):
     """A source of int4 weights that leaves layer 0's v and down projections int8, as a GGUF file's 6-bit tensors
     are: that layer's q, k, v and its gate, up, down then read their inputs in both forms."""
 
-    def source(name: str) -> Int4Weight | None:
+    def int4(name: str) -> Int4Weight | None:
         if name.endswith(("v_proj", "down_proj")) and ".0." in name:
             return None
         return from_float(model.get_submodule(name).weight)
 
-    return source
+    return SimpleNamespace(int4=int4, embedding=lambda *_: None)
 
 
 @pytest.fixture(scope="module")

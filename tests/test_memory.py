@@ -112,3 +112,61 @@ def test_the_forwards_memory_goes_back_once_the_last_row_finishes(monkeypatch, b
     prompts = tiny_models.random_prompts(3, seed=1, min_len=4, max_len=8)
     result = batchspec.generate(bundle.target, bundle.drafts["perturbed"], prompts, max_new_tokens=6)
     assert result.stats.rounds > 1 and calls == [1]
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_1"])
+def test_a_ggufs_own_embedding_rows_look_up_the_loaded_tables_values(kind):
+    """A table held as a GGUF file's blocks gives, for every id, the row of the table loaded from that file (gguf's
+    dequantization rounded to bfloat16, widened), in a third to a half of its memory; a table it does not expand to
+    is refused."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from batchspec.models.gguf_weights import GgufEmbedding
+
+    values = torch.randn(300, 64, generator=torch.Generator().manual_seed(1)).numpy()
+    blocks = quantize(values, GGMLQuantizationType[kind])  # [V, row bytes] uint8
+    table = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[kind])).bfloat16()  # [V, H], as a load holds it
+    embedding = GgufEmbedding(kind, torch.from_numpy(blocks), torch.bfloat16, torch.float32)
+    ids = torch.tensor([[0, 299, 5], [5, 17, 0]])
+    assert torch.equal(embedding(ids), torch.nn.functional.embedding(ids, table).float())
+    assert torch.equal(embedding(torch.arange(300)), table.float())
+    assert embedding.expands_to(table) and embedding.blocks.nbytes <= 0.55 * table.nbytes
+    changed = table.clone()
+    changed[128, 7] = -changed[128, 7] if changed[128, 7] != 0 else 1  # a row the check compares (every 16th)
+    assert not embedding.expands_to(changed)
+
+
+def test_an_integer_model_on_its_files_embedding_rows_gives_the_same_logits():
+    """quantize_model with a source that holds the embedding as a file's blocks (both widths) gives the logits of
+    the model that keeps its bfloat16 table, and holds the blocks instead of the table."""
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from batchspec.exact.integer import quantize_model
+    from batchspec.exact.integer.model import ExactEmbedding
+    from batchspec.models.gguf_weights import GgufEmbedding
+
+    def built() -> torch.nn.Module:
+        model = tiny_models.build_llama(seed=4, hidden_size=64).to(torch.bfloat16)
+        table = model.model.embed_tokens.weight
+        blocks = quantize(table.float().numpy(), GGMLQuantizationType.Q8_0)
+        table.data = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0)).bfloat16()
+        return model, torch.from_numpy(blocks)
+
+    ids = torch.tensor([tiny_models.random_prompts(1, seed=5, min_len=9, max_len=9)[0]])
+    for width in ("int8", "int4"):
+        (plain, _), (compact, blocks) = built(), built()
+        plain = quantize_model(plain, width=width, source=SimpleNamespace(int4=lambda name: None,
+                                                                          embedding=lambda *_: None))
+        def embedding(name: str, table: torch.Tensor, dtype: torch.dtype, blocks=blocks) -> GgufEmbedding:
+            return GgufEmbedding("Q8_0", blocks, table.dtype, dtype)
+
+        source = SimpleNamespace(int4=lambda name: None, embedding=embedding)  # int4: every layer int8 here
+        compact = quantize_model(compact, width=width, source=source)
+        assert isinstance(plain.model.embed_tokens, ExactEmbedding)
+        assert isinstance(compact.model.embed_tokens, GgufEmbedding)
+        with torch.no_grad():
+            assert torch.equal(compact(ids).logits, plain(ids).logits), width

@@ -23,6 +23,7 @@ from ragged import ragged_forwards
 from typer.testing import CliRunner
 
 import batchspec
+from batchspec.bench.fingerprint import committed, fingerprint
 from batchspec.cli import app
 from batchspec.config import default_cache_dir
 from batchspec.data import format_prompts, load_prompts
@@ -149,6 +150,34 @@ def test_integer_batched_generation_equals_its_own_greedy(request, humaneval_ids
     assert pair.precision.startswith(f"float32, {width} exact on ")
 
 
+def test_the_integer_pair_holds_the_ggufs_own_embedding_rows(smollm2, smollm2_int8):
+    """Each int8 model's input embedding is its GGUF file's own Q8_0 rows, not a table: every id looks up the float
+    model's row (the file's values, rounded to bfloat16 as the preset's cache holds them), in 0.53x a bf16 table."""
+    from batchspec.models.gguf_weights import GgufEmbedding
+
+    for integer, dense in ((smollm2_int8.target, smollm2.target), (smollm2_int8.draft, smollm2.draft)):
+        embedding, table = integer.get_input_embeddings(), dense.get_input_embeddings().weight  # [V, H] float32
+        assert isinstance(embedding, GgufEmbedding) and embedding.kind.name == "Q8_0"
+        with torch.no_grad():
+            assert torch.equal(embedding(torch.arange(table.shape[0])), table)
+        assert embedding.blocks.nbytes == table.numel() * 34 // 32
+
+
+def test_one_changed_bit_of_one_weight_changes_the_fingerprint(smollm2_int8):
+    """The fingerprint sees a single bit: the lowest of one int8 weight of the target's first down projection (a
+    bit of the rotary table's cosines, by contrast, rarely survives the keys' 15-bit quantization)."""
+    panels = smollm2_int8.target.model.layers[0].mlp.down_proj.weight.tensors[0].view(-1)  # the packed int8 codes
+    original = panels[0].clone()
+    try:
+        panels[0] = original ^ 1
+        changed = fingerprint(smollm2_int8)
+    finally:
+        panels[0] = original
+    want = committed("smollm2")["int8"]
+    assert changed["target logits"] != want["target logits"]
+    assert changed["draft logits"] == want["draft logits"]
+
+
 def test_int8_rows_are_bit_identical_alone_and_padded(smollm2_int8, humaneval_ids):
     """Two prompts of different lengths in one left-padded forward give each the logits it gets alone."""
     target = smollm2_int8.target
@@ -167,7 +196,8 @@ def test_int8_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_i
     """The int8 target's logits, 8 prompts read as a ragged batch and decoded 1, 3 and 1 tokens at a time, and one
     prompt alone: the same bits on every native build this CPU runs (2 threads), with 1 and 16 threads on this CPU's
     default build, and on the torch path without native kernels (the model quantized there too: the same
-    calibration, so the same int8 weights)."""
+    calibration, so the same int8 weights). Under every build the pair's fingerprint is the committed one
+    (``batchspec/bench/fingerprints.json``, made on another host)."""
     served = [smollm2_int8.tokenizer.encode(text) for text in SERVED_PROMPTS[:4]]
     rows = [ids[-40:] for ids in humaneval_ids] + served
     prefix = [len(row) - 5 for row in rows]
@@ -182,6 +212,7 @@ def test_int8_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_i
             torch.set_num_threads(count)
             with native.using(isa):
                 got = logits(smollm2_int8.target)
+                assert count != 2 or fingerprint(smollm2_int8) == committed("smollm2")["int8"], isa
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (isa, count)
     finally:
         torch.set_num_threads(threads)
@@ -209,25 +240,26 @@ def test_auto_keeps_the_ggufs_own_4_bit_blocks(smollm2_int4):
     from gguf import GGUFReader, dequantize
 
     from batchspec.exact.integer.linear import Int4Linear
-    from batchspec.models.gguf_weights import GgufInt4Source, GgufOrigin
+    from batchspec.models.gguf_weights import GgufOrigin, GgufWeights
 
     assert smollm2_int4.quantize == "int4"
     path = default_cache_dir() / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     tensors = {tensor.name: tensor for tensor in GGUFReader(str(path)).tensors}
     dense = loading.load_model("smollm2:target", progress=False, quantize="none")[0]
-    source = GgufInt4Source(GgufOrigin(path), dense)
+    source = GgufWeights(GgufOrigin(path), dense)
     layers = [(name, m) for name, m in smollm2_int4.target.named_modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 7 * dense.config.num_hidden_layers
     for name in ("model.layers.0.mlp.down_proj", "model.layers.29.self_attn.v_proj", "model.layers.7.mlp.gate_proj"):
         tensor = tensors[source.tensor_name(name) + ".weight"]
-        assert torch.equal(source(name).values(), torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)))
-    q = source("model.layers.3.self_attn.q_proj")  # llama.cpp's row order undone, as transformers undoes it
+        assert torch.equal(source.int4(name).values(), torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)))
+    q = source.int4("model.layers.3.self_attn.q_proj")  # llama.cpp's row order undone, as transformers undoes it
     assert torch.equal(q.values().bfloat16(), dense.model.layers[3].self_attn.q_proj.weight.bfloat16())
 
 
 def test_int4_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_int4, humaneval_ids):
     """The int4 target's logits of a ragged batch: the same bits on every native build (2 threads), with 1 and 16
-    threads, and on the torch path (the model made there from the same file)."""
+    threads, and on the torch path (the model made there from the same file); under every build the pair's
+    fingerprint is the committed one."""
     rows = [ids[-40:] for ids in humaneval_ids]
     prefix = [len(row) - 5 for row in rows]
 
@@ -240,6 +272,7 @@ def test_int4_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_i
             torch.set_num_threads(count)
             with native.using(isa):
                 assert all(torch.equal(a, b) for a, b in zip(logits(smollm2_int4.target), want, strict=True))
+                assert count != 2 or fingerprint(smollm2_int4) == committed("smollm2")["int4"], isa
     finally:
         torch.set_num_threads(threads)
     with native.using("none"):  # two rows: the torch path's product is slow

@@ -82,9 +82,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     sin)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    table = getattr(embedding, "weight", None)  # none where the embedding holds a GGUF file's blocks
+    tied = table is not None and getattr(output, "weight", None) is table
+    reads_table = tied and not isinstance(output, PackedLinear)
     seen, total = set(), 0
     for name, module in model.named_modules():
-        reads_table = not isinstance(output, PackedLinear) and getattr(output, "weight", None) is embedding.weight
         looked_up = module is embedding and not reads_table
         if looked_up or name.endswith("rotary_emb"):
             continue

@@ -1,11 +1,17 @@
-"""A GGUF file's own 4-bit weights for the model loaded from it (``--quantize int4``).
+"""A GGUF file's own blocks for the integer model loaded from it: its 4-bit weights (``--quantize int4``) and its
+token embedding (int8 and int4).
 
 The dense model batchspec loads from a GGUF file (a preset's cache, or the file through transformers) holds the
-dequantization of each weight, already rounded to bf16 in a preset's cache. :class:`GgufInt4Source` hands the int4
-model the file's own blocks instead: for a linear layer it finds the tensor (gguf's name map, the layer index through
-a derived draft's kept layers), reads its Q4_0 / Q4_1 / Q4_K blocks as an
-:class:`~batchspec.exact.integer.int4.Int4Weight`, undoes the row order llama.cpp gives Llama's q and k (as
-transformers does), and checks that it expands to the loaded weight, so a wrong tensor can never be used silently.
+dequantization of each weight, already rounded to bf16 in a preset's cache. :class:`GgufWeights` hands the integer
+model the file's own blocks instead:
+
+* for a linear layer (int4) it finds the tensor (gguf's name map, the layer index through a derived draft's kept
+  layers), reads its Q4_0 / Q4_1 / Q4_K blocks as an :class:`~batchspec.exact.integer.int4.Int4Weight`, undoes the
+  row order llama.cpp gives Llama's q and k (as transformers does), and checks that it expands to the loaded weight,
+  so a wrong tensor can never be used silently;
+* for the input embedding it holds the file's rows as they are (:class:`GgufEmbedding`: the qwen2.5-coder target's
+  Q4_K table is 131 MB where its bf16 one is 467 MB), each row looked up expanded as gguf expands it and rounded as
+  the loaded table was, once it has been checked to expand to the loaded table (every 16th row).
 
 The file is read through :class:`GgufIndex`, which reads the header's tensor table and the two metadata values it
 needs and steps over the rest: gguf's ``GGUFReader`` builds every metadata field, and a 151,936-token vocabulary took
@@ -15,6 +21,7 @@ it 12.6 s of a 36.7 s load (2 vCPUs of a Zen 4).
 from __future__ import annotations
 
 import functools
+import logging
 import mmap
 import struct
 from collections.abc import Callable
@@ -25,6 +32,8 @@ import numpy as np
 import torch
 
 from batchspec.exact.integer.int4 import GGUF_INT4, Int4Weight, from_gguf
+
+logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 # the struct format of each fixed-size metadata value type (gguf's GGUFValueType; 8 is a string, 9 an array)
@@ -147,11 +156,10 @@ def four_bit(origin: GgufOrigin) -> bool:
     return sum(kind in GGUF_INT4 for kind in kinds) * 2 > len(kinds)
 
 
-class GgufInt4Source:
-    """``source(name)`` -> the int4 weight of linear layer ``name`` (``model.layers.3.mlp.up_proj``) as the file
-    holds it, or None where the file holds that weight in another type; ``model`` is the loaded model, whose weights
-    the blocks must expand to (bf16-rounded, as a preset caches them), read through ``fresh`` where given (see
-    :func:`batchspec.exact.integer.model.quantize_model`)."""
+class GgufWeights:
+    """The file's own blocks for the integer model of ``model`` (the model loaded from it, whose weights the blocks
+    must expand to, bf16-rounded as a preset caches them, read through ``fresh`` where given; see
+    :func:`batchspec.exact.integer.model.quantize_model`): :meth:`int4` and :meth:`embedding`."""
 
     def __init__(self, origin: GgufOrigin, model: torch.nn.Module,
                  fresh: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -166,7 +174,9 @@ class GgufInt4Source:
             raise ValueError(f"{origin.path.name}: gguf knows no architecture {self.arch!r}")
         self.names = get_tensor_name_map(key, index.blocks)
 
-    def __call__(self, name: str) -> Int4Weight | None:
+    def int4(self, name: str) -> Int4Weight | None:
+        """The int4 weight of linear layer ``name`` (``model.layers.3.mlp.up_proj``) as the file holds it, or None
+        where the file holds that weight in another type."""
         tensor = self.tensors.get(f"{self.tensor_name(name)}.weight")
         if tensor is None:
             raise ValueError(f"{self.origin.path.name} holds no tensor for {name}")
@@ -179,6 +189,20 @@ class GgufInt4Source:
         if not torch.equal(weight.values().bfloat16(), loaded.bfloat16()):
             raise ValueError(f"{self.origin.path.name}: the blocks of {tensor.name} do not expand to {name}'s weight")
         return weight
+
+    def embedding(self, name: str, table: torch.Tensor, dtype: torch.dtype) -> GgufEmbedding | None:
+        """The input embedding ``name`` (``model.embed_tokens``, whose loaded ``table`` is ``[V, H]``) as the file's
+        own rows, looked up in ``dtype`` (:class:`GgufEmbedding`); None where the file holds it unquantized or it does
+        not expand to ``table`` (then one log line says so, and the table is kept)."""
+        tensor = self.tensors.get(f"{self.tensor_name(name)}.weight")
+        if tensor is None or tensor.kind in UNQUANTIZED or tensor.shape != tuple(table.shape):
+            return None
+        embedding = GgufEmbedding(tensor.kind, torch.from_numpy(tensor.read()), table.dtype, dtype)
+        if not embedding.expands_to(table):
+            logger.warning("batchspec: %s: the %s rows of %s do not expand to %s's table; the table is kept",
+                           self.origin.path.name, tensor.kind, tensor.name, name)
+            return None
+        return embedding
 
     def tensor_name(self, name: str) -> str:
         """The file's name of module ``name``: gguf's map, after the layer index of a derived draft is the file's."""
@@ -193,6 +217,49 @@ class GgufInt4Source:
     def _heads(self, name: str) -> int:
         config = self.model.config
         return config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
+
+
+UNQUANTIZED = ("F32", "F16", "BF16", "F64")  # GGUF types a table takes as many bytes in as a dense one
+
+
+class GgufEmbedding(torch.nn.Module):
+    """A token embedding held as a GGUF file's rows of blocks (``blocks`` ``[V, row bytes]`` uint8, type ``kind``):
+    a lookup expands the rows it reads as gguf's dequantization expands them (float32), rounds them to ``stored``
+    (the dtype the loaded table held them in) and widens them to ``dtype``: the values of the loaded table's rows,
+    for every id, in a quarter to a half of its memory."""
+
+    def __init__(self, kind: str, blocks: torch.Tensor, stored: torch.dtype, dtype: torch.dtype) -> None:
+        super().__init__()
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.kind, self.stored, self.dtype = GGMLQuantizationType[kind], stored, dtype
+        values, size = GGML_QUANT_SIZES[self.kind]
+        self.register_buffer("blocks", blocks)  # [V, row bytes]
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], blocks.shape[1] // size * values
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
+        return self.expand(self.blocks[ids.reshape(-1)]).view(*ids.shape, self.embedding_dim)
+
+    def expand(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of blocks ``[N, row bytes]`` as ``[N, H]`` values in ``dtype``."""
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(rows.numpy(), self.kind)).to(self.stored).to(self.dtype)
+
+    def expands_to(self, table: torch.Tensor) -> bool:
+        """Whether every :data:`CHECK_STRIDE`-th row, and the last, expands to ``table``'s (``[V, H]``, compared in
+        its own dtype): a wrong tensor or another dequantization differs in nearly every row, and the whole
+        table's check would add seconds to a load (2.3 s for the 1.5B target's)."""
+        rows = torch.cat([torch.arange(0, self.num_embeddings, CHECK_STRIDE), torch.tensor([self.num_embeddings - 1])])
+        return all(torch.equal(self.expand(self.blocks[part]).to(self.stored), table[part])
+                   for part in rows.split(CHECK_ROWS))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind.name}, dtype={self.dtype}"
+
+
+CHECK_STRIDE = 16  # GgufEmbedding.expands_to compares one row in this many (9,496 of the 1.5B target's 151,936)
+CHECK_ROWS = 8192  # rows expanded at a time by GgufEmbedding.expands_to: 50 MB of float32 at 1,536 wide
 
 
 def _reorder(weight: Int4Weight, heads: int) -> Int4Weight:

@@ -45,7 +45,7 @@ from batchspec.exact.invariant import make_batch_invariant
 from batchspec.memory import returned_when_freed
 from batchspec.model_checks import vocab_size
 from batchspec.models.checkpoint import CheckpointReader, widen_model
-from batchspec.models.gguf_weights import GgufInt4Source, GgufOrigin, four_bit
+from batchspec.models.gguf_weights import GgufOrigin, GgufWeights, four_bit
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.cache import build_directory, hub_offline
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, GgufSource, get_preset
@@ -292,14 +292,15 @@ def _load_quantized(
     loaded = [_load_on(spec, dtype, place, cache_dir, cache_gguf, gguf_file, progress, stored) for spec in specs]
     models = [model for model, _ in loaded]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    looks = resolved == "int4" or (quantize == "auto" and resolved == "int8")
-    origins = [_origin(spec, root, gguf_file, progress, fetch=resolved == "int4") for spec in specs] if looks else []
+    fetch = resolved == "int4"  # int4 needs the file's blocks; int8 takes its embedding's where the file is at hand
+    quantized = resolved in ("int8", "int4")
+    origins = [_origin(spec, root, gguf_file, progress, fetch) for spec in specs] if quantized else []
     resolved = settle_quantize(quantize, resolved, list(zip(specs, models, strict=True)), origins)
     for index, (model, tokenizer) in enumerate(loaded):
         reader = CheckpointReader.of(model) if stored else None
         fresh = None if reader is None else reader.fresh
-        origin = origins[index] if resolved == "int4" else None
-        source = None if origin is None else GgufInt4Source(origin, model, fresh)
+        origin = origins[index] if resolved in ("int8", "int4") else None
+        source = None if origin is None else GgufWeights(origin, model, fresh)
         _finish(model, tokenizer, resolved, kernels, batch_invariant, source, fresh, _torch_dtype(dtype))
     return loaded
 
@@ -336,9 +337,10 @@ def _load_on(
 
 
 def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invariant: bool,
-            source: GgufInt4Source | None = None, fresh: Any = None, dtype: Any = None) -> None:
-    """Make the loaded ``model`` the exact integer one (``quantize``, settled; int4 from ``source``'s blocks where
-    given; its weights read afresh through ``fresh``, see :class:`~batchspec.models.checkpoint.CheckpointReader`),
+            source: GgufWeights | None = None, fresh: Any = None, dtype: Any = None) -> None:
+    """Make the loaded ``model`` the exact integer one (``quantize``, settled; the GGUF file's own blocks from
+    ``source`` where given; its weights read afresh through ``fresh``, see
+    :class:`~batchspec.models.checkpoint.CheckpointReader`),
     else batch-invariant, else ``dtype`` (widened a tensor at a time where loaded narrower, each linear layer packed
     as it is widened where ``kernels`` packs) on ``kernels``."""
     if quantize in ("int8", "int4"):

@@ -4,8 +4,9 @@ as integers, and a forward whose rows are batch-invariant.
 :func:`quantize_model` turns a loaded float32 Llama/Qwen2/Qwen3/Mistral model into one (``--quantize int8``, or
 ``int4``); see :mod:`~batchspec.exact.integer.arithmetic` for why each row's logits cannot depend on the batch. The
 files: ``arithmetic`` (the operations allowed), ``product`` (the int8 product's kernels), ``int4`` (the int4 weight,
-its layouts and product), ``linear`` (the layers), ``attention``, ``smoothing`` (int8's), ``model`` (the swap),
-``forward`` (the fused forward), ``native`` and ``csrc/`` (the C kernels, a build per instruction set).
+its layouts and product), ``linear`` (the layers), ``attention``, ``rotary`` (its table), ``smoothing`` (int8's),
+``model`` (the swap), ``forward`` (the fused forward), ``native`` and ``csrc/`` (the C kernels, a build per
+instruction set).
 """
 
 from batchspec.exact.integer.model import (

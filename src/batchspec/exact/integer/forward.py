@@ -44,7 +44,8 @@ from batchspec.exact.integer.linear import (
     QuantizedRows,
     quantize_activations,
 )
-from batchspec.exact.integer.model import ExactRMSNorm, RotaryTable
+from batchspec.exact.integer.model import ExactRMSNorm
+from batchspec.exact.integer.rotary import RotaryTable
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 Stack = Int8Stack | Int4Stack
@@ -129,7 +130,8 @@ class IntegerForward:
         if not isinstance(decoder.rotary_emb, RotaryTable) or not isinstance(decoder.norm, ExactRMSNorm):
             return None
         head = getattr(model, "lm_head", None)
-        embedded = getattr(decoder.embed_tokens, "dtype", decoder.embed_tokens.weight.dtype)  # ExactEmbedding's rows
+        embedding = decoder.embed_tokens  # its rows' dtype: ExactEmbedding's and GgufEmbedding's, else its table's
+        embedded = embedding.dtype if hasattr(embedding, "dtype") else embedding.weight.dtype
         if not isinstance(head, Int8Linear) or embedded != torch.float32:
             return None
         if not decoder.layers or not all(_laid_out(module) for module in decoder.layers):

@@ -12,11 +12,12 @@ instead (:mod:`~batchspec.exact.integer.int4`). Then it swaps, in place:
   k and v projections share one quantization of their input, and its keys and values enter the KV cache quantized
   (:func:`~batchspec.exact.integer.attention.pack_on_update`);
 * every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
-* the rotary embedding for :class:`RotaryTable` (cos/sin correctly rounded, computed once per position, then looked
-  up);
+* the rotary embedding for :class:`~batchspec.exact.integer.rotary.RotaryTable` (frequencies, cos and sin correctly
+  rounded, computed once per position, then looked up);
 * the attention implementation for :data:`~batchspec.exact.integer.attention.NAME`.
 
-The token embedding stays as it is: a lookup copies a row. What is left between these modules is elementwise
+The token embedding keeps its values: a lookup copies a row (of a bfloat16 table widened, :class:`ExactEmbedding`, or
+of a GGUF file's own blocks expanded, where the model came from one). What is left between these modules is elementwise
 (residual additions, the rotary products), so every row's logits are independent of the batch; and since no value
 depends on a float sum's order, a vector library's approximation or a BLAS, they are the same bits on every CPU and
 with any number of threads. The smoothing's activation peaks come from the same exact model (unsmoothed), so the int8
@@ -27,9 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-import mpmath
 import torch
 
 from batchspec.config import QUANTIZE, check_option
@@ -44,6 +44,7 @@ from batchspec.exact.integer.linear import (
     SharedQuantization,
     quantize_weight,
 )
+from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
 from batchspec.memory import give_back_freed_memory
@@ -72,59 +73,6 @@ def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     :func:`row_sum`, the root correctly rounded (:func:`sqrt_rounded`) and every other operation elementwise."""
     mean = row_sum(x * x) / x.shape[-1]  # [..., 1]
     return weight * (x * (1.0 / sqrt_rounded(mean + eps)))
-
-
-class RotaryTable(torch.nn.Module):
-    """The model's rotary embedding, computed once for every position and then looked up.
-
-    transformers computes ``cos``/``sin`` of each forward's positions with torch's vector ``cos``, whose last bit
-    can depend on where a value sits in the tensor, on the thread count and on the CPU (see
-    :mod:`batchspec.exact.integer.arithmetic`). The table holds, for position ``p`` and frequency ``f`` (the module's
-    own
-    ``inv_freq``), the float32 angle ``f * p`` as transformers rounds it, its cosine and sine correctly rounded
-    (:func:`correctly_rounded`), times the module's ``attention_scaling``: the same bits in every forward, on every
-    CPU.
-    """
-
-    def __init__(self, rotary: torch.nn.Module, positions: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        frequencies = rotary.inv_freq.detach().to("cpu", torch.float32)  # [D / 2]
-        angles = torch.arange(positions, dtype=torch.float32)[:, None] * frequencies  # [P, D / 2]
-        angles = torch.cat([angles, angles], dim=-1)  # [P, D]
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        cos, sin = (correctly_rounded(angles, f).mul_(scaling).to(dtype) for f in ("cos", "sin"))  # [P, D] each
-        self.register_buffer("cos", cos.to(rotary.inv_freq.device), persistent=False)
-        self.register_buffer("sin", sin.to(rotary.inv_freq.device), persistent=False)
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)  # [B, S, D] each
-
-
-def correctly_rounded(x: torch.Tensor, function: str) -> torch.Tensor:
-    """``function`` (``"cos"`` or ``"sin"``) of float32 ``x``, correctly rounded to float32: torch's float64 value
-    rounded, except where it lies within 2**-40 of its size from a float32 rounding boundary (float64's error could
-    then decide the rounding), recomputed there with mpmath at 100 bits."""
-    wide = getattr(torch, function)(x.double())  # [...]
-    narrow = wide.float()
-    step = torch.nextafter(narrow, torch.where(wide >= narrow.double(), torch.inf, -torch.inf)).double()
-    boundary = (narrow.double() + step) / 2  # the midpoint between narrow and its neighbour towards wide
-    hard = (wide - boundary).abs() <= wide.abs() * 2.0**-40
-    for index in hard.nonzero():
-        narrow[tuple(index)] = mp_rounded(float(x[tuple(index)]), function)
-    return narrow
-
-
-def mp_rounded(value: float, function: str) -> float:
-    """``function`` of the float ``value`` at 100 bits, rounded to float32 by comparing with the midpoint."""
-    with mpmath.workprec(100):
-        exact = getattr(mpmath, function)(mpmath.mpf(value))
-        low = torch.tensor(float(exact), dtype=torch.float64).float()
-        other = torch.nextafter(low, torch.tensor(torch.inf if mpmath.mpf(float(low)) < exact else -torch.inf))
-        midpoint = (mpmath.mpf(float(low)) + mpmath.mpf(float(other))) / 2
-        nearer_low = abs(exact - mpmath.mpf(float(low))) < abs(exact - mpmath.mpf(float(other)))
-        if exact == midpoint:
-            nearer_low = int(low.view(torch.int32)) % 2 == 0
-        return float(low if nearer_low else other)
 
 
 def check_quantize(quantize: str) -> str:
@@ -207,15 +155,25 @@ def check_quantizable(model: Any, width: str = "int8") -> None:
 # the dtypes a model may hold its weights in for quantize_model, which computes in float32 (float64 models: float64)
 STORED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
-# a model's own int4 weights, by module name: an Int4Weight, or None where the file holds that weight otherwise
-Int4Source = Callable[[str], Int4Weight | None]
+class WeightSource(Protocol):
+    """Where a model's weights came from, for what the integer model keeps as its file holds it (a GGUF file's:
+    :class:`batchspec.models.gguf_weights.GgufWeights`)."""
+
+    def int4(self, name: str) -> Int4Weight | None:
+        """Linear layer ``name``'s own int4 weight, or None where the file holds that weight otherwise."""
+
+    def embedding(self, name: str, table: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module | None:
+        """The input embedding ``name`` (loaded ``table`` ``[V, H]``) held more compactly, its rows looked up as
+        ``table``'s values in ``dtype``; or None."""
+
+
 Maker = Callable[[str, torch.nn.Linear], IntLinear]
 # a parameter's values by its qualified name, read afresh into memory of its own where it maps a file
 Fresh = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8",
-                   source: Int4Source | None = None, fresh: Fresh | None = None) -> Any:
+                   source: WeightSource | None = None, fresh: Fresh | None = None) -> Any:
     """Make ``model`` the exact integer model of ``width`` in place (see the module docstring) and return it.
 
     int8: the activations are smoothed first (:mod:`~batchspec.exact.integer.smoothing`), with peaks from the exact
@@ -223,6 +181,7 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
     forward whose every value is the same bits on every CPU, where the float model's would depend on its BLAS and
     thread count. int4: ``source`` gives each linear layer's own int4 weight where the model came from a file that
     holds them (None: that layer is int8); without a source every linear layer but the output is rounded to int4.
+    Either width keeps ``source``'s form of the input embedding where it gives one.
 
     A model held in bfloat16 or float16 is computed in float32 (float64 models in float64): its norms and biases are
     widened at once, its input embedding keeps its dtype and widens the rows it looks up (:class:`ExactEmbedding`,
@@ -235,7 +194,7 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
     attention.register()
     compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     fresh = fresh or _as_held
-    _widen_the_rest(model, compute, fresh)
+    _widen_the_rest(model, compute, fresh, source)
     peaks = _calibration(model, tokenizer, compute, fresh) if width == "int8" else None
     make = _int8_maker(compute, fresh) if width == "int8" else _int4_maker(source, compute, fresh)
     for name, layer in _named_layers(model):
@@ -290,14 +249,14 @@ def _int8_layer(name: str, linear: torch.nn.Linear, compute: torch.dtype, fresh:
     return Int8Linear(linear, quantized, compute)
 
 
-def _int4_maker(source: Int4Source | None, compute: torch.dtype, fresh: Fresh) -> Maker:
+def _int4_maker(source: WeightSource | None, compute: torch.dtype, fresh: Fresh) -> Maker:
     """The layer ``--quantize int4`` makes of the linear layer ``name``: the output layer int8; else ``source``'s
     int4 weight, int8 where it has none, or without a source the float weight rounded to int4."""
 
     def make(name: str, linear: torch.nn.Linear) -> IntLinear:
         weight = None
         if name.split(".")[-1] != "lm_head":
-            weight = from_float(fresh(f"{name}.weight", linear.weight)) if source is None else source(name)
+            weight = from_float(fresh(f"{name}.weight", linear.weight)) if source is None else source.int4(name)
         if weight is not None:
             return Int4Linear(weight, linear.bias)
         return _int8_layer(name, linear, compute, fresh)
@@ -313,14 +272,17 @@ def _widen_linears(layer: torch.nn.Module, prefix: str, compute: torch.dtype, fr
             module.weight.data = fresh(f"{name}.weight", module.weight.data).to(compute)
 
 
-def _widen_the_rest(model: Any, compute: torch.dtype, fresh: Fresh) -> None:
+def _widen_the_rest(model: Any, compute: torch.dtype, fresh: Fresh, source: WeightSource | None) -> None:
     """Every floating tensor of ``model`` but the linear layers' weights read afresh and in the ``compute`` dtype
-    (norms, biases, tables); the input embedding read afresh and, where it is held in another dtype, an
-    :class:`ExactEmbedding` of its table."""
+    (norms, biases, tables); the input embedding read afresh and held as ``source`` holds it where it does, else,
+    where it is held in another dtype, as an :class:`ExactEmbedding` of its table."""
     decoder, names = model.get_decoder(), {id(m): name for name, m in model.named_modules()}
-    embedding, table_name = decoder.embed_tokens, f"{names[id(decoder.embed_tokens)]}.weight"
-    table = fresh(table_name, embedding.weight.detach())
-    if table.dtype != compute:
+    embedding, module_name = decoder.embed_tokens, names[id(decoder.embed_tokens)]
+    table = fresh(f"{module_name}.weight", embedding.weight.detach())  # [V, H]
+    compact = None if source is None else source.embedding(module_name, table, compute)
+    if compact is not None:
+        decoder.embed_tokens = compact
+    elif table.dtype != compute:
         decoder.embed_tokens = ExactEmbedding(table, compute)
     else:
         embedding.weight.data = table
