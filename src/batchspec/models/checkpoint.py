@@ -47,12 +47,17 @@ class CheckpointReader:
         directory = Path(getattr(model.config, "_name_or_path", "") or "")
         return cls(directory) if directory.is_dir() and any(directory.glob("*.safetensors")) else None
 
-    def read(self, name: str) -> torch.Tensor | None:
-        """Tensor ``name`` in a buffer of its own (None where the files hold no such tensor)."""
+    def read(self, name: str, part: slice | None = None) -> torch.Tensor | None:
+        """Tensor ``name`` (its rows ``[part]`` where given: a slice with a start and a stop, step 1) in a buffer of
+        its own (None where the files hold no such tensor)."""
         entry = self.entries.get(name)
         if entry is None:
             return None
         path, dtype, shape, start, end = entry
+        if part is not None:
+            row = (end - start) // max(shape[0], 1)
+            first, stop = max(part.start, 0), min(part.stop, shape[0])
+            start, end, shape = start + first * row, start + max(stop, first) * row, [max(stop - first, 0), *shape[1:]]
         buffer = bytearray(end - start)
         with open(path, "rb", buffering=0) as handle:
             handle.seek(start)
@@ -60,15 +65,15 @@ class CheckpointReader:
                 raise OSError(f"{path.name} ended inside tensor {name}")
         return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
-    def fresh(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The values of ``tensor``, the model's parameter or buffer ``name``, read from the files into memory of
-        their own where the files hold it under that name (a tied weight under its twin's: ``lm_head.weight`` is
-        ``model.embed_tokens.weight``), else ``tensor`` itself."""
+    def fresh(self, name: str, tensor: torch.Tensor, part: slice | None = None) -> torch.Tensor:
+        """The values of ``tensor`` (its rows ``[part]`` where given), the model's parameter or buffer ``name``, read
+        from the files into memory of their own where the files hold it under that name (a tied weight under its
+        twin's: ``lm_head.weight`` is ``model.embed_tokens.weight``), else ``tensor`` (``tensor[part]``) itself."""
         for key in (name, *_TWINS.get(name, ())):
-            read = self.read(key)
-            if read is not None and read.shape == tensor.shape and read.dtype == tensor.dtype:
-                return read
-        return tensor
+            entry = self.entries.get(key)
+            if entry is not None and list(entry[2]) == list(tensor.shape) and entry[1] == tensor.dtype:
+                return self.read(key, part)
+        return tensor if part is None else tensor[part]
 
 
 # weights that tied checkpoints store once, under their twin's name

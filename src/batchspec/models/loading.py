@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from batchspec.config import DTYPES, KERNELS, check_option, default_cache_dir, setting_default
 from batchspec.devices import device_name, resolve_device
 from batchspec.exact import integer
+from batchspec.exact.integer.forward import integer_forward
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.exact.invariant import make_batch_invariant
 from batchspec.memory import returned_when_freed
@@ -345,6 +346,7 @@ def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invar
     as it is widened where ``kernels`` packs) on ``kernels``."""
     if quantize in ("int8", "int4"):
         integer.quantize_model(model, tokenizer, quantize, source, fresh)
+        integer_forward(model)  # its stacked weights laid out now, while the load's freed memory goes back
         return
     import torch
 

@@ -13,6 +13,8 @@ output does not depend on the other tokens or rows of the call, nor on how the i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from batchspec.exact.integer import int4, native
@@ -20,35 +22,46 @@ from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, qu
 from batchspec.exact.integer.native import ZERO_POINT
 from batchspec.exact.integer.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
 
-WEIGHT_ROWS = 4096  # output channels quantized at a time: an output layer's float32 copy is never whole
+WEIGHT_ROWS = 4096  # output channels read and quantized at a time: an output layer is never whole in float or int8
+
+# a weight's output channels ``[start:stop]`` as a float tensor ``[R, K]`` (read from a checkpoint, or sliced)
+Rows = Callable[[slice], torch.Tensor]
 
 
-def quantize_weight(weight: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(int8 [O, K], scale [O])`` of a float weight ``[O, K]``: per output channel, in ``dtype`` (default: the
-    weight's), :data:`WEIGHT_ROWS` channels at a time (each channel's values depend on its own row alone)."""
-    dtype = dtype or weight.dtype
-    codes = torch.empty(weight.shape, dtype=torch.int8)  # [O, K]
-    scales = torch.empty(weight.shape[0], dtype=dtype)  # [O]
-    for i in range(0, weight.shape[0], WEIGHT_ROWS):
-        q, scale = quantize_rows(weight[i : i + WEIGHT_ROWS].detach().to(dtype))  # [R, K], [R, 1]
-        codes[i : i + WEIGHT_ROWS] = q
-        scales[i : i + WEIGHT_ROWS] = scale[:, 0]
-    return codes, scales
+def quantized_weight(rows: Rows, shape: tuple[int, int], dtype: torch.dtype) -> tuple[PackedWeight, torch.Tensor]:
+    """``(weight, scale [O])``: the float weight ``[O, K]`` whose channels ``rows`` reads, quantized per output
+    channel in ``dtype`` (:func:`quantize_rows`; a channel's values depend on its own row alone) and laid out for
+    its kernel, :data:`WEIGHT_ROWS` channels at a time. On the ``native`` kernel each part is packed into its place
+    (:func:`~batchspec.exact.integer.native.pack_into`) as it is made, so neither the float weight nor its int8
+    codes are ever whole; the other kernels lay out the whole int8 weight."""
+    outputs, inner = shape
+    kernel = product_kernel(dtype, outputs * inner)
+    scales = torch.empty(outputs, dtype=dtype)  # [O]
+    packed = native.empty_pack(outputs, inner) if kernel == "native" else None
+    codes = None if packed is not None else torch.empty(shape, dtype=torch.int8)  # [O, K]
+    for start in range(0, outputs, WEIGHT_ROWS):
+        part = slice(start, min(start + WEIGHT_ROWS, outputs))
+        q, scale = quantize_rows(rows(part).detach().to(dtype))  # [R, K], [R, 1]
+        scales[part] = scale[:, 0]
+        if packed is None:
+            codes[part] = q
+        else:
+            native.pack_into(q.to(torch.int8), *packed, start)
+    return (PackedWeight(kernel, packed) if packed is not None else pack_weight(codes, kernel)), scales
 
 
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights (``weight``: laid out once for this CPU's exact product, see
     :mod:`batchspec.exact.integer.product`; ``scale`` ``[O]``) and per-token int8 activations, computed in ``dtype``
-    (default: ``linear``'s). ``quantized`` is :func:`quantize_weight` of the weight where the caller made it (from a
-    copy it has freed since), else ``linear``'s weight is quantized here."""
+    (default: ``linear``'s). ``rows`` reads the float weight's output channels where the caller reads them (from a
+    checkpoint, a part at a time: :func:`quantized_weight`), else ``linear``'s weight is read."""
 
-    def __init__(self, linear: torch.nn.Linear, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(self, linear: torch.nn.Linear, rows: Rows | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         dtype = dtype or linear.weight.dtype
-        qweight, scale = quantize_weight(linear.weight, dtype) if quantized is None else quantized
-        self.weight: PackedWeight = pack_weight(qweight, product_kernel(dtype, qweight.numel()))
+        rows = rows or (lambda part: linear.weight[part])
+        self.weight, scale = quantized_weight(rows, (self.out_features, self.in_features), dtype)
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.quantizer: SharedQuantization | None = None

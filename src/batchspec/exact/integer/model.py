@@ -42,7 +42,6 @@ from batchspec.exact.integer.linear import (
     IntLinear,
     QuantizedMLP,
     SharedQuantization,
-    quantize_weight,
 )
 from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
@@ -168,8 +167,9 @@ class WeightSource(Protocol):
 
 
 Maker = Callable[[str, torch.nn.Linear], IntLinear]
-# a parameter's values by its qualified name, read afresh into memory of its own where it maps a file
-Fresh = Callable[[str, torch.Tensor], torch.Tensor]
+# a parameter's values by its qualified name (its rows ``[part]`` where given), read afresh into memory of its own
+# where it maps a file
+Fresh = Callable[..., torch.Tensor]
 
 
 def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8",
@@ -214,8 +214,8 @@ def _named_layers(model: Any) -> list[tuple[str, torch.nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if id(module) in layers]
 
 
-def _as_held(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _as_held(name: str, tensor: torch.Tensor, part: slice | None = None) -> torch.Tensor:
+    return tensor if part is None else tensor[part]
 
 
 def _calibration(model: Any, tokenizer: Any | None, compute: torch.dtype, fresh: Fresh) -> dict[torch.nn.Module, dict]:
@@ -243,10 +243,10 @@ def _int8_maker(compute: torch.dtype, fresh: Fresh) -> Maker:
 
 
 def _int8_layer(name: str, linear: torch.nn.Linear, compute: torch.dtype, fresh: Fresh) -> Int8Linear:
-    """``linear`` (module ``name``) as an :class:`Int8Linear` of its weight read through ``fresh``: the read copy is
-    freed once quantized, before the codes are packed."""
-    quantized = quantize_weight(fresh(f"{name}.weight", linear.weight.detach()), compute)
-    return Int8Linear(linear, quantized, compute)
+    """``linear`` (module ``name``) as an :class:`Int8Linear` of its weight read through ``fresh`` a part of its
+    output channels at a time (:func:`~batchspec.exact.integer.linear.quantized_weight`)."""
+    weight = linear.weight.detach()
+    return Int8Linear(linear, lambda part: fresh(f"{name}.weight", weight, part), compute)
 
 
 def _int4_maker(source: WeightSource | None, compute: torch.dtype, fresh: Fresh) -> Maker:

@@ -101,6 +101,24 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 PACK_ROWS = 4096
 
 
+def empty_pack(outputs: int, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized ``(panels [P, G, 64, 4] int8, sums [O] int32)`` for :func:`pack` of an ``[outputs, inner]``
+    weight, to be filled by :func:`pack_into` a part at a time (the padding past ``O`` is zeroed here)."""
+    panels = torch.empty(-(-outputs // PANEL), -(-inner // GROUP), PANEL, GROUP, dtype=torch.int8)
+    panels[-1].zero_()  # the last panel's rows past O stay 0
+    return panels, torch.empty(outputs, dtype=torch.int32)
+
+
+def pack_into(weight: torch.Tensor, panels: torch.Tensor, sums: torch.Tensor, start: int) -> None:
+    """:func:`pack` of rows ``start ..`` of a weight (int8 ``weight`` ``[R, K]``, ``start`` a multiple of
+    :data:`PANEL`) written into their place in ``panels`` and ``sums`` (:func:`empty_pack`)."""
+    if start % PANEL or weight.shape[1] != panels.shape[1] * GROUP - (-weight.shape[1] % GROUP):
+        raise ValueError(f"rows from {start} of width {weight.shape[1]} do not fit panels {tuple(panels.shape)}")
+    part, part_sums = pack(weight)
+    panels[start // PANEL : start // PANEL + part.shape[0]] = part
+    sums[start : start + weight.shape[0]] = part_sums
+
+
 def codes(q: torch.Tensor) -> torch.Tensor:
     """uint8 ``q + 128`` of integer-valued ``q`` in ``[-127, 127]`` (``[N, K]``), padded to ``[N, 4 G]``."""
     padding = -q.shape[-1] % GROUP
