@@ -502,6 +502,30 @@ def test_a_machine_whose_compiler_fails_keeps_the_same_bits(tmp_path):
         assert layer.weight.kernel == "native" and "int8 kernels did not build" in run.stderr.decode()
 
 
+@pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+def test_each_fallback_says_once_what_it_fell_to(caplog, bundles):
+    """Heads larger than the native kernel takes run the attention in torch, an integer model the fused forward cannot
+    run (here one computed in float64) runs through transformers' forward, and a build whose product fails its
+    exactness check hands the products to another kernel: each says so in one log line, once."""
+    from batchspec.exact.integer import product
+    from batchspec.exact.integer.forward import integer_forward
+
+    size = native.MAX_HEAD_SIZE + 16
+    query = torch.randn(1, 1, 2, size, generator=torch.Generator().manual_seed(1))
+    key = pack(torch.randn(1, 1, 2, size, generator=torch.Generator().manual_seed(2)))
+    visible = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with caplog.at_level("INFO"):
+        for _ in range(2):
+            exact_attention(query, key, key, visible, scaling=size**-0.5)
+        assert integer_forward(quantize_model(copy.deepcopy(bundles["llama"].target))) is None  # float64
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(product, "_native_exact", lambda isa: False)
+            assert product.exact_kernels(torch.float32)[0] != "native"
+    assert caplog.text.count(f"exact attention over heads of {size} values runs in torch") == 1
+    assert "runs its integer layers through transformers' forward" in caplog.text and "float64" in caplog.text
+    assert f"the {native.isa()} build's int8 product did not give the exact sums" in caplog.text
+
+
 def test_exact_attention_is_close_to_softmax_attention():
     torch.manual_seed(1)
     query, key, value = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)

@@ -28,6 +28,7 @@ Worked example (one head, D = 1, two visible keys): with ``e = [1, 0.5]``, ``sv 
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -38,6 +39,8 @@ from batchspec.exact.integer import native
 from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows
 from batchspec.exact.integer.native import SCALE_BITS, packed_width
 from batchspec.exact.swap import register_attention
+
+logger = logging.getLogger(__name__)
 
 NAME = "batchspec_exact"
 QKV_LEVELS = 2**15 - 1
@@ -69,12 +72,24 @@ def exact_attention(
         out = [native.attention(*part, scaling, QKV_LEVELS, EXP2_COEFFICIENTS) for part in parts]
         if all(part is not None for part in out):
             return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, q, H, D]
+        _say_once(f"batchspec: exact attention over heads of {size} values runs in torch (the native kernel takes "
+                  f"heads of up to {native.MAX_HEAD_SIZE} values and keys packed in the int16 cache)")
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
     v, v_scale = _unpacked(value, size)
     out = [_attend(query[:, :, block], k[:, :, seen], k_scale[:, :, seen], v[:, :, seen], v_scale[:, :, seen],
                    visible[:, :, block, seen], scaling) for block, seen in blocks]
     out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [B, H, q, D]
     return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)  # [B, q, H, D]
+
+
+def _say_once(message: str) -> None:
+    """Log ``message`` the first time it comes."""
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.info(message)
+
+
+_SAID: set[str] = set()
 
 
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

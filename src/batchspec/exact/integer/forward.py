@@ -26,6 +26,7 @@ model.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,8 @@ from batchspec.exact.integer.linear import (
 from batchspec.exact.integer.model import ExactRMSNorm
 from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.memory import give_back_freed_memory
+
+logger = logging.getLogger(__name__)
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 Stack = Int8Stack | Int4Stack
@@ -100,10 +103,38 @@ class _Rows:
 
 
 def integer_forward(model: torch.nn.Module) -> IntegerForward | None:
-    """:meth:`IntegerForward.of` ``model``, made once per model."""
+    """:meth:`IntegerForward.of` ``model``, made once per model; where an integer model cannot have it (it then runs
+    through transformers' forward, the same bits but slower), one log line says why."""
     if model not in _FORWARDS:
         _FORWARDS[model] = IntegerForward.of(model)
+        reason = _unsupported(model) if _FORWARDS[model] is None else None
+        if reason is not None and isinstance(getattr(model, "lm_head", None), Int8Linear):
+            logger.info("batchspec: %s runs its integer layers through transformers' forward, not batchspec's fused "
+                        "one (%s)", type(model).__name__, reason)
     return _FORWARDS[model]
+
+
+def _unsupported(model: Any) -> str | None:
+    """Why :class:`IntegerForward` cannot run ``model``, or None where it can."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if decoder is None or not all(hasattr(decoder, name) for name in parts):
+        return "its decoder is not laid out as Llama-like decoders are"
+    if not native.available():
+        return f"no native kernels: {native.isa()}"
+    if not isinstance(decoder.rotary_emb, RotaryTable) or not isinstance(decoder.norm, ExactRMSNorm):
+        return "its rotary embedding or final norm is not the exact one"
+    embedding = decoder.embed_tokens  # its rows' dtype: ExactEmbedding's and GgufEmbedding's, else its table's
+    embedded = embedding.dtype if hasattr(embedding, "dtype") else embedding.weight.dtype
+    if not isinstance(getattr(model, "lm_head", None), Int8Linear) or embedded != torch.float32:
+        return f"it computes in {str(embedded).removeprefix('torch.')}, not float32, or its output layer is not int8"
+    if not decoder.layers or not all(_laid_out(module) for module in decoder.layers):
+        return "a decoder layer has parts other than a Llama-like layer's"
+    size = decoder.layers[0].self_attn.head_dim
+    widths = {(m.self_attn.q_proj.out_features, m.self_attn.k_proj.out_features) for m in decoder.layers}
+    if len(widths) != 1 or any(width % size for width in next(iter(widths))):
+        return "its layers' attention widths differ or are not whole heads"
+    return None
 
 
 class IntegerForward:
@@ -122,26 +153,12 @@ class IntegerForward:
     @classmethod
     def of(cls, model: Any) -> IntegerForward | None:
         """The forward of a model :func:`~batchspec.exact.integer.model.quantize_model` made, where the native kernels
-        run
-        and the model is float32 and laid out as Llama-like decoders are; else None."""
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if decoder is None or not all(hasattr(decoder, name) for name in parts) or not native.available():
+        run and the model is float32 and laid out as Llama-like decoders are (:func:`_unsupported`); else None."""
+        if _unsupported(model) is not None:
             return None
-        if not isinstance(decoder.rotary_emb, RotaryTable) or not isinstance(decoder.norm, ExactRMSNorm):
-            return None
-        head = getattr(model, "lm_head", None)
-        embedding = decoder.embed_tokens  # its rows' dtype: ExactEmbedding's and GgufEmbedding's, else its table's
-        embedded = embedding.dtype if hasattr(embedding, "dtype") else embedding.weight.dtype
-        if not isinstance(head, Int8Linear) or embedded != torch.float32:
-            return None
-        if not decoder.layers or not all(_laid_out(module) for module in decoder.layers):
-            return None
-        size = decoder.layers[0].self_attn.head_dim
-        widths = {(m.self_attn.q_proj.out_features, m.self_attn.k_proj.out_features) for m in decoder.layers}
-        (queries, keys), = widths if len(widths) == 1 else ((0, 0),)
-        if queries == 0 or queries % size or keys % size:
-            return None
+        decoder = model.get_decoder()
+        attention = decoder.layers[0].self_attn
+        size, queries, keys = attention.head_dim, attention.q_proj.out_features, attention.k_proj.out_features
         layers = []
         for module in decoder.layers:  # a stack copies q, k, v's (and gate, up's) weights into one buffer:
             layers.append(_layer(module))

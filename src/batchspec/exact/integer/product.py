@@ -26,12 +26,15 @@ reads the weight and whether its products saturate. :func:`product_kernel` picks
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from batchspec.exact.integer import native
 from batchspec.exact.integer.arithmetic import INT8_LEVELS
+
+logger = logging.getLogger(__name__)
 
 KERNELS: tuple[str, ...] = ("native", "onednn", "int_mm", "int_mm_split")
 # weights of fewer values take torch._int_mm: oneDNN's quantized linear spends ~20 us a call before it reads the
@@ -113,7 +116,17 @@ def exact_kernels(dtype: torch.dtype) -> tuple[str, ...]:
         return ("int_mm_split" if int_mm_saturates() else "int_mm",)
     fast = [k for k, exact in (("native", native.available() and _native_exact(native.isa())),
                                ("onednn", _onednn_exact())) if exact]
-    return (*fast, "int_mm_split" if int_mm_saturates() else "int_mm")
+    kernels = (*fast, "int_mm_split" if int_mm_saturates() else "int_mm")
+    if native.available() and "native" not in fast:
+        _say_inexact(native.isa(), kernels[0])
+    return kernels
+
+
+@functools.cache
+def _say_inexact(isa: str, kernel: str) -> None:
+    """One log line: the build's product failed its exactness check, so ``kernel`` runs the int8 products."""
+    logger.warning("batchspec: the %s build's int8 product did not give the exact sums on its check; the products "
+                   "run on %s", isa, kernel)
 
 
 def _extreme_operands() -> tuple[torch.Tensor, torch.Tensor]:
