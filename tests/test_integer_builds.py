@@ -74,6 +74,24 @@ def test_tiny_rows_give_each_build_the_torch_paths_codes(isa):
                                                        strict=True))
 
 
+def test_the_builds_table_gives_each_cpu_its_flags_and_each_compiler_its_library(monkeypatch):
+    """One row per build: its source exists, a CPU gets the first variant whose features it has (AVX-VNNI's VEX form,
+    else AVX-512 VNNI's EVEX form of the 256-bit build; nothing without F16C); every build pins the floating-point
+    model, and another compiler version builds another library."""
+    assert tuple(build.name for build in native.BUILDS) == native.ISAS
+    assert all((native._SOURCES / build.source).is_file() for build in native.BUILDS)
+    zen4 = frozenset({"avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+    assert native._build_flags("avxvnni", zen4) == ("-mavx2", "-mavx512vl", "-mavx512vnni", "-mf16c")
+    assert native._build_flags("avxvnni", frozenset({"avx2", "f16c", "avx_vnni"})) == ("-mavx2", "-mavxvnni", "-mf16c")
+    assert native._build_flags("avx512vnni", frozenset({"avx2", "f16c"})) is None
+    assert native._build_flags("avx2", frozenset({"avx2"})) is None
+    monkeypatch.setattr(native, "_cpu_flags", lambda: zen4)
+    _, flags, _, library = native._build_plan("avx2")
+    assert {"-fno-fast-math", "-ffp-contract=off"} <= set(flags)
+    monkeypatch.setattr(native, "_compiler_version", lambda name: "cc (a later release) 99.1")
+    assert native._build_plan("avx2")[3] != library
+
+
 def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
     """A build is forced only among those the CPU runs (here an AVX2-only CPU, by its flags): one the CPU lacks, or
     a name that is none of them, is a ValueError naming what is possible, never an emulation."""

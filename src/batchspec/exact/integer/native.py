@@ -19,8 +19,8 @@ in any order, and every row is computed whole by one thread. So the bits are the
 any number of threads, and equal to the torch path's (``tests/test_integer_builds.py`` runs each build this CPU
 supports).
 
-There is one build per instruction set (:data:`ISAS`), the first this CPU runs chosen once per process, with one log
-line naming it:
+There is one build per instruction set (:data:`BUILDS`: name, source, CPU features, flags), the first this CPU runs
+chosen once per process, with one log line naming it:
 
 * ``avx512vnni`` (``csrc/avx512.c``): 16-lane ``vpdpbusd`` on a weight laid out as panels of 64 outputs
   ``[P, G, 64, 4]``, streamed once per 240 rows; it read a 1536 x 8960 weight at 46.6 GB/s for 1 row and 34.5 for 8
@@ -54,6 +54,7 @@ import subprocess
 import tempfile
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,10 +74,40 @@ MAX_INNER = (2**31 - 1) // (127 * 127)
 # the attention's query halves times 15-bit keys, 256 * 32767 * D, stay below 2^31 (csrc/scalar.h, quantize_queries)
 MAX_HEAD_SIZE = 256
 SCALE_BITS = 32  # the KV cache's float32 scale of a token: bit i is the parity of its integer i (csrc/scalar.h)
-ISAS: tuple[str, ...] = ("avx512vnni", "avxvnni", "avx2")  # the builds, fastest first
+
+
+@dataclass(frozen=True)
+class Build:
+    """One build of the kernels: its ``name`` (``BATCHSPEC_CPU_ISA``'s value), its C ``source`` in ``csrc/``, and
+    its ``variants``: (the CPU features it needs, as ``/proc/cpuinfo`` names them; the compiler flags), the first
+    variant whose features the CPU has is the one built."""
+
+    name: str
+    source: str
+    variants: tuple[tuple[frozenset[str], tuple[str, ...]], ...]
+
+
+# every build, fastest first; a new build is a row here and its source. Every CPU with AVX2 has F16C, which the int4
+# weight's float16 scales need.
+BUILDS: tuple[Build, ...] = (
+    Build("avx512vnni", "avx512.c", (
+        (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"}),
+         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c")),
+    )),
+    Build("avxvnni", "avx2.c", (  # 256-bit vpdpbusd: VEX-encoded (AVX-VNNI), else EVEX-encoded (AVX-512 VNNI)
+        (frozenset({"avx2", "avx_vnni", "f16c"}), ("-mavx2", "-mavxvnni", "-mf16c")),
+        (frozenset({"avx2", "avx512vl", "avx512_vnni", "f16c"}), ("-mavx2", "-mavx512vl", "-mavx512vnni", "-mf16c")),
+    )),
+    Build("avx2", "avx2.c", (
+        (frozenset({"avx2", "f16c"}), ("-mavx2", "-mf16c")),
+    )),
+)
+ISAS: tuple[str, ...] = tuple(build.name for build in BUILDS)  # the builds' names, fastest first
 NONE = "none"  # BATCHSPEC_CPU_ISA's value for no build: the torch path
 _SOURCES = Path(__file__).with_name("csrc")
-_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+# the floating-point model pinned whatever the compiler's default: IEEE operations, no contraction into fused
+# multiply-adds (a compiler such as icx defaults to a fast model)
+_FLAGS = ("-O3", "-fno-fast-math", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _ENVIRONMENT = "BATCHSPEC_CPU_ISA"
 _chosen: str | None = None  # set by using(); None: the environment's or the CPU's choice
 
@@ -477,18 +508,10 @@ def host_isas() -> tuple[str, ...]:
 
 
 def _build_flags(name: str, flags: frozenset[str]) -> tuple[str, ...] | None:
-    """The compiler flags of build ``name`` on a CPU with ``flags``; None where that CPU cannot run it."""
-    if "f16c" not in flags:  # the int4 weight's float16 scales; every CPU with AVX2 has it
-        return None
-    if name == "avx512vnni" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        return ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c")
-    if name == "avxvnni" and {"avx2", "avx_vnni"} <= flags:
-        return ("-mavx2", "-mavxvnni", "-mf16c")
-    if name == "avxvnni" and {"avx2", "avx512vl", "avx512_vnni"} <= flags:
-        return ("-mavx2", "-mavx512vl", "-mavx512vnni", "-mf16c")
-    if name == "avx2" and "avx2" in flags:
-        return ("-mavx2", "-mf16c")
-    return None
+    """The compiler flags of build ``name`` on a CPU with ``flags`` (:data:`BUILDS`); None where that CPU cannot run
+    it."""
+    build = next(build for build in BUILDS if build.name == name)
+    return next((compiler for needed, compiler in build.variants if needed <= flags), None)
 
 
 def isa() -> str:
@@ -610,12 +633,7 @@ def _cpu_flags() -> frozenset[str]:
 
 def _build(name: str) -> Path:
     """Build ``name``'s shared library, compiled into the cache directory unless a build of this source is there."""
-    compiler = os.environ.get("CC", "cc")
-    flags = (*_FLAGS, *(_build_flags(name, _cpu_flags()) or ()))
-    source = _SOURCES / ("avx512.c" if name == "avx512vnni" else "avx2.c")
-    texts = b"".join(path.read_bytes() for path in sorted(_SOURCES.iterdir()) if path.suffix in (".c", ".h"))
-    key = hashlib.sha256(texts + " ".join((compiler, str(source.name), *flags)).encode()).hexdigest()[:16]
-    target = default_cache_dir() / "kernels" / f"native-{name}-{key}.so"
+    compiler, flags, source, target = _build_plan(name)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -628,3 +646,26 @@ def _build(name: str) -> Path:
         if os.path.exists(partial):
             os.remove(partial)
     return target
+
+
+def _build_plan(name: str) -> tuple[str, tuple[str, ...], Path, Path]:
+    """``(compiler, flags, source, library)`` of build ``name``: the library's file in the cache directory is named
+    by a hash of the sources, the flags, the compiler and its version (another compiler, or the same one upgraded,
+    builds afresh)."""
+    compiler = os.environ.get("CC", "cc")
+    flags = (*_FLAGS, *(_build_flags(name, _cpu_flags()) or ()))
+    source = _SOURCES / next(build.source for build in BUILDS if build.name == name)
+    texts = b"".join(path.read_bytes() for path in sorted(_SOURCES.iterdir()) if path.suffix in (".c", ".h"))
+    words = (compiler, _compiler_version(compiler), str(source.name), *flags)
+    key = hashlib.sha256(texts + " ".join(words).encode()).hexdigest()[:16]
+    return compiler, flags, source, default_cache_dir() / "kernels" / f"native-{name}-{key}.so"
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """The first line ``compiler --version`` prints (empty where it does not run)."""
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return next(iter(done.stdout.splitlines()), "")
