@@ -220,7 +220,7 @@ def test_int8_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_i
     finally:
         torch.set_num_threads(threads)
     with native.using("none"):
-        torch_path = loading.load_pair("smollm2", progress=False, quantize="int8").target
+        torch_path = loading.load_model("smollm2:target", progress=False, quantize="int8")[0]
         got = logits(torch_path)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
