@@ -1,8 +1,8 @@
 """The committed fingerprints (``src/batchspec/bench/fingerprints.json``) recomputed on this host in a process whose
 torch dispatches to its scalar code (``ATEN_CPU_CAPABILITY=default``, what a CPU without AVX2 runs): the exact pairs'
-logits and greedy tokens, int8 and int4. ``tests/test_real_model.py`` checks them under every native build this CPU
-runs, and that one changed bit of one weight moves them. The ``smollm2`` pair runs in CI; the qwen2.5-coder pair is a
-large test (``BATCHSPEC_LARGE_TESTS=1``), under every build and thread count here too."""
+logits and greedy tokens, int8 and int4 (large tests, ``BATCHSPEC_LARGE_TESTS=1``). ``tests/test_real_model.py``
+checks smollm2's in CI on this CPU's build (and every build's logits against it), and that one changed bit of one
+weight moves them; the qwen2.5-coder pair here under every build and thread count too."""
 
 from __future__ import annotations
 
@@ -20,24 +20,22 @@ from batchspec.exact.integer import native
 from batchspec.models import loading
 
 LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
-                           reason="loads the 1.5B pair four times (about 4 minutes); set BATCHSPEC_LARGE_TESTS=1")
+                           reason="loads a pair in processes of their own (1-4 minutes); set BATCHSPEC_LARGE_TESTS=1")
 MODES = ("int8", "int4")
 
 
-@pytest.mark.parametrize("preset, modes", [
-    ("smollm2", ("int8",)),
-    pytest.param("smollm2", ("int4",), marks=LARGE),
-    pytest.param("qwen2.5-coder", MODES, marks=LARGE),
-])
-def test_torchs_scalar_dispatch_gives_the_committed_fingerprints(preset, modes):
+@LARGE
+@pytest.mark.parametrize("preset", ["smollm2", "qwen2.5-coder"])
+def test_torchs_scalar_dispatch_gives_the_committed_fingerprints(preset):
     """In a process of its own, as a CPU without AVX2 runs torch: the rotary frequencies (torch's vector ``pow``
-    rounds Qwen's 37th the other way) and every other table are the same bits (smollm2's int4 pair too as a large
-    test: CI's minutes)."""
+    rounds Qwen's 37th the other way) and every other table are the same bits. A large test: a process of its own
+    loading the pair took 40-85 s of CI's 8 minutes on a 2-core host; CI checks the scalar dispatch on tiny models
+    (``tests/test_integer_builds.py``) and the frequencies' rounding on any host (``tests/test_int8.py``)."""
     cached_or_skip(preset)
     environment = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
-    done = subprocess.run([sys.executable, "-m", "batchspec.bench.fingerprint", preset, *modes], env=environment,
+    done = subprocess.run([sys.executable, "-m", "batchspec.bench.fingerprint", preset, *MODES], env=environment,
                           capture_output=True, text=True, timeout=900, check=True)
-    assert json.loads(done.stdout) == {mode: committed(preset)[mode] for mode in modes}
+    assert json.loads(done.stdout) == {mode: committed(preset)[mode] for mode in MODES}
 
 
 @LARGE

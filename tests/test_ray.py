@@ -53,16 +53,14 @@ def prompts_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def single_process(prompts_file) -> dict[str, Path]:
-    """The single-process JSONL of a greedy and of a sampled run over the prompts."""
+def single_process(prompts_file: Path, name: str, *extra: str) -> Path:
+    """The single-process JSONL of a run over the prompts (``name``: greedy or sampled), made once per module."""
     cached_or_skip("smollm2")
-    outputs = {}
-    for name, extra in (("greedy", []), ("sampled", SAMPLING)):
-        outputs[name] = prompts_file.with_name(f"single-{name}.jsonl")
-        result = run_cli(*COMMON, *extra, "--prompts", prompts_file, "--output", outputs[name])
+    output = prompts_file.with_name(f"single-{name}.jsonl")
+    if not output.exists():
+        result = run_cli(*COMMON, *extra, "--prompts", prompts_file, "--output", output)
         assert result.exit_code == 0, result.output
-    return outputs
+    return output
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +75,11 @@ def cluster():
     ray.shutdown()
 
 
-def test_generate_on_ray_writes_what_one_process_writes(cluster, single_process, prompts_file, tmp_path):
+def test_generate_on_ray_writes_what_one_process_writes(cluster, prompts_file, tmp_path):
     out = tmp_path / "ray.jsonl"
     result = run_cli(*COMMON, "--prompts", prompts_file, "--output", out, "--ray", "--actors", 1)
     assert result.exit_code == 0, result.output
-    assert out.read_text(encoding="utf-8") == single_process["greedy"].read_text(encoding="utf-8")
+    assert out.read_text(encoding="utf-8") == single_process(prompts_file, "greedy").read_text(encoding="utf-8")
     assert [row["index"] for row in read_rows(out)] == list(range(len(PROMPTS)))
     assert "1 actor(s) x 1 thread(s)" in result.stdout
     assert f"{sum(r['num_tokens'] for r in read_rows(out))} tokens in" in result.stdout
@@ -103,7 +101,7 @@ class CrashOncePredictor(BatchspecPredictor):
 
 @pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
                     reason="starts an actor twice (about 25 s); set BATCHSPEC_LARGE_TESTS=1 to run it")
-def test_predictor_samples_like_one_process_and_survives_a_dead_actor(cluster, single_process, tmp_path):
+def test_predictor_samples_like_one_process_and_survives_a_dead_actor(cluster, prompts_file, tmp_path):
     seeds = derive_row_seeds(SEED, len(PROMPTS))
     items = [{"index": i, "prompt": p, "seed": s} for i, (p, s) in enumerate(zip(PROMPTS, seeds, strict=True))]
     marker = tmp_path / "crashed"
@@ -115,7 +113,7 @@ def test_predictor_samples_like_one_process_and_survives_a_dead_actor(cluster, s
     )
     rows = sorted(predicted.take_all(), key=lambda row: row["index"])
     assert marker.exists(), "an actor died and its batch was retried"
-    expected = read_rows(single_process["sampled"])
+    expected = read_rows(single_process(prompts_file, "sampled", *SAMPLING))
     assert [list(row["token_ids"]) for row in rows] == [row["token_ids"] for row in expected]
     assert [row["text"] for row in rows] == [row["text"] for row in expected]
     assert [row["finish_reason"] for row in rows] == [row["finish_reason"] for row in expected]
