@@ -15,6 +15,7 @@ import torch
 from fabricated import tiny_tokenizer
 
 from batchspec import memory
+from batchspec.exact.integer import native
 from batchspec.models import loading
 from batchspec.models.checkpoint import CheckpointReader, widen_model
 
@@ -39,6 +40,8 @@ def test_the_reader_gives_each_tensor_as_the_file_holds_it(bfloat16_checkpoint):
         read = reader.fresh(name, state[name])
         assert read.dtype == torch.bfloat16 and torch.equal(read, state[name])
         assert read.untyped_storage().data_ptr() != state[name].untyped_storage().data_ptr()
+        part = reader.fresh(name, state[name], slice(1, 3))  # rows 1 and 2 alone, read from their place in the file
+        assert torch.equal(part, state[name][1:3]) and part.untyped_storage().nbytes() == state[name][1:3].nbytes
     head = reader.fresh("lm_head.weight", model.lm_head.weight)  # stored once, under its twin's name
     assert torch.equal(head, model.model.embed_tokens.weight)
     unknown = torch.zeros(3)
@@ -170,3 +173,20 @@ def test_an_integer_model_on_its_files_embedding_rows_gives_the_same_logits():
         assert isinstance(compact.model.embed_tokens, GgufEmbedding)
         with torch.no_grad():
             assert torch.equal(compact(ids).logits, plain(ids).logits), width
+
+
+@pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
+def test_a_weight_quantized_and_packed_a_part_at_a_time_is_the_whole_ones(monkeypatch):
+    """quantized_weight in parts of 64 channels (the last one short, past a panel's end) gives the bits of the whole
+    weight quantized and packed at once."""
+    from batchspec.exact.integer import linear
+    from batchspec.exact.integer.arithmetic import quantize_rows
+
+    weight = torch.randn(300, 70, generator=torch.Generator().manual_seed(2))  # [O, K]
+    monkeypatch.setattr(linear, "WEIGHT_ROWS", 64)
+    packed, scales = linear.quantized_weight(lambda part: weight[part], tuple(weight.shape), torch.float32)
+    q, scale = quantize_rows(weight)
+    panels, sums = native.pack(q.to(torch.int8))
+    assert packed.kernel == "native"
+    assert torch.equal(packed.tensors[0], panels) and torch.equal(packed.tensors[1], sums)
+    assert torch.equal(scales, scale[:, 0])
