@@ -2,8 +2,9 @@
 samples what a single process samples and survives an actor that dies in the middle of a batch.
 
 A local cluster of 2 CPUs, the ``smollm2`` preset in float32, five short prompts and six new tokens keep this
-quick. The references are the single-process ``batchspec generate`` runs of the same prompts. Skipped without
-the ``ray`` extra; CI installs it. The dead-actor test runs with ``BATCHSPEC_LARGE_TESTS=1`` (CI's 8 minutes).
+quick. The references are the single-process ``batchspec generate`` runs of the same prompts. The tests that start
+a cluster (about 20 s, then 25-40 s of actors) run with ``BATCHSPEC_LARGE_TESTS=1`` (CI's 8 minutes); in CI the
+predictor runs in the test's own process, batch by batch, as an actor calls it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ PROMPTS = [
 MAX_NEW_TOKENS = 6
 TEMPERATURE = 0.9
 SEED = 7
-COMMON = ["generate", "--preset", "smollm2", "--dtype", "float32", "--batch-size", "2",
+COMMON = ["generate", "--preset", "smollm2", "--dtype", "float32", "--quantize", "none", "--batch-size", "2",
           "--max-new-tokens", str(MAX_NEW_TOKENS)]
 SAMPLING = ["--temperature", str(TEMPERATURE), "--seed", str(SEED)]
 
@@ -75,6 +76,29 @@ def cluster():
     ray.shutdown()
 
 
+LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
+                           reason="starts a local Ray cluster and its actors (about 60 s); set BATCHSPEC_LARGE_TESTS=1")
+
+
+def test_the_predictor_batch_by_batch_writes_what_one_process_writes(prompts_file):
+    """The predictor as an actor runs it, in this process: batches of 2 and 3 rows with their seeds give the rows,
+    texts and finish reasons of the single-process sampled run, and each batch's stats count its own tokens."""
+    expected = read_rows(single_process(prompts_file, "sampled", *SAMPLING))
+    seeds = derive_row_seeds(SEED, len(PROMPTS))
+    predictor = BatchspecPredictor(preset="smollm2", dtype="float32", quantize="none", num_threads=1,
+                                   batch_size=2, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
+    rows = []
+    for start, stop in ((0, 2), (2, 5)):
+        out = predictor({"index": list(range(start, stop)), "prompt": PROMPTS[start:stop], "seed": seeds[start:stop]})
+        rows += [dict(zip(out, values, strict=True)) for values in zip(*out.values(), strict=True)]
+    assert [list(row["token_ids"]) for row in rows] == [row["token_ids"] for row in expected]
+    assert [row["text"] for row in rows] == [row["text"] for row in expected]
+    assert [row["finish_reason"] for row in rows] == [row["finish_reason"] for row in expected]
+    stats, _ = merge_batch_stats(row[STATS_COLUMN] for row in rows)
+    assert stats.generated_tokens == sum(row["num_tokens"] for row in expected)
+
+
+@LARGE
 def test_generate_on_ray_writes_what_one_process_writes(cluster, prompts_file, tmp_path):
     out = tmp_path / "ray.jsonl"
     result = run_cli(*COMMON, "--prompts", prompts_file, "--output", out, "--ray", "--actors", 1)
@@ -99,13 +123,12 @@ class CrashOncePredictor(BatchspecPredictor):
         return super().__call__(batch)
 
 
-@pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
-                    reason="starts an actor twice (about 25 s); set BATCHSPEC_LARGE_TESTS=1 to run it")
+@LARGE
 def test_predictor_samples_like_one_process_and_survives_a_dead_actor(cluster, prompts_file, tmp_path):
     seeds = derive_row_seeds(SEED, len(PROMPTS))
     items = [{"index": i, "prompt": p, "seed": s} for i, (p, s) in enumerate(zip(PROMPTS, seeds, strict=True))]
     marker = tmp_path / "crashed"
-    settings = dict(preset="smollm2", dtype="float32", num_threads=1, batch_size=2,
+    settings = dict(preset="smollm2", dtype="float32", quantize="none", num_threads=1, batch_size=2,
                     max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
     predicted = cluster.data.from_items(items).map_batches(
         CrashOncePredictor, fn_constructor_kwargs=dict(marker=str(marker), **settings), batch_size=2,

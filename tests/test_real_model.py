@@ -261,8 +261,8 @@ def test_auto_keeps_the_ggufs_own_4_bit_blocks(smollm2_int4):
 
 def test_int4_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_int4, humaneval_ids):
     """The int4 target's logits of a ragged batch: the same bits on every native build (2 threads), with 1 and 3
-    threads, and on the torch path (the model made there from the same file); the pair's fingerprint is the
-    committed one."""
+    threads, and, for one short row, on the torch path (the model made there from the same file); the pair's
+    fingerprint is the committed one."""
     rows = [ids[-40:] for ids in humaneval_ids]
     prefix = [len(row) - 5 for row in rows]
 
@@ -278,10 +278,12 @@ def test_int4_logits_are_the_same_bits_on_every_build_and_thread_count(smollm2_i
                 assert all(torch.equal(a, b) for a, b in zip(logits(smollm2_int4.target), want, strict=True))
     finally:
         torch.set_num_threads(threads)
-    with native.using("none"):  # two rows: the torch path's product is slow
+    short = [rows[0][-12:]]  # one short row: the torch path's product unpacks the nibbles of every weight each call
+    want = ragged_forwards(smollm2_int4.target, short, [7], [1, 3, 1])
+    with native.using("none"):
         torch_path = loading.load_model("smollm2:target", progress=False, quantize="int4")[0]
-        got = ragged_forwards(torch_path, rows[:2], prefix[:2], [1, 3, 1])
-        assert all(torch.equal(a, b) for a, b in zip(got, want[:2], strict=True))
+        got = ragged_forwards(torch_path, short, [7], [1, 3, 1])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
