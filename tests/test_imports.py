@@ -111,3 +111,26 @@ def test_no_module_of_the_package_imports_itself_round_a_circle():
 def test_the_circle_search_finds_a_loop():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def call_sites(name: str) -> list[str]:
+    """``module:line`` of every call of a function called ``name`` in the package (``f(...)`` or ``x.f(...)``)."""
+    sites = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if called == name:
+                    sites.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    return sites
+
+
+def test_each_load_setting_is_worked_out_in_one_place():
+    """The device, the dtype, the quantize mode and the batch-invariant mode are resolved and checked in one place,
+    ``load_settings``, which each entry calls once; the loaders below it take its record whole (issue 64)."""
+    for name in ("resolve_device", "resolve_dtype", "check_quantize_for", "check_batch_invariant_for"):
+        sites = call_sites(name)
+        assert len(sites) == 1 and sites[0].startswith("models/loading.py"), (name, sites)
+    entries = ["cli/bench.py", "cli/generate.py", "cli/serve.py", "models/choice.py", "models/loading.py",
+               "models/loading.py", "ray.py"]  # the commands, ModelChoice, load_model and load_pair, Ray's actors
+    assert [site.split(":")[0] for site in call_sites("load_settings")] == entries

@@ -126,6 +126,8 @@ def recorded(monkeypatch):
         seen["ray_choice"] = snapshot(choice)
         predictor({"prompt": [r.text for r in records], "seed": [seed or 0] * len(records)})
 
+    # nothing loads, so the load settings' refusal of --batch-invariant on the CPU is not the walk's (tests/test_cli.py)
+    monkeypatch.setattr("batchspec.models.loading.check_batch_invariant_for", lambda *args: None)
     monkeypatch.setattr(generate, "load_models", lambda choice, *a, **k: (record("models")(choice, *a),
                                                                          fake_models(choice))[1])
     monkeypatch.setattr(generate, "encode_prompts", lambda records, tokenizer, choice: (

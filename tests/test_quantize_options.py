@@ -123,7 +123,11 @@ def test_int8_is_refused_before_loading_where_it_cannot_apply(tiny_dirs, no_load
     with pytest.raises(ValueError, match=message):
         loading.load_pair(target=target, draft=draft, quantize="int8", **options)
     with pytest.raises(ValueError, match=message):
-        load_models(ModelChoice(preset="smollm2", quantize="int8", **options), Method.EQSPEC)
+        ModelChoice(preset="smollm2", quantize="int8", **options).load_settings()
+
+
+def load_chosen(choice: ModelChoice, method: Method, **options):
+    return load_models(choice, choice.load_settings(), method, **options)
 
 
 def test_int8_on_a_gpu_is_refused_before_loading(tiny_dirs, no_loading, monkeypatch):
@@ -142,7 +146,7 @@ def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
     assert pair.quantize == "int8" and pair.dtype == "float32" and pair.seconds > 0
     assert quantization(pair.target) == quantization(pair.draft) == "int8"
     assert pair.precision.startswith("float32, int8 exact on ")
-    alone = load_models(ModelChoice(target=target, quantize="int8"), Method.AUTOREGRESSIVE, progress=False)
+    alone = load_chosen(ModelChoice(target=target, quantize="int8"), Method.AUTOREGRESSIVE, progress=False)
     assert alone.draft is None and alone.quantize == "int8" and quantization(alone.target) == "int8"
     plain = loading.load_pair(target=target, draft=draft, progress=False, quantize="none")
     assert plain.quantize == "none" and quantization(plain.target) == "none"
@@ -162,7 +166,7 @@ def test_auto_loads_a_pair_the_integer_forward_does_not_support_unquantized(gelu
     assert pair.precision.startswith("float32, ") and pair.precision.endswith(" kernels")
     alone, _ = loading.load_model(target, progress=False)
     assert quantization(alone) == "none"
-    chosen = load_models(ModelChoice(target=target, draft=draft), Method.EQSPEC, progress=False)
+    chosen = load_chosen(ModelChoice(target=target, draft=draft), Method.EQSPEC, progress=False)
     assert chosen.quantize == "none" and quantization(chosen.draft) == "none"
 
 
@@ -176,7 +180,7 @@ def test_auto_loads_a_mixed_pair_unquantized_both(tiny_dirs, gelu_dirs, gelu_rol
     pair = loading.load_pair(target=specs["target"], draft=specs["draft"], progress=False)
     assert pair.quantize == "none"
     assert quantization(pair.target) == quantization(pair.draft) == "none"
-    chosen = load_models(ModelChoice(**specs, quantize="auto"), Method.EQSPEC, progress=False)
+    chosen = load_chosen(ModelChoice(**specs, quantize="auto"), Method.EQSPEC, progress=False)
     assert chosen.quantize == "none" and quantization(chosen.target) == quantization(chosen.draft) == "none"
 
 

@@ -105,7 +105,7 @@ class BatchspecPredictor:
                              cache_dir=Path(cache_dir) if cache_dir is not None else None, quantize=quantize,
                              device=device, batch_invariant=batch_invariant)
         choice.check_for(method, proposer)
-        self.models = load_models(choice, method, proposer, progress=False)
+        self.models = load_models(choice, choice.load_settings(), method, proposer, progress=False)
         self._batch_ids = (f"{socket.gethostname()}:{os.getpid()}:{n}" for n in count())
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:

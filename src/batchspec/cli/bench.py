@@ -159,7 +159,7 @@ def load_for_methods(
     drafting = any(needs_draft(m, p) for m, p, _ in plan_cells(methods, proposers, (1,)))
     method = Method.EQSPEC if drafting else Method.AUTOREGRESSIVE
     models.check_for(method)
-    loaded = load_models(models, method)
+    loaded = load_models(models, models.load_settings(), method)
     typer.echo(loaded_line(loaded), err=True)
     return loaded
 

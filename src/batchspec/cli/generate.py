@@ -37,7 +37,6 @@ from batchspec.cli.output import (
 )
 from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
 from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SamplingParams, SpecConfig
-from batchspec.devices import resolve_device
 from batchspec.engine import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 
@@ -86,15 +85,16 @@ def generate_command(
         check_sampling_options(sampling, seed)
         records = load_prompt_records(prompts)
         check_output_path(output)
-        graph_mode(settings.cuda_graphs, resolve_device(models.device))
         if ray.enabled and settings.cuda_graphs is CudaGraphs.ON:
             raise ValueError("--cuda-graphs on does not run with --ray (its actors run the models as they come)")
         settings = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
-        if ray.enabled:
+        if ray.enabled:  # each actor makes the load settings on its own machine (its device, its build)
             generation = dict(max_new_tokens=max_new_tokens, chat_template=prompts.chat_template, **asdict(sampling))
             run_generate_on_ray(records, models, settings, generation, seed, ray, output)
             return
-        loaded = load_models(models, settings.method, settings.proposer)
+        placed = models.load_settings()
+        graph_mode(settings.cuda_graphs, placed.device)
+        loaded = load_models(models, placed, settings.method, settings.proposer)
         typer.echo(loaded_line(loaded), err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompts)
         result = generate(loaded.target, loaded.draft, token_ids, max_new_tokens=max_new_tokens, progress=True,

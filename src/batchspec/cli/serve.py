@@ -12,7 +12,6 @@ import typer
 from batchspec.cli.common import loaded_line, model_choice, settings_choice, with_options
 from batchspec.cli.errors import user_errors
 from batchspec.config import SpecConfig
-from batchspec.devices import resolve_device
 from batchspec.engine import graph_mode
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.hosting import HttpOptions
@@ -127,10 +126,11 @@ def serve_command(
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with user_errors():
         models.check_for(settings.method, settings.proposer)
-        graph_mode(settings.cuda_graphs, resolve_device(models.device))
+        placed = models.load_settings()
+        graph_mode(settings.cuda_graphs, placed.device)
         engine = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
         config = replace(server, engine=engine, limits=limits, security=access.security)
-        loaded = load_models(models, engine.method, engine.proposer)
+        loaded = load_models(models, placed, engine.method, engine.proposer)
         typer.echo(loaded_line(loaded), err=True)
         app = create_app(loaded, config)
         served = config.served_model_name or loaded.name

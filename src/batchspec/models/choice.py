@@ -13,17 +13,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from batchspec.config import Method, ModelOptions, ProposerKind, option, optional
-from batchspec.devices import device_name, resolve_device
+from batchspec.devices import device_name
 from batchspec.exact.integer import quantization
 from batchspec.exact.invariant import batch_invariant
 from batchspec.memory import keep_freed_memory
 from batchspec.models.loading import (
-    check_batch_invariant_for,
-    check_quantize_for,
-    load_model,
-    load_pair,
+    LoadSettings,
+    load_settings,
+    load_specified_pair,
+    load_specs,
     parse_preset_spec,
-    resolve_dtype,
 )
 from batchspec.models.obtain import obtain_preset
 from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, get_preset
@@ -89,6 +88,11 @@ class ModelChoice(ModelOptions):
             f"(or --preset NAME, whose draft fills it in; or --proposer ngram, which needs no draft model)"
         )
 
+    def load_settings(self) -> LoadSettings:
+        """The load settings made concrete and checked (:func:`~batchspec.models.loading.load_settings`), before
+        anything loads: what :func:`load_models` takes."""
+        return load_settings(self.dtype, self.device, self.quantize, self.kernels, self.batch_invariant)
+
     @property
     def target_spec(self) -> str:
         """The target to load alone: the named one, else the preset's."""
@@ -122,37 +126,31 @@ def presets_used(choice: ModelChoice, method: Method, proposer: ProposerKind | N
 
 
 def load_models(
-    choice: ModelChoice, method: Method, proposer: ProposerKind | None = None, progress: bool = True
+    choice: ModelChoice, settings: LoadSettings, method: Method, proposer: ProposerKind | None = None,
+    progress: bool = True,
 ) -> ModelPair:
-    """Load the chosen models (the target alone when no draft model drafts: ``draft`` is None); a preset is
-    obtained into the cache first if needed (download + conversion); ``seconds`` counts that too, and quantizing.
+    """Load the chosen models as ``settings`` (:meth:`ModelChoice.load_settings`, made once at the entry) say: the
+    target alone when no draft model drafts (``draft`` is None); a preset is obtained into the cache first if needed
+    (download + conversion); ``seconds`` counts that too, and quantizing.
 
     Afterwards the process keeps freed memory for reuse (:func:`batchspec.memory.keep_freed_memory`). Raises
-    ValueError before anything loads when ``choice.quantize`` cannot apply (see
-    :func:`batchspec.models.loading.check_quantize_for`), and before any generation when target and draft do not
-    share one tokenizer.
+    ValueError before any generation when target and draft do not share one tokenizer.
     """
-    dtype = resolve_dtype(choice.dtype)
-    device = resolve_device(choice.device)
-    check_quantize_for(choice.quantize, dtype, choice.kernels, device)
-    check_batch_invariant_for(choice.batch_invariant, device)
     started = time.perf_counter()
     for name in presets_used(choice, method, proposer):
         obtain_preset(name, choice.cache_dir, progress=progress)
-    loads = {
-        "cache_dir": choice.cache_dir, "kernels": choice.kernels, "device": str(device), "quantize": choice.quantize,
-        "batch_invariant": choice.batch_invariant,
-    }
     with quiet_weight_loading():
         if choice.target_only(method, proposer):
-            target, tokenizer = load_model(choice.target_spec, dtype, **loads)
+            ((target, tokenizer),) = load_specs([choice.target_spec], settings, cache_dir=choice.cache_dir,
+                                                progress=progress)
             name, draft = choice.target or choice.resolved_preset, None
         else:
-            pair = load_pair(choice.resolved_preset, choice.target, choice.draft, dtype, **loads)
+            pair = load_specified_pair(choice.resolved_preset, choice.target, choice.draft, settings,
+                                       cache_dir=choice.cache_dir, progress=progress)
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
     seconds = time.perf_counter() - started
     keep_freed_memory()  # the commands' forwards reuse freed activation memory (see batchspec.memory)
     return ModelPair(
-        target, draft, tokenizer, name, dtype, seconds, device_name(device), quantization(target),
+        target, draft, tokenizer, name, settings.dtype, seconds, device_name(settings.device), quantization(target),
         batch_invariant(target),
     )

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,14 +77,10 @@ def resolve_dtype(dtype: str = setting_default("dtype")) -> str:
     return "float32" if dtype == "auto" else dtype
 
 
-def resolve_quantize(
-    quantize: str = setting_default("quantize"), dtype: str = setting_default("dtype"),
-    kernels: str = setting_default("kernels"), device: str | torch.device = setting_default("device"),
-) -> str:
-    """``quantize`` itself, or for ``"auto"``: on the CPU, when the dtype resolves to float32 and the kernels are not
-    ``"packed"``, :func:`batchspec.exact.integer.cpu_default` (``"int8"`` where batchspec's native int8 kernels run,
-    which
-    it says in one log line); else ``"none"``.
+def resolve_quantize(quantize: str, dtype: str, kernels: str, device: torch.device) -> str:
+    """``quantize`` itself, or for ``"auto"``: on the CPU, when the (resolved) ``dtype`` is float32 and the kernels
+    are not ``"packed"``, :func:`batchspec.exact.integer.cpu_default` (``"int8"`` where batchspec's native int8
+    kernels run, which it says in one log line); else ``"none"``.
 
     int8 is the CPU's default there because it keeps the quality of float32 and is faster: on HumanEval's first 40
     problems (chat template, 384 new tokens) the qwen2.5-coder pair passed 37 in int8 and 35 in float32, and int8
@@ -94,48 +91,77 @@ def resolve_quantize(
     quantize = integer.check_quantize(quantize)
     if quantize != "auto":
         return quantize
-    on_cpu = resolve_device(device).type == "cpu"
-    float32 = resolve_dtype(dtype) == "float32"
-    if not (on_cpu and float32 and check_option("kernels", kernels, KERNELS) != "packed"):
+    if device.type != "cpu" or dtype != "float32" or kernels == "packed":
         return "none"
     return integer.cpu_default()
 
 
-def check_batch_invariant_for(batch_invariant: bool, device: str | torch.device = setting_default("device")) -> None:
+def check_batch_invariant_for(batch_invariant: bool, device: torch.device) -> None:
     """Raise ValueError where the batch-invariant mode (:mod:`batchspec.exact.invariant`) cannot run: its kernels are
     Triton's, for a CUDA device."""
-    place = resolve_device(device)
-    if batch_invariant and place.type != "cuda":
+    if batch_invariant and device.type != "cuda":
         raise ValueError(
-            f"--batch-invariant runs Triton kernels on a CUDA device; the models would be on {place} "
+            f"--batch-invariant runs Triton kernels on a CUDA device; the models would be on {device} "
             "(on the CPU, --quantize int8 is exact by construction)"
         )
 
 
-def check_quantize_for(
-    quantize: str, dtype: str, kernels: str, device: str | torch.device = setting_default("device")
-) -> str:
-    """``quantize`` resolved (:func:`resolve_quantize`) when it can apply to models loaded in ``dtype`` with
-    ``kernels`` on ``device``, else a ValueError (raised before anything loads).
+def check_quantize_for(quantize: str, dtype: str, kernels: str, device: torch.device) -> str:
+    """``quantize`` resolved (:func:`resolve_quantize`) when it can apply to models loaded in the (resolved) ``dtype``
+    with ``kernels`` on ``device``, else a ValueError (raised before anything loads).
 
-    ``"none"`` applies everywhere. ``"int8"`` needs the CPU (``device`` resolves to it, see
-    :func:`batchspec.devices.resolve_device`), a dtype resolving to float32 and kernels other than ``"packed"``
-    (oneDNN's float32 kernels; the int8 layers run their own integer ones).
+    ``"none"`` applies everywhere. ``"int8"`` and ``"int4"`` need the CPU, float32 and kernels other than
+    ``"packed"`` (oneDNN's float32 kernels; the integer layers run their own ones).
     """
     quantize = resolve_quantize(quantize, dtype, kernels, device)
     if quantize == "none":
         return quantize
-    place = resolve_device(device)
-    if place.type != "cpu":
-        raise ValueError(f"--quantize {quantize} runs on the CPU; got device {place} (pass --device cpu)")
-    if resolve_dtype(dtype) not in QUANTIZED_DTYPES:
+    if device.type != "cpu":
+        raise ValueError(f"--quantize {quantize} runs on the CPU; got device {device} (pass --device cpu)")
+    if dtype not in QUANTIZED_DTYPES:
         raise ValueError(f"--quantize {quantize} needs float32 weights (--dtype auto or float32); got {dtype}")
-    if check_option("kernels", kernels, KERNELS) == "packed":
+    if kernels == "packed":
         raise ValueError(
             f"--quantize {quantize} runs its own integer kernels, not oneDNN's packed float32 ones: "
             "pass --kernels auto or default"
         )
     return quantize
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How models load, every value concrete: made once, by :func:`load_settings`, from what was asked for, and
+    handed down whole; nothing below works a setting out again.
+
+    Attributes:
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (``"auto"`` resolved by :func:`resolve_dtype`).
+        device: where the models run (``"auto"`` resolved by :func:`batchspec.devices.resolve_device`).
+        asked: the ``quantize`` setting as given (``"auto"`` lets :func:`settle_quantize` fall back to ``"none"``).
+        quantize: what ``asked`` resolves to before any model is seen: ``"none"``, ``"int8"`` or ``"int4"``.
+        kernels: the CPU matrix kernels (see :func:`use_kernels`).
+        batch_invariant: the models run on the batch-invariant kernels (CUDA).
+    """
+
+    dtype: str
+    device: torch.device
+    asked: str
+    quantize: str
+    kernels: str
+    batch_invariant: bool
+
+
+def load_settings(
+    dtype: str = setting_default("dtype"), device: str | torch.device = setting_default("device"),
+    quantize: str = setting_default("quantize"), kernels: str = setting_default("kernels"),
+    batch_invariant: bool = setting_default("batch_invariant"),
+) -> LoadSettings:
+    """The load settings made concrete and checked, before anything loads (ValueError where they cannot apply: see
+    :func:`check_quantize_for` and :func:`check_batch_invariant_for`); the one place each is resolved."""
+    kernels = check_option("kernels", kernels, KERNELS)
+    dtype, place = resolve_dtype(dtype), resolve_device(device)
+    check_batch_invariant_for(batch_invariant, place)
+    resolved = check_quantize_for(quantize, dtype, kernels, place)
+    return LoadSettings(dtype, place, quantize, resolved, kernels, batch_invariant)
 
 
 def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]],
@@ -165,9 +191,10 @@ def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]]
 
 
 def _torch_dtype(dtype: str):
+    """torch's dtype of a resolved dtype name (:func:`resolve_dtype`)."""
     import torch
 
-    return getattr(torch, resolve_dtype(dtype))
+    return getattr(torch, dtype)
 
 
 def parse_preset_spec(spec: str) -> tuple[str, str] | None:
@@ -260,50 +287,38 @@ def load_model(
     (``"auto"``: else it loads as ``"none"``; ``"int8"``: else a ValueError). ``batch_invariant`` runs the model on
     the batch-invariant kernels (CUDA only, see :mod:`batchspec.exact.invariant`).
     """
-    (loaded,) = _load_models(
-        [spec], dtype, cache_dir=cache_dir, cache_gguf=cache_gguf, gguf_file=gguf_file, progress=progress,
-        kernels=kernels, device=device, quantize=quantize, batch_invariant=batch_invariant,
-    )
+    settings = load_settings(dtype, device, quantize, kernels, batch_invariant)
+    (loaded,) = load_specs([spec], settings, cache_dir=cache_dir, cache_gguf=cache_gguf, gguf_file=gguf_file,
+                           progress=progress)
     return loaded
 
 
-def _load_models(
-    specs: list[str], dtype: str, *, cache_dir: str | Path | None, cache_gguf: bool, gguf_file: str | None,
-    progress: bool, kernels: str, device: str, quantize: str, batch_invariant: bool,
+def load_specs(
+    specs: list[str], settings: LoadSettings, *, cache_dir: str | Path | None = None, cache_gguf: bool = True,
+    gguf_file: str | None = None, progress: bool = True,
 ) -> list[tuple[Any, Any]]:
-    """``(model, tokenizer)`` for each of ``specs``, loaded on ``device``, then all quantized alike
-    (:func:`settle_quantize`) or all put on the batch-invariant or the chosen CPU kernels; what the load frees goes
-    back to the system (:func:`batchspec.memory.returned_when_freed`)."""
-    check_option("kernels", kernels, KERNELS)
-    check_batch_invariant_for(batch_invariant, device)
-    place = resolve_device(device)
-    resolved = check_quantize_for(quantize, dtype, kernels, place)
+    """``(model, tokenizer)`` for each of ``specs``, loaded as ``settings`` say: on their device, then all quantized
+    alike (:func:`settle_quantize`) or all put on the batch-invariant or the chosen CPU kernels; what the load frees
+    goes back to the system (:func:`batchspec.memory.returned_when_freed`)."""
     with returned_when_freed():
-        return _load_quantized(specs, dtype, place, resolved, quantize, cache_dir=cache_dir, cache_gguf=cache_gguf,
-                               gguf_file=gguf_file, progress=progress, kernels=kernels, batch_invariant=batch_invariant)
-
-
-def _load_quantized(
-    specs: list[str], dtype: str, place: torch.device, resolved: str, quantize: str, *, cache_dir: str | Path | None,
-    cache_gguf: bool, gguf_file: str | None, progress: bool, kernels: str, batch_invariant: bool,
-) -> list[tuple[Any, Any]]:
-    """:func:`_load_models` after its checks: ``resolved`` is :func:`check_quantize_for`'s answer to ``quantize``."""
-    # on the CPU, models load in their files' dtype and widen a tensor at a time (quantize_model, _finish)
-    stored = place.type == "cpu" and (resolved != "none" or resolve_dtype(dtype) == "float32")
-    loaded = [_load_on(spec, dtype, place, cache_dir, cache_gguf, gguf_file, progress, stored) for spec in specs]
-    models = [model for model, _ in loaded]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    fetch = resolved == "int4"  # int4 needs the file's blocks; int8 takes its embedding's where the file is at hand
-    quantized = resolved in ("int8", "int4")
-    origins = [_origin(spec, root, gguf_file, progress, fetch) for spec in specs] if quantized else []
-    resolved = settle_quantize(quantize, resolved, list(zip(specs, models, strict=True)), origins)
-    for index, (model, tokenizer) in enumerate(loaded):
-        reader = CheckpointReader.of(model) if stored else None
-        fresh = None if reader is None else reader.fresh
-        origin = origins[index] if resolved in ("int8", "int4") else None
-        source = None if origin is None else GgufWeights(origin, model, fresh)
-        _finish(model, tokenizer, resolved, kernels, batch_invariant, source, fresh, _torch_dtype(dtype))
-    return loaded
+        # on the CPU, models load in their files' dtype and widen a tensor at a time (quantize_model, _finish)
+        place, resolved = settings.device, settings.quantize
+        stored = place.type == "cpu" and (resolved != "none" or settings.dtype == "float32")
+        loaded = [_load_on(spec, settings.dtype, place, cache_dir, cache_gguf, gguf_file, progress, stored)
+                  for spec in specs]
+        models = [model for model, _ in loaded]
+        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        fetch = resolved == "int4"  # int4 needs the file's blocks; int8 takes its embedding's where the file is at hand
+        quantized = resolved in ("int8", "int4")
+        origins = [_origin(spec, root, gguf_file, progress, fetch) for spec in specs] if quantized else []
+        resolved = settle_quantize(settings.asked, resolved, list(zip(specs, models, strict=True)), origins)
+        for index, (model, tokenizer) in enumerate(loaded):
+            reader = CheckpointReader.of(model) if stored else None
+            fresh = None if reader is None else reader.fresh
+            origin = origins[index] if resolved in ("int8", "int4") else None
+            source = None if origin is None else GgufWeights(origin, model, fresh)
+            _finish(model, tokenizer, resolved, settings, source, fresh)
+        return loaded
 
 
 def _origin(spec: str, root: Path, gguf_file: str | None, progress: bool, fetch: bool) -> GgufOrigin | None:
@@ -333,27 +348,28 @@ def _load_on(
 ) -> tuple[Any, Any]:
     """``spec`` loaded and moved to ``place``: in ``dtype``, or where ``stored``, a checkpoint directory in the
     dtype its weights are stored in (a preset's bfloat16: half of float32's memory, for quantize_model to widen)."""
-    model, tokenizer = _load_any(spec, resolve_dtype(dtype), cache_dir, cache_gguf, gguf_file, progress, stored)
+    model, tokenizer = _load_any(spec, dtype, cache_dir, cache_gguf, gguf_file, progress, stored)
     return (model if place.type == LOAD_DEVICE else model.to(place)), tokenizer
 
 
-def _finish(model: Any, tokenizer: Any, quantize: str, kernels: str, batch_invariant: bool,
-            source: GgufWeights | None = None, fresh: Any = None, dtype: Any = None) -> None:
+def _finish(model: Any, tokenizer: Any, quantize: str, settings: LoadSettings, source: GgufWeights | None = None,
+            fresh: Any = None) -> None:
     """Make the loaded ``model`` the exact integer one (``quantize``, settled; the GGUF file's own blocks from
     ``source`` where given; its weights read afresh through ``fresh``, see
-    :class:`~batchspec.models.checkpoint.CheckpointReader`),
-    else batch-invariant, else ``dtype`` (widened a tensor at a time where loaded narrower, each linear layer packed
-    as it is widened where ``kernels`` packs) on ``kernels``."""
+    :class:`~batchspec.models.checkpoint.CheckpointReader`), else batch-invariant, else the settings' dtype (widened
+    a tensor at a time where loaded narrower, each linear layer packed as it is widened where the kernels pack) on
+    the settings' kernels."""
     if quantize in ("int8", "int4"):
         integer.quantize_model(model, tokenizer, quantize, source, fresh)
         integer_forward(model)  # its stacked weights laid out now, while the load's freed memory goes back
         return
     import torch
 
-    if dtype is not None and next(model.parameters()).dtype != dtype:
+    dtype, kernels = _torch_dtype(settings.dtype), settings.kernels
+    if next(model.parameters()).dtype != dtype:
         packs = kernels != "default" and dtype == torch.float32 and onednn_linear()
         widen_model(model, dtype, fresh or (lambda name, tensor: tensor), PackedLinear if packs else None)
-    if batch_invariant:
+    if settings.batch_invariant:
         make_batch_invariant(model)
     else:
         use_kernels(model, kernels)
@@ -467,20 +483,24 @@ def load_pair(
     :func:`load_model`) replace the preset's models; without a ``preset`` both must be given. The pair's
     ``seconds`` count loading and quantizing both.
     """
+    settings = load_settings(dtype, device, quantize, kernels, batch_invariant)
+    return load_specified_pair(preset, target, draft, settings, cache_dir=cache_dir, progress=progress)
+
+
+def load_specified_pair(
+    preset: str | None, target: str | None, draft: str | None, settings: LoadSettings, *,
+    cache_dir: str | Path | None = None, progress: bool = True,
+) -> ModelPair:
+    """:func:`load_pair` with its settings made concrete (:func:`load_settings`)."""
     preset, target, draft = _pair_specs(preset, target, draft)
-    dtype = resolve_dtype(dtype)
     started = time.perf_counter()
-    place = resolve_device(device)
-    (target_model, target_tokenizer), (draft_model, draft_tokenizer) = _load_models(
-        [target, draft], dtype, cache_dir=cache_dir, cache_gguf=True, gguf_file=None, progress=progress,
-        kernels=kernels, device=str(place), quantize=quantize, batch_invariant=batch_invariant,
+    (target_model, target_tokenizer), (draft_model, draft_tokenizer) = load_specs(
+        [target, draft], settings, cache_dir=cache_dir, progress=progress
     )
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
-    seconds = time.perf_counter() - started
-    quantize = integer.quantization(target_model)
     return ModelPair(
-        target_model, draft_model, target_tokenizer, name, dtype, seconds, device_name(place), quantize,
-        is_batch_invariant(target_model),
+        target_model, draft_model, target_tokenizer, name, settings.dtype, time.perf_counter() - started,
+        device_name(settings.device), integer.quantization(target_model), is_batch_invariant(target_model),
     )
