@@ -132,12 +132,12 @@ def recorded(monkeypatch):
                                                                          fake_models(choice))[1])
     monkeypatch.setattr(generate, "encode_prompts", lambda records, tokenizer, choice: (
         record("prompts")(records, choice), [[1]] * len(records))[1])
-    monkeypatch.setattr(generate, "generate", record("generate", stop=True))
+    monkeypatch.setattr(generate, "generate_with", record("generate", stop=True))
     monkeypatch.setattr("batchspec.ray.load_models", lambda choice, *a, **k: (record("models")(choice, *a),
                                                                               fake_models(choice))[1])
     monkeypatch.setattr("batchspec.ray.format_prompts", lambda records, tokenizer, chat_template: (
         record("prompts")(records, chat_template), [[1]] * len(records))[1])
-    monkeypatch.setattr("batchspec.ray.generate", record("generate", stop=True))
+    monkeypatch.setattr("batchspec.ray.generate_with", record("generate", stop=True))
     monkeypatch.setattr(ray_generate, "_reporting_actor_failures", predict_on_ray)
     monkeypatch.setattr(serve, "load_models", lambda choice, *a, **k: (record("models")(choice, *a),
                                                                        fake_models(choice))[1])

@@ -114,8 +114,34 @@ def generate(
             (docs/api.md); any other name is a TypeError.
     """
     check_budget(max_new_tokens)  # before anything is built, and for an empty prompt list (no Sequence) too
-    config = settings(options, eos_token_id)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    return generate_with(
+        target, draft, prompts, settings(options, eos_token_id), max_new_tokens=max_new_tokens, tokenizer=tokenizer,
+        progress=progress, sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
+        penalties=penalties, grammar=grammar, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+    )
+
+
+def generate_with(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    prompts: Seq[Seq[int]] | Seq[str],
+    config: SpecConfig,
+    *,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    tokenizer=None,
+    progress: bool = False,
+    sampling: SamplingParams | None = None,
+    seed: int | Seq[int] | None = None,
+    penalties: Penalties | None = None,
+    grammar: Grammar | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> GenerationResult:
+    """:func:`generate` with the run's settings as the record they are (``config``, EOS ids included) and the
+    sampling settings as one: what the commands, Ray's predictor and the transformers adapter call, so a record is
+    never taken apart into keywords to be built again (``sampling``: greedy where None)."""
+    check_budget(max_new_tokens)
+    sampling = sampling or SamplingParams()
     engine = build_engine(target, draft, config)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
     seeds = derive_row_seeds(seed, len(token_prompts))

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from batchspec.api import generate
+from batchspec.api import generate_with
 from batchspec.config import SEED_LIMIT, SamplingParams, SpecConfig
 
 SUPPORTED_FIELDS = frozenset({
@@ -69,10 +69,6 @@ class GenerateCall:
     seed: list[int] | None
     settings: SpecConfig
 
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``batchspec.generate``."""
-        return dict(max_new_tokens=self.max_new_tokens, seed=self.seed, **asdict(self.sampling),
-                    **self.settings.options())
 
 
 def hf_generate(
@@ -104,7 +100,8 @@ def hf_generate(
     check_supported(config, unused)
     prompts = real_tokens(input_ids, attention_mask)
     call = plan_call(config, assistant_model, len(prompts), input_ids.shape[1])
-    result = generate(model, call.draft, prompts, **call.kwargs())
+    result = generate_with(model, call.draft, prompts, call.settings, max_new_tokens=call.max_new_tokens,
+                           sampling=call.sampling, seed=call.seed)
     return assemble(input_ids, result.sequences, call.settings.pad_token_id)
 
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from batchspec.api import GenerationResult, generate
-from batchspec.config import SamplingParams, SpecConfig, setting_default
+from batchspec.api import GenerationResult, generate_with
+from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SamplingParams, SpecConfig, setting_default
 from batchspec.data import PromptRecord, format_prompts
 from batchspec.engine import GenerationStats
 from batchspec.models.choice import ModelChoice, load_models
@@ -51,9 +51,6 @@ SEED_COLUMN = "seed"
 CODE_COLUMN = "code_completion"
 STATS_COLUMN = "batch_stats"
 
-
-# the keywords of ``batchspec.generate`` a predictor takes besides the settings record's (:class:`SpecConfig`)
-GENERATION_KEYWORDS = ("max_new_tokens", *(spec.name for spec in fields(SamplingParams)))
 
 
 class BatchspecPredictor:
@@ -97,7 +94,9 @@ class BatchspecPredictor:
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.generation = {name: settings.pop(name) for name in GENERATION_KEYWORDS if name in settings}
+        self.max_new_tokens = settings.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        self.sampling = SamplingParams(**{spec.name: settings.pop(spec.name) for spec in fields(SamplingParams)
+                                          if spec.name in settings})
         self.config = SpecConfig(**settings)
         self.prompt_column, self.chat_template = prompt_column, chat_template
         method, proposer = self.config.method, self.config.proposer
@@ -113,8 +112,8 @@ class BatchspecPredictor:
         token_ids = format_prompts(records, self.models.tokenizer, chat_template=self.chat_template)
         seeds = [int(s) for s in batch[SEED_COLUMN]] if SEED_COLUMN in batch else None
         started = time.time()
-        result = generate(self.models.target, self.models.draft, token_ids, seed=seeds, **self.generation,
-                          **self.config.options())
+        result = generate_with(self.models.target, self.models.draft, token_ids, self.config, seed=seeds,
+                               max_new_tokens=self.max_new_tokens, sampling=self.sampling)
         stats = dict(result.stats.to_dict(), batch_id=next(self._batch_ids), rows=len(records), started=started,
                      finished=time.time())
         return dict(batch) | output_columns(result, self.models.tokenizer, json.dumps(stats))

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from batchspec.api import generate
+from batchspec.api import generate_with
 from batchspec.bench.costs import weight_bytes
 from batchspec.cli.common import (
     CudaGraphs,
@@ -97,8 +97,8 @@ def generate_command(
         loaded = load_models(models, placed, settings.method, settings.proposer)
         typer.echo(loaded_line(loaded), err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompts)
-        result = generate(loaded.target, loaded.draft, token_ids, max_new_tokens=max_new_tokens, progress=True,
-                          seed=seed, **asdict(sampling), **settings.options())
+        result = generate_with(loaded.target, loaded.draft, token_ids, settings, max_new_tokens=max_new_tokens,
+                               progress=True, seed=seed, sampling=sampling)
         results = collect_results(records, result, loaded.tokenizer)
         if output is None:
             print_texts(records, results)
