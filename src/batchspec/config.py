@@ -55,6 +55,12 @@ class ProposerKind(StrEnum):
 PROPOSERS = tuple(p.value for p in ProposerKind)
 
 
+def uses_draft_model(method: Method, proposer: ProposerKind | None) -> bool:
+    """Whether ``method`` with ``proposer`` (resolved: None only for autoregressive decoding) runs a draft model:
+    the one place this is answered."""
+    return method is not Method.AUTOREGRESSIVE and proposer in (ProposerKind.DRAFT, ProposerKind.HYBRID)
+
+
 class CudaGraphs(StrEnum):
     """Whether decode forwards on a GPU are captured as CUDA graphs (:mod:`batchspec.engine.graphs`)."""
 
@@ -320,7 +326,7 @@ class SpecConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.speculative and self.proposer in (ProposerKind.DRAFT, ProposerKind.HYBRID)
+        return uses_draft_model(self.method, self.proposer)
 
     @property
     def window(self) -> int:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from batchspec.api import generate
 from batchspec.bench.workload import Workload
-from batchspec.config import AUTO, Method, ProposerKind
+from batchspec.config import AUTO, Method, ProposerKind, uses_draft_model
 from batchspec.engine import GenerationStats
 from batchspec.models.pair import ModelPair
 
@@ -225,9 +225,9 @@ def proposes(method: str) -> bool:
 
 
 def needs_draft(method: str, proposer: str | None = None) -> bool:
-    """The method, with ``proposer``, runs a draft model."""
+    """The method, with ``proposer`` (batchspec's methods: the draft model's when None), runs a draft model."""
     if method in SPECULATIVE:
-        return proposer != ProposerKind.NGRAM
+        return uses_draft_model(Method(method), ProposerKind(proposer or ProposerKind.DRAFT))
     return method == "hf-assisted"
 
 

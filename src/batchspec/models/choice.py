@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from batchspec.config import Method, ModelOptions, ProposerKind, option, optional
+from batchspec.config import Method, ModelOptions, ProposerKind, option, optional, uses_draft_model
 from batchspec.devices import device_name
 from batchspec.exact.integer import quantization
 from batchspec.exact.invariant import batch_invariant
@@ -75,7 +75,7 @@ class ModelChoice(ModelOptions):
 
     def target_only(self, method: Method, proposer: ProposerKind | None = None) -> bool:
         """Whether only the target is loaded: no draft model drafts (autoregressive, or prompt lookup)."""
-        return self.proposer_for(method, proposer) in (None, ProposerKind.NGRAM) and not self.draft
+        return not uses_draft_model(method, self.proposer_for(method, proposer)) and not self.draft
 
     def check_for(self, method: Method, proposer: ProposerKind | None = None) -> None:
         """Raise ValueError unless ``method`` can run with these models (checked before loading any)."""
