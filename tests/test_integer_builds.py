@@ -8,6 +8,11 @@ the builds this CPU runs: an AVX-512 host runs all three, an AVX2-only host the 
 skipped with its reason, never emulated.
 
 * Kernels: each build's product, quantization, RMSNorm, SiLU and attention give the torch path's bits (hypothesis).
+* Values that are not finite: a row holding a NaN or an inf quantizes to scale NaN and codes 0 in every quantizer, its
+  products are NaN in every column and a query that sees such a token is NaN, the same bits on every build and the
+  torch path, the finite rows beside them as they are alone.
+* The floating-point environment: flush-to-zero and denormals-are-zero set on the calling thread change no bit of any
+  call, with 1 and 2 threads.
 * Models: tiny float32 Llama, Qwen2, Qwen3 and Mistral models quantized under each build have the same int8 weights,
   and their logits, prompts read and decoded in a ragged batch of 8 and alone, are the same bits under every build
   and with 1, 2 and 16 threads.
@@ -27,10 +32,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ragged import ragged_forwards
 
-from batchspec.exact.integer import native, quantize_model
+from batchspec.exact.integer import int4, native, quantize_model
 from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
-from batchspec.exact.integer.attention import exact_attention, pack
-from batchspec.exact.integer.linear import Int8Linear, gated
+from batchspec.exact.integer.attention import _quantized, exact_attention, pack
+from batchspec.exact.integer.linear import Int4Linear, Int8Linear, gated, quantize_activations, quantize_gated
 from batchspec.exact.integer.model import exact_rms_norm
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
@@ -255,3 +260,245 @@ def test_torchs_own_scalar_dispatch_and_another_blas_change_nothing(tmp_path, fl
     want = ragged_forwards(model, rows, [max(1, len(row) - 5) for row in rows], [1, 3, 1])
     assert other["isa"] == slowest
     assert all(torch.equal(a, b) for a, b in zip(other["logits"], want, strict=True))
+
+
+
+NAN, INF = float("nan"), float("inf")
+NAN_BITS = 0x7FC00000  # float32 NaN as torch's float("nan") and C's NAN give it: every non-finite row's scale
+PATHS = ("none", *native.host_isas())  # the torch path, then each build this CPU runs
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its floats as integers of their width, so that NaNs compare by their bits."""
+    kinds = {torch.float32: torch.int32, torch.float64: torch.int64}
+    return t.view(kinds[t.dtype]) if t.dtype in kinds else t
+
+
+def _same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    pairs = zip(a, b, strict=True)
+    return all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y)) for x, y in pairs)
+
+
+def _nan_bits(count: int, *shape: int) -> torch.Tensor:
+    return torch.full((count, *shape), NAN_BITS, dtype=torch.int32)
+
+
+def _not_finite_rows(inner: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """``[8, inner]`` float32 and its finite rows (0, 3, 7); the others hold a NaN (the first value), +inf (the last:
+    a vector tail's last lane), -inf (a middle one), NaN everywhere, and +inf, -inf and NaN together."""
+    x = torch.randn(8, inner, generator=torch.Generator().manual_seed(seed))
+    x[1, 0], x[2, -1], x[4, inner // 2], x[5] = NAN, INF, -INF, NAN
+    x[6, 0], x[6, -1], x[6, inner // 2] = INF, -INF, NAN
+    return x, [0, 3, 7]
+
+
+def _quantized_forms(x: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, block: int) -> dict[str, tuple]:
+    """Every quantizer's result for rows ``x`` (the gate, with ``up``, for the MLP's; RMSNorm's ``weight`` for the
+    fused ones) on the path in use: the torch path's functions, or the native calls that replace them. Integers held
+    as floats are compared as values (``+ 0.0``: the torch path's rounding may give -0, the codes' 0)."""
+    per_token, gate_rows = quantize_activations(x), quantize_gated(x, up)
+    wide, wide_scale = _quantized(x)
+    forms = {
+        "per token": (per_token.values + 0.0, per_token.scale),
+        "gated": (gate_rows.values + 0.0, gate_rows.scale),
+        "15 bits": (wide + 0.0, wide_scale),
+        "packed": (pack(x),),
+        "blocks": int4.quantize_blocks(x, block),
+    }
+    if native.available():
+        codes, scale = native.norm_quantize(x, weight, 1e-6)  # [N, 4 G], [N, 1]
+        forms["normed"] = (codes[:, : x.shape[1]].float() - native.ZERO_POINT, scale)
+        forms["normed blocks"] = native.norm_quantize_blocks(x, weight, 1e-6, block)
+        forms["gated blocks"] = native.quantize_gated_blocks(x, up, EXP2_COEFFICIENTS, block)
+    else:
+        normed = exact_rms_norm(x, weight, 1e-6)
+        values, scale = quantize_rows(normed)
+        forms["normed"] = (values + 0.0, scale)
+        forms["normed blocks"] = int4.quantize_blocks(normed, block)
+        forms["gated blocks"] = int4.quantize_blocks(gated(x, up), block)
+    return forms
+
+
+@pytest.mark.parametrize("inner, block", [(5, 32), (37, 32), (300, 64)])
+def test_a_row_that_is_not_finite_quantizes_to_a_nan_scale_and_zeros_on_every_build(inner, block):
+    """Every quantizer (per token, the MLP's gated activation, the norm-fused ones, the attention's 15 bits and the
+    KV cache's packing, the int4 product's blocks) gives a row holding a NaN, +inf or -inf scale NaN (the bits of
+    torch's NaN) and codes 0, on the torch path and on each build, bit for bit; a finite row beside them gets what it
+    gets alone. In blocks, only a block holding such a value is so quantized."""
+    x, finite = _not_finite_rows(inner, seed=inner)
+    generator = torch.Generator().manual_seed(1)
+    up, weight = torch.randn(8, inner, generator=generator), torch.rand(inner, generator=generator) + 0.5
+    broken = ~x.isfinite().all(1)  # [8]
+    results = {}
+    for path in PATHS:
+        with native.using(path):
+            results[path] = _quantized_forms(x, up, weight, block)
+            alone = _quantized_forms(x[finite], up[finite], weight, block)
+        for name, forms in results[path].items():
+            assert _same_bits(forms, results["none"][name]), (path, name)
+            assert _same_bits(tuple(t[finite] for t in forms), alone[name]), (path, name)
+    torch_path, count = results["none"], int(broken.sum())
+    for name in ("per token", "gated", "normed", "15 bits"):
+        values, scale = torch_path[name]
+        assert torch.equal(_bits(scale.float()[broken]), _nan_bits(count, 1)), name
+        assert not values[broken].any() and scale[~broken].isfinite().all(), name
+    codes, scales, _ = torch_path["blocks"]  # [8, 32 S], [8, B]
+    padded = torch.nn.functional.pad(x, (0, scales.shape[1] * block - inner))  # [8, B * block]
+    blocks_broken = ~padded.view(8, -1, block).isfinite().all(-1)  # [8, B]
+    assert torch.equal(scales.isnan(), blocks_broken)
+    assert torch.equal(_bits(scales[blocks_broken]), _nan_bits(int(blocks_broken.sum())))
+    assert not codes[blocks_broken.repeat_interleave(block, 1)[:, : codes.shape[1]]].any()
+    parities = torch_path["packed"][0][broken][:, : native.SCALE_BITS].int().bitwise_and(1)  # the scale's bits
+    assert torch.equal(parities, ((NAN_BITS >> torch.arange(native.SCALE_BITS)) & 1).expand(count, -1))
+
+
+def test_a_product_of_a_row_that_is_not_finite_is_nan_in_every_column_on_every_build():
+    """NaN in, NaN out: the int8 and int4 products (bias, then a finite residual) of a row holding a NaN, +inf or
+    -inf are NaN in every column, the bits of torch's NaN, on the torch path's kernels and on each build; a finite
+    row beside them is its own output alone."""
+    x, finite = _not_finite_rows(300, seed=3)
+    broken = [row for row in range(8) if row not in finite]
+    generator = torch.Generator().manual_seed(4)
+    linear8 = torch.nn.Linear(300, 70)
+    weight4, bias4 = int4.from_float(torch.randn(70, 300, generator=generator)), torch.randn(70, generator=generator)
+    residual = torch.randn(8, 70, generator=generator)
+
+    def outputs(layers: tuple, rows: list[int]) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            out
+            for layer in layers
+            for out in (layer(x[rows]), layer.apply_to(quantize_activations(x[rows]), residual=residual[rows]))
+        )
+
+    want = None
+    for path in PATHS:
+        with native.using(path):
+            layers = (Int8Linear(linear8), Int4Linear(weight4, bias4))
+            outs, alone = outputs(layers, list(range(8))), outputs(layers, finite)
+        assert _same_bits(tuple(out[finite] for out in outs), alone), path
+        assert all(torch.equal(_bits(out[broken]), _nan_bits(len(broken), 70)) for out in outs), path
+        want = want or outs
+        assert _same_bits(outs, want), path
+
+
+def test_a_query_that_sees_a_token_that_is_not_finite_is_nan_on_every_build():
+    """The attention over a cache holding a key with a NaN and a value with an inf, a query with a NaN and a score
+    beyond float32: a query that sees any of them, or is such a query and sees a key, is NaN in every channel (torch's
+    NaN's bits); a query that sees none of them is what it is with those tokens finite (the others' keys and values
+    hidden from it change nothing), and a query that sees nothing is zeros, on the torch path and on each build."""
+    generator = torch.Generator().manual_seed(5)
+    batch, kv_heads, group, queries, length, size = 2, 2, 2, 6, 10, 40
+    heads = kv_heads * group
+    query = torch.randn(batch, heads, queries, size, generator=generator)
+    key, value = (torch.randn(batch, kv_heads, length, size, generator=generator) for _ in "kv")
+    visible = torch.ones(queries, length, dtype=torch.bool).tril(length - queries).expand(batch, 1, -1, -1).clone()
+    visible[1, 0, 0] = False  # [B, 1, Q, L]: causal, and batch row 1's first query sees nothing
+    query[1, 3, 1], key[1, 1, 0] = 1e30, 1e30  # a finite query and key whose score overflows float32
+    clean = (query.clone(), key.clone(), value.clone())
+    key[0, 0, 6, 3], value[0, 1, 7, 0], query[0, 1, 2, 0], query[1, 0, 0, 5] = NAN, INF, NAN, NAN
+    bad = ~torch.stack([key.isfinite().all(-1), value.isfinite().all(-1)]).all(0)  # [B, Hk, L]
+    seen = visible[:, 0]  # [B, Q, L]
+    nan_rows = (seen[:, None] & bad[:, torch.arange(heads) // group, None, :]).any(-1)  # [B, H, Q]
+    nan_rows |= ~query.isfinite().all(-1) & seen.any(-1)[:, None]
+    nan_rows[1, 3, 1] = True
+    nan_rows = nan_rows.transpose(1, 2)  # [B, Q, H]
+    with native.using("none"):
+        reference = exact_attention(clean[0], pack(clean[1]), pack(clean[2]), visible, scaling=size**-0.5)
+    want = None
+    for path in PATHS:
+        with native.using(path):
+            out = exact_attention(query, pack(key), pack(value), visible, scaling=size**-0.5)  # [B, Q, H, D]
+        assert torch.equal(_bits(out[nan_rows]), _nan_bits(int(nan_rows.sum()), size)), path
+        assert torch.equal(out[~nan_rows], reference[~nan_rows]) and not out[1, 0].any(), path
+        want = out if want is None else want
+        assert torch.equal(_bits(out), _bits(want)), path
+
+
+def _subnormal_inputs() -> dict[str, torch.Tensor]:
+    """Inputs whose values, or the native calls' intermediates on them, are subnormal (nonzero below 2**-126), made
+    before any flushing (torch's own operations flush too)."""
+    generator = torch.Generator().manual_seed(6)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    tiny = normal(6, 70) * 1e-39  # [6, 70]: subnormal values
+    weight4 = int4.from_float(normal(40, 70))
+    codes4, scales4, sums4 = native.quantize_blocks(normal(6, 70), weight4.block)
+    angles = normal(1, 3, 8)
+    return {
+        "tiny": tiny,
+        "negative": -tiny.abs(),
+        "small": normal(6, 70) * 1e-21,  # [6, 70]: squares subnormal
+        "weight": torch.rand(70, generator=generator) + 0.5,
+        "codes": native.quantize(normal(6, 70))[0],
+        "w": torch.randint(-127, 128, (40, 70), dtype=torch.int8, generator=generator),
+        "row scale": torch.full((6, 1), 1e-30),
+        "col scale": torch.rand(40, generator=generator) * 1e-9,
+        "bias": tiny[0, :40].contiguous(),
+        "residual": tiny[:, :40].contiguous(),
+        "packed4": weight4.packed(),
+        "subs": torch.tensor(weight4.subs),
+        "codes4": codes4,
+        "scales4": scales4 * 1e-41,  # subnormal activation scales
+        "sums4": sums4,
+        "q": normal(1, 3, 2, 8) * 1e-39,
+        "k": normal(1, 3, 1, 8) * 1e-39,
+        "v": normal(1, 3, 1, 8) * 1e-39,
+        "cos": angles.cos(),
+        "sin": angles.sin(),
+        "query": normal(1, 2, 3, 40),
+        "keys": native.pack_kv(normal(1, 1, 9, 40) * 4.0, 32767, 40),
+        "values": native.pack_kv(normal(1, 1, 9, 40) * 1e-39, 32767, 40),  # a = e * sv subnormal
+    }
+
+
+def _every_call_on(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each native call on :func:`_subnormal_inputs` (no torch arithmetic around them)."""
+    c = EXP2_COEFFICIENTS
+    tiny, small, weight = t["tiny"], t["small"], t["weight"]
+    out = [
+        *native.quantize(tiny),
+        *native.quantize_wide(tiny, 32767),
+        *native.quantize_blocks(tiny, 64),
+        native.pack_kv(tiny, 32767, 70),
+        native.rms_norm(small, weight, 0.0),
+        *native.norm_quantize(small, weight, 0.0),
+        *native.norm_quantize_blocks(small, weight, 0.0, 32),
+        native.silu(tiny, c),
+        *native.quantize_gated(tiny, small, c),
+        *native.quantize_gated_blocks(tiny, small, c, 32),
+        native.exp2_nonpositive_(t["negative"].clone(), c),
+        native.linear(t["codes"], *native.pack(t["w"]), t["row scale"], t["col scale"], t["bias"], t["residual"]),
+        native.linear4((t["codes4"], t["scales4"], t["sums4"]), t["packed4"], 70, int(t["subs"]), 40, t["bias"])[0],
+    ]
+    query, keys, values = torch.empty(1, 2, 3, 8), *(torch.zeros(1, 1, 3, 32, dtype=torch.int16) for _ in "kv")
+    native.rotary_into(t["q"], t["k"], t["v"], t["cos"], t["sin"], query, keys, values, 32767)
+    visible = torch.ones(1, 1, 3, 9, dtype=torch.bool)
+    return [*out, query, keys, values, native.attention(t["query"], t["keys"], t["values"], visible, 0.16, 32767, c)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", BUILDS)
+def test_flushing_subnormals_on_the_calling_thread_changes_no_bit(isa, threads):
+    """``torch.set_flush_denormal(True)`` sets flush-to-zero and denormals-are-zero on the calling thread only: every
+    native call computes under its own fixed floating-point environment on each of its threads (the caller and
+    OpenMP's workers), so its results with subnormal values and intermediates are the same bits with it on as off,
+    with 1 and 2 threads, and the caller's own setting is back after each call."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with native.using(isa):
+            inputs = _subnormal_inputs()
+            want = _every_call_on(inputs)
+            if not torch.set_flush_denormal(True):
+                pytest.skip("this CPU has no flush-to-zero setting for torch to set")
+            try:
+                got = _every_call_on(inputs)
+                flushed = (torch.tensor([1e-39]) * 1.0).item() == 0.0
+            finally:
+                torch.set_flush_denormal(False)
+    finally:
+        torch.set_num_threads(previous)
+    assert flushed
+    assert len(got) == len(want) and all(_same_bits((a,), (b,)) for a, b in zip(got, want, strict=True))

@@ -51,15 +51,19 @@ def quantize_rows(x: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Ten
     Returns ``(q, scale)``: ``q`` holds integers in ``[-levels, levels]`` in ``x``'s dtype (``[..., n]``) and
     ``scale`` (``[..., 1]``) is ``max|row| / levels``, at least the dtype's smallest normal number (so ``1 / scale``
     is finite and a zero's code is 0 however small the row; the native builds alike), and 1 for an all-zero row, so
-    ``q * scale`` approximates ``x``. Each row's result depends on that row alone (a maximum, then elementwise
-    operations).
+    ``q * scale`` approximates ``x``. A row holding an inf or a NaN has scale NaN and ``q`` all 0 (every native
+    build alike), so every output a product computes from it is NaN: NaN in, NaN out, the same bits everywhere. Each
+    row's result depends on that row alone (a maximum, then elementwise operations).
 
     Example: the row ``[0.5, -1.0, 0.25]`` with 127 levels has scale ``1/127`` and ``q = [64, -127, 32]``
-    (63.5 rounds half to even; the row is multiplied by 1 / scale).
+    (63.5 rounds half to even; the row is multiplied by 1 / scale); ``[0.5, inf, 0.25]`` has scale NaN and
+    ``q = [0, 0, 0]``.
     """
-    top = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)  # [..., 1]: max |x|, exact
-    scale = torch.where(top > 0, (top / levels).clamp_(min=torch.finfo(x.dtype).tiny), 1.0)
-    return (x * (1.0 / scale)).round_().clamp_(-levels, levels), scale
+    top = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)  # [..., 1]: max |x|, exact; inf or NaN
+    broken = ~top.isfinite()  # [..., 1]: the row holds an inf or a NaN
+    scale = torch.where(top > 0, (top / levels).clamp_(min=torch.finfo(x.dtype).tiny), 1.0)  # [..., 1]
+    scale.masked_fill_(broken, math.nan)
+    return (x * (1.0 / scale)).round_().clamp_(-levels, levels).masked_fill_(broken, 0.0), scale
 
 
 def exp2_nonpositive(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,11 @@ float64. For one query ``q`` over its visible keys ``j``:
   ``out = max a * sum_j W[j] V[j] / sum_j E[j]``.
 
 No float sum runs over keys or head channels, so padding (masked keys), the number of queries in the forward and the
-batch change nothing. A query with no visible key (a padding position) outputs zeros.
+batch change nothing. A query with no visible key (a padding position) outputs zeros. A token holding an inf or a NaN
+is quantized to scale NaN and integers 0 (:func:`~batchspec.exact.integer.arithmetic.quantize_rows`); a query that
+sees a key whose score is not finite (that key or the query itself so quantized, or a score beyond float32) or a
+value whose scale is NaN outputs NaN in every channel, on every build, and keys and values it does not see change
+nothing.
 
 Keys and values are quantized once, when they enter the KV cache: :func:`pack_on_update` hands the attention module a
 cache whose ``update`` stores them *packed* as int16 (:func:`pack`), so a decoding step does not quantize the whole
@@ -104,7 +108,8 @@ def pack(x: torch.Tensor) -> torch.Tensor:
     :func:`packed_width`), the integers ``r = clamp(round(x / s), +-32767)`` of
     :func:`~batchspec.exact.integer.arithmetic.quantize_rows` (and ``x = 0`` past ``D``), except that integer ``i <``
     :data:`SCALE_BITS` whose parity is not bit ``i`` of the scale ``s`` moves one step towards ``x / s`` (away from
-    it where ``x / s`` is ``r`` itself, back inside ``+-32767`` at the edge).
+    it where ``x / s`` is ``r`` itself, back inside ``+-32767`` at the edge). A token holding an inf or a NaN has
+    ``s`` NaN and ``r`` 0, ``x / s`` taken as 0: its integers are the 1s of the NaN's bits among zeros.
 
     Example: the head ``[0.5, -1.0, 0.25]`` has ``s`` the float32 of ``1 / 32767``, bits 8, 27, 28 and 29 set, and
     ``x / s = [16383.5, -32767, 8191.75]``; rounding gives ``[16384, -32767, 8192]``, whose parities are bits 0-2 but
@@ -115,7 +120,7 @@ def pack(x: torch.Tensor) -> torch.Tensor:
         return native.pack_kv(x, QKV_LEVELS, width)
     x = F.pad(x.float(), (0, width - x.shape[-1]))  # [..., W]
     rounded, scale = quantize_rows(x, QKV_LEVELS)  # [..., W], [..., 1] float32
-    t = x[..., :SCALE_BITS] * (1.0 / scale)  # [..., 32]: the carriers before rounding
+    t = (x[..., :SCALE_BITS] * (1.0 / scale)).masked_fill_(scale.isnan(), 0.0)  # [..., 32]: the carriers unrounded
     r = rounded[..., :SCALE_BITS]
     bits = scale.view(torch.int32).bitwise_right_shift(_bit_places(torch.int32)).bitwise_and_(1)  # [..., 32]
     step = torch.where(t >= r, 1.0, -1.0)
@@ -166,7 +171,8 @@ def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Ten
     """One block of queries: ``query`` ``[B, H, c, D]``, ``visible`` ``[B, 1, c, L]`` -> ``[B, H, c, D]`` float64.
 
     Scores are kept in float32 and in units of log2 (the softmax's own ``exp`` becomes ``2**t``); the sums over
-    keys are the exact integer products of the module docstring.
+    keys are the exact integer products of the module docstring. A query that sees a score that is not finite or a
+    value whose scale is NaN is NaN (the module docstring).
     """
     batch, heads, count, size = query.shape
     kv_heads, keys = k.shape[1], k.shape[2]
@@ -177,17 +183,22 @@ def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Ten
     factor = q_scale.reshape(batch, kv_heads, group * count, 1) * (scaling / math.log(2.0))  # [B, Hk, G*c, 1]
     scores = dots.mul_(factor).mul_(k_scale.transpose(-1, -2)).to(torch.float32)  # [B, Hk, G*c, L], log2 units
     hidden = ~visible[:, :, None].expand(batch, 1, group, count, keys).reshape(batch, 1, group * count, keys)
+    v_scale = v_scale.transpose(-1, -2).to(torch.float32)  # [B, Hk, 1, L]
+    usable = v_scale.isfinite()  # [B, Hk, 1, L]
+    broken = (~scores.isfinite()).logical_or_(~usable).logical_and_(~hidden).any(-1, keepdim=True)  # [B, Hk, G*c, 1]
+    v_scale = torch.where(usable, v_scale, 0.0)  # a value it does not see weighs 0 whatever its scale (e = 0 there)
     scores.masked_fill_(hidden, float("-inf"))
     top = scores.amax(-1, keepdim=True)  # [B, Hk, G*c, 1]
     top = top.nan_to_num_(neginf=0.0)  # a query that sees no key: -inf -> 0
     e = exp2_nonpositive(scores.sub_(top)).masked_fill_(hidden, 0.0)  # [B, Hk, G*c, L]
-    a = e * v_scale.transpose(-1, -2).to(torch.float32)  # [B, Hk, G*c, L]
+    a = e * v_scale  # [B, Hk, G*c, L]
     a_top = a.amax(-1, keepdim=True)  # [B, Hk, G*c, 1]
     unit = float(2**WEIGHT_BITS)
     weights = a.div_(torch.where(a_top > 0, a_top, 1.0)).mul_(unit).round_()
     total = e.mul_(unit).round_().sum(-1, keepdim=True, dtype=torch.float64)  # exact: integers below 2**53
     out = (weights.to(torch.float64) @ v).mul_(a_top.to(torch.float64))  # [B, Hk, G*c, D]
     out = out.div_(total.clamp(min=1.0))  # a query that sees no key: zero weights, so zeros
+    out.masked_fill_(broken, math.nan)  # [B, Hk, G*c, D]: a query that sees a value or a score that is not finite
     return out.reshape(batch, heads, count, size)
 
 

@@ -216,9 +216,9 @@ def _from_q4_small(raw: torch.Tensor, inner: int, kind: str) -> Int4Weight:
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 ``x`` ``[N, K]`` as the int4 product's activations, per block of ``block`` values (a super-block):
     ``(codes [N, 32 S] int8, scales [N, B] float32, sums [N, S2] int16)`` — each block quantized as
-    :func:`~batchspec.exact.integer.arithmetic.quantize_rows` quantizes a token, zeros past ``K``, and each sub-block's
-    sum of codes (zeros up to an even count). Runs :func:`~batchspec.exact.integer.native.quantize_blocks` where a
-    native build does, the same bits.
+    :func:`~batchspec.exact.integer.arithmetic.quantize_rows` quantizes a token (a block holding an inf or a NaN: scale
+    NaN, codes 0), zeros past ``K``, and each sub-block's sum of codes (zeros up to an even count). Runs
+    :func:`~batchspec.exact.integer.native.quantize_blocks` where a native build does, the same bits.
 
     Example: 40 values in blocks of 32 give codes ``[N, 64]``, scales ``[N, 2]`` and sums ``[N, 2]``."""
     if native.available() and x.dtype == torch.float32:

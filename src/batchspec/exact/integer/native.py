@@ -15,9 +15,12 @@
 
 Each gives the float32 bits of the torch code it replaces (the same correctly rounded operations in the same order,
 compiled without contracting multiply-adds), in one call where torch runs 10 to 40 operations; integer sums are exact
-in any order, and every row is computed whole by one thread. So the bits are the same on every instruction set, with
-any number of threads, and equal to the torch path's (``tests/test_integer_builds.py`` runs each build this CPU
-supports).
+in any order, and every row is computed whole by one thread, each thread of a call under one floating-point
+environment (SSE's MXCSR at ``0x1F80``: round to nearest, no flush-to-zero, no denormals-are-zero; the thread's own
+setting put back after, so ``torch.set_flush_denormal(True)`` changes nothing). So the bits are the same on every
+instruction set, with any number of threads, and equal to the torch path's (``tests/test_integer_builds.py`` runs
+each build this CPU supports), values that are not finite included: a row holding an inf or a NaN quantizes to scale
+NaN and codes 0 (:func:`~batchspec.exact.integer.arithmetic.quantize_rows`), so its products' outputs are NaN.
 
 There is one build per instruction set (:data:`BUILDS`: name, source, CPU features, flags), the first this CPU runs
 chosen once per process, with one log line naming it:

@@ -185,31 +185,43 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
         int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
         const activation_t *ar = activations(a + r0 * lda, rows, lda, wide);
         epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t p = 0; p < panels; p++) {
-            int64_t col = p * PANEL, s = 0;
-            while (s + 1 < segments && starts[s + 1] <= col) s++;
-            int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
-            int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
-            epilogue_t ep = e;
-            ep.residual = residual ? residual + at : NULL;
-            panel_block(ar, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at, width, valid);
+        #pragma omp parallel num_threads(threads)
+        {
+            unsigned saved = fp_enter(); /* scalar.h: the epilogue's float steps under one environment */
+            #pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                int64_t col = p * PANEL, s = 0;
+                while (s + 1 < segments && starts[s + 1] <= col) s++;
+                int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
+                int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
+                epilogue_t ep = e;
+                ep.residual = residual ? residual + at : NULL;
+                panel_block(ar, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at, width, valid);
+            }
+            fp_leave(saved);
         }
     }
     free(wide);
 }
 
-/* 2. One row quantized to the product's codes (entry.h's batchspec_quantize): the maximum of |x| eight lanes at a time (exact in any order), the rest as scalar.h's
- * token_code with 127 levels. */
+/* 2. One row quantized to the product's codes (entry.h's batchspec_quantize): the maximum of |x|'s bits (scalar.h's
+ * magnitude_bits) eight lanes at a time (exact in any order), the rest as scalar.h's token_code with 127 levels; a
+ * row that is not finite gets scale NaN and the codes of 0 (scalar.h's scale_of). */
 static void quantize_values(const float *x, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 most = _mm256_setzero_ps();
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i most = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i += 8)
-        most = _mm256_max_ps(most, _mm256_and_ps(magnitude, _mm256_maskload_ps(x + i, first8(k - i))));
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
-    float s = scale_of(top, 127.0f), inverse = 1.0f / s;
+        most = _mm256_max_epu32(most, _mm256_and_si256(magnitude, _mm256_maskload_epi32((const int *)(x + i),
+                                                                                         first8(k - i))));
+    __m128i half = _mm_max_epu32(_mm256_castsi256_si128(most), _mm256_extracti128_si256(most, 1));
+    half = _mm_max_epu32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(1, 0, 3, 2)));
+    half = _mm_max_epu32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(2, 3, 0, 1)));
+    float s = scale_of((uint32_t)_mm_cvtsi128_si32(half), 127.0f), inverse = 1.0f / s;
+    if (isnan(s)) {
+        memset(codes, 128, (size_t)ldc);
+        *scale = s;
+        return;
+    }
     for (int64_t i = 0; i < k; i++)
         codes[i] = (uint8_t)((int32_t)token_code(x[i], inverse, 127.0f) + 128);
     for (int64_t i = k; i < ldc; i++) codes[i] = 128;
@@ -246,9 +258,11 @@ static void silu_values(const float *x, const float *up, float *out, int64_t k, 
 /* 3. The exact attention of one GQA group (entry.h states the arithmetic and its bounds), in plain C whose integer
  * loops the compiler vectorizes (vpmaddwd for the dots): the same sums, so the same bits as avx512.c's. */
 
-/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j */
+/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j; broken[r]:
+ * whether row r sees a score that is not finite (an inf or a NaN) */
 static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor, const int16_t *k,
-                   const uint8_t *visible, float *score) {
+                   const uint8_t *visible, float *score, uint8_t *broken) {
+    for (int64_t r = 0; r < g.rows; r++) broken[r] = 0;
     for (int64_t j = 0; j < g.keys; j++) {
         const int16_t *key = k + j * g.width;
         double key_scale = (double)token_scale_bits(key);
@@ -261,24 +275,34 @@ static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double
             }
             double dot = (double)high * 256.0 + (double)low;
             int seen = visible[(r % g.queries) * g.visible_row + j * g.visible_stride] != 0;
-            score[r * g.keys + j] = seen ? (float)((dot * factor[r]) * key_scale) : -INFINITY;
+            float value = (float)((dot * factor[r]) * key_scale);
+            broken[r] |= seen & (magnitude_bits(value) >= NONFINITE);
+            score[r * g.keys + j] = seen ? value : -INFINITY;
         }
     }
 }
 
 /* One row's scores -> W[j] = rint(a[j] / max a * 2**20) as its halves wh[j] = W[j] / 1024, wl[j] = W[j] % 1024,
- * with e[j] = 2**(score - max) (0 where hidden), a[j] = e[j] * sv[j] (in place in score); *scale = max a,
- * *denominator = max(sum_j rint(e[j] * 2**20), 1), a sum of integers below 2**21, exact in any order. */
-static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, int16_t *wh,
-                            int16_t *wl, double *scale, double *denominator) {
+ * with e[j] = 2**(score - max) (0 where hidden), a[j] = e[j] * sv[j] (in place in score, 0 where hidden);
+ * *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1), a sum of integers below 2**21, exact in any
+ * order. A broken row (scalar.h's row_broken) is NaN (entry.h): weights 0, *scale NaN, *denominator 1. */
+static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, int broken,
+                            int16_t *wh, int16_t *wl, double *scale, double *denominator) {
+    if (broken) {
+        for (int64_t j = 0; j < g.keys; j++) wh[j] = wl[j] = 0;
+        *scale = NAN;
+        *denominator = 1.0;
+        return;
+    }
     float most = -INFINITY, top = 0.0f;
     for (int64_t j = 0; j < g.keys; j++) most = larger(most, score[j]);
     float shift = most == -INFINITY ? 0.0f : most;
     double total = 0.0;
     for (int64_t j = 0; j < g.keys; j++) {
-        float e = seen[j * g.visible_stride] ? exp2_nonpositive(score[j] - shift, g.c) : 0.0f;
+        int visible = seen[j * g.visible_stride] != 0;
+        float e = visible ? exp2_nonpositive(score[j] - shift, g.c) : 0.0f;
         total += (double)rintf(e * WEIGHT_UNIT);
-        score[j] = e * v_scale[j];
+        score[j] = visible ? e * v_scale[j] : 0.0f;
         top = larger(top, score[j]);
     }
     float divisor = top > 0.0f ? top : 1.0f;
@@ -314,13 +338,16 @@ static void weighted_sum(group_t g, const int16_t *wh, const int16_t *wl, const 
 static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
                          scratch_t s, float *out, int64_t out_head, int64_t out_query) {
     double factor[g.padded];
+    uint8_t broken[g.rows];
     for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = token_scale_bits(v + j * g.width);
+    int values_broken = any_nonfinite(s.v_scale, g.keys);
     quantize_queries(g, query, s.hi, s.lo, factor);
-    scores(g, s.hi, s.lo, factor, k, visible, s.score);
+    scores(g, s.hi, s.lo, factor, k, visible, s.score, broken);
     for (int64_t r = 0; r < g.rows; r++) {
         double scale, denominator, *sum = s.sum + r * g.lanes;
         const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
-        softmax_weights(g, s.score + r * g.keys, seen, s.v_scale, s.wh, s.wl, &scale, &denominator);
+        softmax_weights(g, s.score + r * g.keys, seen, s.v_scale,
+                        row_broken(g, broken[r], values_broken, seen, s.v_scale), s.wh, s.wl, &scale, &denominator);
         weighted_sum(g, s.wh, s.wl, v, sum);
         float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
         for (int64_t d = 0; d < g.size; d++) o[d] = (float)((sum[d] * scale) / denominator);

@@ -101,16 +101,21 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
     for (int64_t r0 = 0; r0 < n; r0 += ROW_BLOCK) {
         int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
         epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
-        #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t p = 0; p < panels; p++) {
-            int64_t col = p * PANEL, s = 0;
-            while (s + 1 < segments && starts[s + 1] <= col) s++;
-            int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
-            int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
-            epilogue_t ep = e;
-            ep.residual = residual ? residual + at : NULL;
-            panel_block(a + r0 * lda, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at, width,
-                        valid);
+        #pragma omp parallel num_threads(threads)
+        {
+            unsigned saved = fp_enter(); /* scalar.h: the epilogue's float steps under one environment */
+            #pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                int64_t col = p * PANEL, s = 0;
+                while (s + 1 < segments && starts[s + 1] <= col) s++;
+                int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
+                int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
+                epilogue_t ep = e;
+                ep.residual = residual ? residual + at : NULL;
+                panel_block(a + r0 * lda, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at,
+                            width, valid);
+            }
+            fp_leave(saved);
         }
     }
 }
@@ -118,15 +123,21 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
 /* 2. Per-token quantization to the product's codes (entry.h's batchspec_quantize) */
 static inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
-/* one row quantized to codes, sixteen values at a time: the maximum is exact in any order, the rest
- * elementwise (roundscale to nearest is rintf's rounding) */
+/* one row quantized to codes, sixteen values at a time: the maximum of |x|'s bits (scalar.h's magnitude_bits) is
+ * exact in any order, the rest elementwise (roundscale to nearest is rintf's rounding); a row that is not finite
+ * gets scale NaN and the codes of 0 (scalar.h's scale_of) */
 static inline __attribute__((always_inline)) void quantize_values(const float *x, int64_t k,
                                                                   int64_t ldc, uint8_t *codes, float *scale) {
-    __m512 most = _mm512_setzero_ps();
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i most = _mm512_setzero_si512();
     for (int64_t i = 0; i < k; i += 16)
-        most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_maskz_loadu_ps(first(k - i), x + i)));
-    float top = _mm512_reduce_max_ps(most);
-    float s = scale_of(top, 127.0f);
+        most = _mm512_max_epu32(most, _mm512_and_si512(_mm512_maskz_loadu_epi32(first(k - i), x + i), magnitude));
+    float s = scale_of((uint32_t)_mm512_reduce_max_epu32(most), 127.0f);
+    if (isnan(s)) {
+        memset(codes, 128, (size_t)ldc);
+        *scale = s;
+        return;
+    }
     const __m512 inverse = _mm512_set1_ps(1.0f / s), low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
     for (int64_t i = 0; i < k; i += 16) {
         __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(first(k - i), x + i), inverse),
@@ -234,10 +245,14 @@ static inline __m512d block_dots(const int16_t *hi, const int16_t *lo, const int
 
 /* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j; eight keys
  * at a time, read in place from the int16 cache where its rows are `lanes` wide (D a multiple of 32), else copied
- * into a block zero-padded to `lanes` (so every row's loads are whole) */
+ * into a block zero-padded to `lanes` (so every row's loads are whole). broken[r]: whether row r sees a score that
+ * is not finite (an inf or a NaN). */
 __attribute__((noinline)) static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor,
-                                             const int16_t *k, const uint8_t *visible, float *score) {
+                                             const int16_t *k, const uint8_t *visible, float *score,
+                                             uint8_t *broken) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), inf = _mm256_set1_ps(INFINITY);
     __mmask8 seen[g.queries];
+    for (int64_t r = 0; r < g.rows; r++) broken[r] = 0;
     int16_t *block = (int16_t *)__builtin_alloca_with_align((size_t)(KEY_BLOCK * g.lanes) * sizeof(int16_t), 512);
     for (int64_t j0 = 0; j0 < g.keys; j0 += KEY_BLOCK) {
         int64_t n = g.keys - j0 < KEY_BLOCK ? g.keys - j0 : KEY_BLOCK;
@@ -259,7 +274,10 @@ __attribute__((noinline)) static void scores(group_t g, const int16_t *hi, const
         for (int64_t r = 0; r < g.rows; r++) {
             __m512d dot = block_dots(hi + r * g.lanes, lo + r * g.lanes, keys, g.lanes);
             __m512d value = _mm512_mul_pd(_mm512_mul_pd(dot, _mm512_set1_pd(factor[r])), key_scale);
-            __m256 f = _mm256_mask_blend_ps(seen[r % g.queries], _mm256_set1_ps(-INFINITY), _mm512_cvtpd_ps(value));
+            __m256 f = _mm512_cvtpd_ps(value);
+            __mmask8 shown = seen[r % g.queries] & (__mmask8)((1u << n) - 1);
+            broken[r] |= (_mm256_cmp_ps_mask(_mm256_and_ps(f, magnitude), inf, _CMP_NLT_UQ) & shown) != 0;
+            f = _mm256_mask_blend_ps(seen[r % g.queries], _mm256_set1_ps(-INFINITY), f);
             _mm256_mask_storeu_ps(score + r * g.keys + j0, (__mmask8)((1u << n) - 1), f);
         }
     }
@@ -278,12 +296,19 @@ static inline void to_doubles(__m512 x, __m512d out[2]) {
 
 /* One row's scores -> W[j] = rint(a[j] / max a * 2**20) as its halves wh[j] = W[j] / 1024, wl[j] = W[j] % 1024
  * (int16, zeros up to 2 * pairs), with e[j] = 2**(score - max) (0 where hidden), a[j] = e[j] * sv[j] (in place in
- * score); *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1). Sixteen keys at a time; the sums are of
- * integers below 2**21, exact in any order. */
-static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, int16_t *wh,
-                            int16_t *wl, double *scale, double *denominator) {
+ * score, 0 where hidden); *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1). Sixteen keys at a time;
+ * the sums are of integers below 2**21, exact in any order. A broken row (scalar.h's row_broken) is NaN (entry.h):
+ * weights 0, *scale NaN, *denominator 1. */
+static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, int broken,
+                            int16_t *wh, int16_t *wl, double *scale, double *denominator) {
     const __m512 unit = _mm512_set1_ps(1048576.0f);
     __m512 best = _mm512_set1_ps(-INFINITY), top = _mm512_setzero_ps();
+    if (broken) {
+        for (int64_t j = 0; j < (g.keys + 1) / 2 * 2; j++) wh[j] = wl[j] = 0;
+        *scale = NAN;
+        *denominator = 1.0;
+        return;
+    }
     for (int64_t j = 0; j < g.keys; j += 16) {
         __mmask16 valid = (__mmask16)((1u << (g.keys - j < 16 ? g.keys - j : 16)) - 1);
         best = _mm512_max_ps(best, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, score + j));
@@ -293,13 +318,14 @@ static void softmax_weights(group_t g, float *score, const uint8_t *seen, const 
     __m512d total[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, part[2];
     for (int64_t j = 0; j < g.keys; j += 16) {
         int64_t n = g.keys - j < 16 ? g.keys - j : 16;
-        __mmask16 valid = (__mmask16)((1u << n) - 1);
+        __mmask16 valid = (__mmask16)((1u << n) - 1), visible = seen_mask(seen + j * g.visible_stride,
+                                                                           g.visible_stride, n);
         __m512 e = exp2_vector(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, score + j), shift), g.c);
-        e = _mm512_maskz_mov_ps(seen_mask(seen + j * g.visible_stride, g.visible_stride, n), e);
+        e = _mm512_maskz_mov_ps(visible, e);
         to_doubles(rounded(_mm512_mul_ps(e, unit)), part);
         total[0] = _mm512_add_pd(total[0], part[0]);
         total[1] = _mm512_add_pd(total[1], part[1]);
-        __m512 a = _mm512_mul_ps(e, _mm512_maskz_loadu_ps(valid, v_scale + j));
+        __m512 a = _mm512_maskz_mul_ps(visible, e, _mm512_maskz_loadu_ps(valid, v_scale + j));
         _mm512_mask_storeu_ps(score + j, valid, a);
         top = _mm512_max_ps(top, a);
     }
@@ -401,15 +427,19 @@ static void weighted_sums(group_t g, const int16_t *wh, const int16_t *wl, const
 static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
                          scratch_t s, float *out, int64_t out_head, int64_t out_query) {
     double factor[g.padded], scale[g.padded], denominator[g.padded];
+    uint8_t broken[g.rows];
     int64_t stride = 2 * ((g.keys + 1) / 2);
     for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = token_scale_of(v + j * g.width);
+    int values_broken = any_nonfinite(s.v_scale, g.keys);
     quantize_queries(g, query, s.hi, s.lo, factor);
-    scores(g, s.hi, s.lo, factor, k, visible, s.score);
+    scores(g, s.hi, s.lo, factor, k, visible, s.score, broken);
     for (int64_t r = 0; r < g.padded; r++) {
         int16_t *wh = s.wh + r * stride, *wl = s.wl + r * stride;
         if (r < g.rows) {
             const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
-            softmax_weights(g, s.score + r * g.keys, seen, s.v_scale, wh, wl, scale + r, denominator + r);
+            softmax_weights(g, s.score + r * g.keys, seen, s.v_scale,
+                            row_broken(g, broken[r], values_broken, seen, s.v_scale), wh, wl, scale + r,
+                            denominator + r);
         } else {
             for (int64_t j = 0; j < stride; j++) wh[j] = wl[j] = 0;
         }

@@ -6,23 +6,39 @@
  *   attend_group(g, query, k, v, visible, s, out, out_head, out_query)   one GQA group's exact attention;
  *
  * each giving, lane by lane, the bits of its scalar twin in scalar.h. Rows are split between threads whole, so no
- * float operation depends on the thread count either. */
+ * float operation depends on the thread count either, and every thread of every parallel region computes under
+ * scalar.h's fixed floating-point environment (fp_enter at the start of its part, fp_leave at the end), whatever
+ * the caller's thread or OpenMP's workers had set.
+ *
+ * Values that are not finite: every quantizer gives a row (or an int4 block) holding an inf or a NaN the scale NaN
+ * and the codes of 0 (scalar.h's scale_of), so each output a product computes from it is NaN; an attention query
+ * that sees such a key or value, or is such a query, is NaN in every channel (batchspec_attention). */
 
 /* Per-token quantization to the product's codes, as int8/arithmetic.py's quantize_rows and product.py's
  * activation_codes compute it in float32: top = max |x|; scale = scale_of(top, 127) (scalar.h);
  * q = clamp(rint(x * (1 / scale)), -127, 127); code = q + 128, and 128 in the padding columns k .. ldc. */
 void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8_t *codes, float *scale,
                         int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, k, ldc, codes + r * ldc, scale + r);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) quantize_values(x + r * k, k, ldc, codes + r * ldc, scale + r);
+        fp_leave(saved);
+    }
 }
 
 /* arithmetic.py's exact_silu, elementwise */
 void batchspec_silu(const float *x, float *y, int64_t count, const float *c, int threads) {
     int64_t chunk = 1 << 14;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
-    for (int64_t i = 0; i < count; i += chunk)
-        silu_values(x + i, NULL, y + i, count - i < chunk ? count - i : chunk, c);
+    #pragma omp parallel num_threads(threads) if (count > 65536)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < count; i += chunk)
+            silu_values(x + i, NULL, y + i, count - i < chunk ? count - i : chunk, c);
+        fp_leave(saved);
+    }
 }
 
 /* batchspec_quantize of exact_silu(gate) * up (each value rounded as arithmetic.py's torch code rounds it), a row
@@ -30,11 +46,16 @@ void batchspec_silu(const float *x, float *y, int64_t count, const float *c, int
  * out */
 void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
                               float *scale, const float *c, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        float row[k];
-        silu_values(gate + r * k, up + r * k, row, k, c);
-        quantize_values(row, k, ldc, codes + r * ldc, scale + r);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) {
+            float row[k];
+            silu_values(gate + r * k, up + r * k, row, k, c);
+            quantize_values(row, k, ldc, codes + r * ldc, scale + r);
+        }
+        fp_leave(saved);
     }
 }
 
@@ -42,39 +63,60 @@ void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int
  * scales [n, ceil(k / block)] float32, sub-block sums [n, counted] int16 */
 void batchspec_quantize_blocks(const float *x, int64_t n, int64_t k, int64_t block, int64_t padded, int8_t *q,
                                float *scale, int64_t lds, int16_t *sums, int64_t counted, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++)
-        quantize_block_row(x + r * k, k, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++)
+            quantize_block_row(x + r * k, k, block, padded, q + r * padded, scale + r * lds, sums + r * counted,
+                               counted);
+        fp_leave(saved);
+    }
 }
 
 /* batchspec_quantize_blocks of exact_silu(gate) * up, a row at a time, never written out (as batchspec_quantize_gated) */
 void batchspec_quantize_gated_blocks(const float *gate, const float *up, int64_t n, int64_t k, int64_t block,
                                      int64_t padded, int8_t *q, float *scale, int64_t lds, int16_t *sums,
                                      int64_t counted, const float *c, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        float row[k];
-        silu_values(gate + r * k, up + r * k, row, k, c);
-        quantize_block_row(row, k, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) {
+            float row[k];
+            silu_values(gate + r * k, up + r * k, row, k, c);
+            quantize_block_row(row, k, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
+        }
+        fp_leave(saved);
     }
 }
 
 /* RMSNorm as model.py's exact_rms_norm computes it in float32 (scalar.h's rms_root, then rms_apply_row) */
 void batchspec_rms_norm(const float *x, int64_t n, int64_t h, float eps, const float *weight, float *out,
                         int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, out + r * h);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, out + r * h);
+        fp_leave(saved);
+    }
 }
 
 /* batchspec_rms_norm, then batchspec_quantize of its rows, without writing the normalized rows out: a decoder
  * layer's norm feeds only the quantization of its products' input */
 void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, float eps, const float *weight, int64_t ldc,
                              uint8_t *codes, float *scale, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        float normed[h];
-        rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
-        quantize_values(normed, h, ldc, codes + r * ldc, scale + r);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) {
+            float normed[h];
+            rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
+            quantize_values(normed, h, ldc, codes + r * ldc, scale + r);
+        }
+        fp_leave(saved);
     }
 }
 
@@ -82,32 +124,48 @@ void batchspec_norm_quantize(const float *x, int64_t n, int64_t h, float eps, co
 void batchspec_norm_quantize_blocks(const float *x, int64_t n, int64_t h, float eps, const float *weight,
                                     int64_t block, int64_t padded, int8_t *q, float *scale, int64_t lds,
                                     int16_t *sums, int64_t counted, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        float normed[h];
-        rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
-        quantize_block_row(normed, h, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) {
+            float normed[h];
+            rms_apply_row(x + r * h, h, rms_root(x + r * h, h, eps), weight, normed);
+            quantize_block_row(normed, h, block, padded, q + r * padded, scale + r * lds, sums + r * counted,
+                               counted);
+        }
+        fp_leave(saved);
     }
 }
 
 /* 15-bit quantization (scalar.h's token_scale and token_code) with q and the scale in float64 (q[r][i] at
- * q + r * ldq + i, the scale at scale + r * lds) */
+ * q + r * ldq + i, the scale at scale + r * lds; a row that is not finite: q 0, scale NaN) */
 void batchspec_quantize_wide(const float *x, int64_t n, int64_t k, float levels, double *q, int64_t ldq,
                              double *scale, int64_t lds, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) {
-        const float *xr = x + r * k;
-        float s = token_scale(xr, k, levels), inverse = 1.0f / s;
-        for (int64_t i = 0; i < k; i++) q[r * ldq + i] = token_code(xr[i], inverse, levels);
-        scale[r * lds] = s;
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) {
+            const float *xr = x + r * k;
+            float s = token_scale(xr, k, levels), inverse = 1.0f / s;
+            for (int64_t i = 0; i < k; i++) q[r * ldq + i] = isnan(s) ? 0.0 : token_code(xr[i], inverse, levels);
+            scale[r * lds] = s;
+        }
+        fp_leave(saved);
     }
 }
 
 /* keys or values packed for the KV cache (scalar.h's pack_token), a token at a time */
 void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width,
                        int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < n; r++) pack_token(x + r * k, k, levels, out + r * width, width);
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < n; r++) pack_token(x + r * k, k, levels, out + r * width, width);
+        fp_leave(saved);
+    }
 }
 
 /* A layer's queries, keys and values on their way to the attention: queries rotated into `query` (float32), keys
@@ -119,36 +177,49 @@ void batchspec_rotary_into(const float *q, const float *k, const float *v, int64
                            float *query, const int64_t *qst, int16_t *keys, const int64_t *kst, int16_t *values,
                            const int64_t *vst, int64_t width, float levels, int threads) {
     int64_t per_token = heads + 2 * kv_heads, rows = batch * seq * per_token;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (rows * d > 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t token = r / per_token, j = r % per_token, b = token / seq, s = token % seq;
-        const float *c = cos + token * d, *n = sin + token * d;
-        if (j < heads) {
-            rotate(q + (token * heads + j) * d, c, n, d, query + b * qst[0] + j * qst[1] + s * qst[2]);
-        } else if (j < heads + kv_heads) {
-            int64_t h = j - heads;
-            float rotated[d];
-            rotate(k + (token * kv_heads + h) * d, c, n, d, rotated);
-            pack_token(rotated, d, levels, keys + b * kst[0] + h * kst[1] + s * kst[2], width);
-        } else {
-            int64_t h = j - heads - kv_heads;
-            pack_token(v + (token * kv_heads + h) * d, d, levels, values + b * vst[0] + h * vst[1] + s * vst[2],
-                       width);
+    #pragma omp parallel num_threads(threads) if (rows * d > 65536)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t token = r / per_token, j = r % per_token, b = token / seq, s = token % seq;
+            const float *c = cos + token * d, *n = sin + token * d;
+            if (j < heads) {
+                rotate(q + (token * heads + j) * d, c, n, d, query + b * qst[0] + j * qst[1] + s * qst[2]);
+            } else if (j < heads + kv_heads) {
+                int64_t h = j - heads;
+                float rotated[d];
+                rotate(k + (token * kv_heads + h) * d, c, n, d, rotated);
+                pack_token(rotated, d, levels, keys + b * kst[0] + h * kst[1] + s * kst[2], width);
+            } else {
+                int64_t h = j - heads - kv_heads;
+                pack_token(v + (token * kv_heads + h) * d, d, levels, values + b * vst[0] + h * vst[1] + s * vst[2],
+                           width);
+            }
         }
+        fp_leave(saved);
     }
 }
 
 /* 2**t for t <= 0 in place (scalar.h's exp2_nonpositive) */
 void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (count > 65536)
-    for (int64_t i = 0; i < count; i++) t[i] = exp2_nonpositive(t[i], c);
+    #pragma omp parallel num_threads(threads) if (count > 65536)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < count; i++) t[i] = exp2_nonpositive(t[i], c);
+        fp_leave(saved);
+    }
 }
 
 /* The exact attention (batchspec_attention), as attention.py's _attend computes it: each query quantized to 15
  * bits; dot[j] = q . K[j] (an exact integer, so in any order); the score (float)((dot * (sq * scaling / ln 2)) *
  * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden); a[j] = e[j] * sv[j];
  * W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j W[j] V[j]) * max a /
- * max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end.
+ * max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end. A query that sees a key whose score is
+ * not finite (the key or the query holds an inf or a NaN, so its scale is NaN; or the score overflows float32) or a
+ * value whose scale is NaN is NaN in every channel (its weights 0, max a NaN: (0 * NaN) / 1), as attention.py's
+ * _attend defines it; a key or value it does not see changes nothing.
  *
  * One attend_group call handles one KV head of one batch row and reads each key and value once from the int16 cache
  * (a token's row is `width` int16: its D integers, the scale's bits in their parities). The dots are summed in
@@ -181,6 +252,7 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
+        unsigned saved = fp_enter();
         char *memory = (char *)scratch(offsets[7]);
         failed = memory == NULL;
         scratch_t s = {0};
@@ -204,6 +276,7 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
                          out + (b * queries * heads + hk * group) * size, size, heads * size);
         }
         scratch_done();
+        fp_leave(saved);
     }
     return failed;
 }
@@ -218,17 +291,23 @@ void batchspec_linear4(const int8_t *q, int64_t n, int64_t ldq, const float *xs,
                        int64_t subs, int64_t o, const float *bias, float *const *outs, const int64_t *starts,
                        int64_t segments, const float *residual, int threads) {
     int64_t steps = (panels + PANELS4 - 1) / PANELS4;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < steps; i++) {
-        int64_t first = i * PANELS4, count = panels - first < PANELS4 ? panels - first : PANELS4;
-        out4_t where[PANELS4];
-        for (int64_t c = 0; c < count; c++) {
-            int64_t col = (first + c) * PANEL4, s = 0;
-            while (s + 1 < segments && starts[s + 1] <= col) s++;
-            int64_t width = starts[s + 1] - starts[s], end = starts[s + 1], at = col - starts[s];
-            where[c] = (out4_t){outs[s] + at, width, end - col < PANEL4 ? end - col : PANEL4, bias ? bias + col : NULL,
-                                residual ? residual + at : NULL};
+    #pragma omp parallel num_threads(threads)
+    {
+        unsigned saved = fp_enter();
+        #pragma omp for schedule(static) nowait
+        for (int64_t i = 0; i < steps; i++) {
+            int64_t first = i * PANELS4, count = panels - first < PANELS4 ? panels - first : PANELS4;
+            out4_t where[PANELS4];
+            for (int64_t c = 0; c < count; c++) {
+                int64_t col = (first + c) * PANEL4, s = 0;
+                while (s + 1 < segments && starts[s + 1] <= col) s++;
+                int64_t width = starts[s + 1] - starts[s], end = starts[s + 1], at = col - starts[s];
+                where[c] = (out4_t){outs[s] + at, width, end - col < PANEL4 ? end - col : PANEL4,
+                                    bias ? bias + col : NULL, residual ? residual + at : NULL};
+            }
+            panels4_block(q, n, ldq, xs, ldx, sums, lds, w + first * panel_bytes, panel_bytes, count, nsub, subs,
+                          where);
         }
-        panels4_block(q, n, ldq, xs, ldx, sums, lds, w + first * panel_bytes, panel_bytes, count, nsub, subs, where);
+        fp_leave(saved);
     }
 }

@@ -1,12 +1,37 @@
 /* The arithmetic every build of batchspec's native kernels shares (avx512.c, avx2.c): plain C, compiled with
- * -ffp-contract=off, so every float operation is one correctly rounded IEEE operation and the bits cannot depend on
- * the instruction set, the vector width or the thread that runs a row. Each function below is the C twin of a torch
- * function in int8/arithmetic.py, int8/model.py or int8/attention.py, with the same operations in the same order. */
+ * -ffp-contract=off and run under one floating-point environment (fp_enter), so every float operation is one
+ * correctly rounded IEEE operation and the bits cannot depend on the instruction set, the vector width or the thread
+ * that runs a row. Each function below is the C twin of a torch function in arithmetic.py, model.py or attention.py,
+ * with the same operations in the same order. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The floating-point environment every exported function computes in, on each thread that runs a part of it: SSE's
+ * MXCSR at FP_DEFAULT (round to nearest even, no flush-to-zero, no denormals-are-zero, every exception masked).
+ * Each thread keeps its own MXCSR: torch.set_flush_denormal(True) sets FTZ and DAZ on the calling thread only, and
+ * OpenMP's workers keep whatever they had, so without this a row's subnormal values would round one way on the caller
+ * and another on a worker. fp_enter sets it where the control bits differ and returns the thread's own value, which
+ * fp_leave puts back (the exception flags, bits 0-5, are not part of the environment: they change no result). Other
+ * instruction sets have no such register here (every build is x86-64), so there both do nothing. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define FP_DEFAULT 0x1F80u
+#define FP_CONTROL 0xFFC0u /* MXCSR's control bits: rounding, flush-to-zero, denormals-are-zero, exception masks */
+static inline unsigned fp_enter(void) {
+    unsigned previous = _mm_getcsr();
+    if ((previous & FP_CONTROL) != FP_DEFAULT) _mm_setcsr(FP_DEFAULT);
+    return previous;
+}
+static inline void fp_leave(unsigned previous) {
+    if ((previous & FP_CONTROL) != FP_DEFAULT) _mm_setcsr(previous);
+}
+#else
+static inline unsigned fp_enter(void) { return 0; }
+static inline void fp_leave(unsigned previous) { (void)previous; }
+#endif
 
 #define PANEL 64      /* outputs per panel of the prepacked weight [P, G, 64, 4] */
 #define ROW_BLOCK 240 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
@@ -31,7 +56,8 @@ typedef struct {
 
 /* 2**t for t <= 0, as arithmetic.py's exp2_nonpositive computes it in float32: t clamped to [-126, 0],
  * n = floor(t), f = t - n, Horner's rule on the ten coefficients c (each product and sum rounded), times 2**n
- * written as exponent bits. */
+ * written as exponent bits. A NaN t stays NaN through the clamp and the polynomial (n is then taken as 0, never
+ * converted: a NaN's conversion to an integer is undefined in C), so its 2**t is NaN, as in the vector twins. */
 static inline float exp2_nonpositive(float t, const float *c) {
     float v = t < -126.0f ? -126.0f : (t > 0.0f ? 0.0f : t);
     float whole = floorf(v), f = v - whole, power = c[9];
@@ -39,7 +65,7 @@ static inline float exp2_nonpositive(float t, const float *c) {
         power = power * f;
         power = power + c[j];
     }
-    int32_t bits = ((int32_t)whole + 127) << 23;
+    int32_t bits = ((isnan(whole) ? 0 : (int32_t)whole) + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return power * scale;
@@ -72,17 +98,36 @@ static inline void rms_apply_row(const float *x, int64_t h, float root, const fl
     for (int64_t i = 0; i < h; i++) out[i] = weight[i] * (x[i] * inverse);
 }
 
-/* A token's scale from top = max |x|, as arithmetic.quantize_rows defines it: top / levels, at least FLT_MIN (so
- * 1 / scale is finite and a zero's code is 0, however small the row), and 1 for a row of zeros. */
-static inline float scale_of(float top, float levels) {
-    return top > 0.0f ? fmaxf(top / levels, FLT_MIN) : 1.0f;
+/* |x| as its float32 bits (the sign bit cleared). These order as the magnitudes do, and +inf's (NONFINITE) and every
+ * NaN's lie above every finite value's, so the largest bits of a row are max |x|'s, or at least NONFINITE where a
+ * value is not finite: an integer maximum, which a NaN cannot slip past as it slips past a float comparison. */
+#define NONFINITE 0x7F800000u
+static inline uint32_t magnitude_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits & 0x7FFFFFFFu;
+}
+
+/* A token's scale from the bits of top = max |x| (magnitude_bits), as arithmetic.quantize_rows defines it: top /
+ * levels, at least FLT_MIN (so 1 / scale is finite and a zero's code is 0, however small the row), and 1 for a row of
+ * zeros; NaN for a row holding an inf or a NaN, whose codes are then all 0 (every quantizer below and in the builds
+ * writes them so), so that everything computed from the row is NaN: NaN in, NaN out, the same bits on every build. */
+static inline float scale_of(uint32_t top, float levels) {
+    if (top >= NONFINITE) return NAN;
+    float value;
+    memcpy(&value, &top, sizeof value);
+    return top > 0 ? fmaxf(value / levels, FLT_MIN) : 1.0f;
 }
 
 /* Per-token quantization to 15 bits, as attention.py takes it from quantize_rows in float32: top = max |x|,
- * scale = scale_of(top, levels), q = clamp(rint(x * (1 / scale)), -levels, levels). */
+ * scale = scale_of(top, levels), q = clamp(rint(x * (1 / scale)), -levels, levels) (0 where the scale is NaN:
+ * token_code is only called on a finite row). */
 static inline float token_scale(const float *x, int64_t k, float levels) {
-    float top = 0.0f;
-    for (int64_t i = 0; i < k; i++) top = larger(top, fabsf(x[i]));
+    uint32_t top = 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t bits = magnitude_bits(x[i]);
+        top = bits > top ? bits : top;
+    }
     return scale_of(top, levels);
 }
 
@@ -99,13 +144,16 @@ static inline float other_parity(float code, float t, float levels) {
 
 /* a token's keys or values as attention.py's pack stores them in the KV cache: its `width` int16 (k, at least
  * SCALE_BITS) are its q (0 past k), except that q[i], i < SCALE_BITS, whose parity is not bit i of the float32
- * scale moves one step towards x[i] / scale (away where they are equal; back inside +-levels at the edge) */
+ * scale moves one step towards x[i] / scale (away where they are equal; back inside +-levels at the edge). A token
+ * that is not finite has q = 0 and x / scale taken as 0, so it stores the NaN scale's bits as 1s among zeros. */
 static inline void pack_token(const float *x, int64_t k, float levels, int16_t *o, int64_t width) {
     float s = token_scale(x, k, levels), inverse = 1.0f / s;
+    int finite = !isnan(s);
     uint32_t bits;
     memcpy(&bits, &s, sizeof bits);
     for (int64_t i = 0; i < width; i++) {
-        float t = i < k ? x[i] * inverse : 0.0f, code = token_code(i < k ? x[i] : 0.0f, inverse, levels);
+        float t = finite && i < k ? x[i] * inverse : 0.0f;
+        float code = finite ? token_code(i < k ? x[i] : 0.0f, inverse, levels) : 0.0f;
         if (i < SCALE_BITS && ((int32_t)code & 1) != (int32_t)((bits >> i) & 1u))
             code = other_parity(code, t, levels);
         o[i] = (int16_t)code;
@@ -134,15 +182,18 @@ static inline void rotate(const float *x, const float *cos, const float *sin, in
 
 /* The int4 product's activations (batchspec_quantize_blocks): a row of k values quantized per block of `block`
  * values (a super-block of the weight, 32 * sub-blocks) as quantize_rows quantizes a token, block by block: top =
- * max |x| over the block, scale = scale_of(top, 127), q = clamp(rint(x * (1 / scale)), -127, 127) as int8,
- * zeros from k up to `padded` (a multiple of 32); sums[s] = the sum of the 32 codes of sub-block s, for s <
- * `counted` (zero past the codes: the int4 kernels read the sums in pairs). */
+ * max |x| over the block, scale = scale_of(top, 127), q = clamp(rint(x * (1 / scale)), -127, 127) as int8 (a
+ * block that is not finite: scale NaN, q 0), zeros from k up to `padded` (a multiple of 32); sums[s] = the sum of
+ * the 32 codes of sub-block s, for s < `counted` (zero past the codes: the int4 kernels read the sums in pairs). */
 static inline void quantize_block_row(const float *x, int64_t k, int64_t block, int64_t padded, int8_t *q,
                                       float *scale, int16_t *sums, int64_t counted) {
     for (int64_t b0 = 0, j = 0; b0 < k; b0 += block, j++) {
         int64_t length = k - b0 < block ? k - b0 : block;
         float s = token_scale(x + b0, length, 127.0f), inverse = 1.0f / s;
-        for (int64_t i = 0; i < length; i++) q[b0 + i] = (int8_t)token_code(x[b0 + i], inverse, 127.0f);
+        if (isnan(s))
+            memset(q + b0, 0, (size_t)length);
+        else
+            for (int64_t i = 0; i < length; i++) q[b0 + i] = (int8_t)token_code(x[b0 + i], inverse, 127.0f);
         scale[j] = s;
     }
     for (int64_t i = k; i < padded; i++) q[i] = 0;
@@ -226,21 +277,42 @@ static void scratch_done(void) {
     scratch_size = 0;
 }
 
+/* Whether a row of the attention is NaN (entry.h's batchspec_attention): it sees a key whose score is not finite
+ * (`score_broken`, which each build's scores() records as it writes the scores), or, where the group holds a value
+ * whose scale is not finite (`values_broken`, any_nonfinite of the scales once per group), it sees such a value. */
+static inline int any_nonfinite(const float *x, int64_t n) {
+    uint32_t top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits = magnitude_bits(x[i]);
+        top = bits > top ? bits : top;
+    }
+    return top >= NONFINITE;
+}
+
+static inline int row_broken(group_t g, int score_broken, int values_broken, const uint8_t *seen,
+                             const float *v_scale) {
+    if (score_broken || !values_broken) return score_broken;
+    for (int64_t j = 0; j < g.keys; j++)
+        if (seen[j * g.visible_stride] && magnitude_bits(v_scale[j]) >= NONFINITE) return 1;
+    return 0;
+}
+
 /* Query row r's 15-bit integers q split as q = 256 * hi + lo with lo in [0, 255] and hi in [-128, 127], each as
  * int16 zero-padded to `lanes` (D rounded up to 32), with zero rows up to `padded`; factor[r] = its scale *
  * scaling / ln 2. hi . K and lo . K then stay below 2**31 in magnitude (256 * 32767 * D < 2**31 for D <= 256,
  * native.py's MAX_HEAD_SIZE), so int32 sums of their products are exact in any order (they wrap modulo 2**32 without
- * saturating, so they are the sums themselves). */
+ * saturating, so they are the sums themselves). A query that is not finite keeps its zeros, and its factor is NaN. */
 static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t *lo, double *factor) {
     for (int64_t i = 0; i < g.padded * g.lanes; i++) hi[i] = lo[i] = 0;
     for (int64_t r = 0; r < g.rows; r++) {
         const float *x = query + r * g.size;
         float s = token_scale(x, g.size, g.levels), inverse = 1.0f / s;
+        factor[r] = (double)s * g.factor;
+        if (isnan(s)) continue;
         for (int64_t d = 0; d < g.size; d++) {
             int32_t q = (int32_t)token_code(x[d], inverse, g.levels);
             hi[r * g.lanes + d] = (int16_t)(q >> 8);
             lo[r * g.lanes + d] = (int16_t)(q & 0xFF);
         }
-        factor[r] = (double)s * g.factor;
     }
 }
