@@ -1,15 +1,29 @@
-"""Sampling kernels and lossless speculative sampling, checked statistically on hand-built p and q."""
+"""Sampling kernels and lossless speculative sampling, checked statistically on hand-built p and q; the exp, log and
+fixed-order sums under the probabilities and logprobs, against mpmath and across torch's CPU dispatches and thread
+counts."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import operator
+import os
+import random
+import subprocess
+import sys
 from dataclasses import dataclass
 
+import dispatch_digests
+import mpmath
 import pytest
 import torch
 from scipy import stats
 
+import batchspec.engine.exactmath as exactmath
 import batchspec.engine.verifier as verifier
+from batchspec.engine.exactmath import exp_nonpositive, exp_sum, log, ordered_sum
+from batchspec.engine.logprobs import scored
 from batchspec.engine.sampling import (
     RoundSampling,
     RowParams,
@@ -162,8 +176,13 @@ def one_hot_at_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=0.7, top_p=1e-9), SamplingParams(),
-     SamplingParams(temperature=5e-324), SamplingParams(temperature=1e-300, top_p=5e-324)],
+    [
+        SamplingParams(temperature=0.7, top_k=1),
+        SamplingParams(temperature=0.7, top_p=1e-9),
+        SamplingParams(),
+        SamplingParams(temperature=5e-324),
+        SamplingParams(temperature=1e-300, top_p=5e-324),
+    ],
     ids=["top_k_1", "tiny_top_p", "greedy", "subnormal_temperature", "tiny_temperature_and_top_p"],
 )
 def test_warp_collapses_to_the_argmax(params):
@@ -197,6 +216,174 @@ def test_top_p_stops_as_soon_as_the_mass_is_reached():
     logits = dist(0.5, 0.25, 0.125, 0.125).log()  # softmax gives 0.5 and 0.25 exactly
     assert warp(logits, SamplingParams(temperature=1.0, top_p=0.5)).tolist() == [1, 0, 0, 0]
     assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_p=0.75)), dist(2, 1, 0, 0))
+
+
+# ---- exp, log and sums with the same bits on every CPU (batchspec.engine.exactmath) -----------------------------
+
+# torch's dispatch in this process; ATEN_CPU_CAPABILITY may only lower it, never claim what the CPU lacks
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+AVX2 = pytest.mark.skipif(CAPABILITY not in ("AVX2", "AVX512"), reason=f"torch dispatches to {CAPABILITY}, below AVX2")
+DISPATCHES = [pytest.param("default"), pytest.param("avx2", marks=AVX2)]
+
+
+# exp's: zeros, the smallest steps, the last normal result (-708.396...), the last nonzero result (-745.133...1) and
+# the first zero (-745.133...2), and far below
+EXP_EDGES = (0.0, -0.0, -5e-324, -(2.0**-30), -math.log(2), -1.0, -708.3964185322641, -709.0, -745.0)
+EXP_EDGES += (-745.1332191019411, -745.1332191019412, -745.2, -746.0, -1e300)
+# log's: the smallest subnormal and normal, around 1 and sqrt(2) (where fdlibm halves m), a vocabulary, the largest
+LOG_EDGES = (5e-324, 1e-310, 2.0**-1022, 0.5, 1.0, 1.0 + 2.0**-52, 1.0 - 2.0**-53, 2.0, math.sqrt(2.0), 151936.0)
+LOG_EDGES += (1.7976931348623157e308,)
+
+
+def ordered_bits(values: torch.Tensor) -> torch.Tensor:
+    """float64 ``values`` as int64 in the order of the floats, so that neighbouring floats differ by 1."""
+    bits = values.view(torch.int64)
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFFFFFFFFFF), bits)
+
+
+def correctly_rounded(value: mpmath.mpf) -> float:
+    """``value`` (120 bits) rounded once to float64, subnormal results to the grid of 2**-1074."""
+    if abs(value) < mpmath.mpf(2) ** -1022:
+        return float(mpmath.nint(value * mpmath.mpf(2) ** 1074)) * 2.0**-1074
+    return float(value)
+
+
+def ulp_errors(got: torch.Tensor, function, arguments: list[float]) -> torch.Tensor:
+    """``[n]`` how many floats ``got`` lies from ``function`` (mpmath's) of ``arguments``, correctly rounded."""
+    with mpmath.workprec(120):
+        want = torch.tensor([correctly_rounded(function(mpmath.mpf(x))) for x in arguments], dtype=torch.float64)
+    return (ordered_bits(got) - ordered_bits(want)).abs()
+
+
+def test_exp_and_log_are_within_one_ulp_of_the_correctly_rounded_values():
+    """fdlibm's bound, measured: at most 1 ulp from mpmath's value rounded once (about 92% of exp's and 97% of log's
+    results are the correctly rounded ones), over 12,000 seeded arguments each and the edges: exp from 0 down past its
+    underflow (results in the subnormal range included), log over every binade (subnormal arguments included), near
+    1 (fdlibm's series branch) and over the sampler's totals (1 to a vocabulary's size)."""
+    draw = random.Random(63)
+    exp_arguments = (
+        [draw.uniform(-745.2, 0.0) for _ in range(4000)]
+        + [draw.uniform(-1.0, 0.0) for _ in range(3000)]
+        + [-draw.expovariate(0.1) for _ in range(3000)]
+        + [draw.uniform(-745.2, -700.0) for _ in range(2000)]
+        + list(EXP_EDGES)
+    )
+    errors = ulp_errors(exp_nonpositive(torch.tensor(exp_arguments, dtype=torch.float64)), mpmath.exp, exp_arguments)
+    assert int(errors.max()) <= 1
+    log_arguments = (
+        [struct_float(draw.randrange(1, 0x7FF0000000000000)) for _ in range(4000)]
+        + [draw.uniform(0.5, 2.0) for _ in range(3000)]
+        + [1.0 + draw.uniform(-(2.0**-20), 2.0**-20) for _ in range(2000)]
+        + [draw.uniform(1.0, 151936.0) for _ in range(3000)]
+        + list(LOG_EDGES)
+    )
+    errors = ulp_errors(log(torch.tensor(log_arguments, dtype=torch.float64)), mpmath.log, log_arguments)
+    assert int(errors.max()) <= 1
+
+
+def struct_float(bits: int) -> float:
+    """The float64 whose bit pattern is the int64 ``bits``."""
+    return torch.tensor([bits], dtype=torch.int64).view(torch.float64).item()
+
+
+def test_exp_and_log_give_the_limits_at_their_edges_and_refuse_other_dtypes():
+    edges = [0.0, -0.0, -math.inf, math.nan, -746.0, -745.1332191019411, 3.0]
+    got = exp_nonpositive(torch.tensor(edges, dtype=torch.float64))
+    assert got[:3].tolist() == [1.0, 1.0, 0.0] and math.isnan(got[3]) and got[4:].tolist() == [0.0, 5e-324, 1.0]
+    got = log(torch.tensor([1.0, 0.0, -0.0, math.inf, -1.0, -math.inf, math.nan, 5e-324], dtype=torch.float64))
+    assert got[:4].tolist() == [0.0, -math.inf, -math.inf, math.inf] and all(math.isnan(v) for v in got[4:7])
+    assert got[7].item() == -744.4400719213812
+    with pytest.raises(TypeError, match="float64"):
+        exp_nonpositive(torch.zeros(3))
+    with pytest.raises(TypeError, match="float64"):
+        log(torch.ones(3))
+    with pytest.raises(ValueError, match="contiguous float64"):
+        exp_nonpositive(torch.zeros(3, dtype=torch.float64), out=torch.zeros(4, dtype=torch.float64))
+
+
+def test_sums_add_left_to_right_whatever_the_blocks(monkeypatch):
+    """``ordered_sum`` is Python's left-to-right float sum of each row; ``exp_sum`` is ``ordered_sum`` of
+    ``exp_nonpositive`` of the shifted row, float32 rows included; and neither changes a bit when the blocks they
+    run in are cut small (a block of rows, of elements, the last one short)."""
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.rand(5, 1001, generator=generator, dtype=torch.float64) * torch.logspace(-20, 20, 1001)  # [5, n]
+    assert ordered_sum(rows)[:, 0].tolist() == [functools.reduce(operator.add, row) for row in rows.tolist()]
+    logits = torch.rand(2, 3, 1001, generator=generator) * 40 - 20  # [2, 3, n] float32
+    largest = logits.amax(dim=-1, keepdim=True).double()  # [2, 3, 1]
+    whole = exp_sum(logits, largest)  # [2, 3, 1]
+    assert torch.equal(whole, ordered_sum(exp_nonpositive(logits.double() - largest)))
+    monkeypatch.setattr(exactmath, "CPU_BLOCK", 300)
+    monkeypatch.setattr(exactmath, "SUM_BLOCK", 2500)
+    assert torch.equal(exp_sum(logits, largest), whole)
+    assert torch.equal(ordered_sum(rows), ordered_sum(rows.clone()))
+    assert torch.equal(exp_nonpositive(-rows), exp_nonpositive(-rows.flatten()).view(rows.shape))
+
+
+def test_warp_rows_gives_strided_logits_the_bits_of_contiguous_ones():
+    logits = random_logits(3, 2, 300, seed=9).transpose(0, 1)  # [2, 3, V], not contiguous
+    params = RowParams.of([SamplingParams(temperature=0.9, top_k=20), SamplingParams(temperature=1.2, top_p=0.7)])
+    assert torch.equal(warp_rows(logits, params), warp_rows(logits.contiguous(), params))
+
+
+def test_scored_gives_the_log_softmax_of_the_chosen_and_the_top_tokens():
+    """Within 1e-12 of torch's ``log_softmax`` (which differs from host to host in the last bits); the top ids are the
+    largest logprobs, largest first, and a top id's logprob is the same bits as that token's when chosen."""
+    logits = random_logits(2, 3, 500, seed=7)  # [2, 3, V] float32
+    tokens = torch.randint(0, 500, (2, 3), generator=torch.Generator().manual_seed(8))  # [2, 3]
+    packed = scored(torch.cat([logits, logits]), torch.cat([tokens, logits.argmax(dim=-1)]), 5)  # [4, 3, 11]
+    reference = torch.log_softmax(logits.double(), dim=-1)  # [2, 3, V]
+    chosen, ids, values = packed[..., :1].view(torch.float64), packed[..., 1:6], packed[..., 6:].view(torch.float64)
+    torch.testing.assert_close(chosen[:2], reference.gather(-1, tokens[..., None]), rtol=0, atol=1e-12)
+    assert torch.equal(ids[:2], reference.topk(5, dim=-1).indices)
+    assert torch.equal(values[:2], values[:2].sort(dim=-1, descending=True).values)
+    torch.testing.assert_close(values[:2], reference.topk(5, dim=-1).values, rtol=0, atol=1e-12)
+    assert torch.equal(chosen[2:, :, 0], values[2:, :, 0])  # the argmax, chosen: its top-1 bits
+
+
+@pytest.fixture(scope="module")
+def digests_here() -> dict[str, dict[str, str]]:
+    """This process's digests (tests/dispatch_digests.py) with 1, 2 and 16 threads."""
+    return {str(threads): dispatch_digests.digests(threads) for threads in dispatch_digests.THREADS}
+
+
+@pytest.fixture(scope="module")
+def dispatch_processes():
+    """One process per dispatch of ``DISPATCHES`` this CPU runs, started together (each takes about 2 s, mostly
+    importing torch), printing the digests of tests/dispatch_digests.py; killed if a test left one running."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    names = ["default"] + (["avx2"] if CAPABILITY in ("AVX2", "AVX512") else [])
+    processes = {
+        name: subprocess.Popen(
+            [sys.executable, dispatch_digests.__file__],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**environment, "ATEN_CPU_CAPABILITY": name},
+        )
+        for name in names
+    }
+    yield processes
+    for process in processes.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_the_sampler_and_logprobs_are_the_same_bits_on_every_thread_count(digests_here):
+    """warp_rows (temperature, top-k, top-p), scored, exp and log in this process with 1, 2 and 16 threads."""
+    assert digests_here["1"] == digests_here["2"] == digests_here["16"]
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+def test_the_sampler_and_logprobs_are_the_same_bits_under_each_dispatch(dispatch, digests_here, dispatch_processes):
+    """A process of its own with torch dispatched to ``dispatch`` (its scalar code, or AVX2 on an AVX-512 CPU) gives
+    this process's bits with every thread count. torch's own ``softmax`` fails this: on an AVX-512 Zen 4 its
+    probabilities hashed differently under each of the three dispatches, and ``log_softmax`` under AVX-512 differed
+    from the other two."""
+    out, err = dispatch_processes[dispatch].communicate(timeout=120)
+    if dispatch_processes[dispatch].returncode != 0:
+        raise AssertionError(f"the {dispatch} process failed:\n{err}")
+    assert json.loads(out) == digests_here
 
 
 # ---- counter-based randomness --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from helpers import cached_or_skip, exact_joint, joint_pvalue
 
 import batchspec
 from batchspec.config import SamplingParams
+from batchspec.engine.exactmath import exp_nonpositive, log, ordered_sum
 from batchspec.engine.grammar import GrammarCompiler, GrammarError, unpack
 from batchspec.engine.penalties import Penalties
 from batchspec.engine.prefill import prompt_logprobs
@@ -33,6 +34,17 @@ def pair(bundles):
     bundle = bundles["qwen2"]
     target, draft = bundle.target, bundle.drafts["perturbed"]
     return quantize_model(copy.deepcopy(target)), quantize_model(copy.deepcopy(draft)), bundle
+
+
+def log_softmax_bits(logits: torch.Tensor) -> torch.Tensor:
+    """``[n, V]`` the logprobs :mod:`batchspec.engine.logprobs` defines for ``logits`` ``[n, V]``, term by term:
+    ``(x - max) - log(total)``, ``total`` the left-to-right sum of ``exp(x - max)``; torch's ``log_softmax``, whose
+    last bits depend on the CPU's instruction set, is within 1e-12 of it."""
+    x = logits.double()  # [n, V]
+    shifted = x - x.amax(dim=-1, keepdim=True)  # [n, V]
+    logprobs = shifted - log(ordered_sum(exp_nonpositive(shifted)))  # [n, V]
+    torch.testing.assert_close(logprobs, torch.log_softmax(x, dim=-1), rtol=0, atol=1e-12)
+    return logprobs
 
 
 def penalised_by_hand(logits: list[float], prompt: list[int], output: list[int], p: Penalties) -> list[float]:
@@ -98,7 +110,7 @@ def test_logprobs_are_the_same_bits_alone_and_batched(method, proposer, k, pair)
     with torch.no_grad():
         for prompt, tokens, logprobs in zip(prompts, alone.sequences, alone.logprobs, strict=True):
             full = target(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # [n, V]
-            expected = torch.log_softmax(full.double(), dim=-1)  # [n, V]
+            expected = log_softmax_bits(full)  # [n, V]
             assert [lp.token for lp in logprobs] == tokens
             assert [lp.logprob for lp in logprobs] == expected.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
             assert all(len(lp.top) == 3 and lp.top[0][0] == token for lp, token in zip(logprobs, tokens, strict=True))
@@ -107,7 +119,7 @@ def test_logprobs_are_the_same_bits_alone_and_batched(method, proposer, k, pair)
 def test_prompt_logprobs_are_the_bits_of_the_same_tokens_generated(pair):
     """Completions' ``echo``: a prompt that ends with tokens the model generated gives those tokens the logprobs they
     had when generated (int8: the same bits, read alone in chunks or while a batch decodes), and every earlier
-    prompt token the log_softmax of one full forward."""
+    prompt token the log-softmax of one full forward."""
     target, draft, bundle = pair
     prompts = [prompt for prompt, _ in bundle.probe[:4]]
     common = {"eos_token_id": [], "pad_token_id": bundle.pad_id}
@@ -125,7 +137,7 @@ def test_prompt_logprobs_are_the_bits_of_the_same_tokens_generated(pair):
         assert [lp.token for lp in scores] == prompt_and_output[1:]
         assert scores[len(prompt) - 1 :] == generated.logprobs[i]
         with torch.no_grad():
-            full = torch.log_softmax(target(torch.tensor([prompt_and_output])).logits[0, :-1].double(), dim=-1)
+            full = log_softmax_bits(target(torch.tensor([prompt_and_output])).logits[0, :-1])  # [S - 1, V]
         chosen = full.gather(1, torch.tensor(prompt_and_output[1:])[:, None])[:, 0]  # [S - 1]
         assert [lp.logprob for lp in scores] == chosen.tolist()
     assert batchspec.generate(target, None, [[5]], max_new_tokens=0, prompt_logprobs=0).prompt_logprobs == [[]]

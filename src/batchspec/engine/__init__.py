@@ -6,6 +6,8 @@
 - ``prefill``: new prompts read apart from the rows that already have KV.
 - ``proposers``, ``lookup``: the draft model and prompt lookup fill each row's draft (the n-gram index).
 - ``verifier``, ``sampling``: greedy verification and speculative sampling; per-row warping and random numbers.
+- ``exactmath``: the exp, log and fixed-order sums under the probabilities and the logprobs, the same bits on
+  every CPU instruction set and thread count.
 - ``shaping``, ``penalties``: a row's penalties, logit bias and grammar applied to the target's logits; the
   penalties record itself.
 - ``realign``: lazy unpad → append → repad as index arithmetic, and compaction.

@@ -1,9 +1,16 @@
 """Log-probabilities of the tokens a row gains, from the target's verification forward.
 
-They are the target model's own: ``log_softmax`` of its logits in float64, before penalties, bias, grammar or
+They are the target model's own: the log-softmax of its logits in float64, before penalties, bias, grammar or
 temperature (vLLM's default, "raw" logprobs), at the position that chose the token. With the int8 forward a row's
-logits are the same bits whatever the batch, method or ``k``, and so are its logprobs (``log_softmax`` reduces each
+logits are the same bits whatever the batch, method or ``k``, and so are its logprobs (the log-softmax reduces each
 row's vocabulary on its own).
+
+On the CPU they are also the same bits on every instruction set torch dispatches to (AVX-512, AVX2, its scalar
+``default``) and every thread count, where torch's ``log_softmax`` is not: a token's logprob is
+``(x - max) - log(total)`` with ``total`` the sum of ``exp(x - max)`` over the vocabulary, added left to right
+(:func:`~batchspec.engine.exactmath.exp_sum`), and :func:`~batchspec.engine.exactmath.log`, both built from
+correctly rounded operations (``tests/test_sampling.py`` computes them in processes under each dispatch and thread
+count and compares their hashes).
 
 They come back with the round's one read: :func:`scored` packs, per row, the chosen token's logprob and the top
 ``n`` ids and logprobs of every position into one int64 tensor (float64 bits), :func:`unpacked` reads them on the
@@ -16,6 +23,8 @@ import struct
 from dataclasses import dataclass
 
 import torch
+
+from batchspec.engine.exactmath import exp_sum, log
 
 MAX_TOP = 20
 
@@ -36,11 +45,20 @@ def scored(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor
 
     Example (``top = 1``): a position whose chosen token has logprob -0.5 and whose best token, 7, has -0.1 holds
     ``[bits(-0.5), 7, bits(-0.1)]``.
+
+    The logprob of a token with logit ``x`` is ``(x - max) - log(total)`` (the module's docstring), computed for the
+    chosen and the top tokens alone; the top ids are those of the largest logits (a logprob never falls as its logit
+    rises, so they are the largest logprobs too; torch's ``topk`` orders ties among the logits).
     """
-    logprobs = torch.log_softmax(logits.to(torch.float64), dim=-1)  # [r, k+1, V]
-    chosen = logprobs.gather(-1, tokens[..., None])  # [r, k+1, 1]
-    best = logprobs.topk(top, dim=-1)  # [r, k+1, top] each
-    return torch.cat([chosen.view(torch.int64), best.indices, best.values.view(torch.int64)], dim=-1)
+    largest = logits.amax(dim=-1, keepdim=True).to(torch.float64)  # [r, k+1, 1]
+    log_total = log(exp_sum(logits, largest))  # [r, k+1, 1]; the total is at least 1 (the maximum's term)
+
+    def logprob(values: torch.Tensor) -> torch.Tensor:  # [r, k+1, n] logits -> their float64 logprobs
+        return (values.to(torch.float64) - largest) - log_total
+
+    chosen = logprob(logits.gather(-1, tokens[..., None]))  # [r, k+1, 1]
+    best = logits.topk(top, dim=-1)  # [r, k+1, top] each
+    return torch.cat([chosen.view(torch.int64), best.indices, logprob(best.values).view(torch.int64)], dim=-1)
 
 
 def unpacked(values: list[int], top: int, keep: int) -> list[tuple[float, tuple[tuple[int, float], ...]]]:

@@ -3,6 +3,13 @@
 The terms (p, q, accepted count ``a``, recovered token, bonus token) are defined in :mod:`batchspec.engine.verifier`,
 which uses these kernels for lossless speculative sampling.
 
+On the CPU the probabilities are the same bits on every instruction set torch dispatches to (AVX-512, AVX2, its
+scalar ``default``) and every thread count: the softmax is :func:`~batchspec.engine.exactmath.exp_nonpositive` of
+the shifted, tempered logits over their :func:`~batchspec.engine.exactmath.ordered_sum`, and top-k and top-p
+renormalise by that sum too (torch's ``softmax`` and ``sum`` differ in their last bits between dispatches;
+``tests/test_sampling.py`` computes the probabilities in processes under each dispatch and thread count and compares
+their hashes). The draws read those probabilities through ``cumsum``, which adds in a fixed order as well.
+
 Randomness is *counter-based*: the uniform a row uses for a decision is a hash of (the row's seed, the
 absolute position of the token in the row's output, a :class:`Stream`). It never depends on batch size,
 batch composition, the row's index in the batch or how generation is cut into rounds, so a request with a
@@ -20,6 +27,7 @@ from enum import IntEnum
 import torch
 
 from batchspec.config import SEED_LIMIT, SamplingParams, one_seed
+from batchspec.engine.exactmath import exp_nonpositive, ordered_sum
 
 _U64 = (1 << 64) - 1
 
@@ -112,23 +120,24 @@ class RowParams:
 
     def select(self, index: torch.Tensor) -> RowParams:
         """The settings of rows ``index`` ``[b]`` (the host flags stay those of the whole batch)."""
-        return RowParams(
-            self.temperature[index], self.top_k[index], self.top_p[index], self.top_k_max, self.nucleus
-        )
+        return RowParams(self.temperature[index], self.top_k[index], self.top_p[index], self.top_k_max, self.nucleus)
 
 
 def warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """``[B, ..., V]`` float64 probabilities from logits ``[B, ..., V]``, row ``i`` warped by ``params`` row ``i``:
     temperature, then top-k, then top-p; greedy rows get the one-hot distribution at their argmax. A row's result
     does not depend on the other rows: top-k and top-p (and their renormalisation) touch only the rows that ask
-    for them."""
+    for them. On the CPU a row's result is the same bits on every instruction set and thread count (the module's
+    docstring)."""
     scores = logits.to(torch.float64)  # [B, ..., V]
     vocab = scores.shape[-1]
     shape = (-1,) + (1,) * (scores.dim() - 1)  # broadcasts a [B] setting over [B, ..., V]
     greedy = params.greedy.reshape(shape)
     temperature = torch.where(params.greedy, 1.0, params.temperature).reshape(shape)
-    shifted = scores - scores.amax(dim=-1, keepdim=True)  # [B, ..., V], <= 0: a tiny temperature never makes +inf
-    probs = torch.softmax(shifted / temperature, dim=-1)  # [B, ..., V]
+    # [B, ..., V], <= 0: a tiny temperature never makes +inf; contiguous, as exp_nonpositive writes it in place
+    shifted = (scores - scores.amax(dim=-1, keepdim=True)).contiguous()
+    weights = exp_nonpositive(shifted.div_(temperature), out=shifted)  # [B, ..., V] in [0, 1], 1 at the maximum
+    probs = weights.div_(ordered_sum(weights))  # [B, ..., V]
     top_k = params.top_k.reshape(shape)
     if params.top_k_max > 0:
         limited = (top_k > 0) & (top_k < vocab)  # [B, 1.., 1]
@@ -159,7 +168,8 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
 
 
 def _renormalise(weights: torch.Tensor) -> torch.Tensor:
-    return weights / weights.sum(dim=-1, keepdim=True)
+    """``weights`` ``[..., V]`` over their sum, added in a fixed order (:func:`~.exactmath.ordered_sum`)."""
+    return weights / ordered_sum(weights)
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
