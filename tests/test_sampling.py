@@ -21,6 +21,7 @@ import torch
 from scipy import stats
 
 import batchspec.engine.exactmath as exactmath
+import batchspec.engine.sampling as sampling
 import batchspec.engine.verifier as verifier
 from batchspec.engine.exactmath import exp_nonpositive, exp_sum, log, ordered_sum
 from batchspec.engine.logprobs import scored
@@ -216,6 +217,28 @@ def test_top_p_stops_as_soon_as_the_mass_is_reached():
     logits = dist(0.5, 0.25, 0.125, 0.125).log()  # softmax gives 0.5 and 0.25 exactly
     assert warp(logits, SamplingParams(temperature=1.0, top_p=0.5)).tolist() == [1, 0, 0, 0]
     assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_p=0.75)), dist(2, 1, 0, 0))
+
+
+def test_the_nucleus_among_the_largest_tokens_is_the_full_sorts(monkeypatch):
+    """The CPU's nucleus looked for among a row's most probable tokens is the mask the whole vocabulary's stable sort
+    gives, bit for bit: for peaked and flat rows, ties at the candidates' edge and inside the nucleus, top-p from
+    0.05 to 1; a row whose nucleus reaches past the candidates falls back to the sort."""
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 3, 5000, generator=generator) * torch.tensor([0.5, 2, 4, 8, 8, 8])[:, None, None]
+    logits[3, :, :40] = 3.0  # ties inside the nucleus
+    logits[4, :, 50:2000] = logits[4, :, 49:50]  # ties across the candidates' edge
+    logits[5] = 0.0  # flat: the nucleus reaches past the candidates
+    top_p = torch.tensor([0.05, 0.3, 0.6, 0.9, 0.95, 1.0])
+    params = RowParams.of([SamplingParams(temperature=0.9, top_p=float(p)) for p in top_p])
+    candidates = warp_rows(logits, params)  # [6, 3, 5000]
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 10**9)  # the whole vocabulary sorted
+    assert torch.equal(candidates, warp_rows(logits, params))
+    flat = torch.zeros(1, 1, 5000)
+    probs = warp_rows(flat, RowParams.of([SamplingParams(temperature=1.0)]))  # [1, 1, 5000], uniform
+    assert sampling._nucleus_among_largest(probs, torch.tensor(0.5), 1024) is None
+    kept = sampling._nucleus(probs, torch.tensor(0.5))[0, 0]  # [5000]: ties in the order of the ids
+    count = int(kept.sum())
+    assert abs(count - 2500) <= 2 and kept[:count].all() and not kept[count:].any()
 
 
 # ---- exp, log and sums with the same bits on every CPU (batchspec.engine.exactmath) -----------------------------
