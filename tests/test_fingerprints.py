@@ -1,8 +1,9 @@
 """The committed fingerprints (``src/batchspec/bench/fingerprints.json``) recomputed on this host in a process whose
 torch dispatches to its scalar code (``ATEN_CPU_CAPABILITY=default``, what a CPU without AVX2 runs): the exact pairs'
-logits and greedy tokens, int8 and int4 (large tests, ``BATCHSPEC_LARGE_TESTS=1``). ``tests/test_real_model.py``
-checks smollm2's in CI on this CPU's build (and every build's logits against it), and that one changed bit of one
-weight moves them; the qwen2.5-coder pair here under every build and thread count too."""
+logits, greedy tokens and seeded sampled tokens with their logprobs, int8 and int4 (large tests,
+``BATCHSPEC_LARGE_TESTS=1``). ``tests/test_real_model.py`` checks smollm2's in CI on this CPU's build (and every
+build's logits against it), and that one changed bit of one weight moves them; the qwen2.5-coder pair here under every
+build and thread count too."""
 
 from __future__ import annotations
 

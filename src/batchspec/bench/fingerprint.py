@@ -11,7 +11,9 @@ before it. A fingerprint changes only in a commit that says which arithmetic cha
 
 What is hashed: each model's float32 logits of every position of each prompt, run alone through the model's own
 forward (the exact modules swapped into transformers' layers), and the token ids of a batched EqSpec run (the fused
-forward, :mod:`batchspec.exact.integer.forward`) of the prompts together.
+forward, :mod:`batchspec.exact.integer.forward`) of the prompts together, and of a seeded sampled run (temperature
+0.9, top-p 0.95) with each token's logprob and its 3 most probable alternatives': the sampler's and the logprobs' bits
+(:mod:`batchspec.engine.exactmath`).
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ PROMPTS = (
 )
 NEW_TOKENS = 16  # greedy tokens per prompt
 DRAFT_TOKENS = 4
+SEED = 7  # the seeded run's (temperature 0.9, top-p 0.95), which reports LOGPROBS alternatives of every token
+LOGPROBS = 3
 
 
 @torch.inference_mode()
 def fingerprint(pair: Any) -> dict[str, str]:
-    """``{"target logits", "draft logits", "greedy tokens"}``: sha256 hex digests of ``pair``'s (a
-    :class:`~batchspec.models.pair.ModelPair`) logits and greedy tokens on :data:`PROMPTS`."""
+    """``{"target logits", "draft logits", "greedy tokens", "sampled tokens and logprobs"}``: sha256 hex digests of
+    ``pair``'s (a :class:`~batchspec.models.pair.ModelPair`) logits, greedy tokens and seeded sampled tokens with
+    their logprobs (the floats' exact bits, as hex) on :data:`PROMPTS`."""
     from batchspec.api import generate
 
     rows = [pair.tokenizer.encode(text) for text in PROMPTS]
@@ -49,6 +54,11 @@ def fingerprint(pair: Any) -> dict[str, str]:
     result = generate(pair.target, pair.draft, rows, method="eqspec", proposer="draft", batch_size=len(rows),
                       max_new_tokens=NEW_TOKENS, num_draft_tokens=DRAFT_TOKENS, eos_token_id=[])
     digest["greedy tokens"] = _sha(json.dumps(result.sequences).encode())
+    sampled = generate(pair.target, pair.draft, rows, method="eqspec", proposer="draft", batch_size=len(rows),
+                       max_new_tokens=NEW_TOKENS, num_draft_tokens=DRAFT_TOKENS, eos_token_id=[], seed=SEED,
+                       temperature=0.9, top_p=0.95, logprobs=LOGPROBS)
+    logprobs = [[(t.token, t.logprob.hex(), [(i, v.hex()) for i, v in t.top]) for t in row] for row in sampled.logprobs]
+    digest["sampled tokens and logprobs"] = _sha(json.dumps([sampled.sequences, logprobs]).encode())
     return digest
 
 
