@@ -1,22 +1,42 @@
-"""Run `batchspec serve ...` in this process, logging RSS and glibc's heap figures every second to $MEMLOG."""
-import ctypes, os, sys, threading, time
+"""``batchspec serve ...`` in this process, its resident set and glibc's heap figures (``mallinfo2``: the arenas'
+heap, the blocks mapped on their own, the bytes in use and free) written every second to ``$MEMLOG``; ``$KEEP``, when
+set, replaces ``batchspec.memory.KEEP_BYTES`` (how much freed memory the heap keeps).
 
-class MI2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    MEMLOG=server_memory.log python serve_memory.py serve --preset qwen2.5-coder --max-batch-size 8 --port 8011
+"""
 
-libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = MI2
+import ctypes
+import os
+import sys
+import threading
+import time
 
-def log():
-    with open(os.environ["MEMLOG"], "w") as f:
+import batchspec.memory as memory
+from batchspec.cli import app
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def log(path: str) -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    with open(path, "w") as out:
         while True:
-            m = libc.mallinfo2(); rss = int(open("/proc/self/statm").read().split()[1]) * 4096
-            f.write(f"{time.time():.1f} rss {rss/1e9:.3f} heap {m.arena/1e9:.3f} mmapped {m.hblkhd/1e9:.3f} used {m.uordblks/1e9:.3f} free {m.fordblks/1e9:.3f}\n"); f.flush()
+            info = libc.mallinfo2()
+            with open("/proc/self/statm") as statm:
+                rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            out.write(f"{time.time():.1f} rss {rss / 1e9:.3f} heap {info.arena / 1e9:.3f} mmapped "
+                      f"{info.hblkhd / 1e9:.3f} used {info.uordblks / 1e9:.3f} free {info.fordblks / 1e9:.3f}\n")
+            out.flush()
             time.sleep(1)
 
-threading.Thread(target=log, daemon=True).start()
-import batchspec.memory as mem
-if os.environ.get("KEEP"):
-    mem.KEEP_BYTES = int(os.environ["KEEP"])
-from batchspec.cli import app
-sys.argv = ["batchspec", *sys.argv[1:]]
-app()
+
+if __name__ == "__main__":
+    threading.Thread(target=log, args=(os.environ["MEMLOG"],), daemon=True).start()
+    if os.environ.get("KEEP"):
+        memory.KEEP_BYTES = int(os.environ["KEEP"])
+    sys.argv = ["batchspec", *sys.argv[1:]]
+    app()
