@@ -134,3 +134,11 @@ def test_each_load_setting_is_worked_out_in_one_place():
     entries = ["cli/bench.py", "cli/generate.py", "cli/serve.py", "models/choice.py", "models/loading.py",
                "models/loading.py", "ray.py"]  # the commands, ModelChoice, load_model and load_pair, Ray's actors
     assert [site.split(":")[0] for site in call_sites("load_settings")] == entries
+
+
+def test_the_graph_mode_is_worked_out_in_one_place():
+    """Whether the runner captures CUDA graphs is ``graph_mode``'s answer, asked only by ``runner_graphs``, which the
+    engine calls with its models and ``generate`` and ``serve`` call before loading, to fail first (issue 64)."""
+    assert [site.split(":")[0] for site in call_sites("graph_mode")] == ["engine/core.py"]
+    entries = ["cli/generate.py", "cli/serve.py", "engine/core.py"]
+    assert [site.split(":")[0] for site in call_sites("runner_graphs")] == entries

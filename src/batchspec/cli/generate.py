@@ -37,7 +37,7 @@ from batchspec.cli.output import (
 )
 from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
 from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SamplingParams, SpecConfig
-from batchspec.engine import graph_mode
+from batchspec.engine import runner_graphs
 from batchspec.models.choice import ModelChoice, load_models
 
 OutputOption = Annotated[
@@ -93,7 +93,7 @@ def generate_command(
             run_generate_on_ray(records, models, settings, generation, seed, ray, output)
             return
         placed = models.load_settings()
-        graph_mode(settings.cuda_graphs, placed.device)
+        runner_graphs(settings, placed.device)  # a --cuda-graphs the device cannot run fails here
         loaded = load_models(models, placed, settings.method, settings.proposer)
         typer.echo(loaded_line(loaded), err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompts)

@@ -12,7 +12,7 @@ import typer
 from batchspec.cli.common import loaded_line, model_choice, settings_choice, with_options
 from batchspec.cli.errors import user_errors
 from batchspec.config import SpecConfig
-from batchspec.engine import graph_mode
+from batchspec.engine import runner_graphs
 from batchspec.models.choice import ModelChoice, load_models
 from batchspec.server.hosting import HttpOptions
 from batchspec.server.limits import RequestLimits
@@ -127,7 +127,7 @@ def serve_command(
     with user_errors():
         models.check_for(settings.method, settings.proposer)
         placed = models.load_settings()
-        graph_mode(settings.cuda_graphs, placed.device)
+        runner_graphs(settings, placed.device)  # a --cuda-graphs the device cannot run fails here
         engine = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
         config = replace(server, engine=engine, limits=limits, security=access.security)
         loaded = load_models(models, placed, engine.method, engine.proposer)

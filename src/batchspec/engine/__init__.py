@@ -24,10 +24,9 @@ outside this package and import what they use from here, its face, never its mod
 checks): the modules can then move and split inside without a change outside.
 """
 
-from batchspec.engine.core import Engine, build_engine, resolve_special_ids
+from batchspec.engine.core import Engine, build_engine, resolve_special_ids, runner_graphs
 from batchspec.engine.errors import InvariantError
 from batchspec.engine.grammar import Grammar, GrammarCompiler, GrammarError
-from batchspec.engine.graphs import graph_mode
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
 from batchspec.engine.metrics import STAGES, GenerationStats
@@ -43,5 +42,5 @@ __all__ = [
     "FINISH_LENGTH", "MAX_BIAS", "MAX_TOP", "STAGES", "BatchKVCache", "BatchState", "Engine", "GenerationParams",
     "GenerationStats", "Grammar", "GrammarCompiler", "GrammarError", "InvariantError", "ModelRunner", "Offline",
     "Penalties", "Scheduler", "Sequence", "TokenLogprob", "build_engine", "check_budget",
-    "derive_row_seeds", "drive", "graph_mode", "make_scheduler", "resolve_special_ids",
+    "derive_row_seeds", "drive", "make_scheduler", "resolve_special_ids", "runner_graphs",
 ]

@@ -19,7 +19,7 @@ import torch
 
 from batchspec.config import ProposerKind, SpecConfig
 from batchspec.engine.draft_length import Reach, RoundRecord, planner_for
-from batchspec.engine.graphs import graph_mode
+from batchspec.engine.graphs import GraphMode, graph_mode
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked
 from batchspec.engine.metrics import GenerationStats, StageTimer
@@ -47,7 +47,7 @@ class Engine:
         self.stats = GenerationStats()
         self.device = next(target.parameters()).device
         models = (target,) if draft is None else (target, draft)
-        self.runner = ModelRunner(self.device, graphs=graph_mode(config.cuda_graphs, self.device, models))
+        self.runner = ModelRunner(self.device, graphs=runner_graphs(config, self.device, models))
         self.timer = StageTimer(self.stats, enabled=config.timing, device=self.device)
         self.eos = frozenset(config.eos_token_ids)
         self.proposer = _proposer(draft, config)
@@ -238,6 +238,16 @@ def build_engine(target: torch.nn.Module, draft: torch.nn.Module | None, config:
     eos, pad = resolve_special_ids(target, config.eos_token_ids, config.pad_token_id)
     draft_model = draft if config.uses_draft_model else None
     return Engine(target, draft_model, replace(config, eos_token_ids=eos, pad_token_id=pad))
+
+
+def runner_graphs(
+    config: SpecConfig, device: torch.device, models: tuple[torch.nn.Module, ...] = ()
+) -> GraphMode:
+    """The runner's graph mode for ``config`` with ``models`` on ``device``: the one place
+    :func:`~batchspec.engine.graphs.graph_mode` is asked. The engine asks it with its models; the commands ask it
+    for the device alone (``models`` empty) before anything loads, so that a ``cuda_graphs`` the device cannot run
+    fails first (ValueError)."""
+    return graph_mode(config.cuda_graphs, device, models)
 
 
 def resolve_special_ids(
