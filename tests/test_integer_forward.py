@@ -194,13 +194,28 @@ def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, varia
     Int8 models with q/k/v and gate/up stacked and not; int4 models, all int4 or with int8 layers beside."""
     width, extra = variant.split()[0], " " in variant
     model = models[kind, extra] if width == "int8" else int4_models[kind, extra]
-    forward = IntegerForward.of(model)
     batch = data.draw(st.integers(1, 4), label="batch")
     pad = torch.tensor(data.draw(st.lists(st.integers(0, 6), min_size=batch, max_size=batch), label="pad"))
     stops = [int(pad.max()) + data.draw(st.integers(1, 70), label="prefill")]
     for _ in range(data.draw(st.integers(1, 4), label="forwards")):
         stops.append(stops[-1] + data.draw(st.integers(1, 5), label="step"))
-    seed = data.draw(st.integers(0, 2**16), label="seed")
+    _same_as_transformers(model, pad, stops, data.draw(st.integers(0, 2**16), label="seed"))
+
+
+@pytest.mark.parametrize("variant", ["int8", "int8 stacked", "int4", "int4 mixed"])
+def test_a_long_prompt_is_attended_in_blocks_of_queries_with_the_same_bits(variant, models, int4_models):
+    """A prefill of 150 queries (three blocks of QUERY_CHUNK, each over the keys it can see), beside a row padded by
+    5, then a forward of 3: Qwen3's layout (its per-head norms), int8 and int4, stacked and not."""
+    width, extra = variant.split()[0], " " in variant
+    model = models["qwen3", extra] if width == "int8" else int4_models["qwen3", extra]
+    _same_as_transformers(model, torch.tensor([0, 5]), [155, 158], seed=11)
+
+
+def _same_as_transformers(model: torch.nn.Module, pad: torch.Tensor, stops: list[int], seed: int) -> None:
+    """Forwards of ``model``'s :class:`IntegerForward` and of its own forward into two caches, rows left-padded by
+    ``pad`` ``[B]``, each forward reading the columns up to the next of ``stops``: equal logits at every position
+    that sees a key, equal caches past each row's padding."""
+    forward, batch = IntegerForward.of(model), pad.shape[0]
     ids = torch.randint(0, model.config.vocab_size, (batch, stops[-1]), generator=torch.Generator().manual_seed(seed))
     ours, theirs = BatchKVCache.for_model(model), BatchKVCache.for_model(model)
     start = 0

@@ -1,31 +1,31 @@
-"""The exact int8 model's forward as batchspec runs it: each decoder layer a short sequence of native calls.
+"""The exact integer model's forward as batchspec runs it: every decoder layer in one native call.
 
-transformers' decoder layer, run around the int8 modules (:mod:`batchspec.exact.integer.model`), took ~9 ms of Python
-and
-torch operations in a one-token step of the 28-layer 1.5B target, and 17 native calls a layer, the small k and v
-products reading their weights at a third of the memory's speed. :class:`IntegerForward` runs the same arithmetic on
-the same modules' tensors in 12 native calls and 4 torch operations a layer::
+transformers' decoder layer, run around the integer modules (:mod:`batchspec.exact.integer.model`), took ~9 ms of
+Python and torch operations in a one-token step of the 28-layer 1.5B target; the same steps called from Python one
+native function at a time still took ~5 ms (ctypes' conversions and the checks of ~12 calls a layer). So
+:class:`IntegerForward` hands the whole stack of layers to ``csrc/decoder.h`` in one call, each layer's constant parts
+laid out once (:mod:`batchspec.exact.integer.plan`) and the forward's buffers made once and shared by the layers::
 
-    rows = quantize(RMSNorm(x))                        # norm_quantize (torch's sqrt between its two C halves)
-    q, k, v = one product of rows                      # an Int8Stack: q, k, v's weights in one buffer
+    rows = quantize(RMSNorm(x))                        # norm_quantize: the norm never written out
+    q, k, v = one product of rows                      # a stack: q, k, v's weights in one buffer
     query = rotary(q); cache[.., start:end] = pack(rotary(k)), pack(v)   # rotary_into: [B, H, S, D], int16 in place
     x = x + o(quantize(exact_attention(query, cache[.., :end])))        # the residual added in the product
     gate, up = one product of quantize(RMSNorm(x))
-    x = x + down(quantize(silu(gate) * up))            # quantize_gated: exact_silu, in C
+    x = x + down(quantize(silu(gate) * up))            # quantize_gated: exact_silu, never written out
 
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
-value of the other positions is computed by the operation transformers' forward of the int8 model runs for it,
-rounded the same way (:func:`~batchspec.exact.integer.native.rotary_into` is ``apply_rotary_pos_emb``'s products and
-sum,
-then the cache's packing; an addition is the same whichever operand comes first), so their logits and KV cache are
-the same bits; that forward stays the reference the tests compare this one with. It runs where the native kernels
-do, on float32 Llama, Qwen2, Qwen3 and Mistral models (:meth:`IntegerForward.of`); elsewhere the runner calls the
+value of the other positions is computed by the operation transformers' forward of the integer model runs for it,
+rounded the same way (``rotary_into`` is ``apply_rotary_pos_emb``'s products and sum, then the cache's packing; an
+addition is the same whichever operand comes first), so their logits and KV cache are the same bits; that forward
+stays the reference the tests compare this one with. It runs where the native kernels do, on float32 Llama, Qwen2,
+Qwen3 and Mistral models whose products all run on them (:meth:`IntegerForward.of`); elsewhere the runner calls the
 model.
 """
-
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass
@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from batchspec.exact.integer import native
-from batchspec.exact.integer.attention import QKV_LEVELS, exact_attention, packed_width
+from batchspec.exact.integer import native, plan
+from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
+from batchspec.exact.integer.attention import QKV_LEVELS, QUERY_CHUNK, packed_width
 from batchspec.exact.integer.linear import (
     Int4Linear,
     Int4Stack,
@@ -42,8 +43,6 @@ from batchspec.exact.integer.linear import (
     Int8Stack,
     IntLinear,
     QuantizedMLP,
-    QuantizedRows,
-    quantize_activations,
 )
 from batchspec.exact.integer.model import ExactRMSNorm
 from batchspec.exact.integer.rotary import RotaryTable
@@ -129,8 +128,10 @@ def _unsupported(model: Any) -> str | None:
     if not isinstance(getattr(model, "lm_head", None), Int8Linear) or embedded != torch.float32:
         return f"it computes in {str(embedded).removeprefix('torch.')}, not float32, or its output layer is not int8"
     if not decoder.layers or not all(_laid_out(module) for module in decoder.layers):
-        return "a decoder layer has parts other than a Llama-like layer's"
+        return "a decoder layer has parts other than a Llama-like layer's, or a product off the native kernels"
     size = decoder.layers[0].self_attn.head_dim
+    if size > native.MAX_HEAD_SIZE:
+        return f"its heads of {size} values are larger than the native attention's {native.MAX_HEAD_SIZE}"
     widths = {(m.self_attn.q_proj.out_features, m.self_attn.k_proj.out_features) for m in decoder.layers}
     if len(widths) != 1 or any(width % size for width in next(iter(widths))):
         return "its layers' attention widths differ or are not whole heads"
@@ -148,7 +149,10 @@ class IntegerForward:
         decoder = model.get_decoder()
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head: Int8Linear = model.lm_head
-        self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size
+        self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size  # layers: the plans' owners
+        made = [plan.layer(*(getattr(layer, f.name) for f in dataclasses.fields(layer))) for layer in layers]
+        self.plans = (plan.Layer * len(made))(*made)  # the layers' layer_t structs, laid out once
+        self.widths = plan.Widths.of(made, decoder.norm.weight.shape[0], heads, kv_heads, size)
 
     @classmethod
     def of(cls, model: Any) -> IntegerForward | None:
@@ -179,59 +183,42 @@ class IntegerForward:
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any,
                 rows: _Rows) -> torch.Tensor:
-        """The last layer's output at the positions ``rows`` reads, ``[N, H]``."""
+        """The last layer's output at the positions ``rows`` reads, ``[N, H]``: every layer in one native call
+        (``csrc/decoder.h``), on buffers made once for the forward."""
         batch, seq = input_ids.shape
         start, end = cache.length, cache.length + seq
         shape = (batch, self.kv_heads, 0, packed_width(self.size))
         store = cache.ensure_capacity(torch.empty(shape, dtype=torch.int16), end)  # [layers, 2, B, Hk, C, W]
         embedded = self.embed(input_ids)  # [B, S, H]
         cos, sin = self.rotary(embedded, positions)  # [B, S, D] each
-        x = rows.take(embedded.view(batch * seq, -1))  # [N, H]
-        for index, layer in enumerate(self.layers):
-            x = self._layer(layer, x, rows, cos, sin, visible, store[index], start, end)
+        x = rows.take(embedded.view(batch * seq, -1))  # [N, H], the layers' input and output
+        x = (x.clone() if rows.index is None else x).contiguous()
+        made = plan.buffers(self.widths, x.shape[0], batch, seq, QUERY_CHUNK, rows.index is not None)
+        call = self._call(x, rows, cos.contiguous(), sin.contiguous(), visible, store, start, end, made)
+        native.decoder(call, self.plans)
         cache.length = end
         return x
 
-    def _layer(self, layer: _Layer, x: torch.Tensor, rows: _Rows, cos: torch.Tensor, sin: torch.Tensor,
-               visible: torch.Tensor, store: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """One decoder layer on ``x`` ``[N, H]`` (the positions ``rows`` reads), its keys and values written to
-        ``store`` ``[2, B, Hk, C, W]`` at columns ``start .. end-1``."""
-        batch, seq = rows.batch, rows.seq
-        products = _products(layer.qkv, _normed(layer.before, x, layer.qkv))  # [N, Hq*D], [N, Hk*D] x 2
-        q, k, v = (rows.spread(t) for t in products)  # [B, S, Hq*D], [B, S, Hk*D] x 2
-        q, k = q.view(batch, seq, self.heads, self.size), k.view(batch, seq, self.kv_heads, self.size)
-        if layer.q_norm is not None:  # and k_norm (_laid_out)
-            q, k = layer.q_norm(q), layer.k_norm(k)
-        query = x.new_empty(batch, self.heads, seq, self.size)  # [B, Hq, S, D]
-        native.rotary_into(q, k, v.view(batch, seq, self.kv_heads, self.size), cos, sin, query,
-                           store[0, :, :, start:end], store[1, :, :, start:end], QKV_LEVELS)
-        out = exact_attention(query, store[0, :, :, :end], store[1, :, :, :end], visible, layer.scaling)
-        # out: [B, S, Hq, D]
-        x = layer.o.apply_to(quantize_activations(rows.take(out.view(batch * seq, -1))), residual=x)  # [N, H]
-        gate, up = _products(layer.gate_up, _normed(layer.after, x, layer.gate_up))  # [N, F] each
-        return layer.down.apply_to(layer.down.gated_rows(gate, up), residual=x)
-
-
-def _normed(norm: ExactRMSNorm, x: torch.Tensor, readers: list[IntLinear] | Stack) -> QuantizedRows:
-    """``quantize_activations(norm(x))`` for ``x`` ``[N, H]`` in the forms its ``readers`` take (per token, or in
-    blocks of a size), the normalized rows never written out where they all take one form
-    (:func:`~batchspec.exact.integer.native.norm_quantize`,
-    :func:`~batchspec.exact.integer.native.norm_quantize_blocks`)."""
-    shape, inner = tuple(x.shape[:-1]), x.shape[-1]
-    forms = {layer.block for layer in (readers if isinstance(readers, list) else [readers])}  # None: per token
-    if forms == {None}:
-        codes, scale = native.norm_quantize(x, norm.weight, norm.eps)  # [N, 4 G], [N, 1]
-        return QuantizedRows(x.dtype, shape, inner, scale=scale, codes={"native": codes})
-    if len(forms) == 1:
-        (block,) = forms
-        blocked = native.norm_quantize_blocks(x, norm.weight, norm.eps, block)
-        return QuantizedRows(x.dtype, shape, inner, blocked={block: blocked})
-    return quantize_activations(native.rms_norm(x, norm.weight, norm.eps))
-
-
-def _products(layers: list[IntLinear] | Stack, rows: QuantizedRows) -> list[torch.Tensor]:
-    """Each layer's output for the same quantized ``rows``: one pass over a stack, else a product per layer."""
-    return [layer.apply_to(rows) for layer in layers] if isinstance(layers, list) else layers(rows)
+    def _call(self, x: torch.Tensor, rows: _Rows, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
+              store: torch.Tensor, start: int, end: int, made: dict[str, torch.Tensor]) -> plan.Decoder:
+        """The ``decoder_t`` of one forward: its shapes, inputs, the cache ``store`` and the buffers ``made`` (which,
+        with ``cos``, ``sin`` and the index, must live until the call returns)."""
+        if store.stride()[-2:] != (store.shape[-1], 1) or visible.shape[-1] != end:
+            raise ValueError(f"the KV cache {tuple(store.shape)} holds its tokens apart, or the mask "
+                             f"{tuple(visible.shape)} does not cover its {end} columns")
+        call = plan.Decoder(n=x.shape[0], batch=rows.batch, seq=rows.seq, hidden=x.shape[1], heads=self.heads,
+                            kv_heads=self.kv_heads, size=self.size, width=store.shape[-1], start=start, end=end,
+                            chunk=QUERY_CHUNK, threads=torch.get_num_threads(), cos=cos.data_ptr(),
+                            sin=sin.data_ptr(), visible=visible.data_ptr(), store=store.data_ptr(),
+                            levels=QKV_LEVELS, coefficients=ctypes.addressof(native.float_table(EXP2_COEFFICIENTS)))
+        if rows.index is not None:
+            made["index"] = rows.index.to(torch.int64).contiguous()  # [N]
+        call.vb, _, call.vq, call.vl = visible.stride()
+        call.s_layer, call.s_kv, call.s_batch, call.s_head, call.s_token = store.stride()[:5]
+        call.x = x.data_ptr()
+        for name, buffer in made.items():
+            setattr(call, name, buffer.data_ptr())
+        return call
 
 
 def _laid_out(module: torch.nn.Module) -> bool:
@@ -247,9 +234,18 @@ def _laid_out(module: torch.nn.Module) -> bool:
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     norms = [module.input_layernorm, module.post_attention_layernorm]
     norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
-    return (all(isinstance(linear, Int8Linear | Int4Linear) for linear in linears)
-            and isinstance(module.mlp, QuantizedMLP)
-            and all(isinstance(norm, ExactRMSNorm) for norm in norms) and hasattr(attention, "scaling"))
+    if not isinstance(module.mlp, QuantizedMLP):
+        return False
+    linears += [module.mlp.gate_proj, module.mlp.up_proj, module.mlp.down_proj]
+    return (all(_native(linear) for linear in linears) and hasattr(attention, "scaling")
+            and all(isinstance(norm, ExactRMSNorm) for norm in norms))
+
+
+def _native(linear: torch.nn.Module) -> bool:
+    """Whether ``linear`` is an integer layer whose product runs on the native kernels."""
+    if isinstance(linear, Int8Linear):
+        return linear.weight.kernel == "native"
+    return isinstance(linear, Int4Linear) and linear.packed is not None
 
 
 def _layer(module: torch.nn.Module) -> _Layer:

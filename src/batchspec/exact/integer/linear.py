@@ -106,6 +106,7 @@ class Int8Stack:
 
     def __init__(self, layers: list[Int8Linear]) -> None:
         self.widths = tuple(layer.out_features for layer in layers)
+        self.in_features = layers[0].in_features
         panels, sums = (torch.cat([layer.weight.tensors[i] for layer in layers]) for i in (0, 1))
         self.scale = torch.cat([layer.scale for layer in layers])  # [O]
         self.bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])  # [O]
@@ -290,7 +291,7 @@ class Int4Stack:
     def __init__(self, layers: list[Int4Linear]) -> None:
         first = layers[0]
         self.widths = tuple(layer.out_features for layer in layers)
-        self.block, self.subs, self.inner = first.block, first.subs, first.in_features
+        self.block, self.subs, self.in_features = first.block, first.subs, first.in_features
         self.packed = torch.cat([layer.packed for layer in layers])  # [P, bytes]
         self.bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])  # [O]
         panel, start = 0, 0
@@ -319,7 +320,7 @@ class Int4Stack:
 
     def __call__(self, rows: QuantizedRows) -> list[torch.Tensor]:
         """Each layer's output for ``rows`` (``[..., K]`` quantized): ``[..., width]`` per layer."""
-        outs = native.linear4(rows.blocks(self.block), self.packed, self.inner, self.subs, sum(self.widths),
+        outs = native.linear4(rows.blocks(self.block), self.packed, self.in_features, self.subs, sum(self.widths),
                               self.bias, self.widths)
         return [out.view(*rows.shape, out.shape[-1]) for out in outs]
 

@@ -276,7 +276,7 @@ def quantize_gated_blocks(gate: torch.Tensor, up: torch.Tensor, coefficients: tu
     gate, up = _block_input(gate, block), _block_input(up, block)
     out = _block_outputs(*gate.shape, block)
     _library().quantize_gated_blocks(gate.data_ptr(), up.data_ptr(), gate.shape[0], gate.shape[1], block,
-                                     *_block_pointers(out), _float_table(_checked(coefficients)),
+                                     *_block_pointers(out), float_table(_checked(coefficients)),
                                      torch.get_num_threads())
     return out
 
@@ -321,7 +321,7 @@ def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[flo
     if gate.dtype != torch.float32 or gate.dim() != 2 or up.dtype != gate.dtype or up.shape != gate.shape:
         raise ValueError(f"native quantization takes float32 [N, K] twice, not {gate.dtype} {tuple(gate.shape)}, "
                          f"{up.dtype} {tuple(up.shape)}")
-    table = _float_table(_checked(coefficients))
+    table = float_table(_checked(coefficients))
     gate, up = gate.contiguous(), up.contiguous()
     rows, inner = gate.shape
     out = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8)  # [N, 4 G]
@@ -338,7 +338,7 @@ def silu(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
         raise ValueError(f"native silu takes float32, not {x.dtype}")
     x = x.contiguous()
     out = torch.empty_like(x)
-    _library().silu(x.data_ptr(), out.data_ptr(), x.numel(), _float_table(_checked(coefficients)),
+    _library().silu(x.data_ptr(), out.data_ptr(), x.numel(), float_table(_checked(coefficients)),
                     torch.get_num_threads())
     return out
 
@@ -448,7 +448,7 @@ def exp2_nonpositive_(t: torch.Tensor, coefficients: tuple[float, ...]) -> torch
     with its polynomial's ten ``coefficients`` (lowest degree first)."""
     if t.dtype != torch.float32 or not t.is_contiguous() or len(coefficients) != 10:
         raise ValueError("native exp2 takes a contiguous float32 tensor and ten coefficients")
-    _library().exp2_nonpositive(t.data_ptr(), t.numel(), _float_table(coefficients), torch.get_num_threads())
+    _library().exp2_nonpositive(t.data_ptr(), t.numel(), float_table(coefficients), torch.get_num_threads())
     return t
 
 
@@ -477,15 +477,22 @@ def attention(
     failed = _library().attention(
         query.data_ptr(), key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
         value.stride(1), width, visible.data_ptr(), vb, vq, vl, batch, heads, kv_heads, queries, length, size,
-        scaling / math.log(2.0), levels, _float_table(coefficients), out.data_ptr(), torch.get_num_threads(),
+        scaling / math.log(2.0), levels, float_table(coefficients), out.data_ptr(), torch.get_num_threads(),
     )
     if failed:
         raise MemoryError(f"the native attention found no memory for {queries} queries over {length} keys")
     return out
 
 
+def decoder(call: ctypes.Structure, layers: ctypes.Array) -> None:
+    """Every decoder layer of ``layers`` (``layer_t`` structs) in order on the forward ``call`` (a ``decoder_t``), in
+    one call: ``csrc/decoder.h``, :mod:`batchspec.exact.integer.plan`."""
+    if _library().decoder(ctypes.byref(call), layers, len(layers)):
+        raise MemoryError(f"the native attention found no memory for {call.seq} queries over {call.end} keys")
+
+
 @functools.cache
-def _float_table(values: tuple[float, ...]) -> ctypes.Array:
+def float_table(values: tuple[float, ...]) -> ctypes.Array:
     """``values`` as a C array of floats (each rounded to float32, as torch rounds a Python scalar), made once."""
     return (ctypes.c_float * len(values))(*values)
 
@@ -582,7 +589,7 @@ def _load(name: str) -> types.SimpleNamespace | None:
     for function_name, arguments in _signatures().items():
         function = getattr(shared, f"batchspec_{function_name}")
         function.argtypes = arguments
-        function.restype = ctypes.c_int if function_name == "attention" else None
+        function.restype = ctypes.c_int if function_name in ("attention", "decoder") else None
         functions[function_name] = function
     return types.SimpleNamespace(**functions)
 
@@ -618,6 +625,7 @@ def _signatures() -> dict[str, list]:
         "exp2_nonpositive": [pointer, i64, pointer, threads],
         "attention": [pointer, pointer, i64, i64, pointer, i64, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64,
                       i64, i64, ctypes.c_double, f32, pointer, pointer, threads],
+        "decoder": [pointer, pointer, i64],
     }
 
 

@@ -311,3 +311,5 @@ void batchspec_linear4(const int8_t *q, int64_t n, int64_t ldq, const float *xs,
         fp_leave(saved);
     }
 }
+
+#include "decoder.h"

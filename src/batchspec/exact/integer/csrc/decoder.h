@@ -1,0 +1,207 @@
+/* A decoder's layers in one call (forward.py's IntegerForward): each Llama-like layer the sequence of entry.h's
+ * functions that forward.py once ran from Python, a call at a time, on the same buffers, so every value has the bits
+ * it had (each function's own bits are argued where it is defined). Per layer:
+ *
+ *   activations of RMSNorm(x) in each form the q, k, v products read   batchspec_norm_quantize(_blocks), or
+ *                                                                       batchspec_rms_norm then a quantizer each
+ *   q, k, v = the products (stacked weights: one product, several outputs)
+ *   spread to the [B, S] layout (zeros at padding), q and k normed per head where the model does (Qwen3)
+ *   query = rotary(q); cache[start:end] = pack(rotary(k)), pack(v)      batchspec_rotary_into
+ *   attended = attention(query, cache[:end]) in blocks of `chunk` queries, each over the keys it can see
+ *   h = x + o(quantize(attended at the rows read))
+ *   gate, up = the products of RMSNorm(h)'s activations
+ *   x = h + down(quantize(silu(gate) * up))                            batchspec_quantize_gated(_blocks)
+ *
+ * Every field is 8 bytes wide (pointers, int64_t, double), so the Python mirror (plan.py) needs no padding rules. */
+
+/* One product: an int8 weight as batchspec_linear reads it (bits 8) or an int4 one as batchspec_linear4 does (bits
+ * 4), its outputs split into `segments` (at most 3) matrices: segment s holds outputs starts[s] .. starts[s + 1] - 1. */
+typedef struct {
+    int64_t bits, inner, outputs, panels, segments;
+    int64_t starts[4];
+    const void *weight;    /* int8: [panels, groups, 64, 4]; int4: [panels, panel_bytes] */
+    const int32_t *comp;   /* int8: the weight's compensation sums [outputs] */
+    const float *scale;    /* int8: [outputs] */
+    const float *bias;     /* [outputs], or NULL */
+    int64_t groups;        /* int8: groups of 4 inputs */
+    int64_t panel_bytes, subs, block; /* int4: bytes a panel, sub-blocks a super-block, inputs per activation scale */
+} product_t;
+
+/* One layer's constant parts. qkv: 1 to 3 products giving q, k and v in that order; gate_up: 1 or 2 giving gate and
+ * up. q_norm, k_norm: per-head RMSNorm weights, or NULL. factor: the attention's scaling / ln 2. */
+typedef struct {
+    const float *before, *after, *q_norm, *k_norm;
+    double eps_before, eps_after, eps_q, eps_k, factor;
+    int64_t qkv_count, gate_up_count;
+    product_t qkv[3], o, gate_up[2], down;
+} layer_t;
+
+/* One forward's shapes, inputs and buffers (shared by every layer, which run one after another). n rows are read
+ * (index: their flat positions b * seq + s in [batch, seq], or NULL where they are every position); the KV cache
+ * `store` is [layers, 2, batch, kv_heads, capacity, width] with the given strides (a token's `width` int16
+ * contiguous); visible: bool [batch, 1, seq, end] with strides vb, vq, vl. x [n, hidden] holds the embedded rows on
+ * entry and the last layer's output on return. */
+typedef struct {
+    int64_t n, batch, seq, hidden, heads, kv_heads, size, width, start, end, chunk, threads;
+    const int64_t *index;
+    const float *cos, *sin; /* [batch, seq, size] */
+    const uint8_t *visible;
+    int64_t vb, vq, vl;
+    int16_t *store;
+    int64_t s_layer, s_kv, s_batch, s_head, s_token;
+    double levels;
+    const float *coefficients;
+    float *x, *h, *normed;             /* [n, hidden] */
+    float *q, *k, *v;                  /* [n, heads * size], [n, kv_heads * size] x 2 */
+    float *qs, *ks, *vs;               /* as q, k, v over [batch * seq] rows, zero at padding (index only) */
+    float *query, *block_query;        /* [batch, heads, seq, size], [batch, heads, chunk, size] */
+    float *attended, *block_out;       /* [batch, seq, heads, size], [batch, chunk, heads, size] */
+    float *gathered;                   /* [n, heads * size] (index only) */
+    float *gate, *up;                  /* [n, ffn] */
+    uint8_t *codes8;                   /* int8 activations [n, 4 groups] and their scales [n] */
+    float *scale8;
+    int8_t *codes4;                    /* int4 activations: codes [n, padded], scales [n, blocks], sums [n, counted] */
+    float *xs;
+    int16_t *sums4;
+} decoder_t;
+
+static inline int64_t sub_blocks(int64_t inner) { return (inner + 31) / 32; }
+static inline int64_t counted_sums(int64_t inner) { return sub_blocks(inner) + sub_blocks(inner) % 2; }
+static inline int64_t block_scales(const product_t *p) { return (p->inner + p->block - 1) / p->block; }
+
+/* whether two products read the same activations of one input */
+static inline int same_form(const product_t *a, const product_t *b) {
+    return a->bits == b->bits && (a->bits == 8 || a->block == b->block);
+}
+
+/* x [n, p->inner] quantized as p reads it, RMSNorm (norm, eps) first where norm is not NULL */
+static void quantize_for(const decoder_t *f, const product_t *p, const float *x, const float *norm, float eps) {
+    int64_t k = p->inner, nsub = sub_blocks(k);
+    int threads = (int)f->threads;
+    if (p->bits == 8 && norm)
+        batchspec_norm_quantize(x, f->n, k, eps, norm, 4 * p->groups, f->codes8, f->scale8, threads);
+    else if (p->bits == 8)
+        batchspec_quantize(x, f->n, k, 4 * p->groups, f->codes8, f->scale8, threads);
+    else if (norm)
+        batchspec_norm_quantize_blocks(x, f->n, k, eps, norm, p->block, 32 * nsub, f->codes4, f->xs,
+                                       block_scales(p), f->sums4, counted_sums(k), threads);
+    else
+        batchspec_quantize_blocks(x, f->n, k, p->block, 32 * nsub, f->codes4, f->xs, block_scales(p), f->sums4,
+                                  counted_sums(k), threads);
+}
+
+/* the product p of the activations quantize_for made last, into outs (residual added where not NULL) */
+static void product_for(const decoder_t *f, const product_t *p, float *const *outs, const float *residual) {
+    int threads = (int)f->threads;
+    if (p->bits == 8)
+        batchspec_linear(f->codes8, f->n, 4 * p->groups, (const int8_t *)p->weight, p->comp, f->scale8, p->scale,
+                         p->bias, p->groups, p->panels, p->outputs, outs, p->starts, p->segments, residual, threads);
+    else
+        batchspec_linear4(f->codes4, f->n, 32 * sub_blocks(p->inner), f->xs, block_scales(p), f->sums4,
+                          counted_sums(p->inner), (const uint8_t *)p->weight, p->panel_bytes, p->panels,
+                          sub_blocks(p->inner), p->subs, p->outputs, p->bias, outs, p->starts, p->segments, residual,
+                          threads);
+}
+
+/* the products ps[0 .. count) of RMSNorm(x), their segments into targets in order: the norm fused into the one
+ * quantization where all read one form, else normed once and quantized per form */
+static void products_of_normed(const decoder_t *f, const product_t *ps, int64_t count, const float *x,
+                               const float *norm, float eps, float **targets) {
+    int one_form = 1;
+    for (int64_t i = 1; i < count; i++) one_form = one_form && same_form(&ps[0], &ps[i]);
+    if (!one_form) batchspec_rms_norm(x, f->n, f->hidden, eps, norm, f->normed, (int)f->threads);
+    const product_t *made = NULL;
+    for (int64_t i = 0; i < count; i++) {
+        if (made == NULL || !same_form(made, &ps[i])) {
+            quantize_for(f, &ps[i], one_form ? x : f->normed, one_form ? norm : NULL, eps);
+            made = &ps[i];
+        }
+        product_for(f, &ps[i], targets, NULL);
+        targets += ps[i].segments;
+    }
+}
+
+/* rows [n, width] to their positions index[i] of [batch * seq, width] (spread), or back (gather) */
+static void spread_rows(const float *rows, float *out, const int64_t *index, int64_t n, int64_t width) {
+    for (int64_t i = 0; i < n; i++) memcpy(out + index[i] * width, rows + i * width, (size_t)width * sizeof(float));
+}
+static void gather_rows(const float *all, float *rows, const int64_t *index, int64_t n, int64_t width) {
+    for (int64_t i = 0; i < n; i++) memcpy(rows + i * width, all + index[i] * width, (size_t)width * sizeof(float));
+}
+
+/* attended = batchspec_attention of query over the cache's first `end` tokens, in blocks of `chunk` queries, each
+ * over the keys a causal block can see (attention.py's exact_attention); 1 where scratch memory ran out */
+static int attend(const decoder_t *f, const layer_t *l, const int16_t *keys, const int16_t *values) {
+    int64_t seq = f->seq, heads = f->heads, size = f->size, rows = f->batch * heads;
+    if (seq <= f->chunk)
+        return batchspec_attention(f->query, keys, f->s_batch, f->s_head, values, f->s_batch, f->s_head, f->width,
+                                   f->visible, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, seq, f->end, size,
+                                   l->factor, (float)f->levels, f->coefficients, f->attended, (int)f->threads);
+    for (int64_t s0 = 0; s0 < seq; s0 += f->chunk) {
+        int64_t count = seq - s0 < f->chunk ? seq - s0 : f->chunk;
+        int64_t seen = f->end - seq + (s0 + f->chunk < seq ? s0 + f->chunk : seq);
+        for (int64_t r = 0; r < rows; r++) /* query[b, h, s0 .. s0 + count) */
+            memcpy(f->block_query + r * count * size, f->query + (r * seq + s0) * size,
+                   (size_t)(count * size) * sizeof(float));
+        if (batchspec_attention(f->block_query, keys, f->s_batch, f->s_head, values, f->s_batch, f->s_head, f->width,
+                                f->visible + s0 * f->vq, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, count,
+                                seen, size, l->factor, (float)f->levels, f->coefficients, f->block_out,
+                                (int)f->threads))
+            return 1;
+        for (int64_t b = 0; b < f->batch; b++)
+            memcpy(f->attended + (b * seq + s0) * heads * size, f->block_out + b * count * heads * size,
+                   (size_t)(count * heads * size) * sizeof(float));
+    }
+    return 0;
+}
+
+/* one layer on f->x (see the top of this file); 1 where scratch memory ran out */
+static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
+    int threads = (int)f->threads;
+    int64_t wq = f->heads * f->size, wk = f->kv_heads * f->size, all = f->batch * f->seq;
+    float *qkv[3] = {f->q, f->k, f->v}, *gate_up[2] = {f->gate, f->up}, *h[1] = {f->h}, *x[1] = {f->x};
+    products_of_normed(f, l->qkv, l->qkv_count, f->x, l->before, (float)l->eps_before, qkv);
+    float *q = f->q, *k = f->k, *v = f->v;
+    if (f->index) {
+        spread_rows(f->q, f->qs, f->index, f->n, wq);
+        spread_rows(f->k, f->ks, f->index, f->n, wk);
+        spread_rows(f->v, f->vs, f->index, f->n, wk);
+        q = f->qs, k = f->ks, v = f->vs;
+    }
+    if (l->q_norm) {
+        batchspec_rms_norm(q, all * f->heads, f->size, (float)l->eps_q, l->q_norm, q, threads);
+        batchspec_rms_norm(k, all * f->kv_heads, f->size, (float)l->eps_k, l->k_norm, k, threads);
+    }
+    int16_t *keys = f->store + layer * f->s_layer, *values = keys + f->s_kv;
+    int64_t query_strides[3] = {f->heads * f->seq * f->size, f->seq * f->size, f->size};
+    int64_t cache_strides[3] = {f->s_batch, f->s_head, f->s_token};
+    batchspec_rotary_into(q, k, v, f->batch, f->seq, f->heads, f->kv_heads, f->size, f->cos, f->sin, f->query,
+                          query_strides, keys + f->start * f->s_token, cache_strides,
+                          values + f->start * f->s_token, cache_strides, f->width, (float)f->levels, threads);
+    if (attend(f, l, keys, values)) return 1;
+    const float *attended = f->attended;
+    if (f->index) {
+        gather_rows(f->attended, f->gathered, f->index, f->n, wq);
+        attended = f->gathered;
+    }
+    quantize_for(f, &l->o, attended, NULL, 0.0f);
+    product_for(f, &l->o, h, f->x);
+    products_of_normed(f, l->gate_up, l->gate_up_count, f->h, l->after, (float)l->eps_after, gate_up);
+    const product_t *down = &l->down;
+    int64_t ffn = down->inner, nsub = sub_blocks(ffn);
+    if (down->bits == 8)
+        batchspec_quantize_gated(f->gate, f->up, f->n, ffn, 4 * down->groups, f->codes8, f->scale8, f->coefficients,
+                                 threads);
+    else
+        batchspec_quantize_gated_blocks(f->gate, f->up, f->n, ffn, down->block, 32 * nsub, f->codes4, f->xs,
+                                        block_scales(down), f->sums4, counted_sums(ffn), f->coefficients, threads);
+    product_for(f, down, x, f->h);
+    return 0;
+}
+
+/* every layer in order; 0, or 1 where the attention's scratch memory ran out (the caller raises) */
+int batchspec_decoder(const decoder_t *f, const layer_t *layers, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        if (decoder_layer(f, &layers[i], i)) return 1;
+    return 0;
+}

@@ -1,0 +1,163 @@
+"""A decoder's layers as the native decoder reads them (``csrc/decoder.h``): each layer's constant parts laid out
+once as a C struct (:func:`layer_plan`), and one forward's shapes and buffers (:class:`Decoder`), so the whole stack
+of layers runs in one call (:func:`~batchspec.exact.integer.native.decoder`).
+
+The structs hold raw addresses of the layers' tensors: a plan is valid while its layers (and their stacked weights)
+live, which :class:`~batchspec.exact.integer.forward.IntegerForward` guarantees by holding both."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from batchspec.exact.integer.linear import Int4Linear, Int4Stack, Int8Linear, Int8Stack, IntLinear
+
+_i64, _pointer, _double = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+MAX_SEGMENTS = 3  # outputs of one stacked product (q, k and v)
+
+
+class Product(ctypes.Structure):
+    """``product_t``: one int8 (``bits`` 8) or int4 (``bits`` 4) product and where its outputs go."""
+
+    _fields_ = [("bits", _i64), ("inner", _i64), ("outputs", _i64), ("panels", _i64), ("segments", _i64),
+                ("starts", _i64 * (MAX_SEGMENTS + 1)), ("weight", _pointer), ("comp", _pointer), ("scale", _pointer),
+                ("bias", _pointer), ("groups", _i64), ("panel_bytes", _i64), ("subs", _i64), ("block", _i64)]
+
+
+class Layer(ctypes.Structure):
+    """``layer_t``: one decoder layer's norms, products and attention scaling."""
+
+    _fields_ = [("before", _pointer), ("after", _pointer), ("q_norm", _pointer), ("k_norm", _pointer),
+                ("eps_before", _double), ("eps_after", _double), ("eps_q", _double), ("eps_k", _double),
+                ("factor", _double), ("qkv_count", _i64), ("gate_up_count", _i64), ("qkv", Product * 3),
+                ("o", Product), ("gate_up", Product * 2), ("down", Product)]
+
+
+_BUFFERS = ("x", "h", "normed", "q", "k", "v", "qs", "ks", "vs", "query", "block_query", "attended", "block_out",
+            "gathered", "gate", "up", "codes8", "scale8", "codes4", "xs", "sums4")
+
+
+class Decoder(ctypes.Structure):
+    """``decoder_t``: one forward's shapes, inputs and buffers (field by field as ``csrc/decoder.h`` states)."""
+
+    _fields_ = [(name, _i64) for name in ("n", "batch", "seq", "hidden", "heads", "kv_heads", "size", "width",
+                                          "start", "end", "chunk", "threads")]
+    _fields_ += [("index", _pointer), ("cos", _pointer), ("sin", _pointer), ("visible", _pointer), ("vb", _i64),
+                 ("vq", _i64), ("vl", _i64), ("store", _pointer), ("s_layer", _i64), ("s_kv", _i64),
+                 ("s_batch", _i64), ("s_head", _i64), ("s_token", _i64), ("levels", _double),
+                 ("coefficients", _pointer)]
+    _fields_ += [(name, _pointer) for name in _BUFFERS]
+
+
+def product(layers: list[IntLinear] | Int8Stack | Int4Stack) -> Product:
+    """The product of one layer (a list of one) or of a stack, its outputs one segment per stacked layer."""
+    if isinstance(layers, list):
+        (layer,) = layers
+        widths = (layer.out_features,)
+    else:
+        layer, widths = layers, layers.widths
+    if len(widths) > MAX_SEGMENTS:
+        raise ValueError(f"a product gives at most {MAX_SEGMENTS} outputs, not {len(widths)}")
+    starts = [0]
+    for width in widths:
+        starts.append(starts[-1] + width)
+    made = Product(segments=len(widths), outputs=starts[-1], bias=_address(layer.bias))
+    made.starts[: len(starts)] = starts
+    if isinstance(layer, Int8Linear | Int8Stack):
+        panels, comp = layer.tensors if isinstance(layer, Int8Stack) else layer.weight.tensors
+        made.bits, made.inner, made.panels, made.groups = 8, layer.in_features, panels.shape[0], panels.shape[1]
+        made.weight, made.comp, made.scale = panels.data_ptr(), comp.data_ptr(), layer.scale.data_ptr()
+    elif isinstance(layer, Int4Linear | Int4Stack):
+        packed = layer.packed
+        made.bits, made.inner, made.panels, made.panel_bytes = 4, layer.in_features, packed.shape[0], packed.shape[1]
+        made.subs, made.block, made.weight = layer.subs, layer.block, packed.data_ptr()
+    else:
+        raise TypeError(f"no native product for {type(layer).__name__}")
+    return made
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def layer(before: torch.nn.Module, after: torch.nn.Module, qkv: list[IntLinear] | Int8Stack | Int4Stack,
+          o: IntLinear, q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None,
+          gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear, scaling: float) -> Layer:
+    """One decoder layer's ``layer_t``: its norms (``ExactRMSNorm``: ``weight``, ``eps``), its products (q, k and v,
+    and gate and up, each one stacked product or a product per layer) and the attention's ``scaling``."""
+    qkv_products, gate_up_products = _products(qkv), _products(gate_up)
+    made = Layer(before=before.weight.data_ptr(), after=after.weight.data_ptr(), eps_before=before.eps,
+                 eps_after=after.eps, factor=scaling / math.log(2.0), qkv_count=len(qkv_products),
+                 gate_up_count=len(gate_up_products), o=product([o]), down=product([down]))
+    if q_norm is not None and k_norm is not None:
+        made.q_norm, made.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
+        made.eps_q, made.eps_k = q_norm.eps, k_norm.eps
+    made.qkv[: len(qkv_products)] = qkv_products
+    made.gate_up[: len(gate_up_products)] = gate_up_products
+    return made
+
+
+def _products(layers: list[IntLinear] | Int8Stack | Int4Stack) -> list[Product]:
+    return [product([one]) for one in layers] if isinstance(layers, list) else [product(layers)]
+
+
+@dataclass(frozen=True)
+class Widths:
+    """What sizes one forward's buffers need, read once from the model: the hidden size, the heads, the MLP's
+    inner size, the widest activations each product form takes (int8 codes; int4 codes, scales and sums), and
+    whether a layer's products read its norm's output in more than one form (it is then written out once)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    size: int
+    ffn: int
+    codes8: int
+    padded4: int
+    blocks4: int
+    counted4: int
+    normed: bool
+
+    @classmethod
+    def of(cls, layers: list[Layer], hidden: int, heads: int, kv_heads: int, size: int) -> Widths:
+        products = [p for made in layers for p in (*made.qkv[: made.qkv_count], made.o,
+                                                    *made.gate_up[: made.gate_up_count], made.down)]
+        int8 = [p for p in products if p.bits == 8] or [Product(groups=0)]
+        int4 = [p for p in products if p.bits == 4] or [Product(inner=0, block=1)]
+        groups = [made.qkv[: made.qkv_count] for made in layers] + [made.gate_up[: made.gate_up_count]
+                                                                      for made in layers]
+        return cls(hidden, heads, kv_heads, size, layers[0].down.inner, max(4 * p.groups for p in int8),
+                   max(32 * -(-p.inner // 32) for p in int4), max(-(-p.inner // p.block) for p in int4),
+                   max(-(-p.inner // 32) + -(-p.inner // 32) % 2 for p in int4),
+                   any(len({_form(p) for p in group}) > 1 for group in groups))
+
+
+def _form(p: Product) -> tuple[int, int]:
+    """Which activations ``p`` reads of its input (decoder.h's ``same_form``)."""
+    return (8, 0) if p.bits == 8 else (4, p.block)
+
+
+def buffers(widths: Widths, n: int, batch: int, seq: int, chunk: int, spread: bool) -> dict[str, torch.Tensor]:
+    """One forward's buffers for ``n`` of ``batch * seq`` positions (``spread``: some are left out, so the
+    attention's inputs are laid out again and its outputs gathered), queries in blocks of ``chunk``."""
+    wq, wk, rows = widths.heads * widths.size, widths.kv_heads * widths.size, batch * seq
+    block = min(seq, chunk) if seq > chunk else 0
+    made = {
+        "h": torch.empty(n, widths.hidden), "normed": torch.empty(n, widths.hidden if widths.normed else 0),
+        "q": torch.empty(n, wq), "k": torch.empty(n, wk), "v": torch.empty(n, wk),
+        "query": torch.empty(batch, widths.heads, seq, widths.size),
+        "block_query": torch.empty(batch, widths.heads, block, widths.size),
+        "attended": torch.empty(batch, seq, widths.heads, widths.size),
+        "block_out": torch.empty(batch, block, widths.heads, widths.size),
+        "gate": torch.empty(n, widths.ffn), "up": torch.empty(n, widths.ffn),
+        "codes8": torch.empty(n, widths.codes8, dtype=torch.uint8), "scale8": torch.empty(n),
+        "codes4": torch.empty(n, widths.padded4, dtype=torch.int8), "xs": torch.empty(n, widths.blocks4),
+        "sums4": torch.empty(n, widths.counted4, dtype=torch.int16),
+    }
+    spread_rows = rows if spread else 0  # zeros at the padding, which no row written later changes
+    made.update(qs=torch.zeros(spread_rows, wq), ks=torch.zeros(spread_rows, wk), vs=torch.zeros(spread_rows, wk),
+                gathered=torch.empty(n if spread else 0, wq))
+    return made
