@@ -203,9 +203,11 @@ class IntegerForward:
               store: torch.Tensor, start: int, end: int, made: dict[str, torch.Tensor]) -> plan.Decoder:
         """The ``decoder_t`` of one forward: its shapes, inputs, the cache ``store`` and the buffers ``made`` (which,
         with ``cos``, ``sin`` and the index, must live until the call returns)."""
-        if store.stride()[-2:] != (store.shape[-1], 1) or visible.shape[-1] != end:
-            raise ValueError(f"the KV cache {tuple(store.shape)} holds its tokens apart, or the mask "
-                             f"{tuple(visible.shape)} does not cover its {end} columns")
+        if store.stride()[-2:] != (store.shape[-1], 1):
+            raise ValueError(f"the KV cache {tuple(store.shape)} holds its tokens apart")
+        if visible.dtype != torch.bool or visible.shape != (rows.batch, 1, rows.seq, end):
+            raise ValueError(f"the mask must be bool [{rows.batch}, 1, {rows.seq}, {end}], not {visible.dtype} "
+                             f"{list(visible.shape)}")
         call = plan.Decoder(n=x.shape[0], batch=rows.batch, seq=rows.seq, hidden=x.shape[1], heads=self.heads,
                             kv_heads=self.kv_heads, size=self.size, width=store.shape[-1], start=start, end=end,
                             chunk=QUERY_CHUNK, threads=torch.get_num_threads(), cos=cos.data_ptr(),
