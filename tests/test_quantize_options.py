@@ -67,7 +67,7 @@ def int8_tiny(bundles):
     bundle = bundles["llama"]
     target = quantize_model(copy.deepcopy(bundle.target))
     draft = quantize_model(copy.deepcopy(bundle.drafts["perturbed"]))
-    pair = ModelPair(target, draft, None, "tiny-llama-int8", "float64", quantize="int8")
+    pair = ModelPair(target, draft, None, "tiny-llama-int8", "float64", quantize="int8", build=native.isa())
     prompts = make_prompts_for(bundle, 5, seed=300, max_len=30)
     workload = Workload(
         model="tiny-llama-int8", dtype="float64", prompt_source="random", prompts=tuple(tuple(p) for p in prompts),
@@ -145,7 +145,9 @@ def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
     pair = loading.load_pair(target=target, draft=draft, quantize="int8", progress=False)
     assert pair.quantize == "int8" and pair.dtype == "float32" and pair.seconds > 0
     assert quantization(pair.target) == quantization(pair.draft) == "int8"
-    assert pair.precision.startswith("float32, int8 exact on ")
+    build = native.isa() if native.available() else "torch"  # read once at the load, into the record
+    assert pair.build == build and pair.precision == f"float32, int8 exact on {build}"
+    assert pair.served() == {"device": "cpu", "dtype": "float32", "quantize": "int8", "build": build}
     alone = load_chosen(ModelChoice(target=target, quantize="int8"), Method.AUTOREGRESSIVE, progress=False)
     assert alone.draft is None and alone.quantize == "int8" and quantization(alone.target) == "int8"
     plain = loading.load_pair(target=target, draft=draft, progress=False, quantize="none")

@@ -13,9 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from batchspec.config import Method, ModelOptions, ProposerKind, option, optional, uses_draft_model
-from batchspec.devices import device_name
-from batchspec.exact.integer import quantization
-from batchspec.exact.invariant import batch_invariant
 from batchspec.memory import keep_freed_memory
 from batchspec.models.loading import (
     LoadSettings,
@@ -150,7 +147,4 @@ def load_models(
             name, target, draft, tokenizer = pair.name, pair.target, pair.draft, pair.tokenizer
     seconds = time.perf_counter() - started
     keep_freed_memory()  # the commands' forwards reuse freed activation memory (see batchspec.memory)
-    return ModelPair(
-        target, draft, tokenizer, name, settings.dtype, seconds, device_name(settings.device), quantization(target),
-        batch_invariant(target),
-    )
+    return ModelPair.loaded(target, draft, tokenizer, name, settings.dtype, settings.device, seconds)

@@ -39,10 +39,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchspec.config import DTYPES, KERNELS, check_option, default_cache_dir, setting_default
-from batchspec.devices import device_name, resolve_device
+from batchspec.devices import resolve_device
 from batchspec.exact import integer
 from batchspec.exact.integer.forward import integer_forward
-from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.exact.invariant import make_batch_invariant
 from batchspec.memory import returned_when_freed
 from batchspec.model_checks import vocab_size
@@ -500,7 +499,5 @@ def load_specified_pair(
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
-    return ModelPair(
-        target_model, draft_model, target_tokenizer, name, settings.dtype, time.perf_counter() - started,
-        device_name(settings.device), integer.quantization(target_model), is_batch_invariant(target_model),
-    )
+    return ModelPair.loaded(target_model, draft_model, target_tokenizer, name, settings.dtype, settings.device,
+                            time.perf_counter() - started)

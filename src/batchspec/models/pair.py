@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchspec.exact.integer import check_quantize, native
+import torch
+
+from batchspec.devices import device_name
+from batchspec.exact.integer import check_quantize, native, quantization
+from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.models.packing import kernels_in_use
 
 
@@ -27,6 +31,8 @@ class ModelPair:
         quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.exact.integer`: their
             ``dtype`` is then that of the activations and of what stays float), else ``"none"``.
         batch_invariant: whether both run on the batch-invariant kernels (see :mod:`batchspec.exact.invariant`).
+        build: the native build the integer forward runs on (:func:`batchspec.exact.integer.native.isa`), ``torch``
+            without one, ``none`` for models that are not integer.
     """
 
     target: Any
@@ -38,6 +44,22 @@ class ModelPair:
     device: str = "cpu"
     quantize: str = "none"
     batch_invariant: bool = False
+    build: str = "none"
+
+    @classmethod
+    def loaded(cls, target: Any, draft: Any | None, tokenizer: Any, name: str, dtype: str, device: torch.device,
+               seconds: float) -> ModelPair:
+        """The pair as loaded in ``dtype`` on ``device`` (a load's settings): the device's name, and what the load
+        made of the target (its quantize mode, batch-invariant kernels and the native build it runs on) read once,
+        here."""
+        quantize = quantization(target)
+        build = "none" if quantize == "none" else native.isa() if native.available() else "torch"
+        return cls(target, draft, tokenizer, name, dtype, seconds, device_name(device), quantize,
+                   is_batch_invariant(target), build)
+
+    def served(self) -> dict[str, str]:
+        """What ``/v1/models`` says of how the pair runs: device, dtype, quantize mode and native build."""
+        return {"device": self.device, "dtype": self.dtype, "quantize": self.quantize, "build": self.build}
 
     @property
     def precision(self) -> str:
@@ -48,7 +70,7 @@ class ModelPair:
         if self.device != "cpu":
             return f"{self.dtype}{', batch-invariant' if self.batch_invariant else ''} on {self.device}"
         if self.quantize != "none":
-            return f"{self.dtype}, {self.quantize} exact on {native.isa() if native.available() else 'torch'}"
+            return f"{self.dtype}, {self.quantize} exact on {self.build}"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
 
     def __post_init__(self) -> None:

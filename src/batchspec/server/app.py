@@ -67,6 +67,7 @@ class ServingState:
     tokenizer: Any
     limits: ModelLimits
     model_name: str
+    served: dict[str, str]  # ModelPair.served(): how the pair runs, for /v1/models
     config: ServerConfig
     structured: StructuredOutputs
     texts: TokenTexts
@@ -89,7 +90,8 @@ def build_state(models: ModelPair, config: ServerConfig) -> ServingState:
     limits = ModelLimits(context_length=context, vocab_size=vocab_size(models.target))
     name = config.served_model_name or models.name
     structured = StructuredOutputs.of(models.tokenizer, limits.vocab_size, engine.config.eos_token_ids)
-    return ServingState(loop, metrics, models.tokenizer, limits, name, config, structured, TokenTexts(models.tokenizer))
+    return ServingState(loop, metrics, models.tokenizer, limits, name, models.served(), config, structured,
+                        TokenTexts(models.tokenizer))
 
 
 def context_length(target: Any, draft: Any | None) -> int:
@@ -224,7 +226,7 @@ async def _serve(http: Request, state: ServingState, params, fmt: ReplyFormat, b
 
 async def list_models(http: Request) -> ModelList:
     state = _state(http)
-    card = ModelCard(id=state.model_name, created=0, max_model_len=state.limits.context_length)
+    card = ModelCard(id=state.model_name, created=0, max_model_len=state.limits.context_length, batchspec=state.served)
     return ModelList(data=[card])
 
 

@@ -384,6 +384,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "batchspec"
     max_model_len: int
+    # how the pair runs, from its load's record: device, dtype, quantize mode, native build (beyond OpenAI's fields)
+    batchspec: dict[str, str] = Field(default_factory=dict)
 
 
 class ModelList(BaseModel):
