@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -167,6 +168,45 @@ def test_stacked_int4_outputs_are_each_layers_own(isa):
         outs = native.linear4(blocked, stacked, 300, 8, 68, widths=(48, 20))
         assert torch.equal(outs[0], native.linear4(blocked, first.packed(), 300, 8, 48)[0])
         assert torch.equal(outs[1], native.linear4(blocked, second.packed(), 300, 8, 20)[0])
+
+
+# float16 bit patterns at the edges: subnormals (2**-24 up to the largest), the smallest normals, the largest finite,
+# zeros, one and a half, both signs
+EXTREME_HALVES = (0x0001, 0x0002, 0x0155, 0x03FF, 0x0400, 0x0401, 0x7BFF, 0x0000, 0x8000, 0x8001, 0x83FF, 0xFBFF,
+                  0x3C00, 0x3800, 0x0200)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_every_float16_pattern_reads_as_torch_reads_it(isa):
+    """The kernels' float16 -> float32 conversion by bit operations (``csrc/scalar.h``'s half_to_float, with which the
+    portable build reads d and dmin; the SIMD builds use F16C) gives torch's bits for all 65,536 patterns: zeros,
+    subnormals, normals, infinities, and NaNs quieted with their payload kept (as torch's conversion of a float16
+    tensor and ``vcvtph2ps`` quiet them)."""
+    halves = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.float16)  # [65536], every pattern
+    with native.using(isa):
+        got = native.half_to_float(halves)
+    assert torch.equal(got.view(torch.int32), halves.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("subs", [1, 8])
+@pytest.mark.parametrize("isa", BUILDS)
+def test_extreme_float16_scales_give_the_torch_paths_bits(isa, subs):
+    """An int4 weight whose d and dmin are subnormal halves, the smallest and largest normal ones, zeros of both signs
+    and negatives: each build's product (the portable build converting them by bit operations) is the torch path's."""
+    generator = torch.Generator().manual_seed(8)
+    weight = _weight(40, 600, subs, generator)
+    extremes = torch.tensor(EXTREME_HALVES, dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+    def scales() -> torch.Tensor:  # [O, B]
+        return extremes[torch.randint(0, len(extremes), weight.d.shape, generator=generator)]
+
+    weight = dataclasses.replace(weight, d=scales(), dmin=scales())
+    x = torch.randn(7, 600, generator=generator)
+    with native.using("none"):
+        blocked = quantize_blocks(x, weight.block)
+        want = int4_product(blocked, weight, None)
+    with native.using(isa):
+        assert torch.equal(native.linear4(blocked, weight.packed(), 600, subs, 40)[0], want)
 
 
 @pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")

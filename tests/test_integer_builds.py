@@ -1,11 +1,12 @@
-"""The int8 model's bits do not depend on the CPU: every native build this host runs (AVX-512 VNNI, AVX-VNNI, AVX2),
+"""The int8 model's bits do not depend on the CPU: every native build this host runs (AVX-512 VNNI, AVX-VNNI, AVX2,
+portable C),
 the torch path without them (``BATCHSPEC_CPU_ISA=none``), torch's own scalar dispatch (``ATEN_CPU_CAPABILITY=default``)
 and any thread count give the same logits.
 
 Each build is forced with :func:`batchspec.exact.integer.native.using` (or the environment variable in a subprocess)
 among
-the builds this CPU runs: an AVX-512 host runs all three, an AVX2-only host the ``avx2`` build; a build the CPU lacks is
-skipped with its reason, never emulated.
+the builds this CPU runs: an AVX-512 host runs all four, an AVX2-only host the ``avx2`` and ``portable`` builds, any
+other CPU ``portable``; a build the CPU lacks is skipped with its reason, never emulated.
 
 * Kernels: each build's product, quantization, RMSNorm, SiLU and attention give the torch path's bits (hypothesis).
 * Values that are not finite: a row holding a NaN or an inf quantizes to scale NaN and codes 0 in every quantizer, its
@@ -81,8 +82,9 @@ def test_tiny_rows_give_each_build_the_torch_paths_codes(isa):
 
 def test_the_builds_table_gives_each_cpu_its_flags_and_each_compiler_its_library(monkeypatch):
     """One row per build: its source exists, a CPU gets the first variant whose features it has (AVX-VNNI's VEX form,
-    else AVX-512 VNNI's EVEX form of the 256-bit build; nothing without F16C); every build pins the floating-point
-    model, and another compiler version builds another library."""
+    else AVX-512 VNNI's EVEX form of the 256-bit build; nothing without F16C; the portable build on any CPU, with no
+    instruction-set flags); every build pins the floating-point model, and another compiler version builds another
+    library."""
     assert tuple(build.name for build in native.BUILDS) == native.ISAS
     assert all((native._SOURCES / build.source).is_file() for build in native.BUILDS)
     zen4 = frozenset({"avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
@@ -90,6 +92,7 @@ def test_the_builds_table_gives_each_cpu_its_flags_and_each_compiler_its_library
     assert native._build_flags("avxvnni", frozenset({"avx2", "f16c", "avx_vnni"})) == ("-mavx2", "-mavxvnni", "-mf16c")
     assert native._build_flags("avx512vnni", frozenset({"avx2", "f16c"})) is None
     assert native._build_flags("avx2", frozenset({"avx2"})) is None
+    assert native.BUILDS[-1].name == "portable" and native._build_flags("portable", frozenset()) == ()
     monkeypatch.setattr(native, "_cpu_flags", lambda: zen4)
     _, flags, _, library = native._build_plan("avx2")
     assert {"-fno-fast-math", "-ffp-contract=off"} <= set(flags)
@@ -99,18 +102,24 @@ def test_the_builds_table_gives_each_cpu_its_flags_and_each_compiler_its_library
 
 def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
     """A build is forced only among those the CPU runs (here an AVX2-only CPU, by its flags): one the CPU lacks, or
-    a name that is none of them, is a ValueError naming what is possible, never an emulation."""
+    a name that is none of them, is a ValueError naming what is possible, never an emulation. A CPU with none of the
+    SIMD builds' features (any other architecture: no x86 flags) runs the portable build, first."""
     monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
     native.host_isas.cache_clear()
     native._default.cache_clear()
     try:
-        assert native.host_isas() == ("avx2",)
-        with pytest.raises(ValueError, match="this CPU runs avx2"), native.using("avx512vnni"):
+        assert native.host_isas() == ("avx2", "portable")
+        with pytest.raises(ValueError, match="this CPU runs avx2, portable"), native.using("avx512vnni"):
             pass
-        with pytest.raises(ValueError, match="one of avx512vnni, avxvnni, avx2, none"), native.using("avx1024"):
+        with pytest.raises(ValueError, match="one of avx512vnni, avxvnni, avx2, portable, none"), native.using("x"):
             pass
         with native.using("none"):
             assert native.isa() == "none" and not native.available()
+        monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset())
+        native.host_isas.cache_clear()
+        assert native.host_isas() == ("portable",)
+        with pytest.raises(ValueError, match="this CPU runs portable"), native.using("avx2"):
+            pass
     finally:
         native.host_isas.cache_clear()
         native._default.cache_clear()

@@ -81,17 +81,21 @@ def check_quantize(quantize: str) -> str:
 
 def cpu_default() -> str:
     """What ``--quantize auto`` makes float32 models on this CPU before it knows where they came from: ``"int8"``
-    where a native build of the kernels runs (:func:`~batchspec.exact.integer.native.isa`: on each of them the int8
-    forward reads a prompt and decodes at least as fast as float32, docs/integer.md), else ``"none"``: without them
-    (another architecture, no C compiler, ``BATCHSPEC_CPU_ISA=none``) the forward runs in torch, exact but several
-    times slower than float32 (:func:`width_for` may then make int8 int4). Says which and why in one log line, once per
-    process and build."""
-    isa = native.isa()
-    choice = "int8" if native.available() else "none"
+    where a SIMD build of the kernels runs (:func:`~batchspec.exact.integer.native.isa`: on each of them the int8
+    forward reads a prompt and decodes at least as fast as float32, docs/integer.md), else ``"none"``: on the builds
+    of :data:`FLOAT32_FIRST` (the portable one: its int8 forward decodes faster than float32 but reads prompts
+    slower) and without any build (no C compiler, ``BATCHSPEC_CPU_ISA=none``: the forward runs in torch, exact but
+    several times slower than float32; :func:`width_for` may then make int8 int4). Says which and why in one log line,
+    once per process and build."""
+    isa, runs = native.isa(), native.available()
+    choice = "int8" if runs and isa not in FLOAT32_FIRST else "none"
     if isa not in _SAID:
         _SAID.add(isa)
         if choice == "int8":
             logger.info("batchspec: --quantize auto: int8 (batchspec's %s kernels run here)", isa)
+        elif runs:
+            logger.info("batchspec: --quantize auto: float32 (batchspec's %s kernels run here, but their int8 forward "
+                        "read prompts slower than float32, docs/integer.md; --quantize int8 runs it, exact)", isa)
         else:
             logger.warning("batchspec: --quantize auto: float32 (no native int8 kernels here (%s); --quantize int8 "
                            "runs the int8 forward in torch, exact but slow)", isa)
@@ -99,6 +103,10 @@ def cpu_default() -> str:
 
 
 _SAID: set[str] = set()  # the builds cpu_default has named in its log line
+
+# builds whose int8 forward was measured slower than float32 at reading a prompt (docs/integer.md, "The portable
+# build": smollm2, 128 tokens, 763 against 239 ms; a one-token step 26 against 49 ms): --quantize auto loads float32
+FLOAT32_FIRST: tuple[str, ...] = ("portable",)
 
 # builds on which int4 was measured faster than int8 in every cell (docs/integer.md, "Which width"): without VNNI the
 # int8 product's prompt reading and verifications are bound by 256-bit vpmaddwd, and int4's by half as many bytes

@@ -16,11 +16,12 @@
 Each gives the float32 bits of the torch code it replaces (the same correctly rounded operations in the same order,
 compiled without contracting multiply-adds), in one call where torch runs 10 to 40 operations; integer sums are exact
 in any order, and every row is computed whole by one thread, each thread of a call under one floating-point
-environment (SSE's MXCSR at ``0x1F80``: round to nearest, no flush-to-zero, no denormals-are-zero; the thread's own
-setting put back after, so ``torch.set_flush_denormal(True)`` changes nothing). So the bits are the same on every
-instruction set, with any number of threads, and equal to the torch path's (``tests/test_integer_builds.py`` runs
-each build this CPU supports), values that are not finite included: a row holding an inf or a NaN quantizes to scale
-NaN and codes 0 (:func:`~batchspec.exact.integer.arithmetic.quantize_rows`), so its products' outputs are NaN.
+environment (SSE's MXCSR at ``0x1F80``: round to nearest, no flush-to-zero, no denormals-are-zero; on aarch64 FPCR's
+controls at 0, the same; the thread's own setting put back after, so ``torch.set_flush_denormal(True)`` changes
+nothing). So the bits are the same on every instruction set, with any number of threads, and equal to the torch
+path's (``tests/test_integer_builds.py`` runs each build this CPU supports), values that are not finite included: a
+row holding an inf or a NaN quantizes to scale NaN and codes 0
+(:func:`~batchspec.exact.integer.arithmetic.quantize_rows`), so its products' outputs are NaN.
 
 There is one build per instruction set (:data:`BUILDS`: name, source, CPU features, flags), the first this CPU runs
 chosen once per process, with one log line naming it:
@@ -31,15 +32,18 @@ chosen once per process, with one log line naming it:
 * ``avxvnni`` (``csrc/avx2.c`` with VNNI): the same on 8 lanes, VEX ``vpdpbusd`` (Intel 12th gen and later, Zen 5),
   or its EVEX form on AVX-512 VNNI CPUs;
 * ``avx2`` (``csrc/avx2.c``): ``vpmaddwd`` on the codes and weights widened to int16 (every AVX2 CPU: Zen 1-3,
-  Haswell and later), exact where ``vpmaddubsw`` would saturate.
+  Haswell and later), exact where ``vpmaddubsw`` would saturate;
+* ``portable`` (``csrc/portable.c``): plain C, no intrinsics, vectorized by the compiler for the target's baseline
+  (SSE2 on x86-64, NEON on aarch64): every CPU with a C compiler and OpenMP, of any architecture (x86-64 without
+  AVX2, ARM: Apple silicon under Linux, Graviton, Ampere), the same bits, slower than the SIMD builds.
 
-``BATCHSPEC_CPU_ISA=avx512vnni|avxvnni|avx2|none`` in the environment picks another build this CPU runs (to compare,
-or to test each), or none: the int8 forward then runs in torch (``torch._int_mm`` and float64 products, the same
-bits, far slower). Asking for an instruction set the CPU lacks is an error, never an emulation. The C source is
+``BATCHSPEC_CPU_ISA=avx512vnni|avxvnni|avx2|portable|none`` in the environment picks another build this CPU runs (to
+compare, or to test each), or none: the int8 forward then runs in torch (``torch._int_mm`` and float64 products, the
+same bits, far slower). Asking for an instruction set the CPU lacks is an error, never an emulation. The C source is
 compiled with the system C compiler (``$CC``, else ``cc``) into the cache directory the first time a process asks for
 a build (under a second) and loaded through ``ctypes``; its OpenMP loops run on the ``libgomp`` torch has already
-loaded. Where the compiler or OpenMP is missing, or the CPU is not x86-64 with AVX2, :func:`library` is None and one
-log line says why.
+loaded. Where the compiler or OpenMP is missing, :func:`library` is None and one log line says why (the torch path
+then runs).
 """
 
 from __future__ import annotations
@@ -90,8 +94,8 @@ class Build:
     variants: tuple[tuple[frozenset[str], tuple[str, ...]], ...]
 
 
-# every build, fastest first; a new build is a row here and its source. Every CPU with AVX2 has F16C, which the int4
-# weight's float16 scales need.
+# every build, fastest first; a new build is a row here and its source. Every CPU with AVX2 has F16C, which the SIMD
+# builds' int4 product reads the weight's float16 scales with (the portable build converts them with bit operations).
 BUILDS: tuple[Build, ...] = (
     Build("avx512vnni", "avx512.c", (
         (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"}),
@@ -104,6 +108,7 @@ BUILDS: tuple[Build, ...] = (
     Build("avx2", "avx2.c", (
         (frozenset({"avx2", "f16c"}), ("-mavx2", "-mf16c")),
     )),
+    Build("portable", "portable.c", ((frozenset(), ()),)),  # any CPU, any architecture: no features, no flags
 )
 ISAS: tuple[str, ...] = tuple(build.name for build in BUILDS)  # the builds' names, fastest first
 NONE = "none"  # BATCHSPEC_CPU_ISA's value for no build: the torch path
@@ -491,6 +496,17 @@ def decoder(call: ctypes.Structure, layers: ctypes.Array) -> None:
         raise MemoryError(f"the native attention found no memory for {call.seq} queries over {call.end} keys")
 
 
+def half_to_float(h: torch.Tensor) -> torch.Tensor:
+    """float16 ``h`` as float32 by ``csrc/scalar.h``'s bit conversion (the portable build's reading of the int4 weight's
+    scales, where the SIMD builds have F16C): torch's conversion of a float16 tensor, bit for bit, NaNs quieted with
+    their payload kept."""
+    if h.dtype != torch.float16:
+        raise ValueError(f"half_to_float takes float16, not {h.dtype}")
+    h, out = h.contiguous(), torch.empty(h.shape)
+    _library().half_to_float(h.data_ptr(), h.numel(), out.data_ptr())
+    return out
+
+
 @functools.cache
 def float_table(values: tuple[float, ...]) -> ctypes.Array:
     """``values`` as a C array of floats (each rounded to float32, as torch rounds a Python scalar), made once."""
@@ -511,8 +527,9 @@ def _library() -> types.SimpleNamespace:
 
 @functools.cache
 def host_isas() -> tuple[str, ...]:
-    """The builds of :data:`ISAS` this CPU runs, fastest first (none off Linux on x86-64). ``avxvnni`` is the 256-bit
-    VNNI build: VEX-encoded where the CPU has AVX-VNNI, EVEX-encoded where it has AVX-512 VNNI."""
+    """The builds of :data:`ISAS` this CPU runs, fastest first: ``portable`` on every CPU (last), the SIMD builds
+    before it on Linux x86-64 CPUs with their features. ``avxvnni`` is the 256-bit VNNI build: VEX-encoded where the CPU
+    has AVX-VNNI, EVEX-encoded where it has AVX-512 VNNI."""
     flags = _cpu_flags()
     return tuple(name for name in ISAS if _build_flags(name, flags) is not None)
 
@@ -577,7 +594,7 @@ def _load(name: str) -> types.SimpleNamespace | None:
         logger.info("batchspec: int8 kernels: none (%s); the int8 forward runs in torch", _why_none())
         return None
     try:
-        shared = ctypes.CDLL(str(_build(name)), mode=os.RTLD_LOCAL)
+        shared = ctypes.CDLL(str(_build(name)), mode=getattr(os, "RTLD_LOCAL", 0))
     except (OSError, subprocess.SubprocessError) as error:
         output = getattr(error, "stderr", None) or b""
         reason = output.decode(errors="replace").strip().splitlines()[:1] or [str(error)]
@@ -597,7 +614,7 @@ def _load(name: str) -> types.SimpleNamespace | None:
 def _why_none() -> str:
     if _environment() or _chosen:
         return f"{_ENVIRONMENT}=none"
-    return f"no AVX2 on this {platform.machine() or 'unknown'} CPU"
+    return f"no build runs on this {platform.machine() or 'unknown'} CPU"
 
 
 def _signatures() -> dict[str, list]:
@@ -626,6 +643,7 @@ def _signatures() -> dict[str, list]:
         "attention": [pointer, pointer, i64, i64, pointer, i64, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64,
                       i64, i64, ctypes.c_double, f32, pointer, pointer, threads],
         "decoder": [pointer, pointer, i64],
+        "half_to_float": [pointer, i64, pointer],
     }
 
 

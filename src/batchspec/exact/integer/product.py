@@ -4,8 +4,9 @@ Every kernel here sums int8 products in int32, which is exact in any order or bl
 reads the weight and whether its products saturate. :func:`product_kernel` picks, for each layer, the first of:
 
 * ``"native"``: batchspec's own kernel for this CPU's instruction set (:func:`batchspec.exact.integer.native.linear`:
-  AVX-512 VNNI, AVX-VNNI or AVX2), on a weight prepacked in panels of 64 outputs, activations as ``uint8`` ``q + 128``,
-  the zero point's share subtracted in int32, the sum rounded once to float32. On AVX-512 VNNI it read a 1536 x 8960
+  AVX-512 VNNI, AVX-VNNI, AVX2, or the portable C build on any other CPU), on a weight prepacked in panels of 64
+  outputs, activations as ``uint8`` ``q + 128``, the zero point's share subtracted in int32 (the portable build sums
+  ``q`` itself), the sum rounded once to float32. On AVX-512 VNNI it read a 1536 x 8960
   weight at 46.6 GB/s for 1 row and 34.5 for 8, against oneDNN's 28.5 and 24.8 (2-core AMD EPYC Zen 4 reading
   50 GB/s), and has no per-call overhead to speak of. Taken where a build runs
   (:func:`batchspec.exact.integer.native.isa`)

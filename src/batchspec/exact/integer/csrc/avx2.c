@@ -2,9 +2,10 @@
  * -ffp-contract=off: every float operation below is one correctly rounded IEEE operation, lane by lane the one its
  * scalar twin in scalar.h runs, so both builds give the bits of avx512.c's and of the torch code they replace.
  *
- * 1. The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]) on the weight
- * prepacked as avx512.c's (panels of 64 outputs, [P, G, 64, 4] int8), q . w computed as sum_k a[n][k] * w[o][k] -
- * comp[o] for the codes a = q + 128, comp[o] = 128 * sum_k w[o][k], every sum in int32 lanes modulo 2^32:
+ * 1. The int8 product (entry.h's batchspec_linear, on panel_block below): out[n][o] = ((float)(q . w) * sx[n]) *
+ * sw[o] (+ b[o]) on the weight prepacked as avx512.c's (panels of 64 outputs, [P, G, 64, 4] int8), q . w computed
+ * as sum_k a[n][k] * w[o][k] - comp[o] for the codes a = q + 128, comp[o] = 128 * sum_k w[o][k], every sum in int32
+ * lanes modulo 2^32:
  *
  * - with VNNI (the "avxvnni" build: VEX vpdpbusd where the CPU has AVX-VNNI, its EVEX form on AVX-512 VNNI CPUs),
  *   each lane adds four u8 x s8 products, as avx512.c does on 16 lanes;
@@ -29,10 +30,12 @@
 #define DPBUSD _mm256_dpbusd_epi32
 #endif
 typedef uint8_t activation_t; /* the codes as they are */
+#define WIDE_CODES 0
 #else
 #define VNNI 0
 #define ROWS 3 /* 12 accumulators + 4 widened weight registers (one reloaded) */
-typedef int16_t activation_t; /* the codes widened to int16 */
+typedef int16_t activation_t; /* the codes widened to int16 (entry.h's batchspec_linear, once per row block) */
+#define WIDE_CODES 1
 #endif
 
 /* the first n of 8 lanes, as a mask vector for maskload / maskstore */
@@ -163,50 +166,9 @@ static void panel_block(const activation_t *a, int64_t rows, int64_t lda, const 
     }
 }
 
-/* the codes of rows r0 .. r0 + rows - 1 as the micro-kernel reads them: as they are (VNNI), or widened to int16 into
- * `wide` */
-static const activation_t *activations(const uint8_t *a, int64_t rows, int64_t lda, int16_t *wide) {
-#if VNNI
-    (void)rows, (void)wide;
-    return a;
-#else
-    for (int64_t i = 0; i < rows * lda; i++) wide[i] = a[i];
-    return wide;
-#endif
-}
-
-/* avx512.c's batchspec_linear, with the same arguments and the same bits */
-void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w, const int32_t *comp,
-                      const float *row_scale, const float *col_scale, const float *bias, int64_t groups,
-                      int64_t panels, int64_t o, float *const *outs, const int64_t *starts, int64_t segments,
-                      const float *residual, int threads) {
-    int16_t *wide = VNNI ? NULL : malloc((size_t)((n < ROW_BLOCK ? n : ROW_BLOCK) * lda) * sizeof(int16_t));
-    for (int64_t r0 = 0; r0 < n; r0 += ROW_BLOCK) {
-        int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
-        const activation_t *ar = activations(a + r0 * lda, rows, lda, wide);
-        epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
-        #pragma omp parallel num_threads(threads)
-        {
-            unsigned saved = fp_enter(); /* scalar.h: the epilogue's float steps under one environment */
-            #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < panels; p++) {
-                int64_t col = p * PANEL, s = 0;
-                while (s + 1 < segments && starts[s + 1] <= col) s++;
-                int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
-                int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
-                epilogue_t ep = e;
-                ep.residual = residual ? residual + at : NULL;
-                panel_block(ar, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at, width, valid);
-            }
-            fp_leave(saved);
-        }
-    }
-    free(wide);
-}
-
 /* 2. One row quantized to the product's codes (entry.h's batchspec_quantize): the maximum of |x|'s bits (scalar.h's
- * magnitude_bits) eight lanes at a time (exact in any order), the rest as scalar.h's token_code with 127 levels; a
- * row that is not finite gets scale NaN and the codes of 0 (scalar.h's scale_of). */
+ * magnitude_bits) eight lanes at a time (exact in any order), the codes from it by scalar.h's row_codes; a row that
+ * is not finite gets scale NaN and the codes of 0 (scalar.h's scale_of). */
 static void quantize_values(const float *x, int64_t k, int64_t ldc, uint8_t *codes, float *scale) {
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     __m256i most = _mm256_setzero_si256();
@@ -216,16 +178,7 @@ static void quantize_values(const float *x, int64_t k, int64_t ldc, uint8_t *cod
     __m128i half = _mm_max_epu32(_mm256_castsi256_si128(most), _mm256_extracti128_si256(most, 1));
     half = _mm_max_epu32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(1, 0, 3, 2)));
     half = _mm_max_epu32(half, _mm_shuffle_epi32(half, _MM_SHUFFLE(2, 3, 0, 1)));
-    float s = scale_of((uint32_t)_mm_cvtsi128_si32(half), 127.0f), inverse = 1.0f / s;
-    if (isnan(s)) {
-        memset(codes, 128, (size_t)ldc);
-        *scale = s;
-        return;
-    }
-    for (int64_t i = 0; i < k; i++)
-        codes[i] = (uint8_t)((int32_t)token_code(x[i], inverse, 127.0f) + 128);
-    for (int64_t i = k; i < ldc; i++) codes[i] = 128;
-    *scale = s;
+    row_codes(x, k, ldc, scale_of((uint32_t)_mm_cvtsi128_si32(half), 127.0f), codes, scale);
 }
 
 /* 2b. arithmetic.py's exact_silu, eight values at a time (scalar.h's silu_value in each lane) */
@@ -255,104 +208,9 @@ static void silu_values(const float *x, const float *up, float *out, int64_t k, 
     }
 }
 
-/* 3. The exact attention of one GQA group (entry.h states the arithmetic and its bounds), in plain C whose integer
- * loops the compiler vectorizes (vpmaddwd for the dots): the same sums, so the same bits as avx512.c's. */
-
-/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j; broken[r]:
- * whether row r sees a score that is not finite (an inf or a NaN) */
-static void scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor, const int16_t *k,
-                   const uint8_t *visible, float *score, uint8_t *broken) {
-    for (int64_t r = 0; r < g.rows; r++) broken[r] = 0;
-    for (int64_t j = 0; j < g.keys; j++) {
-        const int16_t *key = k + j * g.width;
-        double key_scale = (double)token_scale_bits(key);
-        for (int64_t r = 0; r < g.rows; r++) {
-            const int16_t *h = hi + r * g.lanes, *l = lo + r * g.lanes;
-            int32_t high = 0, low = 0;
-            for (int64_t d = 0; d < g.size; d++) {
-                high += (int32_t)h[d] * key[d];
-                low += (int32_t)l[d] * key[d];
-            }
-            double dot = (double)high * 256.0 + (double)low;
-            int seen = visible[(r % g.queries) * g.visible_row + j * g.visible_stride] != 0;
-            float value = (float)((dot * factor[r]) * key_scale);
-            broken[r] |= seen & (magnitude_bits(value) >= NONFINITE);
-            score[r * g.keys + j] = seen ? value : -INFINITY;
-        }
-    }
-}
-
-/* One row's scores -> W[j] = rint(a[j] / max a * 2**20) as its halves wh[j] = W[j] / 1024, wl[j] = W[j] % 1024,
- * with e[j] = 2**(score - max) (0 where hidden), a[j] = e[j] * sv[j] (in place in score, 0 where hidden);
- * *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1), a sum of integers below 2**21, exact in any
- * order. A broken row (scalar.h's row_broken) is NaN (entry.h): weights 0, *scale NaN, *denominator 1. */
-static void softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale, int broken,
-                            int16_t *wh, int16_t *wl, double *scale, double *denominator) {
-    if (broken) {
-        for (int64_t j = 0; j < g.keys; j++) wh[j] = wl[j] = 0;
-        *scale = NAN;
-        *denominator = 1.0;
-        return;
-    }
-    float most = -INFINITY, top = 0.0f;
-    for (int64_t j = 0; j < g.keys; j++) most = larger(most, score[j]);
-    float shift = most == -INFINITY ? 0.0f : most;
-    double total = 0.0;
-    for (int64_t j = 0; j < g.keys; j++) {
-        int visible = seen[j * g.visible_stride] != 0;
-        float e = visible ? exp2_nonpositive(score[j] - shift, g.c) : 0.0f;
-        total += (double)rintf(e * WEIGHT_UNIT);
-        score[j] = visible ? e * v_scale[j] : 0.0f;
-        top = larger(top, score[j]);
-    }
-    float divisor = top > 0.0f ? top : 1.0f;
-    for (int64_t j = 0; j < g.keys; j++) {
-        int32_t w = (int32_t)rintf((score[j] / divisor) * WEIGHT_UNIT);
-        wh[j] = (int16_t)(w >> 10);
-        wl[j] = (int16_t)(w & (WEIGHT_HALF - 1));
-    }
-    *scale = (double)top;
-    *denominator = total > 1.0 ? total : 1.0;
-}
-
-/* sum[d] = sum_j W[j] V[j][d] for one row, in int32 on W's halves PAIR_FLUSH key pairs at a time, then in float64 */
-static void weighted_sum(group_t g, const int16_t *wh, const int16_t *wl, const int16_t *v, double *sum) {
-    int32_t high[g.size], low[g.size];
-    for (int64_t d = 0; d < g.size; d++) sum[d] = 0.0;
-    for (int64_t j0 = 0; j0 < g.keys; j0 += 2 * PAIR_FLUSH) {
-        int64_t end = g.keys - j0 < 2 * PAIR_FLUSH ? g.keys : j0 + 2 * PAIR_FLUSH;
-        for (int64_t d = 0; d < g.size; d++) high[d] = low[d] = 0;
-        for (int64_t j = j0; j < end; j++) {
-            const int16_t *value = v + j * g.width;
-            int32_t h = wh[j], l = wl[j];
-            for (int64_t d = 0; d < g.size; d++) {
-                high[d] += h * value[d];
-                low[d] += l * value[d];
-            }
-        }
-        for (int64_t d = 0; d < g.size; d++) sum[d] = sum[d] + (double)high[d] * (double)WEIGHT_HALF + (double)low[d];
-    }
-}
-
-/* out: row r at out + (r / Q) * out_head + (r % Q) * out_query */
-static void attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v, const uint8_t *visible,
-                         scratch_t s, float *out, int64_t out_head, int64_t out_query) {
-    double factor[g.padded];
-    uint8_t broken[g.rows];
-    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = token_scale_bits(v + j * g.width);
-    int values_broken = any_nonfinite(s.v_scale, g.keys);
-    quantize_queries(g, query, s.hi, s.lo, factor);
-    scores(g, s.hi, s.lo, factor, k, visible, s.score, broken);
-    for (int64_t r = 0; r < g.rows; r++) {
-        double scale, denominator, *sum = s.sum + r * g.lanes;
-        const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
-        softmax_weights(g, s.score + r * g.keys, seen, s.v_scale,
-                        row_broken(g, broken[r], values_broken, seen, s.v_scale), s.wh, s.wl, &scale, &denominator);
-        weighted_sum(g, s.wh, s.wl, v, sum);
-        float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
-        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((sum[d] * scale) / denominator);
-    }
-}
+/* 3. The exact attention of one GQA group: scalar.h's plain C (plain_attend_group), whose integer loops the
+ * compiler vectorizes (vpmaddwd for the dots): the same sums, so the same bits as avx512.c's. */
+#define attend_group plain_attend_group
 
 /* 4. The int4 product (batchspec_linear4, entry.h): the weight as scalar.h lays it out, a panel of 16 outputs in two
  * passes of 8 (one 8-lane vector each). A sub-block's nibbles times the codes, the unsigned nibbles first:

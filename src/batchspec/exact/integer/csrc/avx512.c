@@ -2,13 +2,13 @@
  * -ffp-contract=off: every float operation below is one correctly rounded IEEE operation, lane by lane the one its
  * scalar twin in scalar.h runs, so this build gives the bits of avx2.c's and of the torch code they replace.
  *
- * 1. The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]), with q . w computed
- * as sum_k a[n][k] * w[o][k] - comp[o] for a[n][k] = q[n][k] + 128 as uint8 and comp[o] = 128 * sum_k w[o][k].
- * vpdpbusd adds its four u8 x s8 products to the int32 accumulator and vpsubd subtracts, both modulo 2^32 without
- * saturating, so the difference is q . w modulo 2^32: q . w itself, since |q . w| <= 127 * 127 * K < 2^31 for
- * K <= MAX_INNER (native.py). It is rounded once to float32 by vcvtdq2ps under the default round-to-nearest-even;
- * the scales multiply in that order afterwards. No float operation depends on the row count or the blocking, so
- * every row gets the same bits in any batch.
+ * 1. The int8 product (entry.h's batchspec_linear, on panel_block below): out[n][o] = ((float)(q . w) * sx[n]) * sw[o]
+ * (+ b[o]), with q . w computed as sum_k a[n][k] * w[o][k] - comp[o] for a[n][k] = q[n][k] + 128 as uint8 and comp[o] =
+ * 128 * sum_k w[o][k]. vpdpbusd adds its four u8 x s8 products to the int32 accumulator and vpsubd subtracts, both
+ * modulo 2^32 without saturating, so the difference is q . w modulo 2^32: q . w itself, since |q . w| <= 127 * 127 * K
+ * < 2^31 for K <= MAX_INNER (native.py). It is rounded once to float32 by vcvtdq2ps under the default
+ * round-to-nearest-even; the scales multiply in that order afterwards. No float operation depends on the row count or
+ * the blocking, so every row gets the same bits in any batch.
  *
  * The weight is prepacked as panels of 64 outputs: w[p][g][j][i] = W[64 p + j][4 g + i] ([P, G, 64, 4] int8), so a
  * panel streams from memory in one pass and each group g is four 16-lane registers, one per 16 outputs. */
@@ -17,6 +17,8 @@
 #include "scalar.h"
 
 #define ROWS 6 /* activation rows per micro-kernel pass: 24 accumulators + 4 weight registers */
+typedef uint8_t activation_t; /* entry.h's batchspec_linear hands panel_block the codes as they are */
+#define WIDE_CODES 0
 
 static inline __m512i broadcast_group(const uint8_t *a) {
     int32_t four;
@@ -84,38 +86,6 @@ static void panel_block(const uint8_t *a, int64_t rows, int64_t lda, const int8_
         case 4: panel_rows(4, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         case 5: panel_rows(5, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
         default: panel_rows(6, ar, lda, panel, groups, er, col, outr, ldo, valid); break;
-        }
-    }
-}
-
-/* a: uint8 [n, 4 groups] (row stride lda); w: int8 [panels, groups, 64, 4]; comp, col_scale, bias: [o] (bias may
- * be NULL); row_scale: [n]; 64 (panels - 1) < o <= 64 panels. The outputs go to `segments` float32 matrices:
- * outs[s] is [n, starts[s + 1] - starts[s]] and takes outputs starts[s] .. starts[s + 1] - 1, with starts[0] = 0,
- * starts[segments] = o and every other start a multiple of 64 (the layers of one stacked weight each get their own
- * output; one layer is one segment). With one segment, `residual` (float32 [n, o], or NULL) is added to each output
- * last: a decoder layer's residual connection, residual + y rounded once as torch's addition rounds it. */
-void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w, const int32_t *comp,
-                      const float *row_scale, const float *col_scale, const float *bias, int64_t groups,
-                      int64_t panels, int64_t o, float *const *outs, const int64_t *starts, int64_t segments,
-                      const float *residual, int threads) {
-    for (int64_t r0 = 0; r0 < n; r0 += ROW_BLOCK) {
-        int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
-        epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
-        #pragma omp parallel num_threads(threads)
-        {
-            unsigned saved = fp_enter(); /* scalar.h: the epilogue's float steps under one environment */
-            #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < panels; p++) {
-                int64_t col = p * PANEL, s = 0;
-                while (s + 1 < segments && starts[s + 1] <= col) s++;
-                int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
-                int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
-                epilogue_t ep = e;
-                ep.residual = residual ? residual + at : NULL;
-                panel_block(a + r0 * lda, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col, outs[s] + at,
-                            width, valid);
-            }
-            fp_leave(saved);
         }
     }
 }

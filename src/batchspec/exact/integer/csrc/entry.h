@@ -1,9 +1,13 @@
 /* The exported functions every build of batchspec's native kernels shares, built on what the including file
- * (avx512.c, avx2.c) defines for its instruction set before it includes this one:
+ * (avx512.c, avx2.c, portable.c) defines for its instruction set before it includes this one:
  *
+ *   panel_block(a, rows, lda, panel, groups, e, col, out, ldo, valid)   the int8 product of one panel of 64 outputs,
+ *                                                the codes a as activation_t (as they are, or widened to int16
+ *                                                where WIDE_CODES is 1);
  *   quantize_values(x, k, ldc, codes, scale)     one row quantized to the product's codes;
  *   silu_values(x, up, out, k, c)                out = silu_value(x) (times up where up is not NULL);
  *   attend_group(g, query, k, v, visible, s, out, out_head, out_query)   one GQA group's exact attention;
+ *   panels4_block(...), PANELS4                  the int4 product of PANELS4 panels of 16 outputs;
  *
  * each giving, lane by lane, the bits of its scalar twin in scalar.h. Rows are split between threads whole, so no
  * float operation depends on the thread count either, and every thread of every parallel region computes under
@@ -13,6 +17,44 @@
  * Values that are not finite: every quantizer gives a row (or an int4 block) holding an inf or a NaN the scale NaN
  * and the codes of 0 (scalar.h's scale_of), so each output a product computes from it is NaN; an attention query
  * that sees such a key or value, or is such a query, is NaN in every channel (batchspec_attention). */
+
+/* The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]) (+ residual), each
+ * output as scalar.h's epilogue_value, the build's panel_block on one panel of 64 outputs at a time, ROW_BLOCK rows
+ * at a time (a build whose panel_block reads the codes widened, WIDE_CODES, gets them so once per row block).
+ * a: uint8 [n, 4 groups] (row stride lda); w: int8 [panels, groups, 64, 4]; comp, col_scale, bias: [o] (bias may
+ * be NULL); row_scale: [n]; 64 (panels - 1) < o <= 64 panels. The outputs go to `segments` float32 matrices:
+ * outs[s] is [n, starts[s + 1] - starts[s]] and takes outputs starts[s] .. starts[s + 1] - 1, with starts[0] = 0,
+ * starts[segments] = o and every other start a multiple of 64 (the layers of one stacked weight each get their own
+ * output; one layer is one segment). With one segment, `residual` (float32 [n, o], or NULL) is added to each output
+ * last: a decoder layer's residual connection, residual + y rounded once as torch's addition rounds it. */
+void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w, const int32_t *comp,
+                      const float *row_scale, const float *col_scale, const float *bias, int64_t groups,
+                      int64_t panels, int64_t o, float *const *outs, const int64_t *starts, int64_t segments,
+                      const float *residual, int threads) {
+    int16_t *wide = WIDE_CODES ? malloc((size_t)((n < ROW_BLOCK ? n : ROW_BLOCK) * lda) * sizeof(int16_t)) : NULL;
+    for (int64_t r0 = 0; r0 < n; r0 += ROW_BLOCK) {
+        int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
+        const void *codes = WIDE_CODES ? (const void *)widen_codes(a + r0 * lda, rows * lda, wide) : a + r0 * lda;
+        epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
+        #pragma omp parallel num_threads(threads)
+        {
+            unsigned saved = fp_enter(); /* scalar.h: the epilogue's float steps under one environment */
+            #pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                int64_t col = p * PANEL, s = 0;
+                while (s + 1 < segments && starts[s + 1] <= col) s++;
+                int64_t width = starts[s + 1] - starts[s], end = starts[s + 1];
+                int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
+                epilogue_t ep = e;
+                ep.residual = residual ? residual + at : NULL;
+                panel_block((const activation_t *)codes, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col,
+                            outs[s] + at, width, valid);
+            }
+            fp_leave(saved);
+        }
+    }
+    free(wide);
+}
 
 /* Per-token quantization to the product's codes, as int8/arithmetic.py's quantize_rows and product.py's
  * activation_codes compute it in float32: top = max |x|; scale = scale_of(top, 127) (scalar.h);
@@ -310,6 +352,12 @@ void batchspec_linear4(const int8_t *q, int64_t n, int64_t ldq, const float *xs,
         }
         fp_leave(saved);
     }
+}
+
+/* float16 bits as float32 (scalar.h's half_to_float, with which the portable build reads the int4 weight's d and
+ * dmin; tests/test_int4.py compares it with torch's conversion for every bit pattern) */
+void batchspec_half_to_float(const uint16_t *h, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = half_to_float(h[i]);
 }
 
 #include "decoder.h"

@@ -1,5 +1,5 @@
-/* The arithmetic every build of batchspec's native kernels shares (avx512.c, avx2.c): plain C, compiled with
- * -ffp-contract=off and run under one floating-point environment (fp_enter), so every float operation is one
+/* The arithmetic every build of batchspec's native kernels shares (avx512.c, avx2.c, portable.c): plain C, compiled
+ * with -ffp-contract=off and run under one floating-point environment (fp_enter), so every float operation is one
  * correctly rounded IEEE operation and the bits cannot depend on the instruction set, the vector width or the thread
  * that runs a row. Each function below is the C twin of a torch function in arithmetic.py, model.py or attention.py,
  * with the same operations in the same order. */
@@ -14,8 +14,10 @@
  * Each thread keeps its own MXCSR: torch.set_flush_denormal(True) sets FTZ and DAZ on the calling thread only, and
  * OpenMP's workers keep whatever they had, so without this a row's subnormal values would round one way on the caller
  * and another on a worker. fp_enter sets it where the control bits differ and returns the thread's own value, which
- * fp_leave puts back (the exception flags, bits 0-5, are not part of the environment: they change no result). Other
- * instruction sets have no such register here (every build is x86-64), so there both do nothing. */
+ * fp_leave puts back (the exception flags, bits 0-5, are not part of the environment: they change no result). On
+ * aarch64 (the portable build there) FPCR holds the same controls, and FP_CONTROL's bits of it are set to 0: round to
+ * nearest, no flush-to-zero (FZ, which torch.set_flush_denormal sets there), no default NaN, IEEE half precision,
+ * no traps. Elsewhere both do nothing: the threads keep the C default, round to nearest. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #define FP_DEFAULT 0x1F80u
@@ -27,6 +29,17 @@ static inline unsigned fp_enter(void) {
 }
 static inline void fp_leave(unsigned previous) {
     if ((previous & FP_CONTROL) != FP_DEFAULT) _mm_setcsr(previous);
+}
+#elif defined(__aarch64__)
+#define FP_CONTROL 0x07C89F00u /* FPCR's AHP, DN, FZ, RMode, FZ16 and trap enables */
+static inline unsigned fp_enter(void) {
+    uint64_t previous;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(previous));
+    if (previous & FP_CONTROL) __asm__ __volatile__("msr fpcr, %0" : : "r"(previous & ~(uint64_t)FP_CONTROL));
+    return (unsigned)previous;
+}
+static inline void fp_leave(unsigned previous) {
+    if (previous & FP_CONTROL) __asm__ __volatile__("msr fpcr, %0" : : "r"((uint64_t)previous));
 }
 #else
 static inline unsigned fp_enter(void) { return 0; }
@@ -52,7 +65,20 @@ typedef struct {
 
 /* The epilogue of one output of the product (every build's vector epilogue computes it lane by lane):
  * ((float)(acc - comp[o]) * row_scale) * col_scale[o] (+ bias[o]) (+ residual), the int32 difference wrapping, each
- * float operation rounded once, in that order. */
+ * float operation rounded once, in that order. `dot` is that difference, q . w (the SIMD builds sum the codes q + 128
+ * and subtract comp[o]; the portable build sums q . w itself: the same integer); `residual` points at the output's
+ * own residual value, or is NULL. */
+static inline float epilogue_value(int32_t dot, float row_scale, epilogue_t e, int64_t o, const float *residual) {
+    float y = ((float)dot * row_scale) * e.col_scale[o];
+    if (e.bias) y = y + e.bias[o];
+    return residual ? *residual + y : y;
+}
+
+/* count codes widened to int16 into `wide` (the avx2 build's product reads them so), which it returns */
+static inline const int16_t *widen_codes(const uint8_t *a, int64_t count, int16_t *wide) {
+    for (int64_t i = 0; i < count; i++) wide[i] = a[i];
+    return wide;
+}
 
 /* 2**t for t <= 0, as arithmetic.py's exp2_nonpositive computes it in float32: t clamped to [-126, 0],
  * n = floor(t), f = t - n, Horner's rule on the ten coefficients c (each product and sum rounded), times 2**n
@@ -134,6 +160,20 @@ static inline float token_scale(const float *x, int64_t k, float levels) {
 static inline float token_code(float x, float inverse, float levels) {
     float v = rintf(x * inverse);
     return v < -levels ? -levels : (v > levels ? levels : v);
+}
+
+/* A row's codes for the int8 product from its scale s = scale_of(max |x|, 127) (each build finds that maximum its own
+ * way; it is exact in any order): code = token_code(x, 1 / s, 127) + 128, and 128 in the padding columns k .. ldc;
+ * every code 128 (q = 0) where s is NaN. */
+static inline void row_codes(const float *x, int64_t k, int64_t ldc, float s, uint8_t *codes, float *scale) {
+    *scale = s;
+    if (isnan(s)) {
+        memset(codes, 128, (size_t)ldc);
+        return;
+    }
+    float inverse = 1.0f / s;
+    for (int64_t i = 0; i < k; i++) codes[i] = (uint8_t)((int32_t)token_code(x[i], inverse, 127.0f) + 128);
+    for (int64_t i = k; i < ldc; i++) codes[i] = 128;
 }
 
 /* the integer next to code whose parity differs, towards t (away from it where t == code), within +-levels */
@@ -218,6 +258,30 @@ static inline void quantize_block_row(const float *x, int64_t k, int64_t block, 
  * sub-block s) are exact in int32 (|i1| <= 8 * 255 * 32 * 127 * 15 < 2**31) and scale is the activations' for the
  * super-block; then + bias, then residual + y, as the int8 product's epilogue. */
 #define PANEL4 16
+
+/* A float16's value as float32, exactly, from its bits (the int4 weight's d and dmin; F16C's vcvtph2ps gives the same
+ * bits where a build has it): sign, exponent e (5 bits) and mantissa m (10). 0 < e < 31 is 2**(e - 15) (1 + m / 1024),
+ * the float32 exponent e + 112 and m its top 10 bits; e = 0 is m 2**-24, zero or a subnormal that is normal in
+ * float32 (m shifted up until its leading 1 is the implicit bit, the exponent one lower a shift); e = 31 is an
+ * infinity (m = 0) or a NaN, its payload kept and its quiet bit set, as vcvtph2ps and torch's conversion of a
+ * float16 tensor set it. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000u | (mantissa ? 0x400000u : 0u) | (mantissa << 13);
+    } else if (exponent > 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else {
+        uint32_t e = 113; /* the float32 exponent of 2**-14, a subnormal's scale before its first shift */
+        for (; !(mantissa & 0x400u); e--) mantissa <<= 1;
+        bits = sign | (e << 23) | ((mantissa & 0x3FFu) << 13);
+    }
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
 
 /* where one panel's outputs go: out (row stride ldo, `valid` columns), plus bias and residual where not NULL */
 typedef struct {
@@ -314,5 +378,106 @@ static void quantize_queries(group_t g, const float *query, int16_t *hi, int16_t
             hi[r * g.lanes + d] = (int16_t)(q >> 8);
             lo[r * g.lanes + d] = (int16_t)(q & 0xFF);
         }
+    }
+}
+
+/* The exact attention of one GQA group in plain C (entry.h states the arithmetic and its bounds): the avx2 and
+ * portable builds' attend_group, whose integer loops the compiler vectorizes (vpmaddwd for the dots on x86); avx512.c
+ * has its own. The same exact sums and the same float steps as avx512.c's, so the same bits. */
+/* score[r][j] = (float)((q[r] . K[j] * factor[r]) * sk[j]), -inf where query r % Q does not see key j; broken[r]:
+ * whether row r sees a score that is not finite (an inf or a NaN) */
+static inline void plain_scores(group_t g, const int16_t *hi, const int16_t *lo, const double *factor,
+                                const int16_t *k, const uint8_t *visible, float *score, uint8_t *broken) {
+    for (int64_t r = 0; r < g.rows; r++) broken[r] = 0;
+    for (int64_t j = 0; j < g.keys; j++) {
+        const int16_t *key = k + j * g.width;
+        double key_scale = (double)token_scale_bits(key);
+        for (int64_t r = 0; r < g.rows; r++) {
+            const int16_t *h = hi + r * g.lanes, *l = lo + r * g.lanes;
+            int32_t high = 0, low = 0;
+            for (int64_t d = 0; d < g.size; d++) {
+                high += (int32_t)h[d] * key[d];
+                low += (int32_t)l[d] * key[d];
+            }
+            double dot = (double)high * 256.0 + (double)low;
+            int seen = visible[(r % g.queries) * g.visible_row + j * g.visible_stride] != 0;
+            float value = (float)((dot * factor[r]) * key_scale);
+            broken[r] |= seen & (magnitude_bits(value) >= NONFINITE);
+            score[r * g.keys + j] = seen ? value : -INFINITY;
+        }
+    }
+}
+
+/* One row's scores -> W[j] = rint(a[j] / max a * 2**20) as its halves wh[j] = W[j] / 1024, wl[j] = W[j] % 1024,
+ * with e[j] = 2**(score - max) (0 where hidden), a[j] = e[j] * sv[j] (in place in score, 0 where hidden);
+ * *scale = max a, *denominator = max(sum_j rint(e[j] * 2**20), 1), a sum of integers below 2**21, exact in any
+ * order. A broken row (row_broken) is NaN (entry.h): weights 0, *scale NaN, *denominator 1. */
+static inline void plain_softmax_weights(group_t g, float *score, const uint8_t *seen, const float *v_scale,
+                                         int broken, int16_t *wh, int16_t *wl, double *scale, double *denominator) {
+    if (broken) {
+        for (int64_t j = 0; j < g.keys; j++) wh[j] = wl[j] = 0;
+        *scale = NAN;
+        *denominator = 1.0;
+        return;
+    }
+    float most = -INFINITY, top = 0.0f;
+    for (int64_t j = 0; j < g.keys; j++) most = larger(most, score[j]);
+    float shift = most == -INFINITY ? 0.0f : most;
+    double total = 0.0;
+    for (int64_t j = 0; j < g.keys; j++) {
+        int visible = seen[j * g.visible_stride] != 0;
+        float e = visible ? exp2_nonpositive(score[j] - shift, g.c) : 0.0f;
+        total += (double)rintf(e * WEIGHT_UNIT);
+        score[j] = visible ? e * v_scale[j] : 0.0f;
+        top = larger(top, score[j]);
+    }
+    float divisor = top > 0.0f ? top : 1.0f;
+    for (int64_t j = 0; j < g.keys; j++) {
+        int32_t w = (int32_t)rintf((score[j] / divisor) * WEIGHT_UNIT);
+        wh[j] = (int16_t)(w >> 10);
+        wl[j] = (int16_t)(w & (WEIGHT_HALF - 1));
+    }
+    *scale = (double)top;
+    *denominator = total > 1.0 ? total : 1.0;
+}
+
+/* sum[d] = sum_j W[j] V[j][d] for one row, in int32 on W's halves PAIR_FLUSH key pairs at a time, then in float64 */
+static inline void plain_weighted_sum(group_t g, const int16_t *wh, const int16_t *wl, const int16_t *v, double *sum) {
+    int32_t high[g.size], low[g.size];
+    for (int64_t d = 0; d < g.size; d++) sum[d] = 0.0;
+    for (int64_t j0 = 0; j0 < g.keys; j0 += 2 * PAIR_FLUSH) {
+        int64_t end = g.keys - j0 < 2 * PAIR_FLUSH ? g.keys : j0 + 2 * PAIR_FLUSH;
+        for (int64_t d = 0; d < g.size; d++) high[d] = low[d] = 0;
+        for (int64_t j = j0; j < end; j++) {
+            const int16_t *value = v + j * g.width;
+            int32_t h = wh[j], l = wl[j];
+            for (int64_t d = 0; d < g.size; d++) {
+                high[d] += h * value[d];
+                low[d] += l * value[d];
+            }
+        }
+        for (int64_t d = 0; d < g.size; d++) sum[d] = sum[d] + (double)high[d] * (double)WEIGHT_HALF + (double)low[d];
+    }
+}
+
+/* out: row r at out + (r / Q) * out_head + (r % Q) * out_query */
+static inline void plain_attend_group(group_t g, const float *query, const int16_t *k, const int16_t *v,
+                                      const uint8_t *visible, scratch_t s, float *out, int64_t out_head,
+                                      int64_t out_query) {
+    double factor[g.padded];
+    uint8_t broken[g.rows];
+    for (int64_t j = 0; j < g.keys; j++) s.v_scale[j] = token_scale_bits(v + j * g.width);
+    int values_broken = any_nonfinite(s.v_scale, g.keys);
+    quantize_queries(g, query, s.hi, s.lo, factor);
+    plain_scores(g, s.hi, s.lo, factor, k, visible, s.score, broken);
+    for (int64_t r = 0; r < g.rows; r++) {
+        double scale, denominator, *sum = s.sum + r * g.lanes;
+        const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
+        plain_softmax_weights(g, s.score + r * g.keys, seen, s.v_scale,
+                              row_broken(g, broken[r], values_broken, seen, s.v_scale), s.wh, s.wl, &scale,
+                              &denominator);
+        plain_weighted_sum(g, s.wh, s.wl, v, sum);
+        float *o = out + (r / g.queries) * out_head + (r % g.queries) * out_query;
+        for (int64_t d = 0; d < g.size; d++) o[d] = (float)((sum[d] * scale) / denominator);
     }
 }
