@@ -11,7 +11,7 @@ from typing import Protocol
 from batchspec.engine.core import Engine
 from batchspec.engine.schedulers import Scheduler
 from batchspec.engine.state import Sequence
-from batchspec.memory import give_back_freed_memory
+from batchspec.memory import HeapWatch
 
 
 class Hooks(Protocol):
@@ -30,7 +30,9 @@ class Hooks(Protocol):
 
 def drive(engine: Engine, scheduler: Scheduler, hooks: Hooks) -> None:
     """Run rounds until ``hooks.admit`` says stop; each round's time (selection included) is wall time. Whenever the
-    last row has finished, the memory the forwards freed is given back (the allocator keeps it while rows run)."""
+    last row has finished, the memory the forwards freed is given back; while rows run, the heap keeps at most
+    :data:`~batchspec.memory.HELD_FREE_BYTES` of it resident (:class:`~batchspec.memory.HeapWatch`)."""
+    heap = HeapWatch()
     while hooks.admit(scheduler):
         with engine.timer.wall():
             rows = scheduler.select()
@@ -45,7 +47,9 @@ def drive(engine: Engine, scheduler: Scheduler, hooks: Hooks) -> None:
             finished = scheduler.ran(rows)
         hooks.ran(rows, finished)
         if finished and scheduler.waiting + scheduler.running == 0:
-            give_back_freed_memory()  # idle: the forwards' working memory goes back to the system (batchspec.memory)
+            heap.reset()  # idle: the forwards' working memory goes back to the system (batchspec.memory)
+        else:
+            heap.check()
 
 
 class Offline:
