@@ -7,6 +7,7 @@
 * ``forward_log`` and ``replay_eqspec``: independent observations of a run (every model forward, with its
   rows, mask and duration) and an independent recount of greedy EqSpec's rounds and acceptance.
 * ``run_cli``: the ``batchspec`` command in process; ``cached_or_skip``: the real presets when cached.
+* ``engine_for``: the engine ``batchspec.generate`` builds for a pair and its settings (``batchspec.run``).
 * ``exact_joint`` and ``joint_pvalue``: the target's exact distribution of the first two sampled tokens and the
   chi-square p-value of observed pairs against it.
 """
@@ -29,6 +30,7 @@ from scipy import stats
 
 from batchspec.config import SamplingParams
 from batchspec.engine.sampling import warp
+from batchspec.run import build_run, resolve_loaded
 
 # --------------------------------------------------------------------------------------------------
 # reference
@@ -306,6 +308,12 @@ def replay_eqspec(target, draft, prompts, *, batch_size: int, k: int, max_new: i
 
 # --------------------------------------------------------------------------------------------------
 # the command line and the real presets
+
+
+def engine_for(target, draft, config):
+    """The engine of ``config`` on ``target`` and ``draft`` as ``batchspec.generate`` makes it: the run resolved for
+    the loaded pair (:func:`batchspec.run.resolve_loaded`), then built (:func:`batchspec.run.build_run`)."""
+    return build_run(resolve_loaded(config, target, draft), target, draft)
 
 
 def run_cli(*args: str):

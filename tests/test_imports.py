@@ -125,20 +125,59 @@ def call_sites(name: str) -> list[str]:
     return sites
 
 
+def call_files(name: str) -> list[str]:
+    """The files (within the package) of :func:`call_sites`, in order, one per call."""
+    return [site.split(":")[0] for site in call_sites(name)]
+
+
 def test_each_load_setting_is_worked_out_in_one_place():
     """The device, the dtype, the quantize mode and the batch-invariant mode are resolved and checked in one place,
-    ``load_settings``, which each entry calls once; the loaders below it take its record whole (issue 64)."""
+    ``load_settings``, which ``load_model``, ``load_pair`` and ``ModelChoice.load_settings`` call (the last for the
+    run's one entry, ``batchspec.run.resolve_run``); the loaders below it take its record whole (issue 64)."""
     for name in ("resolve_device", "resolve_dtype", "check_quantize_for", "check_batch_invariant_for"):
         sites = call_sites(name)
         assert len(sites) == 1 and sites[0].startswith("models/loading.py"), (name, sites)
-    entries = ["cli/bench.py", "cli/generate.py", "cli/serve.py", "models/choice.py", "models/loading.py",
-               "models/loading.py", "ray.py"]  # the commands, ModelChoice, load_model and load_pair, Ray's actors
-    assert [site.split(":")[0] for site in call_sites("load_settings")] == entries
+    assert call_files("load_settings") == ["models/choice.py", "models/loading.py", "models/loading.py", "run.py"]
+
+
+def test_a_run_is_resolved_once_at_its_entry():
+    """Every entry makes its run's record once (``batchspec.run``): the commands and Ray's actors from a model
+    choice (``resolve_run``), ``batchspec.generate``, ``hf_generate`` and a server handed a pair from loaded models
+    (``resolve_loaded``); the models load from it (``load_run``) and the engine is built from it (``build_run``),
+    nowhere else (issue 64)."""
+    assert call_files("resolve_run") == ["cli/bench.py", "cli/generate.py", "cli/serve.py", "ray.py"]
+    assert call_files("resolve_loaded") == ["api.py", "hf.py", "server/app.py"]
+    assert call_files("load_run") == ["cli/bench.py", "cli/generate.py", "cli/serve.py", "ray.py"]
+    assert call_files("load_models") == ["run.py"]
+    assert call_files("build_engine") == ["run.py"]
+    assert call_files("build_run") == ["api.py", "server/app.py"]
 
 
 def test_the_graph_mode_is_worked_out_in_one_place():
     """Whether the runner captures CUDA graphs is ``graph_mode``'s answer, asked only by ``runner_graphs``, which the
-    engine calls with its models and ``generate`` and ``serve`` call before loading, to fail first (issue 64)."""
-    assert [site.split(":")[0] for site in call_sites("graph_mode")] == ["engine/core.py"]
-    entries = ["cli/generate.py", "cli/serve.py", "engine/core.py"]
-    assert [site.split(":")[0] for site in call_sites("runner_graphs")] == entries
+    run's entry calls once, before anything loads (a ``--cuda-graphs on`` the device cannot run fails first); the
+    engine takes the answer and checks its models against it (issue 64)."""
+    assert call_files("graph_mode") == ["engine/core.py"]
+    assert call_files("runner_graphs") == ["run.py"]
+    assert call_files("check_graphed") == ["engine/core.py", "engine/graphs.py"]
+
+
+def test_whether_a_draft_model_drafts_is_answered_in_one_place():
+    """``config.uses_draft_model`` answers it; the run's record (through ``SpecConfig.uses_draft_model``), the model
+    choice (the target alone loads where none drafts) and the bench's plan ask it, and nothing else works it out."""
+    assert call_files("uses_draft_model") == ["bench/runners.py", "config.py", "models/choice.py"]
+
+
+def test_no_record_is_taken_apart_into_keywords_to_be_built_again():
+    """No ``asdict`` or ``**`` of a settings record rebuilt into one (record -> dict -> record), inside the package:
+    Ray's actors are handed their job whole (issue 64)."""
+    own = ("self", "reference")  # a record writing itself out as JSON (cli/output.py, bench/reference.py, ...)
+    taken_apart = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "asdict"
+        and not (isinstance(node.args[0], ast.Name) and node.args[0].id in own)
+    ]
+    assert taken_apart == []
+    assert call_files("options") == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import pickle
 import sys
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import batchspec.server
 from batchspec.cli import app, bench, costs, generate, ray_generate, serve
 from batchspec.config import RequestOptions, SamplingParams, SpecConfig
 from batchspec.models.choice import ModelChoice
-from batchspec.ray import BatchspecPredictor
+from batchspec.ray import JobPredictor
 from batchspec.server.hosting import HttpOptions
 from batchspec.server.limits import RequestLimits
 from batchspec.server.settings import ServerConfig
@@ -121,26 +122,26 @@ def recorded(monkeypatch):
 
         return recorder
 
-    def predict_on_ray(run, records, models, settings, generation, seed, choice):
-        predictor = BatchspecPredictor(**ray_generate._predictor_kwargs(models, settings, generation, choice))
+    def predict_on_ray(run, records, job, seed, choice):
+        predictor = JobPredictor(pickle.loads(pickle.dumps(job)))  # the actors are handed the job whole, pickled
         seen["ray_choice"] = snapshot(choice)
         predictor({"prompt": [r.text for r in records], "seed": [seed or 0] * len(records)})
 
     # nothing loads, so the load settings' refusal of --batch-invariant on the CPU is not the walk's (tests/test_cli.py)
     monkeypatch.setattr("batchspec.models.loading.check_batch_invariant_for", lambda *args: None)
-    monkeypatch.setattr(generate, "load_models", lambda choice, *a, **k: (record("models")(choice, *a),
-                                                                         fake_models(choice))[1])
+    monkeypatch.setattr(generate, "load_run", lambda run, *a, **k: (record("models")(run, *a),
+                                                                   fake_models(run.choice))[1])
     monkeypatch.setattr(generate, "encode_prompts", lambda records, tokenizer, choice: (
         record("prompts")(records, choice), [[1]] * len(records))[1])
     monkeypatch.setattr(generate, "generate_with", record("generate", stop=True))
-    monkeypatch.setattr("batchspec.ray.load_models", lambda choice, *a, **k: (record("models")(choice, *a),
-                                                                              fake_models(choice))[1])
+    monkeypatch.setattr("batchspec.ray.load_run", lambda run, *a, **k: (record("models")(run, *a),
+                                                                        fake_models(run.choice))[1])
     monkeypatch.setattr("batchspec.ray.format_prompts", lambda records, tokenizer, chat_template: (
         record("prompts")(records, chat_template), [[1]] * len(records))[1])
     monkeypatch.setattr("batchspec.ray.generate_with", record("generate", stop=True))
     monkeypatch.setattr(ray_generate, "_reporting_actor_failures", predict_on_ray)
-    monkeypatch.setattr(serve, "load_models", lambda choice, *a, **k: (record("models")(choice, *a),
-                                                                       fake_models(choice))[1])
+    monkeypatch.setattr(serve, "load_run", lambda run, *a, **k: (record("models")(run, *a),
+                                                                fake_models(run.choice))[1])
     def load_workload(models, prompts, methods, cells):
         record("workload")(models, prompts, methods, cells)
         settings = cells.settings

@@ -15,11 +15,11 @@ import random
 import pytest
 import tiny_models
 import torch
+from helpers import engine_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchspec.config import SpecConfig
-from batchspec.engine.core import build_engine
 from batchspec.engine.lookup import NgramIndex, _Joined, lookup_on_device
 from batchspec.engine.schedulers import make_scheduler
 from batchspec.engine.schedulers.drive import Offline, drive
@@ -157,7 +157,7 @@ def test_greedy_verification_caps_each_row_at_its_length():
 def test_each_row_is_capped_by_its_own_budget(proposer, llama, reference):
     """Rows with budgets of 1, 2, 3 and 30 tokens decode together; each drafts within its own budget only."""
     config = SpecConfig(batch_size=4, num_draft_tokens=6, proposer=proposer, check_invariants=True)
-    engine = build_engine(llama.target, llama.drafts["identical"] if proposer == "draft" else None, config)
+    engine = engine_for(llama.target, llama.drafts["identical"] if proposer == "draft" else None, config)
     prompts = repeating_prompts(llama, 4, seed=3)
     rows = [Sequence(i, p, budget) for i, (p, budget) in enumerate(zip(prompts, [1, 2, 3, 30], strict=True))]
     scheduler = make_scheduler(engine.config)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import tiny_models
 import torch
-from helpers import exact_joint, joint_pvalue, reference_greedy
+from helpers import engine_for, exact_joint, joint_pvalue, reference_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +28,6 @@ import batchspec
 import batchspec.engine.core as engine
 import batchspec.engine.verifier as verifier
 from batchspec.config import SamplingParams, SpecConfig
-from batchspec.engine.core import build_engine
 from batchspec.engine.prefill import Reader, catch_up
 from batchspec.engine.realign import plan_layout
 from batchspec.engine.sampling import derive_row_seeds
@@ -343,7 +342,7 @@ def test_rows_with_different_settings_share_rounds(seq_models):
     config = SpecConfig(
         batch_size=8, num_draft_tokens=3, eos_token_ids=tuple(SEQ_EOS), check_invariants=True, proposer="draft"
     )
-    decoder = build_engine(seq_models.target, seq_models.perturbed, config)
+    decoder = engine_for(seq_models.target, seq_models.perturbed, config)
     rows = [
         Sequence(i, p, SEQ_MAX_NEW, sampling=s, row_seed=seed)
         for i, (p, s, seed) in enumerate(zip(prompts, settings, seeds, strict=True))
@@ -439,7 +438,7 @@ def test_seeded_tokens_do_not_depend_on_the_schedule(
         method=method, batch_size=batch_size, num_draft_tokens="auto", proposer=proposer, prefill_chunk=chunk,
         eos_token_ids=tuple(SEQ_EOS), check_invariants=True,
     )
-    decoder = build_engine(seq_models.target, None if proposer == "ngram" else seq_models.perturbed, config)
+    decoder = engine_for(seq_models.target, None if proposer == "ngram" else seq_models.perturbed, config)
     decoder.planner.lengths = DrawnLengths(decoder.planner, data.draw)
     seeds = derive_row_seeds(7, len(SCHEDULE_PROMPTS))
     rows = [
@@ -468,7 +467,7 @@ def test_rows_a_draft_catch_up_leaves_behind_are_caught_up_too(seq_models):
     config = SpecConfig(
         batch_size=3, num_draft_tokens=2, eos_token_ids=tuple(SEQ_EOS), proposer="draft", check_invariants=True,
     )
-    decoder = build_engine(seq_models.target, seq_models.perturbed, config)
+    decoder = engine_for(seq_models.target, seq_models.perturbed, config)
     rows = [
         Sequence(i, p, SEQ_MAX_NEW, sampling=SamplingParams(**SEQ_SAMPLING), row_seed=s)
         for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))

@@ -15,7 +15,7 @@ import json
 import pytest
 import tiny_models
 import torch
-from helpers import cached_or_skip, exact_joint, joint_pvalue
+from helpers import cached_or_skip, engine_for, exact_joint, joint_pvalue
 
 import batchspec
 from batchspec.config import SamplingParams
@@ -129,7 +129,7 @@ def test_prompt_logprobs_are_the_bits_of_the_same_tokens_generated(pair):
     scored_only = batchspec.generate(target, draft, echoed, max_new_tokens=0, prompt_logprobs=3, **common)
     while_decoding = batchspec.generate(target, draft, echoed, batch_size=4, max_new_tokens=5, num_draft_tokens=3,
                                         prompt_logprobs=3, **common)
-    engine = batchspec.engine.core.build_engine(target, None, batchspec.SpecConfig(method="autoregressive"))
+    engine = engine_for(target, None, batchspec.SpecConfig(method="autoregressive"))
     for i, (prompt, prompt_and_output) in enumerate(zip(prompts, echoed, strict=True)):
         scores = scored_only.prompt_logprobs[i]
         assert scores == while_decoding.prompt_logprobs[i]

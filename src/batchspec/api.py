@@ -20,13 +20,13 @@ from batchspec.engine import (
     Penalties,
     Sequence,
     TokenLogprob,
-    build_engine,
     check_budget,
     derive_row_seeds,
     drive,
     make_scheduler,
 )
 from batchspec.model_checks import vocab_size
+from batchspec.run import RunConfig, build_run, resolve_loaded
 
 
 @dataclass
@@ -114,8 +114,9 @@ def generate(
             (docs/api.md); any other name is a TypeError.
     """
     check_budget(max_new_tokens)  # before anything is built, and for an empty prompt list (no Sequence) too
+    run = resolve_loaded(settings(options, eos_token_id), target, draft)
     return generate_with(
-        target, draft, prompts, settings(options, eos_token_id), max_new_tokens=max_new_tokens, tokenizer=tokenizer,
+        target, draft, prompts, run, max_new_tokens=max_new_tokens, tokenizer=tokenizer,
         progress=progress, sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p), seed=seed,
         penalties=penalties, grammar=grammar, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
@@ -125,7 +126,7 @@ def generate_with(
     target: torch.nn.Module,
     draft: torch.nn.Module | None,
     prompts: Seq[Seq[int]] | Seq[str],
-    config: SpecConfig,
+    run: RunConfig,
     *,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     tokenizer=None,
@@ -137,12 +138,13 @@ def generate_with(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> GenerationResult:
-    """:func:`generate` with the run's settings as the record they are (``config``, EOS ids included) and the
-    sampling settings as one: what the commands, Ray's predictor and the transformers adapter call, so a record is
-    never taken apart into keywords to be built again (``sampling``: greedy where None)."""
+    """:func:`generate` with the run's settings as the record its entry made (``run``: :mod:`batchspec.run`, the
+    engine's settings with EOS ids, the proposer and the graph mode) and the sampling settings as one: what the
+    commands, Ray's predictor and the transformers adapter call, so a record is never taken apart into keywords to
+    be built again (``sampling``: greedy where None)."""
     check_budget(max_new_tokens)
     sampling = sampling or SamplingParams()
-    engine = build_engine(target, draft, config)
+    engine = build_run(run, target, draft)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
     seeds = derive_row_seeds(seed, len(token_prompts))
     requests = [

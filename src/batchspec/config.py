@@ -311,10 +311,6 @@ class SpecConfig:
         if self.window_size is not None and self.window_size < self.batch_size:
             raise ValueError(f"window_size must be >= batch_size ({self.batch_size}); got {self.window_size}")
 
-    def options(self) -> dict[str, Any]:
-        """Every field by name: the keywords of ``batchspec.generate`` that give this record."""
-        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
-
     @property
     def speculative(self) -> bool:
         return self.method is not Method.AUTOREGRESSIVE

@@ -26,6 +26,7 @@ from transformers import GenerationConfig
 
 from batchspec.api import generate_with
 from batchspec.config import SEED_LIMIT, SamplingParams, SpecConfig
+from batchspec.run import resolve_loaded
 
 SUPPORTED_FIELDS = frozenset({
     "max_new_tokens", "max_length", "eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p",
@@ -100,7 +101,8 @@ def hf_generate(
     check_supported(config, unused)
     prompts = real_tokens(input_ids, attention_mask)
     call = plan_call(config, assistant_model, len(prompts), input_ids.shape[1])
-    result = generate_with(model, call.draft, prompts, call.settings, max_new_tokens=call.max_new_tokens,
+    run = resolve_loaded(call.settings, model, call.draft)
+    result = generate_with(model, call.draft, prompts, run, max_new_tokens=call.max_new_tokens,
                            sampling=call.sampling, seed=call.seed)
     return assemble(input_ids, result.sequences, call.settings.pad_token_id)
 

@@ -33,7 +33,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,28 @@ from batchspec.api import GenerationResult, generate_with
 from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SamplingParams, SpecConfig, setting_default
 from batchspec.data import PromptRecord, format_prompts
 from batchspec.engine import GenerationStats
-from batchspec.models.choice import ModelChoice, load_models
+from batchspec.models.choice import ModelChoice
+from batchspec.run import load_run, resolve_run
 
 PROMPT_COLUMN = "prompt"
 SEED_COLUMN = "seed"
 CODE_COLUMN = "code_completion"
 STATS_COLUMN = "batch_stats"
 
+
+@dataclass(frozen=True)
+class ActorJob:
+    """What an actor is handed, whole (it pickles): which models, the run's settings as asked (each actor resolves
+    them on its own machine: :func:`~batchspec.run.resolve_run`), the sampling and budget of every row, the prompt
+    column, the chat template switch and the torch threads."""
+
+    choice: ModelChoice
+    engine: SpecConfig
+    sampling: SamplingParams
+    max_new_tokens: int
+    prompt_column: str
+    chat_template: bool
+    num_threads: int | None
 
 
 class BatchspecPredictor:
@@ -92,31 +107,43 @@ class BatchspecPredictor:
         chat_template: bool = True,
         **settings: Any,
     ) -> None:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        self.max_new_tokens = settings.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        self.sampling = SamplingParams(**{spec.name: settings.pop(spec.name) for spec in fields(SamplingParams)
-                                          if spec.name in settings})
-        self.config = SpecConfig(**settings)
-        self.prompt_column, self.chat_template = prompt_column, chat_template
-        method, proposer = self.config.method, self.config.proposer
+        max_new_tokens = settings.pop("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        sampling = SamplingParams(**{spec.name: settings.pop(spec.name) for spec in fields(SamplingParams)
+                                     if spec.name in settings})
         choice = ModelChoice(preset=preset, target=target, draft=draft, dtype=dtype, kernels=kernels,
                              cache_dir=Path(cache_dir) if cache_dir is not None else None, quantize=quantize,
                              device=device, batch_invariant=batch_invariant)
-        choice.check_for(method, proposer)
-        self.models = load_models(choice, choice.load_settings(), method, proposer, progress=False)
+        self._start(ActorJob(choice, SpecConfig(**settings), sampling, max_new_tokens, prompt_column, chat_template,
+                             num_threads))
+
+    def _start(self, job: ActorJob) -> None:
+        """Make the run on this machine (:func:`~batchspec.run.resolve_run`: its device, its build) and load its
+        models once."""
+        if job.num_threads is not None:
+            torch.set_num_threads(job.num_threads)
+        self.job = job
+        self.run = resolve_run(job.engine, job.choice)
+        self.models = load_run(self.run, progress=False)
         self._batch_ids = (f"{socket.gethostname()}:{os.getpid()}:{n}" for n in count())
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        records = batch_records(batch, self.prompt_column)
-        token_ids = format_prompts(records, self.models.tokenizer, chat_template=self.chat_template)
+        records = batch_records(batch, self.job.prompt_column)
+        token_ids = format_prompts(records, self.models.tokenizer, chat_template=self.job.chat_template)
         seeds = [int(s) for s in batch[SEED_COLUMN]] if SEED_COLUMN in batch else None
         started = time.time()
-        result = generate_with(self.models.target, self.models.draft, token_ids, self.config, seed=seeds,
-                               max_new_tokens=self.max_new_tokens, sampling=self.sampling)
+        result = generate_with(self.models.target, self.models.draft, token_ids, self.run, seed=seeds,
+                               max_new_tokens=self.job.max_new_tokens, sampling=self.job.sampling)
         stats = dict(result.stats.to_dict(), batch_id=next(self._batch_ids), rows=len(records), started=started,
                      finished=time.time())
         return dict(batch) | output_columns(result, self.models.tokenizer, json.dumps(stats))
+
+
+class JobPredictor(BatchspecPredictor):
+    """:class:`BatchspecPredictor` handed its :class:`ActorJob` whole: what ``batchspec generate --ray`` starts
+    (``fn_constructor_kwargs={"job": job}``), so the records it holds reach the actors as they are."""
+
+    def __init__(self, job: ActorJob) -> None:
+        self._start(job)
 
 
 def batch_records(batch: Mapping[str, Any], prompt_column: str) -> list[PromptRecord]:
@@ -147,13 +174,13 @@ def merge_batch_stats(stats_json: Iterable[str]) -> tuple[GenerationStats, float
     batches = {b["batch_id"]: b for b in map(json.loads, stats_json)}.values()
     total = GenerationStats()
     for batch in batches:
-        for field in fields(GenerationStats):
-            value = batch[field.name]
+        for spec in fields(GenerationStats):
+            value = batch[spec.name]
             if isinstance(value, dict):
-                merged = getattr(total, field.name)
+                merged = getattr(total, spec.name)
                 for key, n in value.items():
                     merged[int(key)] = merged.get(int(key), 0) + n
             else:
-                setattr(total, field.name, getattr(total, field.name) + value)
+                setattr(total, spec.name, getattr(total, spec.name) + value)
     span = max((b["finished"] for b in batches), default=0.0) - min((b["started"] for b in batches), default=0.0)
     return total, span

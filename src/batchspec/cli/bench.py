@@ -29,9 +29,10 @@ from batchspec.cli.common import (
 from batchspec.cli.errors import user_errors
 from batchspec.config import DEFAULT_MAX_NEW_TOKENS, PROPOSERS, SpecConfig
 from batchspec.engine import resolve_special_ids
-from batchspec.models.choice import ModelChoice, load_models
+from batchspec.models.choice import ModelChoice
 from batchspec.models.packing import kernels_in_use
 from batchspec.models.pair import ModelPair
+from batchspec.run import load_run, resolve_run
 
 ALL_METHODS = ",".join(METHODS)
 MethodsOption = Annotated[
@@ -157,9 +158,8 @@ def load_for_methods(
 ) -> ModelPair:
     """The models the cells need: a draft only when some method (with some proposer) runs one."""
     drafting = any(needs_draft(m, p) for m, p, _ in plan_cells(methods, proposers, (1,)))
-    method = Method.EQSPEC if drafting else Method.AUTOREGRESSIVE
-    models.check_for(method)
-    loaded = load_models(models, models.load_settings(), method)
+    run = resolve_run(SpecConfig(method=Method.EQSPEC if drafting else Method.AUTOREGRESSIVE), models)
+    loaded = load_run(run)
     typer.echo(loaded_line(loaded), err=True)
     return loaded
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +10,6 @@ import typer
 from batchspec.api import generate_with
 from batchspec.bench.costs import weight_bytes
 from batchspec.cli.common import (
-    CudaGraphs,
     MaxNewTokensOption,
     PromptChoice,
     SeedOption,
@@ -35,10 +33,10 @@ from batchspec.cli.output import (
     sampling_summary,
     write_jsonl,
 )
-from batchspec.cli.ray_generate import RayChoice, ray_choice, run_generate_on_ray
+from batchspec.cli.ray_generate import RayChoice, ray_choice, ray_job, run_generate_on_ray
 from batchspec.config import DEFAULT_MAX_NEW_TOKENS, SamplingParams, SpecConfig
-from batchspec.engine import runner_graphs
-from batchspec.models.choice import ModelChoice, load_models
+from batchspec.models.choice import ModelChoice
+from batchspec.run import load_run, resolve_run
 
 OutputOption = Annotated[
     Path | None,
@@ -81,23 +79,18 @@ def generate_command(
     a local cluster or the one at --ray-address / $RAY_ADDRESS; the output is the same, in prompt order.
     """
     with user_errors():
-        models.check_for(settings.method, settings.proposer)
         check_sampling_options(sampling, seed)
         records = load_prompt_records(prompts)
         check_output_path(output)
-        if ray.enabled and settings.cuda_graphs is CudaGraphs.ON:
-            raise ValueError("--cuda-graphs on does not run with --ray (its actors run the models as they come)")
-        settings = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
-        if ray.enabled:  # each actor makes the load settings on its own machine (its device, its build)
-            generation = dict(max_new_tokens=max_new_tokens, chat_template=prompts.chat_template, **asdict(sampling))
-            run_generate_on_ray(records, models, settings, generation, seed, ray, output)
+        if ray.enabled:  # each actor makes the run on its own machine (its device, its build): resolve_run
+            run_generate_on_ray(records, ray_job(models, settings, sampling, max_new_tokens, prompts, ray), seed,
+                                ray, output)
             return
-        placed = models.load_settings()
-        runner_graphs(settings, placed.device)  # a --cuda-graphs the device cannot run fails here
-        loaded = load_models(models, placed, settings.method, settings.proposer)
+        run = resolve_run(settings, models)  # a --cuda-graphs the device cannot run fails here, before loading
+        loaded = load_run(run)
         typer.echo(loaded_line(loaded), err=True)
         token_ids = encode_prompts(records, loaded.tokenizer, prompts)
-        result = generate_with(loaded.target, loaded.draft, token_ids, settings, max_new_tokens=max_new_tokens,
+        result = generate_with(loaded.target, loaded.draft, token_ids, run, max_new_tokens=max_new_tokens,
                                progress=True, seed=seed, sampling=sampling)
         results = collect_results(records, result, loaded.tokenizer)
         if output is None:
@@ -105,8 +98,8 @@ def generate_command(
         else:
             write_jsonl(output, results)
             typer.echo(f"Wrote {len(results)} results to {output}", err=True)
-    typer.echo(f"Summary: {loaded.name} ({loaded.precision}), {run_label(settings)}, "
+    typer.echo(f"Summary: {loaded.name} ({loaded.precision}), {run_label(run.engine)}, "
                f"{sampling_summary(sampling, seed)}")
-    for line in summary_lines(result.stats, result.finish_reasons, settings.method, weight_bytes(loaded.target)):
+    for line in summary_lines(result.stats, result.finish_reasons, run.engine.method, weight_bytes(loaded.target)):
         typer.echo(f"  {line}")
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from tqdm.auto import tqdm
 
-from batchspec.cli.common import Method, summary_lines
+from batchspec.cli.common import CudaGraphs, Method, PromptChoice, summary_lines
 from batchspec.cli.errors import EXIT_USER_ERROR
 from batchspec.cli.output import GeneratedText, print_texts, run_label, sampling_summary, write_jsonl
 from batchspec.config import SamplingParams, SpecConfig
@@ -25,7 +25,7 @@ from batchspec.data import PromptRecord
 from batchspec.engine import GenerationStats, derive_row_seeds
 from batchspec.models.choice import ModelChoice, presets_used
 from batchspec.models.obtain import obtain_preset
-from batchspec.ray import STATS_COLUMN, BatchspecPredictor, merge_batch_stats
+from batchspec.ray import PROMPT_COLUMN, STATS_COLUMN, ActorJob, JobPredictor, merge_batch_stats
 
 
 @dataclass(frozen=True)
@@ -95,26 +95,21 @@ class RayRun:
     cluster: str
 
 
-def generate_on_ray(
-    records: list[PromptRecord], models: ModelChoice, settings: SpecConfig, generation: dict[str, Any],
-    seed: int | None, choice: RayChoice,
-) -> RayRun:
-    """Generate for ``records`` with :class:`BatchspecPredictor` actors; rows come back in prompt order.
-    ``generation``: the predictors' keywords besides the settings (``max_new_tokens``, sampling, ``chat_template``).
-    """
+def generate_on_ray(records: list[PromptRecord], job: ActorJob, seed: int | None, choice: RayChoice) -> RayRun:
+    """Generate for ``records`` with :class:`~batchspec.ray.JobPredictor` actors, each handed ``job`` whole; rows
+    come back in prompt order."""
     ray = _import_ray()
     if _starts_local_cluster(ray, choice):
-        _obtain_presets(models, settings)
+        _obtain_presets(job.choice, job.engine)
     started_here = _connect(ray, choice)
     try:
         _warn_if_short_of_cpus(ray, choice)
         _configure_ray_data(ray)
-        seeds = seed if generation["temperature"] > 0 else None
-        dataset = prompt_dataset(records, _rows_per_call(settings), seeds)
-        kwargs = _predictor_kwargs(models, settings, generation, choice)
-        predicted = dataset.map_batches(BatchspecPredictor, fn_constructor_kwargs=kwargs, batch_size=None,
+        seeds = seed if not job.sampling.greedy else None
+        dataset = prompt_dataset(records, _rows_per_call(job.engine), seeds)
+        predicted = dataset.map_batches(JobPredictor, fn_constructor_kwargs={"job": job}, batch_size=None,
                                         concurrency=choice.num_actors, num_cpus=choice.threads)
-        rows = _collect(predicted, len(records), settings.method.value)
+        rows = _collect(predicted, len(records), job.engine.method.value)
         cluster = "local cluster" if started_here else f"cluster {ray.get_runtime_context().gcs_address}"
     finally:
         if started_here:
@@ -196,15 +191,15 @@ def prompt_dataset(records: list[PromptRecord], rows_per_call: int, seed: int | 
     return ray.data.from_arrow(blocks)
 
 
-def _predictor_kwargs(
-    models: ModelChoice, settings: SpecConfig, generation: dict[str, Any], choice: RayChoice
-) -> dict[str, Any]:
-    cache_dir = None if models.cache_dir is None else str(models.cache_dir)
-    return dict(
-        preset=models.preset, target=models.target, draft=models.draft, dtype=models.dtype,
-        kernels=models.kernels, quantize=models.quantize, device=models.device, batch_invariant=models.batch_invariant,
-        cache_dir=cache_dir, num_threads=choice.threads, **generation, **settings.options(),
-    )
+def ray_job(models: ModelChoice, settings: SpecConfig, sampling: SamplingParams, max_new_tokens: int,
+            prompts: PromptChoice, ray: RayChoice) -> ActorJob:
+    """What each Ray actor is handed, whole: the models, the settings (checked and the proposer settled here, the
+    rest by each actor on its own machine), the sampling, the budget, the chat template switch and its threads."""
+    models.check_for(settings.method, settings.proposer)
+    if settings.cuda_graphs is CudaGraphs.ON:
+        raise ValueError("--cuda-graphs on does not run with --ray (its actors run the models as they come)")
+    settings = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
+    return ActorJob(models, settings, sampling, max_new_tokens, PROMPT_COLUMN, prompts.chat_template, ray.threads)
 
 
 def _collect(predicted: Any, total: int, method: str) -> list[dict[str, Any]]:
@@ -221,11 +216,11 @@ def _collect(predicted: Any, total: int, method: str) -> list[dict[str, Any]]:
 
 
 def run_generate_on_ray(
-    records: list[PromptRecord], models: ModelChoice, settings: SpecConfig, generation: dict[str, Any],
-    seed: int | None, choice: RayChoice, output: Path | None,
+    records: list[PromptRecord], job: ActorJob, seed: int | None, choice: RayChoice, output: Path | None
 ) -> None:
-    """``batchspec generate --ray``: generate on Ray, then print or write the results and the summary."""
-    run = _reporting_actor_failures(generate_on_ray, records, models, settings, generation, seed, choice)
+    """``batchspec generate --ray``: generate on Ray (each actor handed ``job``), then print or write the results
+    and the summary."""
+    run = _reporting_actor_failures(generate_on_ray, records, job, seed, choice)
     results = [
         GeneratedText(index=i, prompt=record.text, text=str(row["text"]), token_ids=[int(t) for t in row["token_ids"]],
                       num_tokens=int(row["num_tokens"]), finish_reason=str(row["finish_reason"]))
@@ -236,8 +231,9 @@ def run_generate_on_ray(
     else:
         write_jsonl(output, results)
         typer.echo(f"Wrote {len(results)} results to {output}", err=True)
-    sampling = sampling_summary(SamplingParams(**{k: generation[k] for k in ("temperature", "top_k", "top_p")}), seed)
-    typer.echo(f"Summary: {model_label(models, settings.method)}, {run_label(settings)}, {sampling}")
+    settings = job.engine
+    typer.echo(f"Summary: {model_label(job.choice, settings.method)}, {run_label(settings)}, "
+               f"{sampling_summary(job.sampling, seed)}")
     for line in ray_summary_lines(run, choice, [r.finish_reason for r in results], settings.method):
         typer.echo(f"  {line}")
 

@@ -12,8 +12,8 @@ import typer
 from batchspec.cli.common import loaded_line, model_choice, settings_choice, with_options
 from batchspec.cli.errors import user_errors
 from batchspec.config import SpecConfig
-from batchspec.engine import runner_graphs
-from batchspec.models.choice import ModelChoice, load_models
+from batchspec.models.choice import ModelChoice
+from batchspec.run import load_run, resolve_run
 from batchspec.server.hosting import HttpOptions
 from batchspec.server.limits import RequestLimits
 from batchspec.server.security import API_KEY_ENV, SecurityConfig
@@ -125,14 +125,11 @@ def serve_command(
 
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with user_errors():
-        models.check_for(settings.method, settings.proposer)
-        placed = models.load_settings()
-        runner_graphs(settings, placed.device)  # a --cuda-graphs the device cannot run fails here
-        engine = replace(settings, proposer=models.proposer_for(settings.method, settings.proposer))
-        config = replace(server, engine=engine, limits=limits, security=access.security)
-        loaded = load_models(models, placed, engine.method, engine.proposer)
+        run = resolve_run(settings, models)  # a --cuda-graphs the device cannot run fails here, before loading
+        config = replace(server, engine=run.engine, limits=limits, security=access.security)
+        loaded = load_run(run)
         typer.echo(loaded_line(loaded), err=True)
-        app = create_app(loaded, config)
+        app = create_app(loaded, config, run)
         served = config.served_model_name or loaded.name
         typer.echo(f"Serving {served} ({loaded.dtype}) on {http.scheme}://{access.host}:{port}/v1", err=True)
         serve_forever(app, access.host, port, log_level=log_level.value, http=http)

@@ -27,6 +27,7 @@ checks): the modules can then move and split inside without a change outside.
 from batchspec.engine.core import Engine, build_engine, resolve_special_ids, runner_graphs
 from batchspec.engine.errors import InvariantError
 from batchspec.engine.grammar import Grammar, GrammarCompiler, GrammarError
+from batchspec.engine.graphs import GraphMode
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
 from batchspec.engine.metrics import STAGES, GenerationStats
@@ -40,7 +41,7 @@ from batchspec.engine.state import FINISH_LENGTH, BatchState, Sequence, check_bu
 
 __all__ = [
     "FINISH_LENGTH", "MAX_BIAS", "MAX_TOP", "STAGES", "BatchKVCache", "BatchState", "Engine", "GenerationParams",
-    "GenerationStats", "Grammar", "GrammarCompiler", "GrammarError", "InvariantError", "ModelRunner", "Offline",
-    "Penalties", "Scheduler", "Sequence", "TokenLogprob", "build_engine", "check_budget",
+    "GenerationStats", "Grammar", "GrammarCompiler", "GrammarError", "GraphMode", "InvariantError", "ModelRunner",
+    "Offline", "Penalties", "Scheduler", "Sequence", "TokenLogprob", "build_engine", "check_budget",
     "derive_row_seeds", "drive", "make_scheduler", "resolve_special_ids", "runner_graphs",
 ]

@@ -19,7 +19,7 @@ import torch
 
 from batchspec.config import ProposerKind, SpecConfig
 from batchspec.engine.draft_length import Reach, RoundRecord, planner_for
-from batchspec.engine.graphs import GraphMode, graph_mode
+from batchspec.engine.graphs import GraphMode, check_graphed, graph_mode
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked
 from batchspec.engine.metrics import GenerationStats, StageTimer
@@ -40,14 +40,17 @@ from batchspec.model_checks import check_pair
 class Engine:
     """Runs rounds of the target and (for speculative methods) the draft over rows a scheduler picks."""
 
-    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig) -> None:
+    def __init__(
+        self, target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig, graphs: GraphMode
+    ) -> None:
         self.target = target
         self.draft = draft
         self.config = config
         self.stats = GenerationStats()
         self.device = next(target.parameters()).device
-        models = (target,) if draft is None else (target, draft)
-        self.runner = ModelRunner(self.device, graphs=runner_graphs(config, self.device, models))
+        if graphs == "on":
+            check_graphed(config.cuda_graphs, (target,) if draft is None else (target, draft))
+        self.runner = ModelRunner(self.device, graphs=graphs)
         self.timer = StageTimer(self.stats, enabled=config.timing, device=self.device)
         self.eos = frozenset(config.eos_token_ids)
         self.proposer = _proposer(draft, config)
@@ -224,30 +227,32 @@ class Engine:
         return accepted, gained, host
 
 
-def build_engine(target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig) -> Engine:
-    """The engine for ``config`` on this pair: checks the models, fills in the EOS and pad defaults from the
-    target's generation config (the one place they are resolved) and makes the stats and the timer."""
-    proposer = config.proposer or (ProposerKind.HYBRID if draft is not None else ProposerKind.NGRAM)
-    config = replace(config, proposer=proposer)
+def build_engine(
+    target: torch.nn.Module, draft: torch.nn.Module | None, config: SpecConfig, graphs: GraphMode
+) -> Engine:
+    """The engine for ``config`` on this pair, its runner in the graph mode ``graphs``, both as a run's entry made
+    them (``batchspec.run.RunConfig``: the proposer settled, :func:`runner_graphs` asked): checks the models, fills
+    in the EOS and pad defaults from the target's generation config (the one place they are resolved) and makes the
+    stats and the timer."""
+    if config.speculative and config.proposer is None:
+        raise ValueError("the proposer is settled at the run's entry (batchspec.run), not left None")
     check_pair(target, draft if config.uses_draft_model else None)
     if config.uses_draft_model and draft is None:
         raise ValueError(
-            f"proposer {proposer.value!r} needs a draft model; pass one, or use proposer='ngram' or "
+            f"proposer {config.proposer.value!r} needs a draft model; pass one, or use proposer='ngram' or "
             "method='autoregressive'"
         )
     eos, pad = resolve_special_ids(target, config.eos_token_ids, config.pad_token_id)
     draft_model = draft if config.uses_draft_model else None
-    return Engine(target, draft_model, replace(config, eos_token_ids=eos, pad_token_id=pad))
+    return Engine(target, draft_model, replace(config, eos_token_ids=eos, pad_token_id=pad), graphs)
 
 
-def runner_graphs(
-    config: SpecConfig, device: torch.device, models: tuple[torch.nn.Module, ...] = ()
-) -> GraphMode:
-    """The runner's graph mode for ``config`` with ``models`` on ``device``: the one place
-    :func:`~batchspec.engine.graphs.graph_mode` is asked. The engine asks it with its models; the commands ask it
-    for the device alone (``models`` empty) before anything loads, so that a ``cuda_graphs`` the device cannot run
-    fails first (ValueError)."""
-    return graph_mode(config.cuda_graphs, device, models)
+def runner_graphs(config: SpecConfig, device: torch.device) -> GraphMode:
+    """The runner's graph mode for ``config`` on ``device``: the one place
+    :func:`~batchspec.engine.graphs.graph_mode` is asked, by the run's entry (``batchspec.run``) before anything
+    loads, so that a ``cuda_graphs`` the device cannot run fails first (ValueError); the engine then checks its
+    models against the answer (:func:`~batchspec.engine.graphs.check_graphed`)."""
+    return graph_mode(config.cuda_graphs, device)
 
 
 def resolve_special_ids(

@@ -60,7 +60,15 @@ def graph_mode(setting: str, device: torch.device, models: tuple[torch.nn.Module
         return "off"
     if not cuda:
         raise ValueError(f"--cuda-graphs on needs the models on a CUDA device (--device cuda); they are on {device}")
-    for model in models if choice is CudaGraphs.ON else ():
+    check_graphed(choice, models)
+    return "on"
+
+
+def check_graphed(setting: str, models: tuple[torch.nn.Module, ...]) -> None:
+    """Raise ValueError where ``setting`` is ``"on"`` and one of ``models`` runs an attention a static-mode forward
+    cannot (:data:`GRAPHED_ATTENTION`): what only the loaded models answer, once the device's part of
+    :func:`graph_mode` is settled."""
+    for model in models if CudaGraphs(setting) is CudaGraphs.ON else ():
         implementation = getattr(model.config, "_attn_implementation", None)
         if implementation not in GRAPHED_ATTENTION:
             raise ValueError(
@@ -68,7 +76,6 @@ def graph_mode(setting: str, device: torch.device, models: tuple[torch.nn.Module
                 f"{implementation!r} (the batch-invariant mode's forwards are not graphed yet): use --cuda-graphs auto "
                 "or off"
             )
-    return "on"
 
 
 @dataclass

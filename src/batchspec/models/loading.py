@@ -175,7 +175,7 @@ def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]]
     An ``"int8"`` or ``"int4"`` asked for explicitly raises ValueError naming the first model the integer forward does
     not support and why (before any model is quantized).
     """
-    if resolved not in ("int8", "int4"):
+    if resolved == "none":
         return resolved
     if asked == "auto":
         if not all(integer.quantizable(model) for _, model in models):
@@ -308,13 +308,13 @@ def load_specs(
         models = [model for model, _ in loaded]
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         fetch = resolved == "int4"  # int4 needs the file's blocks; int8 takes its embedding's where the file is at hand
-        quantized = resolved in ("int8", "int4")
+        quantized = resolved != "none"
         origins = [_origin(spec, root, gguf_file, progress, fetch) for spec in specs] if quantized else []
         resolved = settle_quantize(settings.asked, resolved, list(zip(specs, models, strict=True)), origins)
         for index, (model, tokenizer) in enumerate(loaded):
             reader = CheckpointReader.of(model) if stored else None
             fresh = None if reader is None else reader.fresh
-            origin = origins[index] if resolved in ("int8", "int4") else None
+            origin = origins[index] if resolved != "none" else None
             source = None if origin is None else GgufWeights(origin, model, fresh)
             _finish(model, tokenizer, resolved, settings, source, fresh)
         return loaded
@@ -358,7 +358,7 @@ def _finish(model: Any, tokenizer: Any, quantize: str, settings: LoadSettings, s
     :class:`~batchspec.models.checkpoint.CheckpointReader`), else batch-invariant, else the settings' dtype (widened
     a tensor at a time where loaded narrower, each linear layer packed as it is widened where the kernels pack) on
     the settings' kernels."""
-    if quantize in ("int8", "int4"):
+    if quantize != "none":
         integer.quantize_model(model, tokenizer, quantize, source, fresh)
         integer_forward(model)  # its stacked weights laid out now, while the load's freed memory goes back
         return

@@ -25,9 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchspec.engine import build_engine, make_scheduler
+from batchspec.engine import make_scheduler
 from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
+from batchspec.run import RunConfig, build_run, resolve_loaded
 from batchspec.server.bodies import BodyBounds
 from batchspec.server.chat import ChatEncoder
 from batchspec.server.errors import APIError, bad_request
@@ -78,9 +79,12 @@ class ServingState:
                            param="model", code="model_not_found")
 
 
-def build_state(models: ModelPair, config: ServerConfig) -> ServingState:
-    """The engine, its loop and the metrics for ``models`` (checked like ``batchspec.generate`` checks them)."""
-    engine = build_engine(models.target, models.draft, config.engine)
+def build_state(models: ModelPair, config: ServerConfig, run: RunConfig | None = None) -> ServingState:
+    """The engine, its loop and the metrics for ``models`` (checked like ``batchspec.generate`` checks them): the
+    engine of ``run`` (``serve`` hands the record it made, :func:`~batchspec.run.resolve_run`), else of
+    ``config.engine`` with these models (:func:`~batchspec.run.resolve_loaded`)."""
+    run = run or resolve_loaded(config.engine, models.target, models.draft)
+    engine = build_run(run, models.target, models.draft)
     metrics = ServerMetrics()
     scheduler = make_scheduler(engine.config, online=True)
     loop = EngineLoop(engine, scheduler, models.tokenizer, max_queue=config.max_queue, metrics=metrics)
@@ -140,9 +144,10 @@ def _pool(name: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix=name)
 
 
-def create_app(models: ModelPair, config: ServerConfig) -> FastAPI:
-    """The application serving ``models``; its engine loop runs while the application runs (lifespan)."""
-    state = build_state(models, config)
+def create_app(models: ModelPair, config: ServerConfig, run: RunConfig | None = None) -> FastAPI:
+    """The application serving ``models`` (with the engine of ``run`` when given, see :func:`build_state`); its
+    engine loop runs while the application runs (lifespan)."""
+    state = build_state(models, config, run)
     front = Front(
         InFlight(config.limits.request_timeout_s), prompt_reader(models, state), config.shutdown_timeout_s,
     )
