@@ -14,7 +14,7 @@ import pytest
 
 from batchspec.engine.draft_length import AdaptiveLength, Reach, RoundRecord
 from batchspec.engine.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
-from batchspec.engine.state import Sequence
+from batchspec.engine.state import KVLocation, Sequence
 
 
 def accepted_chain(rng: random.Random, chances: list[float]) -> int:
@@ -139,3 +139,15 @@ def test_length_groups_bound_each_rows_padding():
     assert [[row.content_len - 1 for row in group] for group in groups] == [[208], [68, 57, 52], [51, 43]]
     assert [[row.content_len - 1 for row in group] for group in length_groups(rows, spread=200)] == [
         [208, 68, 57, 52, 51, 43]]
+
+
+def test_a_row_that_holds_columns_joins_only_a_group_that_lacks_as_many():
+    """A forward keeps one column count for all its rows: a row holding a prefix (or a part of its prompt read) that
+    joined a group lacking more would re-read what it holds, so it reads with rows lacking as many, or alone."""
+    rows = [Sequence(i, [1] * (n + 1), 8) for i, n in enumerate([43, 208, 51, 68, 57, 52])]
+    rows[4].kv = KVLocation(None, 0, start=0, target_cached=20, draft_cached=0)  # lacks 37 of its 57
+    rows[3].kv = KVLocation(None, 0, start=0, target_cached=31, draft_cached=0)  # lacks 37 of its 68
+    groups = length_groups(rows, spread=16)
+    assert [[row.content_len - 1 for row in group] for group in groups] == [[208], [52, 51, 43], [68, 57]]
+    width = max(row.content_len for row in groups[-1])  # left-padded to it, each row's held columns end alike:
+    assert len({width - row.content_len + row.kv.target_cached for row in groups[-1]}) == 1  # none re-read

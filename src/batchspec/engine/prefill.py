@@ -90,14 +90,18 @@ def _mix(estimate: float | None, value: float) -> float:
 def length_groups(rows: list[Sequence], spread: int = GROUP_SPREAD) -> list[list[Sequence]]:
     """``rows`` in groups to read together: longest first (by the columns each lacks), a row joining the group
     before it while it lacks at most ``spread`` columns fewer than that group's first, so that no row reads more
-    than ``spread`` columns of padding and rows of similar length still share a forward.
+    than ``spread`` columns of padding and rows of similar length still share a forward. A row that holds target
+    columns already (a prefix from the prefix cache, a prompt read in part) joins only a group whose first lacks as
+    many: a forward keeps one column count for all its rows, so it would re-read what it holds past that count.
 
     Example, ``spread = 16``, rows lacking ``[43, 208, 51, 68, 57, 52]`` columns: ``[[208], [68, 57, 52], [51, 43]]``
-    (padded columns read: 208 + 3 * 68 + 2 * 51 = 514, against 6 * 208 = 1,248 in one group).
+    (padded columns read: 208 + 3 * 68 + 2 * 51 = 514, against 6 * 208 = 1,248 in one group); if the row lacking 57
+    held columns, ``[[208], [68], [57], [52, 51, 43]]``.
     """
     groups: list[list[Sequence]] = []
     for row in sorted(rows, key=_lacking, reverse=True):
-        if groups and _lacking(groups[-1][0]) - _lacking(row) <= spread:
+        allowed = 0 if row.kv is not None and row.kv.target_cached else spread
+        if groups and _lacking(groups[-1][0]) - _lacking(row) <= allowed:
             groups[-1].append(row)
         else:
             groups.append([row])
