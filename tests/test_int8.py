@@ -342,6 +342,19 @@ def test_native_kernels_reject_what_does_not_fit():
         native.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
 
 
+def test_every_code_times_the_extreme_weights_is_exact_on_every_build_and_a_weight_of_minus_128_is_refused():
+    """Each code (0 .. 255, the integers -128 .. 127) against weights of +-127 in every lane: the avx2 build's
+    sign trick (|q| times the weight signed by q) at its bounds; -128, whose sign cannot move, is refused at packing."""
+    codes = torch.arange(256, dtype=torch.uint8).view(64, 4)  # [N, 4]: every code once
+    w = torch.tensor([[127, -127, 127, -127], [-127, -127, -127, -127], [127, 127, 127, 127]], dtype=torch.int8)
+    want = ((codes.double() - 128) @ w.double().T).float()  # [N, 3]
+    for isa in native.host_isas():
+        with native.using(isa):
+            assert torch.equal(native.linear(codes, *native.pack(w), torch.ones(64, 1), torch.ones(3)), want), isa
+    with pytest.raises(ValueError, match="-128"):
+        native.pack(torch.full((2, 4), -128, dtype=torch.int8))
+
+
 @pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 @settings(max_examples=60, deadline=None)
 @given(

@@ -92,6 +92,8 @@ def test_the_builds_table_gives_each_cpu_its_flags_and_each_compiler_its_library
     assert native._build_flags("avxvnni", frozenset({"avx2", "f16c", "avx_vnni"})) == ("-mavx2", "-mavxvnni", "-mf16c")
     assert native._build_flags("avx512vnni", frozenset({"avx2", "f16c"})) is None
     assert native._build_flags("avx2", frozenset({"avx2"})) is None
+    assert native._build_flags("neon", frozenset({"fp", "asimd", "asimddp"})) == ("-march=armv8.2-a+dotprod",)
+    assert native._build_flags("neon", zen4) is None and native._build_flags("neon", frozenset({"asimd"})) is None
     assert native.BUILDS[-1].name == "portable" and native._build_flags("portable", frozenset()) == ()
     monkeypatch.setattr(native, "_cpu_flags", lambda: zen4)
     _, flags, _, library = native._build_plan("avx2")
@@ -111,7 +113,10 @@ def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
         assert native.host_isas() == ("avx2", "portable")
         with pytest.raises(ValueError, match="this CPU runs avx2, portable"), native.using("avx512vnni"):
             pass
-        with pytest.raises(ValueError, match="one of avx512vnni, avxvnni, avx2, portable, none"), native.using("x"):
+        known = "one of avx512vnni, avxvnni, avx2, neon, portable, none"
+        with pytest.raises(ValueError, match=known), native.using("x"):
+            pass
+        with pytest.raises(ValueError, match="this CPU runs avx2, portable"), native.using("neon"):
             pass
         with native.using("none"):
             assert native.isa() == "none" and not native.available()
@@ -119,6 +124,37 @@ def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
         native.host_isas.cache_clear()
         assert native.host_isas() == ("portable",)
         with pytest.raises(ValueError, match="this CPU runs portable"), native.using("avx2"):
+            pass
+    finally:
+        native.host_isas.cache_clear()
+        native._default.cache_clear()
+
+
+AARCH64_CPUINFO = ["processor\t: 0", "BogoMIPS\t: 243.75",
+                   "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc "
+                   "dcpop asimddp", "CPU implementer\t: 0x41"]
+X86_CPUINFO = ["processor\t: 0", "model name\t: AMD EPYC", "flags\t\t: fpu sse2 avx avx2 f16c avx512f avx512bw "
+               "avx512vl avx512_vnni", "bugs\t\t: sysret_ss_attrs"]
+
+
+def test_each_architecture_reads_its_own_feature_line_and_runs_only_its_own_builds(monkeypatch):
+    """/proc/cpuinfo lists an x86-64 CPU's features on its ``flags`` line and an aarch64 CPU's on its ``Features``
+    line: each machine reads only its own, so an aarch64 CPU with the dot product runs ``neon`` then ``portable``
+    (never an x86 build), an x86-64 CPU never ``neon``, and forcing ``neon`` on x86-64 is refused as any build the
+    CPU lacks is."""
+    assert "asimddp" in native._features(AARCH64_CPUINFO, "aarch64")
+    assert native._features(X86_CPUINFO, "aarch64") == frozenset()
+    assert native._features(AARCH64_CPUINFO, "x86_64") == frozenset() == native._features(X86_CPUINFO, "riscv64")
+    assert {"avx2", "avx512_vnni"} <= native._features(X86_CPUINFO, "x86_64")
+    hosts = {}
+    try:
+        for machine, lines in (("aarch64", AARCH64_CPUINFO), ("x86_64", X86_CPUINFO)):
+            flags = native._features(lines, machine)
+            monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: flags)
+            native.host_isas.cache_clear()
+            hosts[machine] = native.host_isas()
+        assert hosts == {"aarch64": ("neon", "portable"), "x86_64": ("avx512vnni", "avxvnni", "avx2", "portable")}
+        with pytest.raises(ValueError, match="this CPU runs avx512vnni, avxvnni, avx2, portable"), native.using("neon"):
             pass
     finally:
         native.host_isas.cache_clear()

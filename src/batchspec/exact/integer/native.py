@@ -33,13 +33,16 @@ chosen once per process, with one log line naming it:
   or its EVEX form on AVX-512 VNNI CPUs;
 * ``avx2`` (``csrc/avx2.c``): ``vpmaddwd`` on the codes and weights widened to int16 (every AVX2 CPU: Zen 1-3,
   Haswell and later), exact where ``vpmaddubsw`` would saturate;
+* ``neon`` (``csrc/neon.c``): the portable build's C with its int8 and int4 products' dot products in NEON's
+  ``sdot`` (ARMv8.2's dot product, ``asimddp`` in ``/proc/cpuinfo``: Graviton 2 and later, Ampere Altra, Apple
+  silicon under Linux); ``scripts/aarch64_check.py`` compares its bits with the x86-64 builds' under ``qemu-aarch64``;
 * ``portable`` (``csrc/portable.c``): plain C, no intrinsics, vectorized by the compiler for the target's baseline
   (SSE2 on x86-64, NEON on aarch64): every CPU with a C compiler and OpenMP, of any architecture (x86-64 without
-  AVX2, ARM: Apple silicon under Linux, Graviton, Ampere), the same bits, slower than the SIMD builds.
+  AVX2, aarch64 without ``sdot``), the same bits, slower than the SIMD builds.
 
-``BATCHSPEC_CPU_ISA=avx512vnni|avxvnni|avx2|portable|none`` in the environment picks another build this CPU runs (to
-compare, or to test each), or none: the int8 forward then runs in torch (``torch._int_mm`` and float64 products, the
-same bits, far slower). Asking for an instruction set the CPU lacks is an error, never an emulation. The C source is
+``BATCHSPEC_CPU_ISA=avx512vnni|avxvnni|avx2|neon|portable|none`` in the environment picks another build this CPU runs
+(to compare, or to test each), or none: the int8 forward then runs in torch (``torch._int_mm`` and float64 products,
+the same bits, far slower). Asking for an instruction set the CPU lacks is an error, never an emulation. The C source is
 compiled with the system C compiler (``$CC``, else ``cc``) into the cache directory the first time a process asks for
 a build (under a second) and loaded through ``ctypes``; its OpenMP loops run on the ``libgomp`` torch has already
 loaded. Where the compiler or OpenMP is missing, :func:`library` is None and one log line says why (the torch path
@@ -60,7 +63,7 @@ import platform
 import subprocess
 import tempfile
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +111,9 @@ BUILDS: tuple[Build, ...] = (
     Build("avx2", "avx2.c", (
         (frozenset({"avx2", "f16c"}), ("-mavx2", "-mf16c")),
     )),
+    Build("neon", "neon.c", (  # aarch64 with ARMv8.2's dot product instructions (sdot)
+        (frozenset({"asimddp"}), ("-march=armv8.2-a+dotprod",)),
+    )),
     Build("portable", "portable.c", ((frozenset(), ()),)),  # any CPU, any architecture: no features, no flags
 )
 ISAS: tuple[str, ...] = tuple(build.name for build in BUILDS)  # the builds' names, fastest first
@@ -121,7 +127,7 @@ _chosen: str | None = None  # set by using(); None: the environment's or the CPU
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(panels, sums)`` of an int8 weight ``[O, K]``: ``panels`` ``[P, G, 64, 4]`` int8 with
+    """``(panels, sums)`` of an int8 weight ``[O, K]`` in ``[-127, 127]``: ``panels`` ``[P, G, 64, 4]`` int8 with
     ``panels[p, g, j, i] = weight[64 p + j, 4 g + i]`` (zero past ``O`` and ``K``), and ``sums`` ``[O]`` int32,
     ``128 * weight.sum(1)``, what the zero point adds to each output.
 
@@ -129,6 +135,9 @@ def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``panels[0, 1, 2, 1]`` is 0.
     """
     outputs, inner = weight.shape
+    if weight.numel() and int(weight.min()) < -127:
+        raise ValueError("an int8 weight holds -128: the kernels take weights in [-127, 127] (the avx2 build moves "
+                         "each code's sign onto the weight)")
     panels, groups = -(-outputs // PANEL), -(-inner // GROUP)
     padding = (0, groups * GROUP - inner, 0, panels * PANEL - outputs)
     padded = F.pad(weight, padding) if any(padding) else weight  # [64 P, 4 G]
@@ -528,7 +537,8 @@ def _library() -> types.SimpleNamespace:
 @functools.cache
 def host_isas() -> tuple[str, ...]:
     """The builds of :data:`ISAS` this CPU runs, fastest first: ``portable`` on every CPU (last), the SIMD builds
-    before it on Linux x86-64 CPUs with their features. ``avxvnni`` is the 256-bit VNNI build: VEX-encoded where the CPU
+    before it on Linux x86-64 and aarch64 CPUs with their features (each architecture's own: an x86-64 CPU never
+    lists ``asimddp``, nor an aarch64 CPU ``avx2``). ``avxvnni`` is the 256-bit VNNI build: VEX-encoded where the CPU
     has AVX-VNNI, EVEX-encoded where it has AVX-512 VNNI."""
     flags = _cpu_flags()
     return tuple(name for name in ISAS if _build_flags(name, flags) is not None)
@@ -647,17 +657,30 @@ def _signatures() -> dict[str, list]:
     }
 
 
+# the line of /proc/cpuinfo that lists a CPU's features, by architecture (platform.machine())
+_FEATURE_LINES = {"x86_64": "flags", "AMD64": "flags", "aarch64": "Features", "arm64": "Features"}
+
+
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux on x86-64; empty elsewhere)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+    """The CPU's feature flags (Linux on x86-64 and aarch64; empty elsewhere)."""
+    if platform.system() != "Linux" or platform.machine() not in _FEATURE_LINES:
         return frozenset()
     try:
         with open("/proc/cpuinfo") as info:
-            return next((frozenset(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")),
-                        frozenset())
+            return _features(info, platform.machine())
     except OSError:
         return frozenset()
+
+
+def _features(lines: Iterable[str], machine: str) -> frozenset[str]:
+    """The features of ``/proc/cpuinfo``'s ``lines`` on a ``machine`` CPU: its first ``flags`` line on x86-64, its
+    first ``Features`` line on aarch64 (empty where it has none, or the machine is another).
+
+    Example: ``Features\t: fp asimd asimddp`` on ``aarch64`` gives ``{"fp", "asimd", "asimddp"}``."""
+    key = _FEATURE_LINES.get(machine)
+    found = (line.split(":", 1) for line in lines if key and ":" in line)
+    return next((frozenset(value.split()) for name, value in found if name.strip() == key), frozenset())
 
 
 def _build(name: str) -> Path:

@@ -18,7 +18,7 @@
 
 #define ROWS 6 /* activation rows per micro-kernel pass: 24 accumulators + 4 weight registers */
 typedef uint8_t activation_t; /* entry.h's batchspec_linear hands panel_block the codes as they are */
-#define WIDE_CODES 0
+#define PREPARED_CODES 0
 
 static inline __m512i broadcast_group(const uint8_t *a) {
     int32_t four;

@@ -1,9 +1,10 @@
 /* The exported functions every build of batchspec's native kernels shares, built on what the including file
- * (avx512.c, avx2.c, portable.c) defines for its instruction set before it includes this one:
+ * (avx512.c, avx2.c, portable.c and neon.c through plain.h) defines for its instruction set before it includes this one:
  *
  *   panel_block(a, rows, lda, panel, groups, e, col, out, ldo, valid)   the int8 product of one panel of 64 outputs,
- *                                                the codes a as activation_t (as they are, or widened to int16
- *                                                where WIDE_CODES is 1);
+ *                                                the codes a as activation_t (as they are, or as the build's
+ *                                                prepare_codes lays them out where PREPARED_CODES is its bytes
+ *                                                a code);
  *   quantize_values(x, k, ldc, codes, scale)     one row quantized to the product's codes;
  *   silu_values(x, up, out, k, c)                out = silu_value(x) (times up where up is not NULL);
  *   attend_group(g, query, k, v, visible, s, out, out_head, out_query)   one GQA group's exact attention;
@@ -20,7 +21,7 @@
 
 /* The int8 product (batchspec_linear): out[n][o] = ((float)(q . w) * sx[n]) * sw[o] (+ b[o]) (+ residual), each
  * output as scalar.h's epilogue_value, the build's panel_block on one panel of 64 outputs at a time, ROW_BLOCK rows
- * at a time (a build whose panel_block reads the codes widened, WIDE_CODES, gets them so once per row block).
+ * at a time (a build whose panel_block reads the codes prepared, PREPARED_CODES, gets them so once per row block).
  * a: uint8 [n, 4 groups] (row stride lda); w: int8 [panels, groups, 64, 4]; comp, col_scale, bias: [o] (bias may
  * be NULL); row_scale: [n]; 64 (panels - 1) < o <= 64 panels. The outputs go to `segments` float32 matrices:
  * outs[s] is [n, starts[s + 1] - starts[s]] and takes outputs starts[s] .. starts[s + 1] - 1, with starts[0] = 0,
@@ -31,10 +32,19 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
                       const float *row_scale, const float *col_scale, const float *bias, int64_t groups,
                       int64_t panels, int64_t o, float *const *outs, const int64_t *starts, int64_t segments,
                       const float *residual, int threads) {
-    int16_t *wide = WIDE_CODES ? malloc((size_t)((n < ROW_BLOCK ? n : ROW_BLOCK) * lda) * sizeof(int16_t)) : NULL;
+#if PREPARED_CODES
+    activation_t *prepared = malloc((size_t)((n < ROW_BLOCK ? n : ROW_BLOCK) * lda * PREPARED_CODES));
+    int64_t ldp = PREPARED_CODES * lda;
+#else
+    int64_t ldp = lda;
+#endif
     for (int64_t r0 = 0; r0 < n; r0 += ROW_BLOCK) {
         int64_t rows = n - r0 < ROW_BLOCK ? n - r0 : ROW_BLOCK;
-        const void *codes = WIDE_CODES ? (const void *)widen_codes(a + r0 * lda, rows * lda, wide) : a + r0 * lda;
+#if PREPARED_CODES
+        const activation_t *codes = prepare_codes(a + r0 * lda, rows * lda, prepared);
+#else
+        const activation_t *codes = (const activation_t *)(a + r0 * lda);
+#endif
         epilogue_t e = {comp, row_scale + r0, col_scale, bias, NULL};
         #pragma omp parallel num_threads(threads)
         {
@@ -47,13 +57,15 @@ void batchspec_linear(const uint8_t *a, int64_t n, int64_t lda, const int8_t *w,
                 int64_t valid = end - col < PANEL ? end - col : PANEL, at = r0 * width + (col - starts[s]);
                 epilogue_t ep = e;
                 ep.residual = residual ? residual + at : NULL;
-                panel_block((const activation_t *)codes, rows, lda, w + p * groups * 4 * PANEL, groups, ep, col,
+                panel_block(codes, rows, ldp, w + p * groups * 4 * PANEL, groups, ep, col,
                             outs[s] + at, width, valid);
             }
             fp_leave(saved);
         }
     }
-    free(wide);
+#if PREPARED_CODES
+    free(prepared);
+#endif
 }
 
 /* Per-token quantization to the product's codes, as int8/arithmetic.py's quantize_rows and product.py's

@@ -1,8 +1,8 @@
-/* The arithmetic every build of batchspec's native kernels shares (avx512.c, avx2.c, portable.c): plain C, compiled
- * with -ffp-contract=off and run under one floating-point environment (fp_enter), so every float operation is one
- * correctly rounded IEEE operation and the bits cannot depend on the instruction set, the vector width or the thread
- * that runs a row. Each function below is the C twin of a torch function in arithmetic.py, model.py or attention.py,
- * with the same operations in the same order. */
+/* The arithmetic every build of batchspec's native kernels shares (avx512.c, avx2.c, portable.c, neon.c): plain C,
+ * compiled with -ffp-contract=off and run under one floating-point environment (fp_enter), so every float operation is
+ * one correctly rounded IEEE operation and the bits cannot depend on the instruction set, the vector width or the
+ * thread that runs a row. Each function below is the C twin of a torch function in arithmetic.py, model.py or
+ * attention.py, with the same operations in the same order. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -10,14 +10,14 @@
 #include <string.h>
 
 /* The floating-point environment every exported function computes in, on each thread that runs a part of it: SSE's
- * MXCSR at FP_DEFAULT (round to nearest even, no flush-to-zero, no denormals-are-zero, every exception masked).
- * Each thread keeps its own MXCSR: torch.set_flush_denormal(True) sets FTZ and DAZ on the calling thread only, and
- * OpenMP's workers keep whatever they had, so without this a row's subnormal values would round one way on the caller
- * and another on a worker. fp_enter sets it where the control bits differ and returns the thread's own value, which
+ * MXCSR at FP_DEFAULT (round to nearest even, no flush-to-zero, no denormals-are-zero, every exception masked). Each
+ * thread keeps its own MXCSR: torch.set_flush_denormal(True) sets FTZ and DAZ on the calling thread only, and OpenMP's
+ * workers keep whatever they had, so without this a row's subnormal values would round one way on the caller and
+ * another on a worker. fp_enter sets it where the control bits differ and returns the thread's own value, which
  * fp_leave puts back (the exception flags, bits 0-5, are not part of the environment: they change no result). On
- * aarch64 (the portable build there) FPCR holds the same controls, and FP_CONTROL's bits of it are set to 0: round to
- * nearest, no flush-to-zero (FZ, which torch.set_flush_denormal sets there), no default NaN, IEEE half precision,
- * no traps. Elsewhere both do nothing: the threads keep the C default, round to nearest. */
+ * aarch64 (the neon and portable builds there) FPCR holds the same controls, and FP_CONTROL's bits of it are set to 0:
+ * round to nearest, no flush-to-zero (FZ, which torch.set_flush_denormal sets there), no default NaN, IEEE half
+ * precision, no traps. Elsewhere both do nothing: the threads keep the C default, round to nearest. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #define FP_DEFAULT 0x1F80u
@@ -74,12 +74,6 @@ static inline float epilogue_value(int32_t dot, float row_scale, epilogue_t e, i
     return residual ? *residual + y : y;
 }
 
-/* count codes widened to int16 into `wide` (the avx2 build's product reads them so), which it returns */
-static inline const int16_t *widen_codes(const uint8_t *a, int64_t count, int16_t *wide) {
-    for (int64_t i = 0; i < count; i++) wide[i] = a[i];
-    return wide;
-}
-
 /* 2**t for t <= 0, as arithmetic.py's exp2_nonpositive computes it in float32: t clamped to [-126, 0],
  * n = floor(t), f = t - n, Horner's rule on the ten coefficients c (each product and sum rounded), times 2**n
  * written as exponent bits. A NaN t stays NaN through the clamp and the polynomial (n is then taken as 0, never
@@ -118,10 +112,25 @@ static inline float rms_root(const float *x, int64_t h, float eps) {
     return sqrtf(sums[0] / (float)h + eps);
 }
 
-/* out = weight * (x * (1 / root)) */
+/* a * b with x86-64's NaNs on every architecture: a NaN operand's NaN (its payload kept: the same on x86-64 and on
+ * aarch64 with FPCR.DN at 0, fp_enter), and for an invalid product (0 * inf) the default NaN of x86-64 (SSE's,
+ * 0xFFC00000, the sign bit set) where aarch64's is 0x7FC00000. RMSNorm's output for a row holding an inf is then
+ * the same bits on every build (an x86-64 build multiplies as it is). */
+#if defined(__x86_64__) || defined(__i386__)
+static inline float product_x86_nan(float a, float b) { return a * b; }
+#else
+static inline float product_x86_nan(float a, float b) {
+    const uint32_t default_nan = 0xFFC00000u;
+    float p = a * b, nan;
+    memcpy(&nan, &default_nan, sizeof nan);
+    return isnan(p) && !isnan(a) && !isnan(b) ? nan : p;
+}
+#endif
+
+/* out = weight * (x * (1 / root)), each product as product_x86_nan */
 static inline void rms_apply_row(const float *x, int64_t h, float root, const float *weight, float *out) {
     float inverse = 1.0f / root;
-    for (int64_t i = 0; i < h; i++) out[i] = weight[i] * (x[i] * inverse);
+    for (int64_t i = 0; i < h; i++) out[i] = product_x86_nan(weight[i], product_x86_nan(x[i], inverse));
 }
 
 /* |x| as its float32 bits (the sign bit cleared). These order as the magnitudes do, and +inf's (NONFINITE) and every
