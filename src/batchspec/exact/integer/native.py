@@ -31,8 +31,9 @@ chosen once per process, with one log line naming it:
   on a 2-core AMD EPYC Zen 4 whose memory streams 50 GB/s (oneDNN's prepacked quantized linear: 28.5 GB/s);
 * ``avxvnni`` (``csrc/avx2.c`` with VNNI): the same on 8 lanes, VEX ``vpdpbusd`` (Intel 12th gen and later, Zen 5),
   or its EVEX form on AVX-512 VNNI CPUs;
-* ``avx2`` (``csrc/avx2.c``): ``vpmaddwd`` on the codes and weights widened to int16 (every AVX2 CPU: Zen 1-3,
-  Haswell and later), exact where ``vpmaddubsw`` would saturate;
+* ``avx2`` (``csrc/avx2.c``): llama.cpp's sign trick (every AVX2 CPU: Zen 1-3, Haswell and later): each code's sign
+  moved onto the weight (``vpsignb``), ``vpmaddubsw`` of ``|q|`` by it (pair sums below saturation), ``vpmaddwd`` by
+  ones; weights in ``[-127, 127]`` (:func:`pack` refuses -128);
 * ``neon`` (``csrc/neon.c``): the portable build's C with its int8 and int4 products' dot products in NEON's
   ``sdot`` (ARMv8.2's dot product, ``asimddp`` in ``/proc/cpuinfo``: Graviton 2 and later, Ampere Altra, Apple
   silicon under Linux); ``scripts/aarch64_check.py`` compares its bits with the x86-64 builds' under ``qemu-aarch64``;
