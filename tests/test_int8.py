@@ -344,13 +344,20 @@ def test_native_kernels_reject_what_does_not_fit():
 
 def test_every_code_times_the_extreme_weights_is_exact_on_every_build_and_a_weight_of_minus_128_is_refused():
     """Each code (0 .. 255, the integers -128 .. 127) against weights of +-127 in every lane: the avx2 build's
-    sign trick (|q| times the weight signed by q) at its bounds; -128, whose sign cannot move, is refused at packing."""
+    sign trick (|q| times the weight signed by q) at its bounds, for 64 rows at once and for each row alone (a full
+    panel of 64 outputs and a partial one: the one-row pass and the passes of 16 outputs); -128, whose sign cannot
+    move, is refused at packing."""
     codes = torch.arange(256, dtype=torch.uint8).view(64, 4)  # [N, 4]: every code once
-    w = torch.tensor([[127, -127, 127, -127], [-127, -127, -127, -127], [127, 127, 127, 127]], dtype=torch.int8)
-    want = ((codes.double() - 128) @ w.double().T).float()  # [N, 3]
+    signs = torch.tensor([[1, -1, 1, -1], [-1, -1, -1, -1], [1, 1, 1, 1]], dtype=torch.int8)
+    w = (127 * signs).repeat(23, 1)  # [69, 4]: a panel of 64 outputs and one of 5
+    want = ((codes.double() - 128) @ w.double().T).float()  # [N, 69]
     for isa in native.host_isas():
         with native.using(isa):
-            assert torch.equal(native.linear(codes, *native.pack(w), torch.ones(64, 1), torch.ones(3)), want), isa
+            packed, ones = native.pack(w), torch.ones(w.shape[0])
+            assert torch.equal(native.linear(codes, *packed, torch.ones(64, 1), ones), want), isa
+            for row in range(64):
+                alone = native.linear(codes[row : row + 1], *packed, torch.ones(1, 1), ones)
+                assert torch.equal(alone, want[row : row + 1]), (isa, row)
     with pytest.raises(ValueError, match="-128"):
         native.pack(torch.full((2, 4), -128, dtype=torch.int8))
 
