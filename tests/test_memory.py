@@ -3,7 +3,9 @@ allocator's freed memory given back, and a 7B-shape model's int8 load within 1.3
 
 from __future__ import annotations
 
+import gc
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -224,3 +226,56 @@ def test_a_weight_quantized_and_packed_a_part_at_a_time_is_the_whole_ones(monkey
     assert packed.kernel == "native"
     assert torch.equal(packed.tensors[0], panels) and torch.equal(packed.tensors[1], sums)
     assert torch.equal(scales, scale[:, 0])
+
+
+def _advised_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings advised for huge pages (``hg`` in smaps' VmFlags)."""
+    ranges, current = [], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                current = (start, end)
+            elif head == "VmFlags:" and "hg" in line.split()[1:]:
+                ranges.append(current)
+    return ranges
+
+
+HUGE_PAGES = (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+              and Path("/sys/kernel/mm/transparent_hugepage").is_dir())
+
+
+@pytest.mark.skipif(not HUGE_PAGES, reason="no transparent huge pages on this system (not Linux, or not built in)")
+def test_a_weight_buffer_starts_on_a_huge_page_its_whole_huge_pages_are_advised_and_its_mapping_goes_with_it():
+    shape = (3, memory.HUGE_PAGE // 2 + 5)  # int16: 3 huge pages and 30 bytes
+    buffer = memory.weight_buffer(shape, torch.int16)
+    start = buffer.data_ptr()
+    assert buffer.shape == shape and buffer.dtype == torch.int16 and buffer.is_contiguous()
+    assert start % memory.HUGE_PAGE == 0
+    buffer.fill_(7)
+    assert int(buffer.sum()) == 7 * buffer.numel()
+    advised = [(a, b) for a, b in _advised_ranges() if a <= start < b]
+    assert advised == [(start, start + 3 * memory.HUGE_PAGE)]  # the 30 bytes past them stay in small pages
+    del buffer
+    gc.collect()
+    assert not [(a, b) for a, b in _advised_ranges() if a <= start < b]
+
+
+def test_a_weight_buffer_below_a_huge_page_is_an_ordinary_tensor():
+    buffer = memory.weight_buffer((4, 8), torch.float32)
+    assert buffer.shape == (4, 8) and buffer.dtype == torch.float32 and buffer.is_contiguous()
+
+
+@pytest.mark.skipif(not HUGE_PAGES, reason="no transparent huge pages on this system (not Linux, or not built in)")
+def test_the_packed_weights_a_step_reads_are_held_in_weight_buffers():
+    """An int8 weight packed in parts, an int4 weight's panels and both kinds of stack start on huge pages."""
+    from batchspec.exact.integer import int4
+    from batchspec.exact.integer.linear import stacked
+
+    generator = torch.Generator().manual_seed(5)
+    panels, _ = native.empty_pack(2048, 1536)  # 3 MiB
+    packed = int4.from_float(torch.randn(4096, 1152, generator=generator)).packed()  # ~2.4 MB
+    for weight in (panels, packed, stacked([packed, packed]), stacked([panels, panels])):
+        assert weight.data_ptr() % memory.HUGE_PAGE == 0
+    assert torch.equal(stacked([packed, packed[:5]]), torch.cat([packed, packed[:5]]))

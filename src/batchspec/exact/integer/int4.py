@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from batchspec.exact.integer import native
 from batchspec.exact.integer.arithmetic import quantize_rows
+from batchspec.memory import weight_buffer
 
 SUB_BLOCK = native.GROUP4  # inputs a sub-block
 SUBS = 8  # sub-blocks a super-block in from_float and Q4_K
@@ -125,7 +126,7 @@ class Int4Weight:
             n = n.reshape(panels, native.PANEL4, count, 4, 2, 4)  # [P, 16, s, g, low/high, i]
             two = n[..., 0, :] | (n[..., 1, :] << 4)  # [P, 16, s, g, i]
             parts.append(two.permute(0, 2, 3, 1, 4).reshape(panels, -1))
-        return torch.cat(parts, 1).contiguous()
+        return torch.cat(parts, 1, out=weight_buffer((panels, sum(part.shape[1] for part in parts)), torch.uint8))
 
 
 def _panel_bytes(sub_blocks: int, subs: int) -> int:

@@ -21,6 +21,7 @@ from batchspec.exact.integer import int4, native
 from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
 from batchspec.exact.integer.native import ZERO_POINT
 from batchspec.exact.integer.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
+from batchspec.memory import weight_buffer
 
 WEIGHT_ROWS = 4096  # output channels read and quantized at a time: an output layer is never whole in float or int8
 
@@ -95,6 +96,12 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Packed weights (one layout, ``[P_i, ...]`` each) as one ``[sum P_i, ...]`` buffer (:func:`weight_buffer`)."""
+    shape = (sum(part.shape[0] for part in parts), *parts[0].shape[1:])
+    return torch.cat(parts, out=weight_buffer(shape, parts[0].dtype))
+
+
 class Int8Stack:
     """Layers that read one input (an attention's q, k and v; an MLP's gate and up) as one product: their ``native``
     weights stacked in one buffer, which each layer then reads through views of it (its outputs are unchanged:
@@ -107,7 +114,8 @@ class Int8Stack:
     def __init__(self, layers: list[Int8Linear]) -> None:
         self.widths = tuple(layer.out_features for layer in layers)
         self.in_features = layers[0].in_features
-        panels, sums = (torch.cat([layer.weight.tensors[i] for layer in layers]) for i in (0, 1))
+        panels = stacked([layer.weight.tensors[0] for layer in layers])  # [P, G, 64, 4]
+        sums = torch.cat([layer.weight.tensors[1] for layer in layers])  # [O]
         self.scale = torch.cat([layer.scale for layer in layers])  # [O]
         self.bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])  # [O]
         self.tensors = (panels, sums)
@@ -292,7 +300,7 @@ class Int4Stack:
         first = layers[0]
         self.widths = tuple(layer.out_features for layer in layers)
         self.block, self.subs, self.in_features = first.block, first.subs, first.in_features
-        self.packed = torch.cat([layer.packed for layer in layers])  # [P, bytes]
+        self.packed = stacked([layer.packed for layer in layers])  # [P, bytes]
         self.bias = None if first.bias is None else torch.cat([layer.bias for layer in layers])  # [O]
         panel, start = 0, 0
         for layer, width in zip(layers, self.widths, strict=True):

@@ -72,6 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from batchspec.config import default_cache_dir
+from batchspec.memory import weight_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ PACK_ROWS = 4096
 def empty_pack(outputs: int, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialized ``(panels [P, G, 64, 4] int8, sums [O] int32)`` for :func:`pack` of an ``[outputs, inner]``
     weight, to be filled by :func:`pack_into` a part at a time (the padding past ``O`` is zeroed here)."""
-    panels = torch.empty(-(-outputs // PANEL), -(-inner // GROUP), PANEL, GROUP, dtype=torch.int8)
+    panels = weight_buffer((-(-outputs // PANEL), -(-inner // GROUP), PANEL, GROUP), torch.int8)
     panels[-1].zero_()  # the last panel's rows past O stay 0
     return panels, torch.empty(outputs, dtype=torch.int32)
 
