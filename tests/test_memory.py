@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -242,8 +241,7 @@ def _advised_ranges() -> list[tuple[int, int]]:
     return ranges
 
 
-HUGE_PAGES = (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
-              and Path("/sys/kernel/mm/transparent_hugepage").is_dir())
+HUGE_PAGES = memory.HUGE_PAGES_ADVISED and Path("/sys/kernel/mm/transparent_hugepage").is_dir()
 
 
 @pytest.mark.skipif(not HUGE_PAGES, reason="no transparent huge pages on this system (not Linux, or not built in)")
@@ -262,9 +260,12 @@ def test_a_weight_buffer_starts_on_a_huge_page_its_whole_huge_pages_are_advised_
     assert not [(a, b) for a, b in _advised_ranges() if a <= start < b]
 
 
-def test_a_weight_buffer_below_a_huge_page_is_an_ordinary_tensor():
-    buffer = memory.weight_buffer((4, 8), torch.float32)
-    assert buffer.shape == (4, 8) and buffer.dtype == torch.float32 and buffer.is_contiguous()
+@pytest.mark.skipif(not HUGE_PAGES, reason="no transparent huge pages on this system (not Linux, or not built in)")
+def test_a_weight_buffer_below_a_huge_page_is_torchs_memory_and_advises_nothing():
+    before = _advised_ranges()
+    buffer = memory.weight_buffer((4, memory.HUGE_PAGE // 16 - 1), torch.float32)  # 16 bytes short of a huge page
+    assert buffer.shape == (4, memory.HUGE_PAGE // 16 - 1) and buffer.is_contiguous()
+    assert _advised_ranges() == before
 
 
 @pytest.mark.skipif(not HUGE_PAGES, reason="no transparent huge pages on this system (not Linux, or not built in)")

@@ -34,6 +34,9 @@ LOAD_BLOCK_BYTES = 32 << 20
 # the size of a huge page (x86-64 and aarch64 with 4 KiB pages): what weight_buffer aligns to and asks for
 HUGE_PAGE = 2 << 20
 
+# whether this Python can map anonymous memory and advise it for huge pages (Linux): where weight_buffer does
+HUGE_PAGES_ADVISED = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+
 # the most free memory the heap may hold resident between rounds before it is given back (HeapWatch)
 HELD_FREE_BYTES = 128 << 20
 
@@ -145,13 +148,11 @@ def weight_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     systems without the advice (not Linux, or a kernel without transparent huge pages), get ``torch.empty``'s
     memory."""
     count = math.prod(shape) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if count < HUGE_PAGE or advice is None or not hasattr(mmap, "MAP_ANONYMOUS"):
+    if count < HUGE_PAGE or not HUGE_PAGES_ADVISED:
         return torch.empty(shape, dtype=dtype)
-    region = mmap.mmap(-1, count + HUGE_PAGE, flags=flags)
+    region = mmap.mmap(-1, count + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # [count + HUGE_PAGE]; keeps the mapping while a view lives
     start = -raw.data_ptr() % HUGE_PAGE
     with contextlib.suppress(OSError):  # a kernel built without transparent huge pages: small pages, as torch's
-        region.madvise(advice, start, count // HUGE_PAGE * HUGE_PAGE)
+        region.madvise(mmap.MADV_HUGEPAGE, start, count // HUGE_PAGE * HUGE_PAGE)
     return raw[start : start + count].view(dtype).view(shape)
