@@ -11,6 +11,7 @@ model.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,8 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from batchspec.engine.kv_cache import BatchKVCache
-from batchspec.engine.runner import cache_keyword
+from batchspec.engine.runner import ModelRunner, cache_keyword
+from batchspec.engine.state import BatchState
 from batchspec.exact.integer import native, quantize_model
 from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
 from batchspec.exact.integer.attention import QKV_LEVELS, pack, packed_width
@@ -190,7 +192,7 @@ def test_stacks_where_widths_allow_and_the_layers_read_views_of_them(models):
 def test_the_forward_gives_transformers_logits_and_cache_bit_for_bit(kind, variant, models, int4_models, data):
     """A left-padded batch: a prefill, then forwards of 1..5 tokens, each run by :class:`IntegerForward` into one
     cache and by the model's own forward into another; the logits of every position that sees a key and both caches'
-    contents past each row's padding are equal. (Padding is not read: its logits are the output layer's of zeros.)
+    contents past each row's padding are equal. (Padding is not read: its logits are zeros.)
     Int8 models with q/k/v and gate/up stacked and not; int4 models, all int4 or with int8 layers beside."""
     width, extra = variant.split()[0], " " in variant
     model = models[kind, extra] if width == "int8" else int4_models[kind, extra]
@@ -229,11 +231,47 @@ def _same_as_transformers(model: torch.nn.Module, pad: torch.Tensor, stops: list
                          **{cache_keyword(model): theirs}, use_cache=True, logits_to_keep=stop - start).logits
             read = visible.any(-1)[:, 0]  # [B, S]: the positions that see a key
             assert torch.equal(got[read], want[read])
-            assert (got[~read] == forward.head(forward.norm(torch.zeros(1, 1, forward.norm.weight.numel())))[0]).all()
+            assert (got[~read] == 0).all()
             assert ours.length == theirs.length == stop
             for row, left in enumerate(pad.tolist()):  # [layers, 2, B, Hk, C, W]
                 assert torch.equal(ours.storage[:, :, row, :, left:stop], theirs.storage[:, :, row, :, left:stop])
             start = stop
+
+
+@pytest.mark.parametrize("variant", ["int8", "int4"])
+def test_a_ragged_verification_scores_each_rows_own_drafts_with_the_same_bits(variant, models, int4_models):
+    """Rows fed 1, 3, 5 and 2 of five inputs (``fed``, as the engine verifies rows proposing 0, 2, 4 and 1 drafts): the
+    runner leaves the rest out of the forward, and every input a row needs gets the logits and KV of the forward
+    that scores all five, bit for bit; the inputs left out get zero logits. The output layer runs on 11 rows, not 20."""
+    model = models["qwen2", True] if variant == "int8" else int4_models["qwen2", False]
+    ids = torch.randint(0, model.config.vocab_size, (4, 14), generator=torch.Generator().manual_seed(5))  # [B, 14]
+    fed = torch.tensor([1, 3, 5, 2])
+    runner, head = ModelRunner(torch.device("cpu")), integer_forward(model).head
+    caches, logits = [], []
+    with torch.no_grad():
+        for rows in (None, fed):
+            cache = BatchKVCache.for_model(model)
+            batch = BatchState.dense(ids, cache)
+            runner.read(model, batch, cache, ids[:, :9])
+            seen = []
+            with _rows_of(head, seen):
+                logits.append(runner.logits(model, batch, cache, ids[:, 9:], keep=5, fed=rows))  # [B, 5, V]
+            caches.append(cache)
+    assert seen == [11]
+    needed = torch.arange(5)[None, :] < fed[:, None]  # [B, 5]
+    assert torch.equal(logits[1][needed], logits[0][needed]) and (logits[1][~needed] == 0).all()
+    for row, n in enumerate(fed.tolist()):  # [layers, 2, B, Hk, C, W]
+        assert torch.equal(caches[1].storage[:, :, row, :, : 9 + n], caches[0].storage[:, :, row, :, : 9 + n])
+
+
+@contextmanager
+def _rows_of(module: torch.nn.Module, seen: list[int]):
+    """Record the rows of every input ``module`` is called on."""
+    handle = module.register_forward_pre_hook(lambda _, args: seen.append(args[0].numel() // args[0].shape[-1]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def test_int4_layers_stack_where_all_three_are_int4(int4_models):

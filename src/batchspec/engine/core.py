@@ -56,7 +56,9 @@ class Engine:
         self.proposer = _proposer(draft, config)
         self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
         drafter = draft if self.proposer.uses_draft_model else None
-        self.planner = planner_for(config, 0.0 if drafter is None else _parameters(drafter) / _parameters(target))
+        self.ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
+        share = 0.0 if drafter is None else _parameters(drafter) / _parameters(target)
+        self.planner = planner_for(config, share, ragged=self.ragged)
         self.chunks = ChunkBudget(config.prefill_chunk)
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None
@@ -77,6 +79,7 @@ class Engine:
         started = time.perf_counter()
         with self.timer.stage("realign"):
             batch, sampling, plan = self.stage_round(rows, lengths)
+        realigned = time.perf_counter() - started  # what the last round's unequal gains cost (the planner's r)
         with self.timer.stage("draft"):
             drafting = self.runner.mark()
             proposal = self.proposer.propose(batch, plan, sampling, self.runner)
@@ -88,7 +91,8 @@ class Engine:
             seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
             proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
             record = _record(replace(proposal, host=host), accepted, gained, reach, sampling, seconds, proposing)
-            self.planner.observe(rows, record)
+            self.planner.observe(rows, replace(record, seconds=seconds - realigned, ragged=self.ragged,
+                                               realign_seconds=realigned))
             self.chunks.decoded(seconds)
         if self.config.check_invariants:
             for row in rows:
@@ -184,14 +188,16 @@ class Engine:
     def verify(
         self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None
     ) -> tuple[Verdict, torch.Tensor | None]:
-        """Target forward over the pending token followed by the drafts ``d_1 .. d_k``, the rows' shaping applied
+        """Target forward over the pending token followed by the drafts ``d_1 .. d_k`` (a row's own
+        ``d_1 .. d_{lengths[i]}`` only where the forward is ragged: :meth:`ModelRunner.logits`), with the rows' shaping
         (penalties, bias, grammar: :mod:`batchspec.engine.shaping`); greedy acceptance, and for sampling rows
         speculative sampling against the warped target distribution ``p``. Returns the verdict and, where rows ask
         for logprobs, their :func:`~batchspec.engine.logprobs.scored` ``[B, (k+1)·(1 + 2·MAX_TOP)]``."""
         cache = batch.slab.target
         k = proposal.k
         inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens[:, :k]], dim=1)  # [B, 1 + k]
-        raw_logits = self.runner.logits(self.target, batch, cache, inputs, keep=k + 1)  # [B, k+1, V]
+        fed = proposal.lengths + 1 if k else None  # [B]: a row's drafts past its own length are not scored
+        raw_logits = self.runner.logits(self.target, batch, cache, inputs, keep=k + 1, fed=fed)  # [B, k+1, V]
         target_logits = _shaped(batch, proposal, raw_logits)  # [B, k+1, V]
         verdict = verify_greedy(proposal.tokens[:, :k], target_logits, proposal.lengths)
         if sampling is not None:

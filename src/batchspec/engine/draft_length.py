@@ -1,24 +1,34 @@
-"""How many drafts each row proposes in a round: a fixed ``k``, or (``num_draft_tokens="auto"``) the number that
-maximises the expected tokens per second of the round, from each row's recent acceptance and measured costs.
+"""How many drafts each row proposes in a round: a fixed ``k``, or (``num_draft_tokens="auto"``) the numbers that
+maximise the expected tokens per second of the round, from each row's recent acceptance and measured costs.
 
-Terms (per round over ``B`` rows, ``K`` the longest proposal):
+Terms (per round over ``B`` rows, row ``i`` proposing ``n_i`` drafts, ``K = max n_i`` the longest proposal):
 
-    E_i(m)  = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_m   tokens row i expects from m drafts (a_j: chance that its j-th
+    E_i(n)  = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_n   tokens row i expects from n drafts (a_j: chance that its j-th
                                                       draft is accepted once the ones before it were)
-    cost(K) = c_0 + c_v K + c_d s(K)                 seconds of the round: a fixed part, the verification's
-                                                      growth per extra column, and s(K) draft forwards of c_d
-    K*      = argmax_K  sum_i E_i(min(K, reach_i)) / cost(K)
+    cost    = c_0 + c_v x + c_d s(K) + r [x > 0]     seconds of the round: a fixed part, the verification's growth
+                                                      per extra token it scores, s(K) draft forwards of c_d, and
+                                                      the realignment r its rows' unequal gains cost the next round
+    x       = sum_i n_i  (a ragged verification: the fused integer forward scores each row's own drafts only)
+              B K        (elsewhere every row is scored over the widest row's K + 1 columns)
+    best    = argmax over the n_i of  sum_i E_i(n_i) / cost
+
+With a ragged verification the drafts are dealt out per row: for each ``K``, each row's next draft (its gain
+``a_1 ... a_j``, which only falls along a row) is taken in order of gain while it raises the expected rate, i.e. while
+``gain > rate * c_v``. A row with little chance of acceptance thus proposes nothing and costs what a plain step of
+it costs, while the rows beside it propose many. Elsewhere every row proposes ``min(K, reach_i)``.
 
 ``K = 0`` is a plain step of the target (no draft forward at all for greedy rows), so speculation is used only
 where it is expected to pay. A row's ``a`` is its recent share of accepted drafts (exponentially weighted), pulled
 toward the engine-wide share while it has few observations; lookup drafts and draft-model drafts are counted
 apart. Per batch size, ``c_0`` and ``c_v`` are fitted to every round's measured seconds outside the draft by ridge
-regression towards a prior that follows the fitted plain step ``c_0``: an extra column costs
-``c_0 min(1, B / KNEE_TOKENS)`` (a forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the
-weights dominates, and grows in proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but
+regression towards a prior that follows the fitted plain step ``c_0``: an extra token costs ``c_0 / max(B,
+KNEE_TOKENS)`` (a forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the weights
+dominates, and grows in proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but
 ``c_t(8, 6) = 3.5 c_t(8, 1)``), so a width no round has tested yet is priced from the measured plain step. ``c_d`` is
 the draft forwards' own measured seconds (a running mean), and until the draft has run at that batch size, the
-draft's share of the two models' parameters times ``c_0``.
+draft's share of the two models' parameters times ``c_0``. ``r`` is the measured realignment at the start of the rounds
+that follow a round with drafts (a running mean, 0 where none was needed: one row, or rows that gained alike); it is
+left out of the round's own seconds, which would otherwise book it on whatever that next round proposed.
 
 A draft model that has been idle lags: rows that joined or gained lookup tokens while it did not run hold columns
 its cache lacks, and its first forward must read them all (on long prompts, many seconds). That catch-up is priced
@@ -32,7 +42,7 @@ plain step) and takes whichever is expected to be faster. While the draft is idl
 the engine-wide prior, which itself fades toward an optimistic 0.6, so that acceptance is probed again now and then;
 lookup drafts need no probe, since a plain step checks the first lookup of every row for free.
 
-Example: B = 1, ``a = 0.8`` and cost(K) = 0.25 + 0.05 K + 0.09 K s: K = 0 gives 1 / 0.25 = 4.0 tokens/s; K = 3 with a
+Example: B = 1, ``a = 0.8`` and cost = 0.25 + 0.05 x + 0.09 s: K = 0 gives 1 / 0.25 = 4.0 tokens/s; K = 3 with a
 draft model gives (1 + .8 + .64 + .51) / 0.67 = 4.4; K = 3 with lookups only (s = 0) gives 2.95 / 0.40 = 7.4.
 """
 
@@ -44,33 +54,36 @@ from batchspec.config import SpecConfig
 from batchspec.engine.acceptance import RowAcceptance
 
 PRIOR_ACCEPTANCE = 0.6
-ROW_DECAY = 0.7  # weight of a row's earlier rounds when a round is observed
+ROW_DECAY = 0.8  # weight of a row's earlier rounds when a round is observed
 ENGINE_DECAY = 0.97
 IDLE_DECAY = 0.97  # per idle round: how fast unobserved counts fade toward their prior
-PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide share in a row's estimate
+PRIOR_WEIGHT = 1.0  # pseudo-observations of the engine-wide share in a row's estimate
 COST_DECAY = 0.95
 DRAFT_DECAY = 0.8  # weight of the earlier draft-forward timings in their running mean
 READ_DECAY = 0.5  # weight of the earlier prompt-reading timings in their running mean
+REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with drafts in their running mean
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
 
 
 @dataclass
 class CostFit:
-    """Round seconds at one batch size: the target's part ``theta · [1, K]``, fitted to decayed observations by
+    """Round seconds at one batch size: the target's part ``theta · [1, x]`` (``x`` the extra tokens scored: see the
+    module docstring), fitted to decayed observations by
     ridge regression toward ``c_0 · [1, slope]`` (``c_0`` the fitted intercept; ``start`` its first guess: the
     nearest batch size's, else the first round's; None before any round, when only ratios matter; the fitted slope
     is never negative), and ``draft_s``, the measured seconds of one draft forward (``draft_share * c_0`` until the
     draft has run).
 
     The fit is plain float arithmetic (a 2 x 2 system), solved once per observed round and kept: the planner
-    prices every candidate ``K`` of every round from it, so it must cost the host next to nothing.
+    prices every candidate of every round from it, so it must cost the host next to nothing.
     """
 
     slope: float
     draft_share: float
     start: float | None = None
     draft_s: float | None = None
+    realign_s: float = 0.0
     gram: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed sums of 1, K, K^2
     moment: tuple[float, float] = (0.0, 0.0)  # decayed sums of t, K t
     theta: tuple[float, float] = field(init=False)
@@ -102,10 +115,18 @@ class CostFit:
             c0, c_v = max((d * r0 - b * r1) / det, 1e-9), (a * r1 - b * r0) / det
         return c0, max(c_v, 0.0)
 
-    def predict(self, k: int, steps: int) -> float:
+    def predict(self, x: int, steps: int) -> float:
         c0, slope = self.theta
-        draft = self.draft_share * c0 if self.draft_s is None else self.draft_s
-        return c0 + slope * k + draft * steps
+        return c0 + slope * x + self.draft(steps) + (self.realign_s if x else 0.0)
+
+    def realigned(self, seconds: float) -> None:
+        """The realignment after a round with drafts took ``seconds``."""
+        self.realign_s = REALIGN_DECAY * self.realign_s + (1 - REALIGN_DECAY) * seconds
+
+    def draft(self, steps: int) -> float:
+        """Seconds of ``steps`` draft forwards."""
+        each = self.draft_share * self.theta[0] if self.draft_s is None else self.draft_s
+        return each * steps
 
 
 @dataclass(frozen=True)
@@ -139,7 +160,10 @@ class RoundRecord:
         shadow: per row that proposed nothing, whether its first lookup draft equals the token it gained
             (None: no lookup draft).
         k, forwards: the round's longest proposal and the draft forwards it ran.
-        seconds: the round's decode time, of which ``draft_seconds`` were spent proposing.
+        ragged: the verification scored each row's own drafts only
+            (:meth:`~batchspec.engine.runner.ModelRunner.ragged`).
+        seconds: the round's decode time but its realignment, of which ``draft_seconds`` were spent proposing.
+        realign_seconds: the realignment at the round's start (what the round before it left unequal).
     """
 
     lengths: list[int]
@@ -150,6 +174,13 @@ class RoundRecord:
     forwards: int
     seconds: float
     draft_seconds: float = 0.0
+    ragged: bool = False
+    realign_seconds: float = 0.0
+
+    @property
+    def scored(self) -> int:
+        """The extra tokens the verification scored: the drafts (ragged), else the rows times ``k``."""
+        return sum(self.lengths) if self.ragged else len(self.lengths) * self.k
 
 
 class FixedLength:
@@ -173,8 +204,10 @@ class FixedLength:
 class AdaptiveLength:
     """Chooses each round's ``K`` for the highest expected tokens per second (see the module docstring)."""
 
-    def __init__(self, max_k: int, draft_ratio: float) -> None:
+    def __init__(self, max_k: int, draft_ratio: float, *, ragged: bool = False) -> None:
         self.max_k = max_k
+        self.ragged = ragged  # the verification scores each row's own drafts only (see the module docstring)
+        self.proposed = 0  # the rows of the last round, where it had drafts (else 0)
         self.limit = max_k
         self.drafting = False  # the draft model ran last round: new prompts are then read by it too
         self.draft_ratio = draft_ratio
@@ -193,17 +226,33 @@ class AdaptiveLength:
         left = sum(row.remaining for row in rows)
         best, best_rate = [0] * len(rows), 0.0
         for caps in variants:
+            gains = [_gains(cap, found, row_shares, reach.uses_draft_model)
+                     for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)]
             for k in range(max(caps, default=0) + 1):
-                expected = sum(
-                    _expected(min(k, cap), found, shares_i, reach.uses_draft_model)
-                    for cap, found, shares_i in zip(caps, reach.lookups, shares, strict=True)
-                )
                 steps = _draft_steps(k, caps, reach, sampled)
+                lengths, expected, extra = self._deal(gains, k, fit, steps)
                 catch_up = catch_up_s * expected / left if steps and left else 0.0  # spread over the rounds left
-                rate = expected / max(fit.predict(k, steps) + catch_up, 1e-6)
+                rate = expected / max(fit.predict(extra, steps) + catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
-                    best, best_rate = [min(k, cap) for cap in caps], rate
+                    best, best_rate = lengths, rate
         return best
+
+    def _deal(self, gains: list[list[float]], k: int, fit: CostFit, steps: int) -> tuple[list[int], float, int]:
+        """Each row's drafts for a round of longest proposal ``k`` (``gains[i][j]``: the tokens row ``i``'s
+        ``(j+1)``-th draft adds), the tokens they are expected to give and the extra tokens the verification scores.
+        Ragged: drafts taken in order of gain while each raises the expected rate; else ``min(k, reach)`` for all."""
+        if not self.ragged:
+            lengths = [min(k, len(row)) for row in gains]
+            return lengths, sum(1 + sum(row[:n]) for row, n in zip(gains, lengths, strict=True)), k * len(gains)
+        c0, per_token = fit.theta
+        lengths = [0] * len(gains)
+        expected, cost = float(len(gains)), c0 + fit.draft(steps)
+        for gain, i in sorted(((g, i) for i, row in enumerate(gains) for g in row[:k]), reverse=True):
+            if gain * cost <= expected * per_token:  # gains only fall from here on: none would raise the rate
+                break
+            lengths[i] += 1
+            expected, cost = expected + gain, cost + per_token
+        return lengths, expected, sum(lengths)
 
     def observe(self, rows, record: RoundRecord) -> None:
         """Account a round: acceptance per row and source, and its cost."""
@@ -225,7 +274,11 @@ class AdaptiveLength:
         if not model_tested:
             self.engine.model.fade(IDLE_DECAY)
         self.drafting = record.forwards > 0
-        self._fit(len(rows)).observe(record.k, record.forwards, record.seconds, record.draft_seconds)
+        fit = self._fit(len(rows))
+        if self.proposed == len(rows):  # the round before had drafts, over as many rows
+            fit.realigned(record.realign_seconds)
+        self.proposed = len(rows) if record.scored else 0
+        fit.observe(record.scored, record.forwards, record.seconds, record.draft_seconds)
 
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         """Reading prompt columns (``tokens`` of them, over all rows) took one model ``seconds``."""
@@ -253,31 +306,32 @@ class AdaptiveLength:
         """The cost fit of ``rows`` rows, started from the nearest batch size's plain step."""
         if rows not in self.fits:
             start = self.fits[min(self.fits, key=lambda b: abs(b - rows))].theta[0] if self.fits else None
-            self.fits[rows] = CostFit(min(1.0, rows / KNEE_TOKENS), self.draft_ratio, start)
+            self.fits[rows] = CostFit(1 / max(rows, KNEE_TOKENS), self.draft_ratio, start)  # c_0 per extra token
         return self.fits[rows]
 
 
-def planner_for(config: SpecConfig, draft_share: float) -> FixedLength | AdaptiveLength:
+def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool) -> FixedLength | AdaptiveLength:
     """The draft-length policy of ``config``: no drafts without speculation, a fixed ``num_draft_tokens``, or (``auto``)
     the adaptive planner, whose cost prior is ``draft_share``, the draft model's parameters over the target's (0 for
-    prompt lookup)."""
+    prompt lookup), and which deals drafts out per row where the verification is ``ragged``."""
     if not config.speculative:
         return FixedLength(0)
     if not config.adaptive:
         return FixedLength(config.num_draft_tokens)
-    return AdaptiveLength(config.max_draft_tokens, draft_share)
+    return AdaptiveLength(config.max_draft_tokens, draft_share, ragged=ragged)
 
 
-def _expected(m: int, found: int, shares: tuple[float, float], uses_draft_model: bool) -> float:
-    """``E(m)``: the row's expected tokens from ``m`` drafts, lookups first (share ``shares[0]``), then the draft
-    model's (``shares[1]``)."""
-    total, chance = 1.0, 1.0
-    for j in range(1, m + 1):
+def _gains(cap: int, found: int, shares: tuple[float, float], uses_draft_model: bool) -> list[float]:
+    """What each of a row's drafts ``1 .. cap`` adds to its expected tokens (``E(m) = 1 + sum(gains[:m])``), lookups
+    first (share ``shares[0]``), then the draft model's (``shares[1]``); a row without a draft model stops at its
+    lookups."""
+    gains, chance = [], 1.0
+    for j in range(1, cap + 1):
         if j > found and not uses_draft_model:
             break
         chance *= shares[0] if j <= found else shares[1]
-        total += chance
-    return total
+        gains.append(chance)
+    return gains
 
 
 def _draft_steps(k: int, caps: list[int], reach: Reach, sampled: bool) -> int:

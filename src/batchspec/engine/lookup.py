@@ -106,7 +106,11 @@ class _Joined:
     def __getitem__(self, index):
         """As a list's: ``_Joined([1, 2], [3])[-1] == 3``, ``[0:3] == [1, 2, 3]``."""
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            cut = len(self.head)
+            return self.head[start : min(stop, cut)] + self.tail_tokens[max(start - cut, 0) : max(stop - cut, 0)]
         position = index + len(self) if index < 0 else index
         if not 0 <= position < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} tokens")

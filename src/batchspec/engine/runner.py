@@ -73,14 +73,29 @@ class ModelRunner:
         self.graphs = None if graphs == "off" else GraphedForwards(_static_call, capture=graphs == "on")
 
     def logits(
-        self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor, *, keep: int
+        self,
+        model: torch.nn.Module,
+        batch: BatchState,
+        cache: BatchKVCache,
+        input_ids: torch.Tensor,
+        *,
+        keep: int,
+        fed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
-        Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.engine.graphs`)."""
+        Decode-sized forwards go through the CUDA graphs where they are on (:mod:`batchspec.engine.graphs`).
+
+        ``fed`` ``[B]`` (a ragged verification): row ``i`` needs only its first ``fed[i]`` inputs. Where the model
+        runs on the fused integer forward (:meth:`ragged`) the others are left out of every product, their logits
+        are zeros and their KV columns hold zeros (the caller drops them); elsewhere every input is computed."""
         forward = integer_forward(model) if cache.write_at is None else None
         if forward is not None:  # the int8 model's own forward: the same bits as the model's, in fewer calls
-            return forward.logits(input_ids, *_placement(model, batch, cache, input_ids), cache, keep)
+            positions, visible = _placement(model, batch, cache, input_ids)
+            if fed is not None:
+                queries = torch.arange(input_ids.shape[1], device=fed.device)  # [q]
+                visible = visible & (queries[None, None, :, None] < fed[:, None, None, None])  # [B, 1, q, end]
+            return forward.logits(input_ids, positions, visible, cache, keep)
         end = cache.length + input_ids.shape[1]
         graphed = self.graphs is not None and _implementation(model) in GRAPHED_ATTENTION
         with attention_backends(self.device):
@@ -89,6 +104,12 @@ class ModelRunner:
                 if logits is not None:
                     return logits
             return model(**_inputs(model, batch, cache, input_ids), logits_to_keep=keep).logits
+
+    @staticmethod
+    def ragged(model: torch.nn.Module) -> bool:
+        """Whether :meth:`logits` leaves out the inputs a row does not need (``fed``): its cost then follows the
+        tokens fed, not the rows times the widest row's."""
+        return integer_forward(model) is not None
 
     def read(self, model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> None:
         """Feed ``input_ids`` ``[B, q]`` like :meth:`logits`, for their KV only: the decoder runs, the output layer

@@ -93,12 +93,29 @@ class _Rows:
         """``[B * S, C]`` -> ``[N, C]``."""
         return x if self.index is None else x.index_select(0, self.index)
 
+    def kept(self, keep: int) -> _Kept:
+        """The read positions among each row's last ``keep``: their places in :meth:`take`'s ``[N, C]`` and in a
+        flat ``[B * keep]``. Example (the class's): ``keep = 2`` → taken ``[0, 2, 3]``, flat ``[1, 2, 3]``;
+        ``keep = 1`` → taken ``[0, 3]``, flat ``[0, 1]``."""
+        index = self.index  # [N]
+        column = index % self.seq - (self.seq - keep)  # [N]: the position's place among its row's last keep
+        taken = (column >= 0).nonzero().squeeze(1)  # [n]
+        return _Kept(taken, (index // self.seq)[taken] * keep + column[taken])
+
     def spread(self, rows: torch.Tensor) -> torch.Tensor:
         """``[N, C]`` -> ``[B, S, C]``, zeros at the positions left out."""
         if self.index is None:
             return rows.view(self.batch, self.seq, rows.shape[-1])
         out = rows.new_zeros(self.batch * self.seq, rows.shape[-1]).index_copy_(0, self.index, rows)
         return out.view(self.batch, self.seq, rows.shape[-1])
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """:meth:`_Rows.kept`: ``taken`` ``[n]`` indexes the ``[N, C]`` rows read, ``flat`` ``[n]`` a ``[B * keep]``."""
+
+    taken: torch.Tensor  # [n]
+    flat: torch.Tensor  # [n]
 
 
 def integer_forward(model: torch.nn.Module) -> IntegerForward | None:
@@ -174,8 +191,13 @@ class IntegerForward:
         """``input_ids`` ``[B, S]`` at ``positions`` ``[B, S]`` appended to ``cache``, queries seeing the keys
         ``visible`` ``[B, 1, S, L]`` marks; the logits of the last ``keep`` inputs, ``[B, keep, V]``."""
         rows = _Rows.of(visible)
-        hidden = rows.spread(self._decode(input_ids, positions, visible, cache, rows))[:, -keep:]  # [B, keep, H]
-        return self.head(self.norm(hidden))  # [B, keep, V]
+        decoded = self._decode(input_ids, positions, visible, cache, rows)  # [N, H]
+        if rows.index is None:
+            return self.head(self.norm(decoded.view(rows.batch, rows.seq, -1)[:, -keep:]))  # [B, keep, V]
+        kept = rows.kept(keep)  # [n]: which of the N read positions are among the last keep, as flat [B * keep]
+        out = self.head(self.norm(decoded.index_select(0, kept.taken)))  # [n, V]
+        logits = out.new_zeros(rows.batch * keep, out.shape[-1]).index_copy_(0, kept.flat, out)  # [B * keep, V]
+        return logits.view(rows.batch, keep, -1)  # [B, keep, V]: zeros at the positions left out
 
     def read(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any) -> None:
         """:meth:`logits` for the KV only: the final norm and the output layer do not run."""
