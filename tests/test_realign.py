@@ -74,12 +74,13 @@ def scattered_rows(draw):
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(scattered_rows())
-def test_gathered_batch_holds_each_unpadded_row(rows):
-    layout = plan_layout(rows)
+@given(scattered_rows(), st.sampled_from([0, 4]))
+def test_gathered_batch_holds_each_unpadded_row(rows, slack):
+    layout = plan_layout(rows, slack=slack)
     batch = _assemble(layout, rows, (1, 1))
     batch.check()  # I1, I2, every row's token stream, cache lengths within the width
-    assert min(layout.pad) == 0, "the longest row sets the width and has no padding"
+    if not slack:
+        assert min(layout.pad) == 0, "the longest row sets the width and has no padding"
     for i, row in enumerate(rows):
         pad = layout.pad[i]
         cached = 0 if row.kv is None else row.kv.target_cached
@@ -112,6 +113,41 @@ def test_worked_example_from_the_docstring():
     assert batch.slab.target is not slab.target
     assert batch.slab.target.storage is slab.target.storage, "all of one slab's rows shift within its storage"
     assert batch.slab.target.layers[0].keys[0, 0, :5, 0].tolist() == [0, 1, 2, 3, 4]  # row 0's columns moved left
+
+
+def _eight_and_ten(starts: list[int]) -> list[Sequence]:
+    """Rows of content 10, 8, 8 in one slab from ``starts``, each holding every column but its pending one."""
+    rows = [Sequence(i, [50 * i + j for j in range(n)], 8) for i, n in enumerate([10, 8, 8])]
+    make_slab(rows, starts=starts, lags=[0, 0, 0], draft_lags=[0, 0, 0])
+    return rows
+
+
+def test_with_slack_only_the_row_that_gained_more_moves_into_its_padding():
+    """:func:`_width`'s example: ends ``[13, 12, 12]``, slack 4: width 12, row 0 moves one column left within the
+    slab's storage and rows 1 and 2 stay; every row still reads as its unpadded sequence."""
+    rows = _eight_and_ten([3, 4, 4])
+    slab = rows[0].kv.slab
+    before = slab.target.storage[:, :, 1:].clone()
+    layout = plan_layout(rows, slack=4)
+    assert layout.width == 12 and layout.pad == [2, 4, 4]
+    assert [s.shift for s in layout.sources] == [[-1, 0, 0]] and layout.sources[0].moving == [0]
+    batch = _assemble(layout, rows, (1, 1))
+    batch.check()
+    assert batch.slab.target.storage is slab.target.storage
+    assert torch.equal(slab.target.storage[:, :, 1:, :, :11], before[:, :, :, :, :11]), "rows 1 and 2 were not touched"
+    assert batch.slab.target.layers[0].keys[0, 0, 2:11, 0].tolist() == list(range(9))
+
+
+def test_with_slack_a_move_of_most_rows_pads_every_row_by_the_slack():
+    """Ends ``[13, 12, 11]``: no end holds half the content, so all three move, to width 10 + 4."""
+    rows = _eight_and_ten([3, 4, 3])
+    layout = plan_layout(rows, slack=4)
+    assert layout.width == 14 and layout.pad == [4, 6, 6]
+    batch = _assemble(layout, rows, (1, 1))
+    batch.check()
+    for i, row in enumerate(rows):
+        assert batch.slab.target.layers[0].keys[i, 0, layout.pad[i] : 13, 0].tolist() == [
+            1000.0 * row.index + p for p in range(13 - layout.pad[i])]
 
 
 def test_draft_catch_up_worked_example_from_its_docstring():

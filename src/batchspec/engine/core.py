@@ -28,7 +28,7 @@ from batchspec.engine.prefix_cache import PrefixCache, prefix_cache_bytes
 from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalHost, ProposalPlan, Proposer, point_masses
 from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.engine.proposers.ngram import NgramProposer
-from batchspec.engine.realign import assemble, draft_catch_up, layout_columns, plan_layout
+from batchspec.engine.realign import LEFT_SLACK, assemble, draft_catch_up, layout_columns, plan_layout
 from batchspec.engine.runner import Floats, ModelRunner
 from batchspec.engine.sampling import RoundSampling, RowParams, RowRandom, warp_rows
 from batchspec.engine.shaping import shape, shaped_rows
@@ -57,6 +57,7 @@ class Engine:
         self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
         drafter = draft if self.proposer.uses_draft_model else None
         self.ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
+        self.slack = LEFT_SLACK if self.ragged else 0  # padding changes no bit of the fused forward: see realign.py
         share = 0.0 if drafter is None else _parameters(drafter) / _parameters(target)
         self.planner = planner_for(config, share, ragged=self.ragged)
         self.chunks = ChunkBudget(config.prefill_chunk)
@@ -171,7 +172,7 @@ class Engine:
         all their numbers in the round's one host→device copy; then lay the rows out (reusing their slab when they
         are in lockstep). Returns the batch, the sampling (None when every row is greedy) and the proposal's plan with
         its columns staged."""
-        layout = plan_layout(rows)
+        layout = plan_layout(rows, slack=self.slack)
         plan = self.proposer.plan(rows, lengths)
         parts = (layout_columns(layout, rows, self.layers), _sampling_columns(rows), plan.columns)
         staged = self.runner.stage(*(column for part in parts for column in part))
