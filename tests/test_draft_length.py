@@ -55,8 +55,7 @@ def speedup(batch: int, chance: float | list[float], slope: float, *, reach: int
         shadow = [None if n or not looked else rng.random() < p
                   for n, looked, p in zip(lengths, lookups, chances, strict=True)]
         looked = [[j < n for j in range(k + 1)] for n in lookups]
-        planner.observe(rows, RoundRecord(lengths, accepted, looked, shadow, k, forwards, cost, drafting, ragged,
-                                          moving))
+        planner.observe(rows, RoundRecord(lengths, accepted, looked, shadow, k, forwards, cost, drafting, moving))
         tokens += sum(a + 1 for a in accepted)
         seconds += cost + moving
         moving = realign * c0 if len(set(accepted)) > 1 else 0.0

@@ -56,10 +56,10 @@ class Engine:
         self.proposer = _proposer(draft, config)
         self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
         drafter = draft if self.proposer.uses_draft_model else None
-        self.ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
-        self.slack = LEFT_SLACK if self.ragged else 0  # padding changes no bit of the fused forward: see realign.py
+        ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
+        self.slack = LEFT_SLACK if ragged else 0  # padding changes no bit of the fused forward: see realign.py
         share = 0.0 if drafter is None else _parameters(drafter) / _parameters(target)
-        self.planner = planner_for(config, share, ragged=self.ragged)
+        self.planner = planner_for(config, share, ragged=ragged)
         self.chunks = ChunkBudget(config.prefill_chunk)
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None
@@ -92,8 +92,7 @@ class Engine:
             seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
             proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
             record = _record(replace(proposal, host=host), accepted, gained, reach, sampling, seconds, proposing)
-            self.planner.observe(rows, replace(record, seconds=seconds - realigned, ragged=self.ragged,
-                                               realign_seconds=realigned))
+            self.planner.observe(rows, replace(record, seconds=seconds - realigned, realign_seconds=realigned))
             self.chunks.decoded(seconds)
         if self.config.check_invariants:
             for row in rows:

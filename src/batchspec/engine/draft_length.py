@@ -160,8 +160,6 @@ class RoundRecord:
         shadow: per row that proposed nothing, whether its first lookup draft equals the token it gained
             (None: no lookup draft).
         k, forwards: the round's longest proposal and the draft forwards it ran.
-        ragged: the verification scored each row's own drafts only
-            (:meth:`~batchspec.engine.runner.ModelRunner.ragged`).
         seconds: the round's decode time but its realignment, of which ``draft_seconds`` were spent proposing.
         realign_seconds: the realignment at the round's start (what the round before it left unequal).
     """
@@ -174,13 +172,7 @@ class RoundRecord:
     forwards: int
     seconds: float
     draft_seconds: float = 0.0
-    ragged: bool = False
     realign_seconds: float = 0.0
-
-    @property
-    def scored(self) -> int:
-        """The extra tokens the verification scored: the drafts (ragged), else the rows times ``k``."""
-        return sum(self.lengths) if self.ragged else len(self.lengths) * self.k
 
 
 class FixedLength:
@@ -277,8 +269,9 @@ class AdaptiveLength:
         fit = self._fit(len(rows))
         if self.proposed == len(rows):  # the round before had drafts, over as many rows
             fit.realigned(record.realign_seconds)
-        self.proposed = len(rows) if record.scored else 0
-        fit.observe(record.scored, record.forwards, record.seconds, record.draft_seconds)
+        scored = sum(record.lengths) if self.ragged else len(record.lengths) * record.k  # extra tokens verified
+        self.proposed = len(rows) if scored else 0
+        fit.observe(scored, record.forwards, record.seconds, record.draft_seconds)
 
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         """Reading prompt columns (``tokens`` of them, over all rows) took one model ``seconds``."""
