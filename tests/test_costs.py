@@ -18,6 +18,7 @@ from batchspec.bench.costs import (
 )
 from batchspec.exact.integer import quantize_model
 from batchspec.exact.integer.linear import Int8Linear
+from batchspec.model_checks import forward_weights
 
 torch = pytest.importorskip("torch")
 
@@ -73,6 +74,17 @@ def test_weight_bytes_are_what_a_step_reads():
     assert packed >= sum(m.weight.numel() for m in linears) > 0  # at least one byte per weight
     assert weight_bytes(quantized) >= packed
     assert weight_bytes(quantized) < weight_bytes(untied)
+
+
+def test_forward_weights_are_the_products_weights_from_the_config():
+    """The planner's prior for a draft's cost: the weights of every linear layer (the embedding looked up, not read),
+    the output layer over a draft's first ids only where that is fewer, whatever the weights' quantization."""
+    model = tiny_models.build_qwen2(seed=3)
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    hidden, rows = model.config.hidden_size, model.config.vocab_size
+    assert forward_weights(model) == forward_weights(model, rows + 1) == linears
+    assert forward_weights(model, 40) == linears - (rows - 40) * hidden
+    assert forward_weights(quantize_model(tiny_models.build_qwen2(seed=3))) == linears
 
 
 def test_a_step_against_its_floor():

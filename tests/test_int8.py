@@ -429,6 +429,8 @@ def test_native_attention_gives_the_torch_paths_bits(batch, kv_heads, group, que
     key, value = storage[0, :, :, :length], storage[1, :, :, :length]  # [B, Hk, L, W] int16, strided
     visible = torch.rand(batch, 1, queries, length, generator=generator) < 0.7
     visible[0, 0, 0] = False
+    visible[-1, :, queries // 2 + 1 :] = False  # the last queries see nothing (a ragged verification's unscored drafts)
+    visible[-1, :, :, : extra // 2] = False  # nor the first keys (a short row's padding beside a long one)
     got = exact_attention(query, key, value, visible, scaling=size**-0.5)
     if queries <= QUERY_CHUNK:
         alone = native.attention(query, key, value, visible, size**-0.5, QKV_LEVELS, EXP2_COEFFICIENTS)

@@ -200,12 +200,15 @@ def test_each_build_gives_the_torch_paths_bits(isa, rows, inner, outputs, seed, 
 )
 def test_each_builds_attention_gives_the_torch_paths_bits(isa, kv_heads, group, queries, extra, size, seed):
     """The exact attention over the packed int16 cache: each build's bits are the torch path's, for GQA groups,
-    partial visibility, more keys than one int32 flush of the weighted sum (64) and more queries than one block."""
+    partial visibility (a row whose last queries see nothing and whose first keys no query sees: the native builds
+    leave them out), more keys than one int32 flush of the weighted sum (64) and more queries than one block."""
     generator = torch.Generator().manual_seed(seed)
     heads, length = kv_heads * group, queries + extra
     query = torch.randn(2, heads, queries, size, generator=generator)
     key, value = (pack(torch.randn(2, kv_heads, length, size, generator=generator)) for _ in "kv")
     visible = torch.rand(2, 1, queries, length, generator=generator) < 0.8
+    visible[1, :, queries // 2 + 1 :] = False  # a ragged verification's unscored drafts: the last queries see nothing
+    visible[1, :, :, : extra // 2] = False  # a short row's padding beside a long one: keys no query sees
     with native.using("none"):
         want = exact_attention(query, key, value, visible, scaling=size**-0.5)
     with native.using(isa):

@@ -27,7 +27,7 @@ from batchspec.engine.state import BatchState
 from batchspec.exact.integer import native, quantize_model
 from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
 from batchspec.exact.integer.attention import QKV_LEVELS, pack, packed_width
-from batchspec.exact.integer.forward import IntegerForward, integer_forward
+from batchspec.exact.integer.forward import UNREACHED, IntegerForward, integer_forward
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import Int4Stack, Int8Stack, gated, quantize_gated
 from batchspec.exact.integer.model import exact_rms_norm
@@ -264,6 +264,28 @@ def test_a_ragged_verification_scores_each_rows_own_drafts_with_the_same_bits(va
         assert torch.equal(caches[1].storage[:, :, row, :, : 9 + n], caches[0].storage[:, :, row, :, : 9 + n])
 
 
+@pytest.mark.parametrize("vocabulary", [1, 64, 100, 10**6])
+def test_a_drafts_vocabulary_gives_the_first_logits_bits_and_reads_their_panels_only(vocabulary, models, monkeypatch):
+    """``vocabulary``: the first ids' logits are the whole output layer's bits, the others far below any logit; the
+    product reads the panels that hold them (a partial panel whole), and a vocabulary past the model's is all of it."""
+    model = models["qwen2", True]
+    ids = torch.randint(0, model.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(2))  # [B, 6]
+    runner, size = ModelRunner(torch.device("cpu")), model.config.vocab_size
+    logits, read = [], []
+    linear = native.linear
+    monkeypatch.setattr(native, "linear", lambda codes, panels, *rest: read.append(panels.shape[0]) or linear(
+        codes, panels, *rest))
+    with torch.no_grad():
+        for limit in (None, vocabulary):
+            cache = BatchKVCache.for_model(model)
+            logits.append(runner.logits(model, BatchState.dense(ids, cache), cache, ids, keep=2, vocabulary=limit))
+    n = min(vocabulary, size)
+    panels = -(-size // native.PANEL)
+    assert read == [panels, min(panels, -(-vocabulary // native.PANEL))]  # the output layer's products, in order
+    assert torch.equal(logits[1][..., :n], logits[0][..., :n])
+    assert (logits[1][..., n:] == UNREACHED).all() and logits[0].min() > UNREACHED / 1e20
+
+
 @contextmanager
 def _rows_of(module: torch.nn.Module, seen: list[int]):
     """Record the rows of every input ``module`` is called on."""
@@ -306,13 +328,15 @@ def test_only_float32_int8_models_take_it(models, bundles):
     assert IntegerForward.of(lopsided) is None and IntegerForward.of(copy.deepcopy(models["qwen3", False])) is not None
 
 
-@pytest.mark.parametrize("method, proposer", [("eqspec", "draft"), ("exspec", "hybrid"), ("autoregressive", None)])
-def test_batchspec_through_it_equals_the_models_own_generate(method, proposer, models, bs, reference):
+@pytest.mark.parametrize("method, proposer, vocabulary", [
+    ("eqspec", "draft", 0), ("eqspec", "draft", 40), ("exspec", "hybrid", 0), ("autoregressive", None, 0)])
+def test_batchspec_through_it_equals_the_models_own_generate(method, proposer, vocabulary, models, bs, reference):
+    """The output is the model's own greedy output, whichever draft: one proposing among the first 40 of 96 ids too."""
     target = models["qwen3", True]
     draft = tiny_models.perturbed_copy(tiny_models.build_qwen3(seed=3, **STACKABLE), 0.1, seed=4)
     draft = quantize_model(draft.float())
     prompts = tiny_models.random_prompts(6, seed=8, max_len=30)
     result = bs.generate(target, draft, prompts, method=method, proposer=proposer, batch_size=4, max_new_tokens=16,
-                         num_draft_tokens=3, check_invariants=True)
+                         num_draft_tokens=3, check_invariants=True, draft_vocabulary=vocabulary)
     assert integer_forward(target) is not None and integer_forward(draft) is not None
     assert result.sequences == [reference(target, prompt, 16, None) for prompt in prompts]

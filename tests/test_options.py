@@ -38,7 +38,7 @@ CATEGORIES = ["coding", "writing", "coding"]
 GENERATION = {
     "--method": "exspec", "--proposer": "ngram", "--batch-size": "3", "--max-new-tokens": "7",
     "--num-draft-tokens": "3", "--temperature": "0.7", "--top-k": "4", "--top-p": "0.5", "--seed": "11",
-    "--cuda-graphs": "off", "--prefix-cache-size": "1MiB",
+    "--cuda-graphs": "off", "--prefix-cache-size": "1MiB", "--draft-vocabulary": "4096",
 }
 MODELS = {
     "--preset": "smollm2", "--target": "other-target", "--dtype": "bfloat16",
@@ -233,7 +233,7 @@ def test_every_bench_online_option_reaches_the_servers_or_is_refused(recorded, p
 
 def test_every_serve_option_reaches_the_server(recorded, prompts_file, tmp_path):
     values = {k: v for k, v in GENERATION.items() if k in {"--method", "--proposer", "--num-draft-tokens",
-                                                          "--cuda-graphs", "--prefix-cache-size"}}
+                                                          "--draft-vocabulary", "--cuda-graphs", "--prefix-cache-size"}}
     values |= MODELS | SERVE
     refused = check_every_option(recorded, tmp_path, ["serve"], values, "serve")
     assert refused == [], refused

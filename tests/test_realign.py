@@ -19,7 +19,7 @@ from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import BatchKVCache, Slab
 from batchspec.engine.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, layout_columns, plan_layout
 from batchspec.engine.runner import ModelRunner
-from batchspec.engine.state import BatchState, HostColumns, KVLocation, Sequence
+from batchspec.engine.state import BatchState, HostColumns, KVLocation, Moved, Sequence
 
 CPU = torch.device("cpu")
 RUNNER = ModelRunner(CPU)
@@ -136,6 +136,7 @@ def test_with_slack_only_the_row_that_gained_more_moves_into_its_padding():
     assert batch.slab.target.storage is slab.target.storage
     assert torch.equal(slab.target.storage[:, :, 1:, :, :11], before[:, :, :, :, :11]), "rows 1 and 2 were not touched"
     assert batch.slab.target.layers[0].keys[0, 0, 2:11, 0].tolist() == list(range(9))
+    assert batch.moved == Moved(bytes=2 * (2 * 9 * 8), rows=1)  # both models: keys and values of 9 float64 columns
 
 
 def test_with_slack_a_move_of_most_rows_pads_every_row_by_the_slack():
@@ -198,6 +199,7 @@ def test_lockstep_rows_reuse_their_slab_without_a_copy():
     batch = _assemble(layout, rows, (1, 1))
     assert batch.slab.target.storage is storage, "lockstep must not copy the cache"
     assert batch.slab.target.length == 5 and batch.slab.draft.length == 4
+    assert batch.moved == Moved(0, 0)
     batch.check()
 
 
@@ -210,6 +212,7 @@ def test_reordered_or_partial_slab_is_gathered(order):
     assert layout.reuse is None and not layout.padded
     batch = _assemble(layout, picked, (1, 1))
     assert batch.slab.target.storage is not rows[0].kv.slab.target.storage, "other rows may still need that storage"
+    assert batch.moved.rows == len(order)  # a gather copies every row, shifted or not
 
 
 def test_new_rows_without_kv_start_from_zero_cache():

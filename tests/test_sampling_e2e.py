@@ -28,6 +28,7 @@ import batchspec
 import batchspec.engine.core as engine
 import batchspec.engine.verifier as verifier
 from batchspec.config import SamplingParams, SpecConfig
+from batchspec.engine.draft_length import IDLE_READ_ROUNDS
 from batchspec.engine.prefill import Reader, catch_up
 from batchspec.engine.realign import plan_layout
 from batchspec.engine.sampling import derive_row_seeds
@@ -393,7 +394,7 @@ class DrawnLengths:
         """The planner learns from the round, and whether new prompts are read by the draft too is drawn: rows
         then join with a draft that holds none, part or all of their prompt."""
         self.observe(rows, record)
-        self.planner.drafting = self.draw(st.booleans())
+        self.planner.idle = 0 if self.draw(st.booleans()) else IDLE_READ_ROUNDS
 
     def __call__(self, rows, reach, sampled: bool) -> list[int]:
         limits = [min(self.planner.max_k, row.remaining - 1) for row in rows]
@@ -475,10 +476,11 @@ def test_rows_a_draft_catch_up_leaves_behind_are_caught_up_too(seq_models):
     target, draft = Reader(seq_models.target), Reader(seq_models.perturbed, is_draft=True)
     read = dict(filler=0, layers=decoder.layers)
     with torch.inference_mode():
-        catch_up(rows[:1], [target, draft], decoder.runner, limit=None, **read)
+        first = catch_up(rows[:1], [target, draft], decoder.runner, limit=None, **read)
         catch_up(rows[1:], [target], decoder.runner, limit=None, **read)
-        catch_up(rows[1:2], [draft], decoder.runner, limit=10, **read)
+        partial = catch_up(rows[1:2], [draft], decoder.runner, limit=10, **read)
         assert [row.kv.draft_cached for row in rows] == [29, 10, 0]
+        assert first.tokens == {False: 29, True: 29} and partial.tokens == {True: 10}  # what the planner prices
         assert plan_layout(rows).lagging == (1,)  # row 2 lags only once row 1 caught up
         while unfinished := [row for row in rows if not row.finished]:
             decoder.step(unfinished)

@@ -109,7 +109,7 @@ def generate(
             likelihood: ``max_new_tokens=0`` reads it only for this).
         **options: the run's settings, the fields of :class:`~batchspec.config.SpecConfig`, where each is declared
             once with its default, help and check: ``method``, ``batch_size``, ``num_draft_tokens``, ``proposer``,
-            ``max_draft_tokens``, ``ngram_min``, ``ngram_max``, ``pad_token_id``, ``window_size``,
+            ``max_draft_tokens``, ``draft_vocabulary``, ``ngram_min``, ``ngram_max``, ``pad_token_id``, ``window_size``,
             ``sort_by_length``, ``check_invariants``, ``timing``, ``cuda_graphs`` and ``prefix_cache_size``
             (docs/api.md); any other name is a TypeError.
     """

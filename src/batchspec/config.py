@@ -20,6 +20,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 # the n-gram lengths prompt lookup matches by default, longest first (engine/lookup.py)
 DEFAULT_MAX_NGRAM = 5
 DEFAULT_MIN_NGRAM = 1
+DEFAULT_DRAFT_VOCABULARY = 32768  # see SpecConfig.draft_vocabulary
 
 
 def default_cache_dir() -> Path:
@@ -257,6 +258,13 @@ class SpecConfig:
         help="Who drafts: draft (the draft model), ngram (prompt lookup in each prompt and its output: no draft "
         "model is loaded) or hybrid (lookup where it finds a match, the draft model elsewhere). Default: hybrid, "
         "or ngram when only --target is given.",
+    )
+    draft_vocabulary: int = option(
+        DEFAULT_DRAFT_VOCABULARY, check=integer(0), metavar="N",
+        help="The draft model proposes among the first N token ids only (FR-Spec's idea, with the tokenizer's own "
+        "order, its earliest merges first, as the frequency ranking): on the CPU's fused integer forward its output "
+        "layer then reads N of its rows. The target still verifies over its whole vocabulary, so the output is "
+        "unchanged. 0: the whole vocabulary.",
     )
     ngram_min: int = option(DEFAULT_MIN_NGRAM, check=integer(1), flag=False,
                             help="The shortest suffix prompt lookup matches.")

@@ -56,3 +56,17 @@ def check_pair(target: torch.nn.Module, draft: torch.nn.Module | None) -> None:
     draft_device = next(draft.parameters()).device
     if draft_device != target_device:
         raise ValueError(f"draft is on {draft_device} but target is on {target_device}; put both on one device")
+
+
+def forward_weights(model: torch.nn.Module, vocabulary: int = 0) -> int:
+    """Weights a one-token forward of ``model`` multiplies by, from its config: every layer's q, k, v, o and gated MLP
+    products and the output layer (over its first ``vocabulary`` rows where that is smaller; 0: all of them), not the
+    embedding it looks one row up in. Two models of one quantization read bytes in this ratio: the draft-length
+    planner's prior for a draft's cost against its target's, before the draft has run."""
+    config = model.config.get_text_config()
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    size = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    attention = 2 * hidden * config.num_attention_heads * size + 2 * hidden * kv_heads * size
+    outputs = vocab_size(model) if not vocabulary else min(vocabulary, vocab_size(model))
+    return layers * (attention + 3 * hidden * config.intermediate_size) + outputs * hidden

@@ -51,12 +51,12 @@ def fingerprint(pair: Any) -> dict[str, str]:
     for role, model in (("target", pair.target), ("draft", pair.draft)):
         logits = [model(torch.tensor([row])).logits[0].float() for row in rows]  # [L, V] each
         digest[f"{role} logits"] = _sha(b"".join(t.contiguous().numpy().tobytes() for t in logits))
-    result = generate(pair.target, pair.draft, rows, method="eqspec", proposer="draft", batch_size=len(rows),
-                      max_new_tokens=NEW_TOKENS, num_draft_tokens=DRAFT_TOKENS, eos_token_id=[])
+    run = dict(method="eqspec", proposer="draft", batch_size=len(rows), max_new_tokens=NEW_TOKENS,
+               num_draft_tokens=DRAFT_TOKENS, draft_vocabulary=0, eos_token_id=[])  # the draft's whole vocabulary:
+    result = generate(pair.target, pair.draft, rows, **run)  # a seeded run's samples follow its drafts' q
     digest["greedy tokens"] = _sha(json.dumps(result.sequences).encode())
-    sampled = generate(pair.target, pair.draft, rows, method="eqspec", proposer="draft", batch_size=len(rows),
-                       max_new_tokens=NEW_TOKENS, num_draft_tokens=DRAFT_TOKENS, eos_token_id=[], seed=SEED,
-                       temperature=0.9, top_p=0.95, logprobs=LOGPROBS)
+    sampled = generate(pair.target, pair.draft, rows, **run, seed=SEED, temperature=0.9, top_p=0.95,
+                       logprobs=LOGPROBS)
     logprobs = [[(t.token, t.logprob.hex(), [(i, v.hex()) for i, v in t.top]) for t in row] for row in sampled.logprobs]
     digest["sampled tokens and logprobs"] = _sha(json.dumps([sampled.sequences, logprobs]).encode())
     return digest

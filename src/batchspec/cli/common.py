@@ -235,6 +235,10 @@ def summary_lines(stats: Any, finish_reasons: list[str], method: Method, target_
     stages = [(stage, getattr(stats, f"{stage}_s")) for stage in STAGES]
     split = ", ".join(f"{name} {seconds:.1f} s ({_percent(seconds, stats.wall_s)})" for name, seconds in stages)
     lines.append(f"time             {split}")
+    if stats.realign_bytes:
+        rate = stats.realign_bytes / stats.realign_s / 1e9 if stats.realign_s > 0 else 0.0
+        lines.append(f"realign          {stats.realign_bytes / 1e9:.3f} GB of KV copied in {stats.realign_s:.1f} s "
+                     f"({rate:.1f} GB/s), {stats.realign_rows} rows moved in {stats.rounds} rounds")
     lines.append(f"memory           {memory_figures()} (this process: its most so far, the load included; and now)")
     rate = None if target_bytes is None else read_rate(target_bytes, stats)
     if rate is not None:

@@ -49,7 +49,7 @@ OutputOption = Annotated[
 
 
 GENERATE_SETTINGS = settings_choice(
-    "method", "proposer", "batch_size", "num_draft_tokens", "cuda_graphs", "prefix_cache_size"
+    "method", "proposer", "batch_size", "num_draft_tokens", "draft_vocabulary", "cuda_graphs", "prefix_cache_size"
 )
 
 

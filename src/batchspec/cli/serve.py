@@ -60,8 +60,9 @@ def names(value: str | None) -> tuple[str, ...]:
 
 
 SERVE_SETTINGS = settings_choice(
-    "method", "proposer", "batch_size", "num_draft_tokens", "window_size", "prefill_chunk", "timing", "cuda_graphs",
-    "prefix_cache_size", flags={"batch_size": "--max-batch-size"}, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+    "method", "proposer", "batch_size", "num_draft_tokens", "draft_vocabulary", "window_size", "prefill_chunk",
+    "timing", "cuda_graphs", "prefix_cache_size", flags={"batch_size": "--max-batch-size"},
+    prefill_chunk=DEFAULT_PREFILL_CHUNK,
 )
 
 

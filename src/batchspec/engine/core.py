@@ -34,7 +34,7 @@ from batchspec.engine.sampling import RoundSampling, RowParams, RowRandom, warp_
 from batchspec.engine.shaping import shape, shaped_rows
 from batchspec.engine.state import BatchState, KVLocation, Sequence
 from batchspec.engine.verifier import Verdict, verify_greedy, verify_sampling
-from batchspec.model_checks import check_pair
+from batchspec.model_checks import check_pair, forward_weights
 
 
 class Engine:
@@ -58,7 +58,7 @@ class Engine:
         drafter = draft if self.proposer.uses_draft_model else None
         ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
         self.slack = LEFT_SLACK if ragged else 0  # padding changes no bit of the fused forward: see realign.py
-        share = 0.0 if drafter is None else _parameters(drafter) / _parameters(target)
+        share = 0.0 if drafter is None else forward_weights(drafter, config.draft_vocabulary) / forward_weights(target)
         self.planner = planner_for(config, share, ragged=ragged)
         self.chunks = ChunkBudget(config.prefill_chunk)
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
@@ -179,7 +179,8 @@ class Engine:
         with self.timer.gathering(active=layout.reuse is None):
             batch = assemble(layout, rows, staged[: cut[0]], filler=self.config.pad_token_id, layers=self.layers)
         self.stats.record_layout(
-            size=len(rows), padded=layout.padded, copied=layout.reuse is None, recomputed=layout.recomputed
+            size=len(rows), padded=layout.padded, copied=layout.reuse is None, recomputed=layout.recomputed,
+            moved_bytes=batch.moved.bytes, moved_rows=batch.moved.rows,
         )
         if self.config.check_invariants:
             batch.check()
@@ -285,7 +286,8 @@ def _proposer(draft: torch.nn.Module | None, config: SpecConfig) -> Proposer:
     lookup = NgramProposer(config.ngram_min, config.ngram_max)
     if config.proposer is ProposerKind.NGRAM:
         return lookup
-    return DraftModelProposer(draft, lookup=lookup if config.proposer is ProposerKind.HYBRID else None)
+    lookup = lookup if config.proposer is ProposerKind.HYBRID else None
+    return DraftModelProposer(draft, lookup=lookup, vocabulary=config.draft_vocabulary)
 
 
 def _sampling_columns(rows: list[Sequence]) -> tuple:
@@ -396,8 +398,6 @@ def _target_cached(row: Sequence) -> int:
     return 0 if row.kv is None else row.kv.target_cached
 
 
-def _parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def _num_layers(model: torch.nn.Module) -> int:

@@ -26,14 +26,14 @@ KNEE_TOKENS)`` (a forward costs about the same for up to ``KNEE_TOKENS`` tokens,
 dominates, and grows in proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but
 ``c_t(8, 6) = 3.5 c_t(8, 1)``), so a width no round has tested yet is priced from the measured plain step. ``c_d`` is
 the draft forwards' own measured seconds (a running mean), and until the draft has run at that batch size, the
-draft's share of the two models' parameters times ``c_0``. ``r`` is the measured realignment at the start of the rounds
-that follow a round with drafts (a running mean, 0 where none was needed: one row, or rows that gained alike); it is
-left out of the round's own seconds, which would otherwise book it on whatever that next round proposed.
+draft's share of the weights a forward multiplies by, times ``c_0``. ``r`` is the measured realignment at the start of
+the rounds that follow a round with drafts (a running mean, 0 where none was needed: one row, or rows that gained
+alike); it is left out of the round's own seconds, which would otherwise book it on whatever that next round proposed.
 
 A draft model that has been idle lags: rows that joined or gained lookup tokens while it did not run hold columns
 its cache lacks, and its first forward must read them all (on long prompts, many seconds). That catch-up is priced
 too, at the measured seconds per column the draft reads (until it has read any, the draft's share of the
-parameters times the target's measured seconds per prompt column), spread over the rounds the rows have left, since
+weights times the target's measured seconds per prompt column), spread over the rounds the rows have left, since
 a draft that has caught up stays caught up while it runs.
 
 With prompt lookup and a draft model (hybrid), rows without a lookup would make every drafted position a draft
@@ -58,9 +58,12 @@ ROW_DECAY = 0.8  # weight of a row's earlier rounds when a round is observed
 ENGINE_DECAY = 0.97
 IDLE_DECAY = 0.97  # per idle round: how fast unobserved counts fade toward their prior
 PRIOR_WEIGHT = 1.0  # pseudo-observations of the engine-wide share in a row's estimate
+ENGINE_PRIOR_WEIGHT = 4.0  # pseudo-observations of PRIOR_ACCEPTANCE in the engine-wide share: one rejection of a
+# draft that has just started does not halve it
 COST_DECAY = 0.95
 DRAFT_DECAY = 0.8  # weight of the earlier draft-forward timings in their running mean
 READ_DECAY = 0.5  # weight of the earlier prompt-reading timings in their running mean
+IDLE_READ_ROUNDS = 16  # rounds without a draft forward after which new prompts are no longer read by the draft
 REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with drafts in their running mean
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
@@ -201,7 +204,7 @@ class AdaptiveLength:
         self.ragged = ragged  # the verification scores each row's own drafts only (see the module docstring)
         self.proposed = 0  # the rows of the last round, where it had drafts (else 0)
         self.limit = max_k
-        self.drafting = False  # the draft model ran last round: new prompts are then read by it too
+        self.idle = IDLE_READ_ROUNDS  # rounds since the draft model last ran (as many before it first runs)
         self.draft_ratio = draft_ratio
         self.engine = RowAcceptance()
         self.fits: dict[int, CostFit] = {}
@@ -265,13 +268,21 @@ class AdaptiveLength:
             model_tested |= counts["model"][1] > 0
         if not model_tested:
             self.engine.model.fade(IDLE_DECAY)
-        self.drafting = record.forwards > 0
+        self.idle = 0 if record.forwards else self.idle + 1
         fit = self._fit(len(rows))
         if self.proposed == len(rows):  # the round before had drafts, over as many rows
             fit.realigned(record.realign_seconds)
         scored = sum(record.lengths) if self.ragged else len(record.lengths) * record.k  # extra tokens verified
         self.proposed = len(rows) if scored else 0
         fit.observe(scored, record.forwards, record.seconds, record.draft_seconds)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether new prompts are read by the draft model too: it ran within the last :data:`IDLE_READ_ROUNDS`
+        rounds. Read along with the target's, a prompt costs the draft what a catch-up of it would; one the draft never
+        reads costs nothing where the draft stays idle (before it first runs, and at batch sizes where it does not
+        pay), and the planner prices the catch-up where it would run."""
+        return self.idle < IDLE_READ_ROUNDS
 
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         """Reading prompt columns (``tokens`` of them, over all rows) took one model ``seconds``."""
@@ -288,8 +299,8 @@ class AdaptiveLength:
         return per_column * sum(max(0, lag - self.max_k - 1) for lag in reach.lag)
 
     def _shares(self, row) -> tuple[float, float]:
-        engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
-        engine_model = self.engine.model.estimate(PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+        engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
+        engine_model = self.engine.model.estimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
         return (
             row.acceptance.lookup.estimate(engine_lookup, PRIOR_WEIGHT),
             row.acceptance.model.estimate(engine_model, PRIOR_WEIGHT),
@@ -305,8 +316,8 @@ class AdaptiveLength:
 
 def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool) -> FixedLength | AdaptiveLength:
     """The draft-length policy of ``config``: no drafts without speculation, a fixed ``num_draft_tokens``, or (``auto``)
-    the adaptive planner, whose cost prior is ``draft_share``, the draft model's parameters over the target's (0 for
-    prompt lookup), and which deals drafts out per row where the verification is ``ragged``."""
+    the adaptive planner, whose cost prior is ``draft_share``, the weights a draft forward multiplies by over a target
+    forward's (0 for prompt lookup), and which deals drafts out per row where the verification is ``ragged``."""
     if not config.speculative:
         return FixedLength(0)
     if not config.adaptive:

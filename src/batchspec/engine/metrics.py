@@ -27,7 +27,9 @@ class GenerationStats:
     shift (unpad–append–repad); a *grouped* round has rows of one length and needs none. A *cache gather* is a
     round whose tokens and KV were copied into fresh storage (rows joined, left or shifted); a round in
     lockstep reuses the previous round's storage and copies nothing. ``gather_s`` is the part of ``realign_s``
-    spent copying caches. ``rows_per_round_histogram[b]`` counts rounds of ``b`` rows.
+    spent copying into fresh storage. ``realign_bytes`` counts the KV bytes realignments copied (both models; a
+    row that stays where it is copies none) and ``realign_rows`` the rows whose target KV they copied.
+    ``rows_per_round_histogram[b]`` counts rounds of ``b`` rows.
 
     ``recomputed_columns`` counts target KV columns that rows already held and were fed again (a batch forward
     starts at the column its least-read row needs); the engine reads prompts apart so that it stays 0.
@@ -44,6 +46,8 @@ class GenerationStats:
     ragged_rounds: int = 0
     realignments: int = 0
     cache_gathers: int = 0
+    realign_bytes: int = 0
+    realign_rows: int = 0
     recomputed_columns: int = 0
     prefill_chunks: int = 0
     prefix_hits: int = 0
@@ -82,10 +86,14 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    def record_layout(self, *, size: int, padded: bool, copied: bool, recomputed: int) -> None:
-        """Account how a round's batch of ``size`` rows was formed."""
+    def record_layout(self, *, size: int, padded: bool, copied: bool, recomputed: int, moved_bytes: int,
+                      moved_rows: int) -> None:
+        """Account how a round's batch of ``size`` rows was formed (``moved_bytes`` of KV copied, of
+        ``moved_rows`` rows)."""
         self.realignments += int(padded)
         self.cache_gathers += int(copied)
+        self.realign_bytes += moved_bytes
+        self.realign_rows += moved_rows
         self.recomputed_columns += recomputed
         self.rows_per_round_histogram[size] = self.rows_per_round_histogram.get(size, 0) + 1
 

@@ -162,11 +162,11 @@ def catch_up(
         cache = reader.cache(batch)
         end = batch.width - 1 if limit is None else min(batch.width - 1, cache.length + limit)
         if end > cache.length:
+            reading.tokens[reader.is_draft] = batch.size * (end - cache.length)  # before the read moves the cache on
             started = time.perf_counter()
             runner.read(reader.model, batch, cache, batch.tokens[:, cache.length : end])
             runner.wait()
             reading.seconds[reader.is_draft] = time.perf_counter() - started
-            reading.tokens[reader.is_draft] = batch.size * (end - cache.length)
     _locate(batch, draft_read=any(reader.is_draft for reader in readers))
     return reading
 

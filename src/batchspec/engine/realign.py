@@ -44,7 +44,7 @@ import torch
 
 from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import GROWTH, BatchKVCache, Slab
-from batchspec.engine.state import BatchState, HostColumns, Sequence
+from batchspec.engine.state import BatchState, HostColumns, Moved, Sequence
 
 DRAFT_SLACK = 4
 LEFT_SLACK = 32  # padding columns a gathered batch keeps on the left, for rows that gain more to move into
@@ -315,12 +315,13 @@ def assemble(
     sources = [_Staged(source, *staged[3 * j : 3 * j + 3]) for j, source in enumerate(layout.sources)]
     fresh_tokens = staged[3 * len(sources) :]
     target_layers, draft_layers = layers
-    draft = None
+    draft, draft_moved = None, Moved(0, 0)
     if draft_layers is not None:
-        draft = _move_cache(layout, sources, lambda s: s.draft, draft_layers, layout.draft_len)
-    target = _move_cache(layout, sources, lambda s: s.target, target_layers, layout.target_len)
+        draft, draft_moved = _move_cache(layout, sources, lambda s: s.draft, draft_layers, layout.draft_len)
+    target, moved = _move_cache(layout, sources, lambda s: s.target, target_layers, layout.target_len)
     tokens = _gather_tokens(layout, sources, fresh_tokens, pad, filler)
-    return BatchState(rows, pad, content, Slab(tokens=tokens, target=target, draft=draft), cached, host)
+    slab = Slab(tokens=tokens, target=target, draft=draft)
+    return BatchState(rows, pad, content, slab, cached, host, Moved(moved.bytes + draft_moved.bytes, moved.rows))
 
 
 def _gather_tokens(
@@ -339,9 +340,11 @@ def _gather_tokens(
     return tokens.masked_fill(cols[None, :] < pad[:, None], filler)
 
 
-def _move_cache(layout: Layout, sources: list[_Staged], pick, num_layers: int, length: int) -> BatchKVCache:
-    """The cache of the new layout (``pick`` chooses the target's or the draft's): shifted within its storage where
-    the batch is all of one slab's rows, in order, and the storage holds ``length`` columns; else gathered."""
+def _move_cache(layout: Layout, sources: list[_Staged], pick, num_layers: int,
+                length: int) -> tuple[BatchKVCache, Moved]:
+    """The cache of the new layout (``pick`` chooses the target's or the draft's) and what making it copied: shifted
+    within its storage where the batch is all of one slab's rows, in order, and the storage holds ``length``
+    columns; else gathered."""
     if len(sources) == 1 and not layout.fresh and sources[0].source.in_order and not sources[0].source.slab.shared:
         cache = pick(sources[0].source.slab)
         whole = len(sources[0].source.dest) == len(layout.pad)
@@ -349,39 +352,47 @@ def _move_cache(layout: Layout, sources: list[_Staged], pick, num_layers: int, l
             if cache.length <= 0:
                 raise InvariantError("a shifted cache holds columns")
             source = sources[0].source
+            copied = 0
             for k in source.moving:  # the rows that shift; the others stay where they are
                 row = source.src[k]
-                _copy_row(cache, row, cache.storage, row, layout.pad[source.dest[k]], source.shift[k], length)
-            return BatchKVCache(num_layers, cache.storage, length)
+                copied += _copy_row(cache, row, cache.storage, row, layout.pad[source.dest[k]], source.shift[k],
+                                    length)
+            return BatchKVCache(num_layers, cache.storage, length), Moved(copied, len(source.moving))
     return _gather_cache(layout, sources, pick, num_layers, length)
 
 
 def _copy_row(cache: BatchKVCache, src: int, storage: torch.Tensor, dest: int, pad: int, shift: int,
-              length: int) -> None:
+              length: int) -> int:
     """Row ``src``'s columns of ``cache`` into row ``dest`` of ``storage`` (``[N, 2, B, H, capacity, D]``, possibly
     ``cache``'s own), shifted by ``shift``: new columns ``pad .. length - 1`` from old columns ``pad - shift ..``, as
     many as the old cache holds. A row's columns lie together for each layer and head, so this is one copy at the
     memory's speed (2 rows of 600 columns of the 1.5B target: 4.3 ms, where a gather over an expanded index took 50),
-    through a copy of its own where the row moves within its storage."""
+    through a copy of its own where the row moves within its storage. Returns the bytes copied."""
     old = pad - shift
     count = min(length - pad, cache.length - old)
-    if count > 0:
-        part = cache.storage[:, :, src, :, old : old + count]  # [N, 2, H, count, D]
-        storage[:, :, dest, :, pad : pad + count] = part.clone() if storage is cache.storage else part
+    if count <= 0:
+        return 0
+    part = cache.storage[:, :, src, :, old : old + count]  # [N, 2, H, count, D]
+    storage[:, :, dest, :, pad : pad + count] = part.clone() if storage is cache.storage else part
+    return part.numel() * part.element_size()
 
 
-def _gather_cache(layout: Layout, sources: list[_Staged], pick, num_layers: int, length: int) -> BatchKVCache:
-    """A cache holding ``length`` columns of the new layout, copied row by row from each source slab's cache."""
+def _gather_cache(layout: Layout, sources: list[_Staged], pick, num_layers: int,
+                  length: int) -> tuple[BatchKVCache, Moved]:
+    """A cache holding ``length`` columns of the new layout, copied row by row from each source slab's cache, and
+    what that copied."""
     stores = [(staged.source, pick(staged.source.slab)) for staged in sources]
     stores = [(source, cache) for source, cache in stores if cache is not None and cache.storage is not None]
     if length == 0 or not stores:
-        return BatchKVCache(num_layers)
+        return BatchKVCache(num_layers), Moved(0, 0)
     n, two, _, heads, _, dim = stores[0][1].storage.shape
     storage = stores[0][1].storage.new_zeros((n, two, len(layout.pad), heads, length + GROWTH, dim))
+    copied = rows = 0
     for source, cache in stores:
         for dest, src, shift in zip(source.dest, source.src, source.shift, strict=True):
-            _copy_row(cache, src, storage, dest, layout.pad[dest], shift, length)
-    return BatchKVCache(num_layers, storage, length)
+            copied += _copy_row(cache, src, storage, dest, layout.pad[dest], shift, length)
+            rows += 1
+    return BatchKVCache(num_layers, storage, length), Moved(copied, rows)
 
 
 def compact(rows: list[Sequence]) -> int:

@@ -81,6 +81,7 @@ class ModelRunner:
         *,
         keep: int,
         fed: torch.Tensor | None = None,
+        vocabulary: int | None = None,
     ) -> torch.Tensor:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
@@ -88,14 +89,18 @@ class ModelRunner:
 
         ``fed`` ``[B]`` (a ragged verification): row ``i`` needs only its first ``fed[i]`` inputs. Where the model
         runs on the fused integer forward (:meth:`ragged`) the others are left out of every product, their logits
-        are zeros and their KV columns hold zeros (the caller drops them); elsewhere every input is computed."""
+        are zeros and their KV columns hold zeros (the caller drops them); elsewhere every input is computed.
+
+        ``vocabulary`` (a draft's): on the fused integer forward, only the first ``vocabulary`` tokens' logits are
+        computed and the others are far below them
+        (:meth:`~batchspec.exact.integer.forward.IntegerForward.output`); elsewhere every logit is."""
         forward = integer_forward(model) if cache.write_at is None else None
         if forward is not None:  # the int8 model's own forward: the same bits as the model's, in fewer calls
             positions, visible = _placement(model, batch, cache, input_ids)
             if fed is not None:
                 queries = torch.arange(input_ids.shape[1], device=fed.device)  # [q]
                 visible = visible & (queries[None, None, :, None] < fed[:, None, None, None])  # [B, 1, q, end]
-            return forward.logits(input_ids, positions, visible, cache, keep)
+            return forward.logits(input_ids, positions, visible, cache, keep, vocabulary)
         end = cache.length + input_ids.shape[1]
         graphed = self.graphs is not None and _implementation(model) in GRAPHED_ATTENTION
         with attention_backends(self.device):

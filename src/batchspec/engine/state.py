@@ -198,6 +198,15 @@ class HostColumns:
     draft_cached: list[int]
 
 
+@dataclass(frozen=True)
+class Moved:
+    """What a realignment copied of the KV caches: ``bytes`` over both models, and the ``rows`` whose target KV moved
+    (a row that stays where it is costs nothing; one copied into fresh storage counts, whether it shifted or not)."""
+
+    bytes: int
+    rows: int
+
+
 @dataclass
 class BatchState:
     """The rows decoded together in one round, laid out in ``slab``.
@@ -212,6 +221,7 @@ class BatchState:
             batch have ``draft_len - pad``; a row whose draft lags further (it joined while the draft was idle)
             has fewer, and is caught up before the draft runs again (see :mod:`batchspec.engine.prefill`).
         host: ``pad``, ``content`` and ``draft_cached`` as host lists.
+        moved: what laying the rows out copied (see :class:`Moved`).
     """
 
     rows: list[Sequence]
@@ -220,6 +230,7 @@ class BatchState:
     slab: Slab
     draft_cached: torch.Tensor  # [B]
     host: HostColumns
+    moved: Moved = field(default_factory=lambda: Moved(0, 0))
 
     @classmethod
     def dense(cls, tokens: torch.Tensor, cache) -> BatchState:

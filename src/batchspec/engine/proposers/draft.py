@@ -40,9 +40,10 @@ class DraftModelProposer:
 
     uses_draft_model = True
 
-    def __init__(self, model: torch.nn.Module, lookup: NgramProposer | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, lookup: NgramProposer | None = None, vocabulary: int = 0) -> None:
         self.model = model
         self.lookup = lookup
+        self.vocabulary = vocabulary  # the draft proposes among the first token ids only (SpecConfig.draft_vocabulary)
 
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         lag = [row.content_len - 1 - (row.kv.draft_cached if row.kv else 0) for row in rows]
@@ -112,7 +113,8 @@ class DraftModelProposer:
         and ``q`` ``[B, k+1, V]`` with ``q_j`` filled in (None when no row samples). ``at`` is the drafts' shape, ``q``
         so far, the position ``j`` and the grammar rows' guide (their refused tokens are never drafted)."""
         shape, q, j, guide = at
-        logits = runner.logits(self.model, batch, batch.slab.draft, inputs, keep=1)[:, -1]  # [B, V]
+        logits = runner.logits(self.model, batch, batch.slab.draft, inputs, keep=1, vocabulary=self.vocabulary)
+        logits = logits[:, -1]  # [B, V]
         if guide is not None:
             logits = guide.mask(logits)
         drafted = logits.argmax(dim=-1)  # [B]

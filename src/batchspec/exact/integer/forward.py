@@ -54,6 +54,8 @@ _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm
 Stack = Int8Stack | Int4Stack
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> IntegerForward | None
+UNREACHED = -1e30  # the logit of a token past a draft's vocabulary: finite, so that a softmax over tokens a grammar
+# leaves that all lie past it is still a distribution (uniform), and far below any logit a model gives
 
 
 @dataclass(frozen=True)
@@ -187,17 +189,30 @@ class IntegerForward:
         return cls(model, layers, queries // size, keys // size, size)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any,
-               keep: int) -> torch.Tensor:
+               keep: int, vocabulary: int | None = None) -> torch.Tensor:
         """``input_ids`` ``[B, S]`` at ``positions`` ``[B, S]`` appended to ``cache``, queries seeing the keys
-        ``visible`` ``[B, 1, S, L]`` marks; the logits of the last ``keep`` inputs, ``[B, keep, V]``."""
+        ``visible`` ``[B, 1, S, L]`` marks; the logits of the last ``keep`` inputs, ``[B, keep, V]``. With
+        ``vocabulary``, only the first ``vocabulary`` tokens' logits are computed (see :meth:`output`)."""
         rows = _Rows.of(visible)
         decoded = self._decode(input_ids, positions, visible, cache, rows)  # [N, H]
         if rows.index is None:
-            return self.head(self.norm(decoded.view(rows.batch, rows.seq, -1)[:, -keep:]))  # [B, keep, V]
+            last = decoded.view(rows.batch, rows.seq, -1)[:, -keep:]  # [B, keep, H]
+            return self.output(self.norm(last), vocabulary)  # [B, keep, V]
         kept = rows.kept(keep)  # [n]: which of the N read positions are among the last keep, as flat [B * keep]
-        out = self.head(self.norm(decoded.index_select(0, kept.taken)))  # [n, V]
+        out = self.output(self.norm(decoded.index_select(0, kept.taken)), vocabulary)  # [n, V]
         logits = out.new_zeros(rows.batch * keep, out.shape[-1]).index_copy_(0, kept.flat, out)  # [B * keep, V]
         return logits.view(rows.batch, keep, -1)  # [B, keep, V]: zeros at the positions left out
+
+    def output(self, x: torch.Tensor, vocabulary: int | None) -> torch.Tensor:  # [..., H] -> [..., V]
+        """The output layer on ``x``; with ``vocabulary`` (a draft's, see ``SpecConfig.draft_vocabulary``; None or 0:
+        all) over the first ``vocabulary`` token ids only, the others' logits :data:`UNREACHED`: a draft then reads
+        that part of its output layer's weight, and proposes none of the other tokens."""
+        if not vocabulary or vocabulary >= self.head.out_features:
+            return self.head(x)
+        part = self.head.first(x, vocabulary)  # [..., vocabulary]
+        out = part.new_full((*part.shape[:-1], self.head.out_features), UNREACHED)  # [..., V]
+        out[..., :vocabulary] = part
+        return out
 
     def read(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any) -> None:
         """:meth:`logits` for the KV only: the final norm and the output layer do not run."""

@@ -88,6 +88,20 @@ class Int8Linear(torch.nn.Module):
             y.add_(flat)
         return y.reshape(*rows.shape, self.out_features)
 
+    def first(self, x: torch.Tensor, outputs: int) -> torch.Tensor:  # [..., K] -> [..., outputs]
+        """The first ``outputs`` outputs of ``self(x)``, the same bits (each output's sum is its own): on the native
+        kernel only the panels that hold them are read, so an output layer over part of a vocabulary reads that part
+        of its weight."""
+        if self.weight.kernel != "native" or self.quantizer is not None:
+            return self(x)[..., :outputs]
+        rows = quantize_activations(x)
+        panels, sums = self.weight.tensors
+        width = min(-(-outputs // native.PANEL) * native.PANEL, self.out_features)  # whole panels
+        bias = None if self.bias is None else self.bias[:width]
+        y = native.linear(rows.codes("native"), panels[: -(-width // native.PANEL)], sums[:width], rows.scale,
+                          self.scale[:width], bias)  # [N, width]
+        return y[:, :outputs].reshape(*rows.shape, outputs)
+
     def gated_rows(self, gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
         """The MLP's ``gated(gate, up)`` as this layer reads it (:func:`quantize_gated`)."""
         return quantize_gated(gate, up)

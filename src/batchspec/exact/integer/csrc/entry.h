@@ -266,6 +266,33 @@ void batchspec_exp2_nonpositive(float *t, int64_t count, const float *c, int thr
     }
 }
 
+/* What one batch row of the attention must compute (batchspec_attention): its first `queries` queries, those up to
+ * the last that sees a key, over keys first .. first + keys - 1, from the first key any of them sees to the last.
+ * A key no query sees has weight 0 in every sum and no part in any maximum, and a query that sees no key is 0 in
+ * every channel, so leaving them out changes no bit (the sums are exact in any order and any blocking): a ragged
+ * verification's unscored drafts and a short row's padding beside long rows cost nothing. */
+typedef struct {
+    int64_t queries, first, keys;
+} span_t;
+
+static span_t seen_span(const uint8_t *visible, int64_t vq, int64_t vl, int64_t queries, int64_t length) {
+    span_t p = {0, length, 0};
+    int64_t last = -1;
+    for (int64_t i = 0; i < queries; i++) {
+        const uint8_t *row = visible + i * vq;
+        int64_t j = 0, k = length - 1;
+        while (j < length && !row[j * vl]) j++;
+        if (j == length) continue;
+        while (!row[k * vl]) k--;
+        p.queries = i + 1;
+        p.first = j < p.first ? j : p.first;
+        last = k > last ? k : last;
+    }
+    p.keys = last - p.first + 1;
+    if (p.queries == 0) p.first = 0, p.keys = 0;
+    return p;
+}
+
 /* The exact attention (batchspec_attention), as attention.py's _attend computes it: each query quantized to 15
  * bits; dot[j] = q . K[j] (an exact integer, so in any order); the score (float)((dot * (sq * scaling / ln 2)) *
  * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden); a[j] = e[j] * sv[j];
@@ -295,21 +322,24 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
     int64_t group = heads / kv_heads, rows = group * queries;
     int64_t padded = (rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, columns = length > 0 ? length : 1;
     int64_t lanes = (size + 31) / 32 * 32;
-    group_t g = {queries, rows, padded, length, size, lanes, width, vl, vq, factor, levels, c};
     int64_t pairs = length > 0 ? (length + 1) / 2 : 1;
-    size_t sizes[7] = {(size_t)(padded * lanes) * sizeof(double), (size_t)((padded + 1) * columns) * sizeof(float),
+    size_t sizes[8] = {(size_t)(padded * lanes) * sizeof(double), (size_t)((padded + 1) * columns) * sizeof(float),
                        (size_t)(padded * lanes) * sizeof(int16_t), (size_t)(padded * lanes) * sizeof(int16_t),
                        (size_t)(4 * padded * pairs) * sizeof(int16_t), (size_t)(2 * pairs * lanes) * sizeof(int16_t),
-                       (size_t)(2 * PASS_ROWS * pairs) * sizeof(int32_t)};
-    size_t offsets[8] = {0}; /* sum, score and v_scale, hi, lo, wh and wl, vp, wp: each 64-byte aligned */
-    for (int i = 0; i < 7; i++) offsets[i + 1] = offsets[i] + (sizes[i] + 63) / 64 * 64;
+                       (size_t)(2 * PASS_ROWS * pairs) * sizeof(int32_t), (size_t)(rows * size) * sizeof(float)};
+    size_t offsets[9] = {0}; /* sum, score and v_scale, hi, lo, wh and wl, vp, wp, the queries seen: 64-byte aligned */
+    for (int i = 0; i < 8; i++) offsets[i + 1] = offsets[i] + (sizes[i] + 63) / 64 * 64;
+    span_t *spans = malloc((size_t)(batch > 0 ? batch : 1) * sizeof(span_t));
+    if (spans == NULL) return 1;
+    for (int64_t b = 0; b < batch; b++) spans[b] = seen_span(visible + b * vb, vq, vl, queries, length);
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         unsigned saved = fp_enter();
-        char *memory = (char *)scratch(offsets[7]);
+        char *memory = (char *)scratch(offsets[8]);
         failed = memory == NULL;
         scratch_t s = {0};
+        float *seen_queries = NULL;
         if (!failed) {
             s.sum = (double *)memory;
             s.score = (float *)(memory + offsets[1]);
@@ -320,18 +350,35 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
             s.wl = s.wh + 2 * padded * pairs;
             s.vp = (int16_t *)(memory + offsets[5]);
             s.wp = (int32_t *)(memory + offsets[6]);
+            seen_queries = (float *)(memory + offsets[7]);
         }
         #pragma omp for schedule(static)
         for (int64_t u = 0; u < batch * kv_heads; u++) {
             if (failed) continue;
             int64_t b = u / kv_heads, hk = u % kv_heads;
-            attend_group(g, query + (b * heads + hk * group) * queries * size, keys + b * k_batch + hk * k_head,
-                         values + b * v_batch + hk * v_head, visible + b * vb, s,
-                         out + (b * queries * heads + hk * group) * size, size, heads * size);
+            span_t p = spans[b];
+            const float *q = query + (b * heads + hk * group) * queries * size;
+            float *o = out + (b * queries * heads + hk * group) * size;
+            for (int64_t i = p.queries; i < queries; i++) /* a query that sees no key attends to nothing: zeros */
+                memset(o + i * heads * size, 0, (size_t)(group * size) * sizeof(float));
+            if (p.queries == 0) continue;
+            if (p.queries < queries) { /* the group's queries seen, [G, p.queries, D] */
+                for (int64_t h = 0; h < group; h++)
+                    memcpy(seen_queries + h * p.queries * size, q + h * queries * size,
+                           (size_t)(p.queries * size) * sizeof(float));
+                q = seen_queries;
+            }
+            int64_t seen_rows = group * p.queries;
+            group_t g = {p.queries, seen_rows, (seen_rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, p.keys, size,
+                         lanes, width, vl, vq, factor, levels, c};
+            attend_group(g, q, keys + b * k_batch + hk * k_head + p.first * width,
+                         values + b * v_batch + hk * v_head + p.first * width, visible + b * vb + p.first * vl, s, o,
+                         size, heads * size);
         }
         scratch_done();
         fp_leave(saved);
     }
+    free(spans);
     return failed;
 }
 
