@@ -237,7 +237,7 @@ def summary_lines(stats: Any, finish_reasons: list[str], method: Method, target_
     lines.append(f"time             {split}")
     if stats.realign_bytes:
         rate = stats.realign_bytes / stats.realign_s / 1e9 if stats.realign_s > 0 else 0.0
-        lines.append(f"realign          {stats.realign_bytes / 1e9:.3f} GB of KV copied in {stats.realign_s:.1f} s "
+        lines.append(f"realign          {stats.realign_bytes / 1e9:.3f} GB of KV copied in {stats.realign_s:.2f} s "
                      f"({rate:.1f} GB/s), {stats.realign_rows} rows moved in {stats.rounds} rounds")
     lines.append(f"memory           {memory_figures()} (this process: its most so far, the load included; and now)")
     rate = None if target_bytes is None else read_rate(target_bytes, stats)
