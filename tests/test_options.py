@@ -68,7 +68,7 @@ BENCH = {
 }
 AUDIT = {k: v for k, v in BENCH.items() if k not in {"--no-compare", "--rate", "--requests"}} | {"--near-tie-ulps": "2"}
 COSTS = {"--batch-sizes": "2", "--draft-lengths": "4", "--context": "16", "--repeats": "1",
-         "--mean-accepted-length": "2.5"}
+         "--mean-accepted-length": "2.5", "--draft-vocabulary": "0"}
 # What the walk leaves out, and why: the prompt file itself (every run needs one), --output (written after
 # generation; test_cli checks the file), --ray and --online (the switches between two walks).
 NOT_WALKED = {"--prompts", "--output", "--ray", "--online", "--help"}

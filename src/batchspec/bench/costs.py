@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from batchspec.config import DEFAULT_DRAFT_VOCABULARY
 from batchspec.engine import BatchKVCache, BatchState, ModelRunner
 from batchspec.exact.integer.product import PackedWeight
 from batchspec.models.packing import PackedLinear
@@ -151,9 +152,11 @@ def step_floors(costs: list[ForwardCost], weights: dict[str, int], bandwidth: fl
 
 
 @torch.inference_mode()
-def time_forward(model: torch.nn.Module, batch_size: int, new_tokens: int, context: int, repeats: int) -> float:
+def time_forward(model: torch.nn.Module, batch_size: int, new_tokens: int, context: int, repeats: int,
+                 vocabulary: int = 0) -> float:
     """Median seconds of a forward of ``[batch_size, new_tokens]`` random tokens after ``context`` cached ones,
-    through batchspec's model runner (timed on the device: CUDA events on a GPU)."""
+    through batchspec's model runner (timed on the device: CUDA events on a GPU); ``vocabulary``: a draft's
+    (``SpecConfig.draft_vocabulary``; 0: every logit)."""
     runner = ModelRunner(next(model.parameters()).device)
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
@@ -165,7 +168,7 @@ def time_forward(model: torch.nn.Module, batch_size: int, new_tokens: int, conte
     for _ in range(repeats + 1):
         cache.crop(context)
         start = runner.mark()
-        runner.logits(model, batch, cache, ids[:, context:], keep=new_tokens)
+        runner.logits(model, batch, cache, ids[:, context:], keep=new_tokens, vocabulary=vocabulary)
         end = runner.mark()
         runner.wait()
         seconds.append(runner.seconds(start, end))
@@ -180,18 +183,20 @@ def measure_forward_costs(
     *,
     context: int = DEFAULT_CONTEXT,
     repeats: int = DEFAULT_REPEATS,
+    draft_vocabulary: int = DEFAULT_DRAFT_VOCABULARY,
 ) -> list[ForwardCost]:
     """``c_t(B, 1)``, ``c_t(B, k+1)`` for every ``k`` in ``draft_lengths`` and ``c_d(B, 1)``, for every ``B``
-    (each median of ``repeats`` forwards after a discarded warm-up)."""
+    (each median of ``repeats`` forwards after a discarded warm-up); the draft's over its first ``draft_vocabulary``
+    ids, as it drafts (0: all)."""
     sizes = (*batch_sizes, *draft_lengths)
     if not batch_sizes or not draft_lengths or min(sizes) < 1 or context < 1 or repeats < 1:
         raise ValueError("need batch sizes and draft lengths, and every one of them, context and repeats >= 1")
     widths = sorted({1, *(k + 1 for k in draft_lengths)})
-    plan = [("target", target, n) for n in widths] + [("draft", draft, 1)]
+    plan = [("target", target, n, 0) for n in widths] + [("draft", draft, 1, draft_vocabulary)]
     return [
-        ForwardCost(name, b, n, context, time_forward(model, b, n, context, repeats))
+        ForwardCost(name, b, n, context, time_forward(model, b, n, context, repeats, vocabulary))
         for b in batch_sizes
-        for name, model, n in plan
+        for name, model, n, vocabulary in plan
     ]
 
 

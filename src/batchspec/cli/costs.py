@@ -31,6 +31,7 @@ from batchspec.cli.bench import (
 )
 from batchspec.cli.common import model_choice, with_options
 from batchspec.cli.errors import user_errors
+from batchspec.config import DEFAULT_DRAFT_VOCABULARY
 from batchspec.models.choice import ModelChoice
 from batchspec.models.packing import kernels_in_use
 from batchspec.models.pair import ModelPair
@@ -41,10 +42,11 @@ DraftLengthsOption = Annotated[
 
 
 def costs_report(
-    loaded: ModelPair, context: int, costs: list[ForwardCost], summary: list[SpeculationCost], floors: list[StepFloor]
+    loaded: ModelPair, context: int, costs: list[ForwardCost], summary: list[SpeculationCost], floors: list[StepFloor],
+    draft_vocabulary: int,
 ) -> dict[str, object]:
-    """What ``costs.json`` holds: the models and how they compute, the threads, the context, the costs and each
-    one-token step against the floor its weights' bytes set."""
+    """What ``costs.json`` holds: the models and how they compute, the threads, the context, the draft's vocabulary,
+    the costs and each one-token step against the floor its weights' bytes set."""
     return {
         "model": loaded.name,
         "dtype": loaded.dtype,
@@ -53,6 +55,7 @@ def costs_report(
         "precision": loaded.precision,  # with int8, the native build it ran on (float32, int8 exact on avx2)
         "torch_threads": torch.get_num_threads(),
         "context": context,
+        "draft_vocabulary": draft_vocabulary,
         "forward_costs": [c.__dict__ for c in costs],
         "speculation": [s.to_dict() for s in summary],
         "step_floors": [f.__dict__ for f in floors],
@@ -79,6 +82,10 @@ def costs_command(
             "at which speculation breaks even.",
         ),
     ] = None,
+    draft_vocabulary: Annotated[
+        int, typer.Option("--draft-vocabulary", min=0, help="The draft's forward over its first N token ids, as "
+                          "generate's --draft-vocabulary drafts (0: every id).")
+    ] = DEFAULT_DRAFT_VOCABULARY,
 ) -> None:
     """Time one target and one draft forward per batch size, and derive what speculation needs to pay off.
 
@@ -90,14 +97,16 @@ def costs_command(
         sizes = parse_batch_sizes(batch_sizes)
         lengths = parse_positive_ints(draft_lengths, "--draft-lengths")
         loaded = load_for_methods(models, ("eqspec",))
-        costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats)
+        costs = measure_forward_costs(loaded.target, loaded.draft, sizes, lengths, context=context, repeats=repeats,
+                                      draft_vocabulary=draft_vocabulary)
         summary = speculation_costs(costs, mean_accepted_length)
         weights = {"target": weight_bytes(loaded.target), "draft": weight_bytes(loaded.draft)}
         floors = step_floors(costs, weights, read_bandwidth(next(loaded.target.parameters()).device))
     output.mkdir(parents=True, exist_ok=True)
-    report = costs_report(loaded, context, costs, summary, floors)
+    report = costs_report(loaded, context, costs, summary, floors, draft_vocabulary)
     (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
-    typer.echo(f"{loaded.name} ({loaded.precision}, {torch.get_num_threads()} threads), {context} cached columns")
+    typer.echo(f"{loaded.name} ({loaded.precision}, {torch.get_num_threads()} threads), {context} cached columns, "
+               f"the draft over {draft_vocabulary or 'all'} token ids")
     typer.echo("| B | k | c_t(B,1) s | c_t(B,k+1) s | c_d(B,1) s | round s | break-even E | speedup | c_d needed s |")
     typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s in summary:
