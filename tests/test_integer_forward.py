@@ -276,7 +276,7 @@ def test_a_drafts_vocabulary_gives_the_first_logits_bits_and_reads_their_panels_
     monkeypatch.setattr(native, "linear", lambda codes, panels, *rest: read.append(panels.shape[0]) or linear(
         codes, panels, *rest))
     with torch.no_grad():
-        for limit in (None, vocabulary):
+        for limit in (0, vocabulary):
             cache = BatchKVCache.for_model(model)
             logits.append(runner.logits(model, BatchState.dense(ids, cache), cache, ids, keep=2, vocabulary=limit))
     n = min(vocabulary, size)

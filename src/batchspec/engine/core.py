@@ -58,7 +58,7 @@ class Engine:
         drafter = draft if self.proposer.uses_draft_model else None
         ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
         self.slack = LEFT_SLACK if ragged else 0  # padding changes no bit of the fused forward: see realign.py
-        share = 0.0 if drafter is None else forward_weights(drafter, config.draft_vocabulary) / forward_weights(target)
+        share = 0.0 if drafter is None else _draft_share(drafter, target, config, self.runner)
         self.planner = planner_for(config, share, ragged=ragged)
         self.chunks = ChunkBudget(config.prefill_chunk)
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
@@ -398,6 +398,11 @@ def _target_cached(row: Sequence) -> int:
     return 0 if row.kv is None else row.kv.target_cached
 
 
+def _draft_share(draft: torch.nn.Module, target: torch.nn.Module, config: SpecConfig, runner: ModelRunner) -> float:
+    """The weights a draft forward multiplies by over a target forward's: the planner's prior for the draft's cost
+    (its output layer over ``draft_vocabulary`` ids only where the fused integer forward runs it, which honours it)."""
+    vocabulary = config.draft_vocabulary if runner.ragged(draft) else 0
+    return forward_weights(draft, vocabulary) / forward_weights(target)
 
 
 def _num_layers(model: torch.nn.Module) -> int:

@@ -81,7 +81,7 @@ class ModelRunner:
         *,
         keep: int,
         fed: torch.Tensor | None = None,
-        vocabulary: int | None = None,
+        vocabulary: int = 0,
     ) -> torch.Tensor:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
@@ -91,8 +91,8 @@ class ModelRunner:
         runs on the fused integer forward (:meth:`ragged`) the others are left out of every product, their logits
         are zeros and their KV columns hold zeros (the caller drops them); elsewhere every input is computed.
 
-        ``vocabulary`` (a draft's): on the fused integer forward, only the first ``vocabulary`` tokens' logits are
-        computed and the others are far below them
+        ``vocabulary`` (a draft's; 0: all): on the fused integer forward, only the first ``vocabulary`` tokens'
+        logits are computed and the others are far below them
         (:meth:`~batchspec.exact.integer.forward.IntegerForward.output`); elsewhere every logit is."""
         forward = integer_forward(model) if cache.write_at is None else None
         if forward is not None:  # the int8 model's own forward: the same bits as the model's, in fewer calls

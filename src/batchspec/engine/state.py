@@ -230,7 +230,7 @@ class BatchState:
     slab: Slab
     draft_cached: torch.Tensor  # [B]
     host: HostColumns
-    moved: Moved = field(default_factory=lambda: Moved(0, 0))
+    moved: Moved = Moved(0, 0)
 
     @classmethod
     def dense(cls, tokens: torch.Tensor, cache) -> BatchState:

@@ -189,10 +189,10 @@ class IntegerForward:
         return cls(model, layers, queries // size, keys // size, size)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any,
-               keep: int, vocabulary: int | None = None) -> torch.Tensor:
+               keep: int, vocabulary: int = 0) -> torch.Tensor:
         """``input_ids`` ``[B, S]`` at ``positions`` ``[B, S]`` appended to ``cache``, queries seeing the keys
         ``visible`` ``[B, 1, S, L]`` marks; the logits of the last ``keep`` inputs, ``[B, keep, V]``. With
-        ``vocabulary``, only the first ``vocabulary`` tokens' logits are computed (see :meth:`output`)."""
+        ``vocabulary`` (0: all), only the first ``vocabulary`` tokens' logits are computed (see :meth:`output`)."""
         rows = _Rows.of(visible)
         decoded = self._decode(input_ids, positions, visible, cache, rows)  # [N, H]
         if rows.index is None:
@@ -203,13 +203,13 @@ class IntegerForward:
         logits = out.new_zeros(rows.batch * keep, out.shape[-1]).index_copy_(0, kept.flat, out)  # [B * keep, V]
         return logits.view(rows.batch, keep, -1)  # [B, keep, V]: zeros at the positions left out
 
-    def output(self, x: torch.Tensor, vocabulary: int | None) -> torch.Tensor:  # [..., H] -> [..., V]
-        """The output layer on ``x``; with ``vocabulary`` (a draft's, see ``SpecConfig.draft_vocabulary``; None or 0:
-        all) over the first ``vocabulary`` token ids only, the others' logits :data:`UNREACHED`: a draft then reads
-        that part of its output layer's weight, and proposes none of the other tokens."""
+    def output(self, x: torch.Tensor, vocabulary: int) -> torch.Tensor:  # [..., H] -> [..., V]
+        """The output layer on ``x``; with ``vocabulary`` (a draft's, see ``SpecConfig.draft_vocabulary``; 0: all)
+        over the first ``vocabulary`` token ids only, the others' logits :data:`UNREACHED`: a draft then reads that
+        part of its output layer's weight, and proposes none of the other tokens."""
         if not vocabulary or vocabulary >= self.head.out_features:
             return self.head(x)
-        part = self.head.first(x, vocabulary)  # [..., vocabulary]
+        part = self.head(x, vocabulary)  # [..., vocabulary]
         out = part.new_full((*part.shape[:-1], self.head.out_features), UNREACHED)  # [..., V]
         out[..., :vocabulary] = part
         return out

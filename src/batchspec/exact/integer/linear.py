@@ -69,38 +69,36 @@ class Int8Linear(torch.nn.Module):
 
     block = None  # its activations are quantized per token, not in blocks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., O]
-        return self.apply_to(quantize_activations(x) if self.quantizer is None else self.quantizer(x))
+    def forward(self, x: torch.Tensor, outputs: int | None = None) -> torch.Tensor:  # [..., K] -> [..., O]
+        """``outputs``: the first ``outputs`` outputs only (see :meth:`apply_to`)."""
+        rows = quantize_activations(x) if self.quantizer is None else self.quantizer(x)
+        return self.apply_to(rows, outputs=outputs)
 
-    def apply_to(self, rows: QuantizedRows, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def apply_to(self, rows: QuantizedRows, residual: torch.Tensor | None = None,
+                 outputs: int | None = None) -> torch.Tensor:
         """The layer's output for activations already quantized (several layers may share one quantization), plus
-        ``residual`` (``[..., O]``) where given: ``residual + y``, a decoder layer's residual connection."""
+        ``residual`` (``[..., O]``) where given: ``residual + y``, a decoder layer's residual connection. With
+        ``outputs``, its first ``outputs`` outputs, the same bits (each output's sum is its own): the native kernel
+        then reads only the panels that hold them (an output layer over part of a vocabulary reads that part)."""
+        if residual is not None and outputs is not None:
+            raise ValueError("a residual is added to every output, not to the first outputs alone")
         codes = rows.codes(self.weight.kernel)  # [N, K]
         flat = None if residual is None else residual.reshape(-1, self.out_features)  # [N, O]
+        width = self.out_features if outputs is None else min(outputs, self.out_features)
         if self.weight.kernel == "native":  # the scales, bias and residual applied in the kernel, in the order below
-            y = native.linear(codes, *self.weight.tensors, rows.scale, self.scale, self.bias, flat)  # [N, O]
-            return y.reshape(*rows.shape, self.out_features)
+            panels, sums = self.weight.tensors
+            count = -(-width // native.PANEL)  # the whole panels that hold the first width outputs
+            read = min(count * native.PANEL, self.out_features)
+            bias = None if self.bias is None else self.bias[:read]
+            y = native.linear(codes, panels[:count], sums[:read], rows.scale, self.scale[:read], bias, flat)
+            return y[:, :width].reshape(*rows.shape, width)  # y: [N, read]
         acc = int_product(codes, self.weight, rows.dtype)  # [N, O]: the exact int32 sums, in the float dtype
         y = acc.mul_(rows.scale).mul_(self.scale)  # [N, O]
         if self.bias is not None:
             y.add_(self.bias)
         if flat is not None:
             y.add_(flat)
-        return y.reshape(*rows.shape, self.out_features)
-
-    def first(self, x: torch.Tensor, outputs: int) -> torch.Tensor:  # [..., K] -> [..., outputs]
-        """The first ``outputs`` outputs of ``self(x)``, the same bits (each output's sum is its own): on the native
-        kernel only the panels that hold them are read, so an output layer over part of a vocabulary reads that part
-        of its weight."""
-        if self.weight.kernel != "native" or self.quantizer is not None:
-            return self(x)[..., :outputs]
-        rows = quantize_activations(x)
-        panels, sums = self.weight.tensors
-        width = min(-(-outputs // native.PANEL) * native.PANEL, self.out_features)  # whole panels
-        bias = None if self.bias is None else self.bias[:width]
-        y = native.linear(rows.codes("native"), panels[: -(-width // native.PANEL)], sums[:width], rows.scale,
-                          self.scale[:width], bias)  # [N, width]
-        return y[:, :outputs].reshape(*rows.shape, outputs)
+        return y[:, :width].reshape(*rows.shape, width)
 
     def gated_rows(self, gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
         """The MLP's ``gated(gate, up)`` as this layer reads it (:func:`quantize_gated`)."""
