@@ -139,13 +139,24 @@ def test_auto_prefill_chunk_takes_about_one_decode_round():
 def test_an_idle_draft_pays_its_catch_up_before_it_drafts(lag, budget, drafts):
     """B = 1, a draft forward at 0.1 plain steps, 60% acceptance: drafting pays, unless the draft must first read
     a 2,000-token prompt (1 ms a column, from the target's measured 10 ms and the draft's 10% share) for a row
-    with 16 tokens left; with 2,000 tokens left the catch-up is spread thin enough to pay again."""
+    with 16 tokens left; with 2,000 tokens left the catch-up is spread over CATCH_UP_ROUNDS rounds and pays again."""
     planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
     planner.read(1000, 10.0, draft=False)
     row = Sequence(0, [1] * 2000, budget)
     planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
     lengths = planner.lengths([row], Reach([0], uses_draft_model=True, lag=[lag]), False)
     assert (lengths[0] > 0) == drafts, lengths
+
+
+def test_a_catch_up_is_spread_over_a_few_rounds_however_long_the_answer():
+    """A draft that stops soon after its catch-up has paid all of it: a 4,000-column catch-up (4 s) is spread over
+    CATCH_UP_ROUNDS rounds (0.25 s each, as much as the plain step), not over the 100,000 tokens the row has left."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
+    planner.read(1000, 10.0, draft=False)
+    row = Sequence(0, [1] * 4000, 100_000)
+    planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
+    assert planner.lengths([row], Reach([0], uses_draft_model=True, lag=[3999]), False) == [0]
+    assert planner.lengths([row], Reach([0], uses_draft_model=True, lag=[0]), False)[0] > 0
 
 
 def test_the_draft_measured_reading_replaces_the_prior():

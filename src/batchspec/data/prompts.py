@@ -153,7 +153,8 @@ def load_prompts(
     return records[:limit] if limit is not None else records
 
 
-def _chat_text(record: PromptRecord) -> str:
+def chat_text(record: PromptRecord) -> str:
+    """The user message of ``record`` in a chat: a HumanEval problem wrapped in its instruction, else the text."""
     if record.code_completion:
         return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{record.text}```"
     return record.text
@@ -177,7 +178,7 @@ def format_prompts(
     formatted = []
     for record in records:
         if use_template:
-            messages = [{"role": "user", "content": _chat_text(record)}]
+            messages = [{"role": "user", "content": chat_text(record)}]
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         else:
             ids = tokenizer.encode(record.text)

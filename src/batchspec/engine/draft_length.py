@@ -33,8 +33,9 @@ alike); it is left out of the round's own seconds, which would otherwise book it
 A draft model that has been idle lags: rows that joined or gained lookup tokens while it did not run hold columns
 its cache lacks, and its first forward must read them all (on long prompts, many seconds). That catch-up is priced
 too, at the measured seconds per column the draft reads (until it has read any, the draft's share of the
-weights times the target's measured seconds per prompt column), spread over the rounds the rows have left, since
-a draft that has caught up stays caught up while it runs.
+weights times the target's measured seconds per prompt column), spread over the rounds the rows have left but at
+most :data:`CATCH_UP_ROUNDS`: a draft that has caught up stays caught up only while it runs, and one that stops
+soon after (its drafts rejected) has paid the whole catch-up for a few rounds of drafts.
 
 With prompt lookup and a draft model (hybrid), rows without a lookup would make every drafted position a draft
 forward for the whole batch; each round therefore also weighs proposing the lookups alone (rows without one take a
@@ -63,6 +64,7 @@ ENGINE_PRIOR_WEIGHT = 4.0  # pseudo-observations of PRIOR_ACCEPTANCE in the engi
 COST_DECAY = 0.95
 DRAFT_DECAY = 0.8  # weight of the earlier draft-forward timings in their running mean
 READ_DECAY = 0.5  # weight of the earlier prompt-reading timings in their running mean
+CATCH_UP_ROUNDS = 16  # rounds of drafts a draft model's catch-up is spread over, at most
 IDLE_READ_ROUNDS = 16  # rounds without a draft forward after which new prompts are no longer read by the draft
 REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with drafts in their running mean
 RIDGE = 0.5
@@ -226,7 +228,7 @@ class AdaptiveLength:
             for k in range(max(caps, default=0) + 1):
                 steps = _draft_steps(k, caps, reach, sampled)
                 lengths, expected, extra = self._deal(gains, k, fit, steps)
-                catch_up = catch_up_s * expected / left if steps and left else 0.0  # spread over the rounds left
+                catch_up = catch_up_s / min(left / expected, CATCH_UP_ROUNDS) if steps and left else 0.0
                 rate = expected / max(fit.predict(extra, steps) + catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = lengths, rate
