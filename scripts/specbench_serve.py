@@ -7,10 +7,11 @@ answer has ended, until none is left. A cell is one server at one ``N``: tokens/
 wall), time to first token and the gap between streamed events (p50 and p99, over every stream; an event
 carries the tokens one round gave a row).
 
-Each repeat starts the plain server (``--method autoregressive``), runs every ``N``, stops it, then does the same
-with the default server (no method flags), so that the host's drift falls on both alike; a ratio is the median
-of the repeats' default/plain tokens/s. Every answer must be the same text on both servers at every load (greedy
-output is the target's own): the run fails otherwise. ``lscpu`` is kept beside the results.
+Each cell starts its own server, so that no load finds another's prompts in the prefix cache: for each repeat and
+each ``N``, the plain server (``--method autoregressive``), then the default one (no method flags), so that the host's
+drift falls on both alike; a ratio is the median of the repeats' default/plain tokens/s. Every answer must be the
+same text on both servers at every load (greedy output is the target's own): the run fails otherwise. ``lscpu`` is
+kept beside the results.
 
     .venv/bin/python scripts/specbench_serve.py --output runs/serve                        # 1, 4, 8, 16 clients
     .venv/bin/python scripts/specbench_serve.py --output runs/serve --clients 8 -- --quantize int8
@@ -59,8 +60,9 @@ def main() -> int:
     clients = [int(n) for n in args.clients.split(",")]
     cells, answers = [], {}
     for repeat in range(args.repeats):
-        for name, flags in SERVERS.items():
-            for n, cell, texts in _serve(args, [*flags, *extra], chats, clients):
+        for n in clients:
+            for name, flags in SERVERS.items():
+                cell, texts = _serve(args, [*flags, *extra], chats, n)
                 cells.append({"server": name, "repeat": repeat, "clients": n, **cell})
                 answers.setdefault(n, {})[(name, repeat)] = texts
                 print(f"specbench_serve: {name} x{n}: {cell['tokens_per_s']:.2f} tokens/s", file=sys.stderr, flush=True)
@@ -84,8 +86,8 @@ def _chats(questions: Path) -> list[str]:
     return chats
 
 
-def _serve(args: argparse.Namespace, flags: list[str], chats: list[str], clients: list[int]):
-    """Start one server, yield ``(clients, cell, answers)`` for each load, stop it."""
+def _serve(args: argparse.Namespace, flags: list[str], chats: list[str], clients: int) -> tuple[dict, list[str]]:
+    """Start a server, run every chat through ``clients`` clients (:func:`_load`) after one warm-up, stop it."""
     base = f"http://127.0.0.1:{args.port}"
     command = [str(Path(sys.executable).parent / "batchspec"), "serve", "--port", str(args.port),
                "--max-batch-size", str(args.max_batch_size), "--log-level", "warning", *flags]
@@ -93,10 +95,8 @@ def _serve(args: argparse.Namespace, flags: list[str], chats: list[str], clients
     try:
         _wait_for_health(base, server)
         with httpx.Client(timeout=600) as client:
-            _stream(client, base, chats[0], args.max_tokens)  # warm-up
-        for n in clients:
-            cell, texts = _load(base, chats, n, args.max_tokens)
-            yield n, cell, texts
+            _stream(client, base, "Hello", args.max_tokens)  # warm-up, sharing no prefix with a chat but the template's
+        return _load(base, chats, clients, args.max_tokens)
     finally:
         server.terminate()
         server.wait(120)

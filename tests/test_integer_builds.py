@@ -22,6 +22,7 @@ other CPU ``portable``; a build the CPU lacks is skipped with its reason, never 
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ragged import ragged_forwards
 
-from batchspec.exact.integer import int4, native, quantize_model
+from batchspec.exact.integer import int4, native, plan, quantize_model
 from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
 from batchspec.exact.integer.attention import _quantized, exact_attention, pack
 from batchspec.exact.integer.linear import Int4Linear, Int8Linear, gated, quantize_activations, quantize_gated
@@ -59,6 +60,30 @@ def test_tiny_rows_quantize_to_finite_codes_and_zeros_to_zero():
         assert torch.isfinite(q).all() and torch.isfinite(1.0 / scale).all()
         assert torch.equal(q[TINY_ROWS == 0], torch.zeros(int((TINY_ROWS == 0).sum())))
         assert q[0, 0] == 0 and q[2, 0] == 119  # below half the smallest scale; 1.4e-36 / 2**-126, rounded
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_each_builds_structs_are_the_ones_plan_mirrors(isa):
+    """plan.py's ctypes structs have decoder.h's sizes and offsets as this build's compiler laid them out; a mirror
+    with two fields swapped, or one field short, is refused with both offsets named."""
+    with native.using(isa):
+        laid_out = native.layout()
+    plan.check_layout(laid_out)
+    assert {kind for kind, _ in laid_out} == {mirror._c_name_ for mirror in plan.MIRRORS}
+
+    class Swapped(ctypes.Structure):
+        _c_name_ = "product_t"
+        _fields_ = [(name, kind) for name, kind in plan.Product._fields_]
+        _fields_[0], _fields_[1] = _fields_[1], _fields_[0]
+
+    class Short(ctypes.Structure):
+        _c_name_ = "layer_t"
+        _fields_ = plan.Layer._fields_[:-1]
+
+    with pytest.raises(RuntimeError, match="bits at 8 here, 0 in C"):
+        plan.check_layout(laid_out, (Swapped,))
+    with pytest.raises(RuntimeError, match="down at None here"):
+        plan.check_layout(laid_out, (Short,))
 
 
 @pytest.mark.parametrize("isa", BUILDS)

@@ -34,13 +34,14 @@ from batchspec.exact.integer.model import exact_rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite")
 # widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
 
 BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
-            "mistral": tiny_models.build_mistral}
+            "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
+            "granite": tiny_models.build_granite}
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +327,22 @@ def test_only_float32_int8_models_take_it(models, bundles):
     lopsided = copy.deepcopy(models["qwen3", False])
     del lopsided.model.layers[1].self_attn.k_norm  # a q norm without a k norm: not a layout it runs
     assert IntegerForward.of(lopsided) is None and IntegerForward.of(copy.deepcopy(models["qwen3", False])) is not None
+
+
+@pytest.mark.parametrize("kind", ["smollm3", "granite"])
+@pytest.mark.parametrize("width", ["int8", "int4"])
+def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, reference):
+    """A family whose layers depart from a Llama's (batchspec.families: SmolLM3's layers without a rotary embedding,
+    Granite's multipliers) runs on the fused forward, and EqSpec with a perturbed draft of its own family gives each
+    prompt the model's own greedy output, in int8 and int4."""
+    target = quantize_model(BUILDERS[kind](seed=5, **STACKABLE).float(), width=width)
+    draft = quantize_model(tiny_models.perturbed_copy(BUILDERS[kind](seed=5, **STACKABLE), 0.1, seed=6).float(),
+                           width=width)
+    prompts = tiny_models.random_prompts(5, seed=9, max_len=24)
+    result = bs.generate(target, draft, prompts, method="eqspec", proposer="hybrid", batch_size=3, max_new_tokens=12,
+                         num_draft_tokens=3, check_invariants=True)
+    assert integer_forward(target) is not None and integer_forward(draft) is not None
+    assert result.sequences == [reference(target, prompt, 12, None) for prompt in prompts]
 
 
 @pytest.mark.parametrize("method, proposer, vocabulary", [

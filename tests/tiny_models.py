@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -33,6 +35,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 VOCAB_SIZE = 96
@@ -103,6 +107,23 @@ def build_mistral(seed: int = 0, **overrides) -> MistralForCausalLM:
     cfg = MistralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=None, **kw)
     torch.manual_seed(seed)
     return _finish(MistralForCausalLM(cfg))
+
+
+def build_smollm3(seed: int = 0, **overrides) -> SmolLM3ForCausalLM:
+    """SmolLM3 with its second layer of two without a rotary embedding (NoPE)."""
+    kw = _common_config_kwargs(**overrides)
+    cfg = SmolLM3Config(no_rope_layers=[1, 0] + [1] * (kw["num_hidden_layers"] - 2), **kw)
+    assert not cfg.use_sliding_window
+    torch.manual_seed(seed)
+    return _finish(SmolLM3ForCausalLM(cfg))
+
+
+def build_granite(seed: int = 0, **overrides) -> GraniteForCausalLM:
+    """Granite with each of its four multipliers away from 1."""
+    cfg = GraniteConfig(embedding_multiplier=3.0, residual_multiplier=0.37, attention_multiplier=0.21,
+                        logits_scaling=2.5, **_common_config_kwargs(**overrides))
+    torch.manual_seed(seed)
+    return _finish(GraniteForCausalLM(cfg))
 
 
 _BUILDERS = {"llama": build_llama, "qwen2": build_qwen2, "qwen3": build_qwen3, "mistral": build_mistral}

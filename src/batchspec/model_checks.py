@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from batchspec.families import SUPPORTED_MODEL_TYPES, family_of
 
 
 def check_model(model: torch.nn.Module, role: str) -> None:
-    """Raise ``ValueError`` unless ``model`` is a decoder-only, full-attention RoPE causal LM we support."""
+    """Raise ``ValueError`` unless ``model`` is a decoder-only causal LM of a family batchspec runs
+    (:mod:`batchspec.families`) whose config that family accepts."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_output_embeddings"):
         raise ValueError(f"{role} must be a transformers causal LM; got {type(model).__name__}")
@@ -18,18 +19,14 @@ def check_model(model: torch.nn.Module, role: str) -> None:
         raise ValueError(
             f"{role} model is an encoder-decoder ({model_type}); batchspec needs decoder-only causal LMs"
         )
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    family = family_of(config)
+    if family is None:
         raise ValueError(
-            f"{role} model type {model_type!r} is not supported; supported decoder-only full-attention "
-            f"RoPE families: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{role} model type {model_type!r} is not supported; supported families: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    sliding = getattr(config, "sliding_window", None) if model_type == "mistral" else None
-    if layer_types != {"full_attention"} or sliding:
-        raise ValueError(
-            f"{role} model uses sliding-window or hybrid attention (layer types {sorted(layer_types)}, "
-            f"sliding_window={getattr(config, 'sliding_window', None)}); batchspec supports full attention only"
-        )
+    reason = family.refuse(config)
+    if reason is not None:
+        raise ValueError(f"{role} model {reason}")
 
 
 def vocab_size(model: torch.nn.Module) -> int:

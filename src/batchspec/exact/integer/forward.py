@@ -18,9 +18,9 @@ attention sees the ``[B, S]`` layout, the padding's keys and values written as z
 value of the other positions is computed by the operation transformers' forward of the integer model runs for it,
 rounded the same way (``rotary_into`` is ``apply_rotary_pos_emb``'s products and sum, then the cache's packing; an
 addition is the same whichever operand comes first), so their logits and KV cache are the same bits; that forward
-stays the reference the tests compare this one with. It runs where the native kernels do, on float32 Llama, Qwen2,
-Qwen3 and Mistral models whose products all run on them (:meth:`IntegerForward.of`); elsewhere the runner calls the
-model.
+stays the reference the tests compare this one with. It runs where the native kernels do, on float32 models of the
+families batchspec runs (:mod:`batchspec.families`: each layer as its family's plan says) whose products all run on
+them (:meth:`IntegerForward.of`); elsewhere the runner calls the model.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from batchspec.exact.integer.linear import (
 )
 from batchspec.exact.integer.model import ExactRMSNorm
 from batchspec.exact.integer.rotary import RotaryTable
+from batchspec.families import Plan, family_of
 from batchspec.memory import give_back_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class _Layer:
     gate_up: list[IntLinear] | Stack
     down: IntLinear
     scaling: float
+    residual: float  # the family's residual multiplier (batchspec.families.Plan)
+    rotary: bool  # whether the layer rotates its queries and keys
 
 
 @dataclass(frozen=True)
@@ -164,11 +167,13 @@ class IntegerForward:
         heads, kv_heads, size: query heads, key/value heads and the head size of every layer.
     """
 
-    def __init__(self, model: Any, layers: list[_Layer], heads: int, kv_heads: int, size: int) -> None:
+    def __init__(self, model: Any, layers: list[_Layer], heads: int, kv_heads: int, size: int, family: Plan) -> None:
         decoder = model.get_decoder()
+        self.family = family  # the embedding's multiplier and the logits' divisor
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head: Int8Linear = model.lm_head
         self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size  # layers: the plans' owners
+        plan.check_layout(native.layout())
         made = [plan.layer(*(getattr(layer, f.name) for f in dataclasses.fields(layer))) for layer in layers]
         self.plans = (plan.Layer * len(made))(*made)  # the layers' layer_t structs, laid out once
         self.widths = plan.Widths.of(made, decoder.norm.weight.shape[0], heads, kv_heads, size)
@@ -182,11 +187,14 @@ class IntegerForward:
         decoder = model.get_decoder()
         attention = decoder.layers[0].self_attn
         size, queries, keys = attention.head_dim, attention.q_proj.out_features, attention.k_proj.out_features
+        family = family_of(model.config)
+        recipe = family.plan(model.config) if family is not None else Plan()
+        rotary = recipe.rotary or (True,) * len(decoder.layers)
         layers = []
-        for module in decoder.layers:  # a stack copies q, k, v's (and gate, up's) weights into one buffer:
-            layers.append(_layer(module))
+        for module, rotates in zip(decoder.layers, rotary, strict=True):  # a stack copies q, k, v's (and gate, up's)
+            layers.append(_layer(module, recipe.residual_multiplier, rotates))  # weights into one buffer:
             give_back_freed_memory()  # the separate weights freed go back at once (0.6 GB kept, for the 1.5B pair)
-        return cls(model, layers, queries // size, keys // size, size)
+        return cls(model, layers, queries // size, keys // size, size, recipe)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any,
                keep: int, vocabulary: int = 0) -> torch.Tensor:
@@ -208,11 +216,16 @@ class IntegerForward:
         over the first ``vocabulary`` token ids only, the others' logits :data:`UNREACHED`: a draft then reads that
         part of its output layer's weight, and proposes none of the other tokens."""
         if not vocabulary or vocabulary >= self.head.out_features:
-            return self.head(x)
-        part = self.head(x, vocabulary)  # [..., vocabulary]
+            return self._scaled(self.head(x))
+        part = self._scaled(self.head(x, vocabulary))  # [..., vocabulary]
         out = part.new_full((*part.shape[:-1], self.head.out_features), UNREACHED)  # [..., V]
         out[..., :vocabulary] = part
         return out
+
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits over the family's divisor (Granite's ``logits_scaling``), as its own forward divides them."""
+        divisor = self.family.logits_divisor
+        return logits if divisor == 1.0 else logits / divisor
 
     def read(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any) -> None:
         """:meth:`logits` for the KV only: the final norm and the output layer do not run."""
@@ -227,6 +240,8 @@ class IntegerForward:
         shape = (batch, self.kv_heads, 0, packed_width(self.size))
         store = cache.ensure_capacity(torch.empty(shape, dtype=torch.int16), end)  # [layers, 2, B, Hk, C, W]
         embedded = self.embed(input_ids)  # [B, S, H]
+        if self.family.embedding_multiplier != 1.0:
+            embedded = embedded * self.family.embedding_multiplier
         cos, sin = self.rotary(embedded, positions)  # [B, S, D] each
         x = rows.take(embedded.view(batch * seq, -1))  # [N, H], the layers' input and output
         x = (x.clone() if rows.index is None else x).contiguous()
@@ -287,14 +302,15 @@ def _native(linear: torch.nn.Module) -> bool:
     return isinstance(linear, Int4Linear) and linear.packed is not None
 
 
-def _layer(module: torch.nn.Module) -> _Layer:
-    """The parts of a decoder layer :func:`_laid_out` accepts, its q, k, v and gate, up stacked where they can be."""
+def _layer(module: torch.nn.Module, residual: float, rotary: bool) -> _Layer:
+    """The parts of a decoder layer :func:`_laid_out` accepts, its q, k, v and gate, up stacked where they can be;
+    its family's residual multiplier and whether it rotates its queries and keys."""
     attention, mlp = module.self_attn, module.mlp
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
     return _Layer(module.input_layernorm, module.post_attention_layernorm, _stacked(qkv), attention.o_proj,
                   getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), _stacked(gate_up),
-                  mlp.down_proj, float(attention.scaling))
+                  mlp.down_proj, float(attention.scaling), residual, rotary)
 
 
 def _stacked(layers: list[IntLinear]) -> list[IntLinear] | Stack:

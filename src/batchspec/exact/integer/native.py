@@ -507,6 +507,17 @@ def decoder(call: ctypes.Structure, layers: ctypes.Array) -> None:
         raise MemoryError(f"the native attention found no memory for {call.seq} queries over {call.end} keys")
 
 
+def layout() -> dict[tuple[str, str], int]:
+    """The native decoder's structs as the build in use lays them out (``csrc/decoder.h``'s ``LAYOUT``):
+    ``(typedef, field)`` to the field's offset, and ``(typedef, "")`` to the typedef's size."""
+    found, at = {}, 0
+    kind, field, value = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_int64()
+    while _library().layout(at, ctypes.byref(kind), ctypes.byref(field), ctypes.byref(value)):
+        found[(kind.value.decode(), field.value.decode())] = value.value
+        at += 1
+    return found
+
+
 def half_to_float(h: torch.Tensor) -> torch.Tensor:
     """float16 ``h`` as float32 by ``csrc/scalar.h``'s bit conversion (the portable build's reading of the int4 weight's
     scales, where the SIMD builds have F16C): torch's conversion of a float16 tensor, bit for bit, NaNs quieted with
@@ -618,7 +629,7 @@ def _load(name: str) -> types.SimpleNamespace | None:
     for function_name, arguments in _signatures().items():
         function = getattr(shared, f"batchspec_{function_name}")
         function.argtypes = arguments
-        function.restype = ctypes.c_int if function_name in ("attention", "decoder") else None
+        function.restype = ctypes.c_int if function_name in ("attention", "decoder", "layout") else None
         functions[function_name] = function
     return types.SimpleNamespace(**functions)
 
@@ -656,6 +667,7 @@ def _signatures() -> dict[str, list]:
                       i64, i64, ctypes.c_double, f32, pointer, pointer, threads],
         "decoder": [pointer, pointer, i64],
         "half_to_float": [pointer, i64, pointer],
+        "layout": [i64, pointer, pointer, pointer],
     }
 
 

@@ -3,7 +3,9 @@ once as a C struct (:func:`layer_plan`), and one forward's shapes and buffers (:
 of layers runs in one call (:func:`~batchspec.exact.integer.native.decoder`).
 
 The structs hold raw addresses of the layers' tensors: a plan is valid while its layers (and their stacked weights)
-live, which :class:`~batchspec.exact.integer.forward.IntegerForward` guarantees by holding both."""
+live, which :class:`~batchspec.exact.integer.forward.IntegerForward` guarantees by holding both. They mirror
+``decoder.h``'s typedefs (``_c_name_``): :func:`check_layout` compares every size and offset with the ones the C
+compiler gave the build in use, so a field changed on one side only is refused before any forward runs."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ MAX_SEGMENTS = 3  # outputs of one stacked product (q, k and v)
 class Product(ctypes.Structure):
     """``product_t``: one int8 (``bits`` 8) or int4 (``bits`` 4) product and where its outputs go."""
 
+    _c_name_ = "product_t"
+
     _fields_ = [("bits", _i64), ("inner", _i64), ("outputs", _i64), ("panels", _i64), ("segments", _i64),
                 ("starts", _i64 * (MAX_SEGMENTS + 1)), ("weight", _pointer), ("comp", _pointer), ("scale", _pointer),
                 ("bias", _pointer), ("groups", _i64), ("panel_bytes", _i64), ("subs", _i64), ("block", _i64)]
@@ -30,9 +34,12 @@ class Product(ctypes.Structure):
 class Layer(ctypes.Structure):
     """``layer_t``: one decoder layer's norms, products and attention scaling."""
 
+    _c_name_ = "layer_t"
+
     _fields_ = [("before", _pointer), ("after", _pointer), ("q_norm", _pointer), ("k_norm", _pointer),
                 ("eps_before", _double), ("eps_after", _double), ("eps_q", _double), ("eps_k", _double),
-                ("factor", _double), ("qkv_count", _i64), ("gate_up_count", _i64), ("qkv", Product * 3),
+                ("factor", _double), ("residual", _double), ("rotary", _i64), ("qkv_count", _i64),
+                ("gate_up_count", _i64), ("qkv", Product * 3),
                 ("o", Product), ("gate_up", Product * 2), ("down", Product)]
 
 
@@ -43,6 +50,8 @@ _BUFFERS = ("x", "h", "normed", "q", "k", "v", "qs", "ks", "vs", "query", "block
 class Decoder(ctypes.Structure):
     """``decoder_t``: one forward's shapes, inputs and buffers (field by field as ``csrc/decoder.h`` states)."""
 
+    _c_name_ = "decoder_t"
+
     _fields_ = [(name, _i64) for name in ("n", "batch", "seq", "hidden", "heads", "kv_heads", "size", "width",
                                           "start", "end", "chunk", "threads")]
     _fields_ += [("index", _pointer), ("cos", _pointer), ("sin", _pointer), ("visible", _pointer), ("vb", _i64),
@@ -50,6 +59,24 @@ class Decoder(ctypes.Structure):
                  ("s_batch", _i64), ("s_head", _i64), ("s_token", _i64), ("levels", _double),
                  ("coefficients", _pointer)]
     _fields_ += [(name, _pointer) for name in _BUFFERS]
+
+
+MIRRORS = (Product, Layer, Decoder)
+
+
+def check_layout(native: dict[tuple[str, str], int], mirrors: tuple[type[ctypes.Structure], ...] = MIRRORS) -> None:
+    """Raise where a mirror's size, fields or offsets differ from ``native`` (:func:`~batchspec.exact.integer.native.
+    layout`: ``(typedef, field)`` to its offset, ``(typedef, "")`` to its size)."""
+    for mirror in mirrors:
+        name = mirror._c_name_
+        ours = {field[0]: getattr(mirror, field[0]).offset for field in mirror._fields_}
+        theirs = {field: value for (kind, field), value in native.items() if kind == name and field}
+        problems = [f"{field} at {ours.get(field)} here, {theirs.get(field)} in C"
+                    for field in sorted(ours.keys() | theirs.keys()) if ours.get(field) != theirs.get(field)]
+        if ctypes.sizeof(mirror) != native.get((name, "")):
+            problems.append(f"{ctypes.sizeof(mirror)} bytes here, {native.get((name, ''))} in C")
+        if problems:
+            raise RuntimeError(f"plan.{mirror.__name__} does not mirror decoder.h's {name}: {'; '.join(problems)}")
 
 
 def product(layers: list[IntLinear] | Int8Stack | Int4Stack) -> Product:
@@ -85,12 +112,15 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 def layer(before: torch.nn.Module, after: torch.nn.Module, qkv: list[IntLinear] | Int8Stack | Int4Stack,
           o: IntLinear, q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None,
-          gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear, scaling: float) -> Layer:
+          gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear, scaling: float, residual: float,
+          rotary: bool) -> Layer:
     """One decoder layer's ``layer_t``: its norms (``ExactRMSNorm``: ``weight``, ``eps``), its products (q, k and v,
-    and gate and up, each one stacked product or a product per layer) and the attention's ``scaling``."""
+    and gate and up, each one stacked product or a product per layer), the attention's ``scaling``, the multiplier of
+    its outputs on their way into the residual stream and whether it rotates its queries and keys."""
     qkv_products, gate_up_products = _products(qkv), _products(gate_up)
     made = Layer(before=before.weight.data_ptr(), after=after.weight.data_ptr(), eps_before=before.eps,
-                 eps_after=after.eps, factor=scaling / math.log(2.0), qkv_count=len(qkv_products),
+                 eps_after=after.eps, factor=scaling / math.log(2.0), residual=residual, rotary=int(rotary),
+                 qkv_count=len(qkv_products),
                  gate_up_count=len(gate_up_products), o=product([o]), down=product([down]))
     if q_norm is not None and k_norm is not None:
         made.q_norm, made.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()

@@ -6,13 +6,18 @@
  *                                                                       batchspec_rms_norm then a quantizer each
  *   q, k, v = the products (stacked weights: one product, several outputs)
  *   spread to the [B, S] layout (zeros at padding), q and k normed per head where the model does (Qwen3)
- *   query = rotary(q); cache[start:end] = pack(rotary(k)), pack(v)      batchspec_rotary_into
+ *   query = rotary(q); cache[start:end] = pack(rotary(k)), pack(v)      batchspec_rotary_into (unrotated: NoPE)
  *   attended = attention(query, cache[:end]) in blocks of `chunk` queries, each over the keys it can see
- *   h = x + o(quantize(attended at the rows read))
+ *   h = x + o(quantize(attended at the rows read)) (times the layer's residual multiplier, Granite's)
  *   gate, up = the products of RMSNorm(h)'s activations
- *   x = h + down(quantize(silu(gate) * up))                            batchspec_quantize_gated(_blocks)
+ *   x = h + down(quantize(silu(gate) * up)) (times it too)             batchspec_quantize_gated(_blocks)
  *
- * Every field is 8 bytes wide (pointers, int64_t, double), so the Python mirror (plan.py) needs no padding rules. */
+ * Every field is 8 bytes wide (pointers, int64_t, double). plan.py's ctypes structs mirror these typedefs; LAYOUT
+ * below gives each typedef's size and each field's offset as this compiler lays them out, and plan.check_layout
+ * compares the mirror with it when the library is loaded, so a field added, moved or retyped on one side only is an
+ * error at once, not a forward that reads the wrong bytes. */
+
+#include <stddef.h>
 
 /* One product: an int8 weight as batchspec_linear reads it (bits 8) or an int4 one as batchspec_linear4 does (bits
  * 4), its outputs split into `segments` (at most 3) matrices: segment s holds outputs starts[s] .. starts[s + 1] - 1. */
@@ -28,11 +33,14 @@ typedef struct {
 } product_t;
 
 /* One layer's constant parts. qkv: 1 to 3 products giving q, k and v in that order; gate_up: 1 or 2 giving gate and
- * up. q_norm, k_norm: per-head RMSNorm weights, or NULL. factor: the attention's scaling / ln 2. */
+ * up. q_norm, k_norm: per-head RMSNorm weights, or NULL. factor: the attention's scaling / ln 2. residual: what the
+ * attention's and the MLP's outputs are multiplied by before they join the residual stream (1: nothing, the sum made
+ * in the product; Granite's residual_multiplier). rotary: 0 where the layer takes its queries and keys unrotated
+ * (SmolLM3's NoPE layers), else 1. */
 typedef struct {
     const float *before, *after, *q_norm, *k_norm;
-    double eps_before, eps_after, eps_q, eps_k, factor;
-    int64_t qkv_count, gate_up_count;
+    double eps_before, eps_after, eps_q, eps_k, factor, residual;
+    int64_t rotary, qkv_count, gate_up_count;
     product_t qkv[3], o, gate_up[2], down;
 } layer_t;
 
@@ -64,6 +72,41 @@ typedef struct {
     float *xs;
     int16_t *sums4;
 } decoder_t;
+
+/* the typedefs' layout: a size (field "") then every field's offset, for plan.check_layout */
+typedef struct { const char *type, *field; int64_t value; } layout_t;
+#define SIZE_OF(t) {#t, "", (int64_t)sizeof(t)}
+#define AT(t, f) {#t, #f, (int64_t)offsetof(t, f)}
+static const layout_t LAYOUT[] = {
+    SIZE_OF(product_t), AT(product_t, bits), AT(product_t, inner), AT(product_t, outputs), AT(product_t, panels),
+    AT(product_t, segments), AT(product_t, starts), AT(product_t, weight), AT(product_t, comp), AT(product_t, scale),
+    AT(product_t, bias), AT(product_t, groups), AT(product_t, panel_bytes), AT(product_t, subs), AT(product_t, block),
+    SIZE_OF(layer_t), AT(layer_t, before), AT(layer_t, after), AT(layer_t, q_norm), AT(layer_t, k_norm),
+    AT(layer_t, eps_before), AT(layer_t, eps_after), AT(layer_t, eps_q), AT(layer_t, eps_k), AT(layer_t, factor),
+    AT(layer_t, residual), AT(layer_t, rotary), AT(layer_t, qkv_count), AT(layer_t, gate_up_count), AT(layer_t, qkv), AT(layer_t, o), AT(layer_t, gate_up),
+    AT(layer_t, down),
+    SIZE_OF(decoder_t), AT(decoder_t, n), AT(decoder_t, batch), AT(decoder_t, seq), AT(decoder_t, hidden),
+    AT(decoder_t, heads), AT(decoder_t, kv_heads), AT(decoder_t, size), AT(decoder_t, width), AT(decoder_t, start),
+    AT(decoder_t, end), AT(decoder_t, chunk), AT(decoder_t, threads), AT(decoder_t, index), AT(decoder_t, cos),
+    AT(decoder_t, sin), AT(decoder_t, visible), AT(decoder_t, vb), AT(decoder_t, vq), AT(decoder_t, vl),
+    AT(decoder_t, store), AT(decoder_t, s_layer), AT(decoder_t, s_kv), AT(decoder_t, s_batch), AT(decoder_t, s_head),
+    AT(decoder_t, s_token), AT(decoder_t, levels), AT(decoder_t, coefficients), AT(decoder_t, x), AT(decoder_t, h),
+    AT(decoder_t, normed), AT(decoder_t, q), AT(decoder_t, k), AT(decoder_t, v), AT(decoder_t, qs), AT(decoder_t, ks),
+    AT(decoder_t, vs), AT(decoder_t, query), AT(decoder_t, block_query), AT(decoder_t, attended),
+    AT(decoder_t, block_out), AT(decoder_t, gathered), AT(decoder_t, gate), AT(decoder_t, up), AT(decoder_t, codes8),
+    AT(decoder_t, scale8), AT(decoder_t, codes4), AT(decoder_t, xs), AT(decoder_t, sums4),
+};
+#undef SIZE_OF
+#undef AT
+
+/* entry i of LAYOUT: 1, or 0 past the last */
+int batchspec_layout(int64_t i, const char **type, const char **field, int64_t *value) {
+    if (i < 0 || i >= (int64_t)(sizeof(LAYOUT) / sizeof(LAYOUT[0]))) return 0;
+    *type = LAYOUT[i].type;
+    *field = LAYOUT[i].field;
+    *value = LAYOUT[i].value;
+    return 1;
+}
 
 static inline int64_t sub_blocks(int64_t inner) { return (inner + 31) / 32; }
 static inline int64_t counted_sums(int64_t inner) { return sub_blocks(inner) + sub_blocks(inner) % 2; }
@@ -101,6 +144,21 @@ static void product_for(const decoder_t *f, const product_t *p, float *const *ou
                           counted_sums(p->inner), (const uint8_t *)p->weight, p->panel_bytes, p->panels,
                           sub_blocks(p->inner), p->subs, p->outputs, p->bias, outs, p->starts, p->segments, residual,
                           threads);
+}
+
+/* out = residual + p's product of the activations quantize_for made last, or (multiplier not 1) residual + product *
+ * multiplier, rounded as transformers' Granite layer rounds it: the product, its multiple, the sum */
+static void add_product(const decoder_t *f, const product_t *p, float *out, const float *residual, double multiplier) {
+    float *outs[1] = {out};
+    if (multiplier == 1.0) {
+        product_for(f, p, outs, residual);
+        return;
+    }
+    product_for(f, p, outs, NULL);
+    float m = (float)multiplier;
+    unsigned saved = fp_enter();
+    for (int64_t i = 0, count = f->n * p->outputs; i < count; i++) out[i] = residual[i] + out[i] * m;
+    fp_leave(saved);
 }
 
 /* the products ps[0 .. count) of RMSNorm(x), their segments into targets in order: the norm fused into the one
@@ -159,7 +217,7 @@ static int attend(const decoder_t *f, const layer_t *l, const int16_t *keys, con
 static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     int threads = (int)f->threads;
     int64_t wq = f->heads * f->size, wk = f->kv_heads * f->size, all = f->batch * f->seq;
-    float *qkv[3] = {f->q, f->k, f->v}, *gate_up[2] = {f->gate, f->up}, *h[1] = {f->h}, *x[1] = {f->x};
+    float *qkv[3] = {f->q, f->k, f->v}, *gate_up[2] = {f->gate, f->up};
     products_of_normed(f, l->qkv, l->qkv_count, f->x, l->before, (float)l->eps_before, qkv);
     float *q = f->q, *k = f->k, *v = f->v;
     if (f->index) {
@@ -175,7 +233,8 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     int16_t *keys = f->store + layer * f->s_layer, *values = keys + f->s_kv;
     int64_t query_strides[3] = {f->heads * f->seq * f->size, f->seq * f->size, f->size};
     int64_t cache_strides[3] = {f->s_batch, f->s_head, f->s_token};
-    batchspec_rotary_into(q, k, v, f->batch, f->seq, f->heads, f->kv_heads, f->size, f->cos, f->sin, f->query,
+    const float *cos = l->rotary ? f->cos : NULL, *sin = l->rotary ? f->sin : NULL;
+    batchspec_rotary_into(q, k, v, f->batch, f->seq, f->heads, f->kv_heads, f->size, cos, sin, f->query,
                           query_strides, keys + f->start * f->s_token, cache_strides,
                           values + f->start * f->s_token, cache_strides, f->width, (float)f->levels, threads);
     if (attend(f, l, keys, values)) return 1;
@@ -185,7 +244,7 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
         attended = f->gathered;
     }
     quantize_for(f, &l->o, attended, NULL, 0.0f);
-    product_for(f, &l->o, h, f->x);
+    add_product(f, &l->o, f->h, f->x, l->residual);
     products_of_normed(f, l->gate_up, l->gate_up_count, f->h, l->after, (float)l->eps_after, gate_up);
     const product_t *down = &l->down;
     int64_t ffn = down->inner, nsub = sub_blocks(ffn);
@@ -195,7 +254,7 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     else
         batchspec_quantize_gated_blocks(f->gate, f->up, f->n, ffn, down->block, 32 * nsub, f->codes4, f->xs,
                                         block_scales(down), f->sums4, counted_sums(ffn), f->coefficients, threads);
-    product_for(f, down, x, f->h);
+    add_product(f, down, f->x, f->h, l->residual);
     return 0;
 }
 

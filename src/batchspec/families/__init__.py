@@ -1,0 +1,27 @@
+"""The model families batchspec runs, one file each: what a family's config says about its layers that a Llama's
+does not, read once into a :class:`Plan` the fused integer forward follows (``exact/integer/forward.py``,
+``csrc/decoder.h``), and what about a config makes it refuse one.
+
+transformers' own forward of the integer model reads the same things from its own modules; the fused forward must
+give its bits (``tests/test_integer_forward.py`` compares them, family by family). Adding a family whose layers need
+no new kernel is its file here (a :data:`FAMILY` in :data:`FAMILIES`), its test, and the lists in the README and
+``docs/models.md``; see ``docs/how-it-works.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchspec.families import granite, llama, mistral, qwen2, qwen3, smollm3
+from batchspec.families.base import Family, Plan
+
+FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite))
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(kind for family in FAMILIES for kind in family.model_types)
+
+__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Plan", "family_of"]
+
+
+def family_of(config: Any) -> Family | None:
+    """The family of a transformers config, or None where none is supported."""
+    model_type = getattr(config, "model_type", None)
+    return next((family for family in FAMILIES if model_type in family.model_types), None)
