@@ -11,8 +11,8 @@ import torch
 from transformers import (
     AutoModelForSeq2SeqLM,
     BartConfig,
-    MistralConfig,
-    MistralForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     T5Config,
@@ -201,9 +201,10 @@ def _sliding_window_model(kind: str):
         cfg = Qwen2Config(**common, use_sliding_window=True, sliding_window=16, max_window_layers=0)
         assert "sliding_attention" in cfg.layer_types
         model = Qwen2ForCausalLM(cfg)
-    else:
-        cfg = MistralConfig(**common, sliding_window=16)
-        model = MistralForCausalLM(cfg)
+    else:  # Ministral's layers half sliding, half full: one attention mask cannot serve both
+        cfg = MinistralConfig(**common, head_dim=8, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"])
+        model = MinistralForCausalLM(cfg)
     return model.to(torch.float64).eval()
 
 
@@ -212,8 +213,9 @@ def _gemma3_model():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=tiny_models.VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512)
+    cfg = Gemma3TextConfig(vocab_size=tiny_models.VOCAB_SIZE, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                           max_position_embeddings=512)
     return Gemma3ForCausalLM(cfg).to(torch.float64).eval()
 
 
@@ -226,7 +228,7 @@ UNSUPPORTED = {
     "t5": (lambda: _encoder_decoder("t5"), "encoder"),
     "bart": (lambda: _encoder_decoder("bart"), "encoder"),
     "qwen2-sliding": (lambda: _sliding_window_model("qwen2"), "sliding"),
-    "mistral-sliding": (lambda: _sliding_window_model("mistral"), "sliding"),
+    "ministral-mixed": (lambda: _sliding_window_model("ministral"), "mixes sliding-window and full attention"),
     "gemma3": (_gemma3_model, "'gemma3_text' is not supported; supported families: llama, .*smollm3, granite"),
 }
 

@@ -34,14 +34,15 @@ from batchspec.exact.integer.model import exact_rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2")
 # widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
 
 BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
             "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
-            "granite": tiny_models.build_granite}
+            "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2,
+            "mistral-window": lambda seed, **kw: tiny_models.build_mistral(seed, sliding_window=7, **kw)}
 
 
 @pytest.fixture(scope="module")
@@ -329,12 +330,14 @@ def test_only_float32_int8_models_take_it(models, bundles):
     assert IntegerForward.of(lopsided) is None and IntegerForward.of(copy.deepcopy(models["qwen3", False])) is not None
 
 
-@pytest.mark.parametrize("kind", ["smollm3", "granite"])
+@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window"])
 @pytest.mark.parametrize("width", ["int8", "int4"])
 def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, reference):
     """A family whose layers depart from a Llama's (batchspec.families: SmolLM3's layers without a rotary embedding,
-    Granite's multipliers) runs on the fused forward, and EqSpec with a perturbed draft of its own family gives each
-    prompt the model's own greedy output, in int8 and int4."""
+    Granite's multipliers, OLMo 2's norms on the outputs and over whole projections, Mistral's sliding window of 7 over
+    prompts of up to 24 tokens) runs on the fused forward,
+    and EqSpec with a perturbed draft of its own family gives each prompt the model's own greedy output (transformers
+    building its own sliding-window mask), in int8 and int4."""
     target = quantize_model(BUILDERS[kind](seed=5, **STACKABLE).float(), width=width)
     draft = quantize_model(tiny_models.perturbed_copy(BUILDERS[kind](seed=5, **STACKABLE), 0.1, seed=6).float(),
                            width=width)

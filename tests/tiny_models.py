@@ -30,6 +30,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -103,8 +105,9 @@ def build_qwen3(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
 
 
 def build_mistral(seed: int = 0, **overrides) -> MistralForCausalLM:
-    kw = _common_config_kwargs(**overrides)
-    cfg = MistralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=None, **kw)
+    """Mistral with full attention, unless ``sliding_window`` is given."""
+    kw = _common_config_kwargs(**{"sliding_window": None, **overrides})
+    cfg = MistralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], **kw)
     torch.manual_seed(seed)
     return _finish(MistralForCausalLM(cfg))
 
@@ -124,6 +127,12 @@ def build_granite(seed: int = 0, **overrides) -> GraniteForCausalLM:
                         logits_scaling=2.5, **_common_config_kwargs(**overrides))
     torch.manual_seed(seed)
     return _finish(GraniteForCausalLM(cfg))
+
+
+def build_olmo2(seed: int = 0, **overrides) -> Olmo2ForCausalLM:
+    """OLMo 2: norms on the attention's and the MLP's outputs, none before them, q and k normed whole."""
+    torch.manual_seed(seed)
+    return _finish(Olmo2ForCausalLM(Olmo2Config(**_common_config_kwargs(**overrides))))
 
 
 _BUILDERS = {"llama": build_llama, "qwen2": build_qwen2, "qwen3": build_qwen3, "mistral": build_mistral}

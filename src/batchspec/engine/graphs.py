@@ -43,6 +43,7 @@ import torch
 from batchspec.config import CudaGraphs
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.state import position_ids, visible_keys
+from batchspec.families import attention_window
 
 MAX_GRAPH_COLUMNS = 16  # the widest forward captured: a verification of 1 + k columns, k <= 15
 GRAPHED_ATTENTION = ("sdpa", "eager")  # the attention implementations a static-mode forward runs with
@@ -171,7 +172,7 @@ class GraphedForwards:
         """The forward in the cache's static mode; ``inputs``: input ids ``[B, q]``, their columns ``[q]``, each
         row's padding ``[B]``."""
         input_ids, columns, pad = inputs
-        visible = visible_keys(columns, pad, cache.storage.shape[4])  # [B, 1, q, capacity]
+        visible = visible_keys(columns, pad, cache.storage.shape[4], attention_window(model.config))  # [B, 1, q, cap]
         positions = position_ids(columns, pad)  # [B, q]
         with cache.writing_at(columns):
             return self.forward(model, cache, input_ids, visible, positions, keep)

@@ -46,6 +46,7 @@ from batchspec.engine.state import BatchState, visible_keys
 from batchspec.exact.integer.attention import NAME as EXACT_ATTENTION
 from batchspec.exact.integer.forward import integer_forward
 from batchspec.exact.invariant.model import NAME as INVARIANT_ATTENTION
+from batchspec.families import attention_window
 
 
 @dataclass(frozen=True)
@@ -240,14 +241,15 @@ def _mask(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> to
     """The attention mask of queries at columns ``start .. end-1`` over keys ``0 .. end-1``.
 
     For the ``sdpa`` and ``eager`` attention implementations it is the 4D mask transformers would build itself
-    (``[B, 1, q, end]``: boolean for sdpa and the exact int8 attention, additive for eager), which it then uses as
-    is: building it here reads nothing back from the device (transformers checks whether a 2D mask has padding, a
-    synchronisation). Other implementations get the 2D padding mask ``[B, end]``.
+    (``[B, 1, q, end]``: boolean for sdpa and the exact int8 attention, additive for eager; over the model's sliding
+    window where it has one), which it then uses as is: building it here reads nothing back from the device
+    (transformers checks whether a 2D mask has padding, a synchronisation). Other implementations get the 2D
+    padding mask ``[B, end]``.
     """
     if _implementation(model) not in _BOOLEAN_MASKS and _implementation(model) != "eager":
         return batch.attention_mask(end)
     queries = torch.arange(start, end, device=batch.device)  # [q]
-    return _as_mask(model, visible_keys(queries, batch.pad, end))
+    return _as_mask(model, visible_keys(queries, batch.pad, end, attention_window(model.config)))
 
 
 def _as_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:

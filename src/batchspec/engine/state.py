@@ -315,10 +315,13 @@ def position_ids(columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     return (columns[None, :] - pad[:, None]).clamp(min=0)
 
 
-def visible_keys(queries: torch.Tensor, pad: torch.Tensor, width: int) -> torch.Tensor:
+def visible_keys(queries: torch.Tensor, pad: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
     """``[B, 1, q, width]`` (bool): which key columns ``0 .. width-1`` the queries at columns ``queries`` ``[q]`` of
     rows padded by ``pad`` ``[B]`` see: the row's own columns up to the query's (I1; :mod:`batchspec.engine.runner` has
-    a worked example)."""
+    a worked example), and with a sliding ``window`` only the last ``window`` of them (a row's columns are its
+    positions in order, so a distance in columns is one in positions)."""
     keys = torch.arange(width, device=pad.device)  # [width]
     causal = keys[None, :] <= queries[:, None]  # [q, width]
+    if window is not None:
+        causal &= keys[None, :] > queries[:, None] - window
     return (causal[None, :, :] & (keys[None, None, :] >= pad[:, None, None]))[:, None]  # [B, 1, q, width]

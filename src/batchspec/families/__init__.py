@@ -12,16 +12,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchspec.families import granite, llama, mistral, qwen2, qwen3, smollm3
-from batchspec.families.base import Family, Plan
+from batchspec.families import granite, llama, mistral, olmo2, qwen2, qwen3, smollm3
+from batchspec.families.base import Family, Norms, Plan
 
-FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite))
+FAMILIES: tuple[Family, ...] = tuple(
+    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2)
+)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(kind for family in FAMILIES for kind in family.model_types)
 
-__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Plan", "family_of"]
+__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Norms", "Plan", "attention_window", "family_of", "plan_of"]
 
 
 def family_of(config: Any) -> Family | None:
     """The family of a transformers config, or None where none is supported."""
     model_type = getattr(config, "model_type", None)
     return next((family for family in FAMILIES if model_type in family.model_types), None)
+
+
+def plan_of(config: Any) -> Plan:
+    """The :class:`Plan` of a model of ``config`` (a Llama's where no family takes it)."""
+    family = family_of(config)
+    return Plan() if family is None else family.plan(config)
+
+
+def attention_window(config: Any) -> int | None:
+    """The sliding window every layer of a model of ``config`` attends over (:attr:`Plan.window`), or None."""
+    return plan_of(config).window

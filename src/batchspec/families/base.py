@@ -8,6 +8,20 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Norms:
+    """The names of a decoder layer's RMSNorms by where they sit (None: the layer has none there): before its attention
+    and its MLP (a Llama's), and on their outputs before the residual sum (OLMo 2's, Gemma's)."""
+
+    before_attention: str | None = "input_layernorm"
+    before_mlp: str | None = "post_attention_layernorm"
+    after_attention: str | None = None
+    after_mlp: str | None = None
+
+    def names(self) -> tuple[str | None, str | None, str | None, str | None]:
+        return self.before_attention, self.before_mlp, self.after_attention, self.after_mlp
+
+
+@dataclass(frozen=True)
 class Plan:
     """One model's departures from a Llama's layers, for the fused forward.
 
@@ -17,12 +31,17 @@ class Plan:
         residual_multiplier: each attention's and MLP's output is multiplied by it before it is added to the
             residual stream.
         logits_divisor: the logits are divided by it.
+        window: every layer attends over the last ``window`` positions, its own included (a sliding window, as
+            transformers' ``sliding_window`` means it); None: over every position before it.
+        norms: where each layer's RMSNorms sit (:class:`Norms`).
     """
 
     rotary: tuple[bool, ...] | None = None
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0
+    window: int | None = None
+    norms: Norms = field(default_factory=Norms)
 
 
 def full_attention(config: Any) -> str | None:
@@ -34,6 +53,16 @@ def full_attention(config: Any) -> str | None:
     if layer_types != {"full_attention"} or (window and uses_window):
         return (f"uses sliding-window or hybrid attention (layer types {sorted(layer_types)}, sliding_window="
                 f"{window}); batchspec supports full attention only")
+    return None
+
+
+def one_window(config: Any) -> str | None:
+    """Why ``config`` cannot run here (a phrase after "the model"), where its layers do not all attend alike (some over
+    a sliding window, some over everything: one attention mask serves every layer); else None."""
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if len(layer_types) > 1:
+        return (f"mixes sliding-window and full attention across its layers (layer types {sorted(layer_types)}); "
+                "batchspec supports one kind of attention in every layer")
     return None
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from batchspec.devices import device_name
-from batchspec.exact.integer import check_quantize, native, quantization
+from batchspec.exact.integer import check_quantize, forward_in_use, native, quantization
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.models.packing import kernels_in_use
 
@@ -45,6 +45,7 @@ class ModelPair:
     quantize: str = "none"
     batch_invariant: bool = False
     build: str = "none"
+    forward: str = "transformers'"
 
     @classmethod
     def loaded(cls, target: Any, draft: Any | None, tokenizer: Any, name: str, dtype: str, device: torch.device,
@@ -54,23 +55,28 @@ class ModelPair:
         here."""
         quantize = quantization(target)
         build = "none" if quantize == "none" else native.isa() if native.available() else "torch"
+        forward = forward_in_use(target)
+        if draft is not None and forward_in_use(draft) != forward:
+            forward = f"{forward}; the draft's {forward_in_use(draft)}"
         return cls(target, draft, tokenizer, name, dtype, seconds, device_name(device), quantize,
-                   is_batch_invariant(target), build)
+                   is_batch_invariant(target), build, forward)
 
     def served(self) -> dict[str, str]:
-        """What ``/v1/models`` says of how the pair runs: device, dtype, quantize mode and native build."""
-        return {"device": self.device, "dtype": self.dtype, "quantize": self.quantize, "build": self.build}
+        """What ``/v1/models`` says of how the pair runs: device, dtype, quantize mode, native build and forward."""
+        return {"device": self.device, "dtype": self.dtype, "quantize": self.quantize, "build": self.build,
+                "forward": self.forward}
 
     @property
     def precision(self) -> str:
         """The dtype and CPU kernels the models run in, for summaries: ``float32, packed kernels``; on a GPU the
         dtype and the device: ``float32 on cuda:0 (NVIDIA H100 80GB HBM3)``, or ``bfloat16, batch-invariant on
         cuda:0 (...)``; quantized: ``float32, int8 exact on avx2`` (the native build the int8 forward runs on, see
-        :func:`batchspec.exact.integer.native.isa`; ``torch`` without one)."""
+        :func:`batchspec.exact.integer.native.isa`; ``torch`` without one) and the forward: ``float32, int8 exact on
+        avx2, fused forward``, or ``transformers' forward (why not fused)``."""
         if self.device != "cpu":
             return f"{self.dtype}{', batch-invariant' if self.batch_invariant else ''} on {self.device}"
         if self.quantize != "none":
-            return f"{self.dtype}, {self.quantize} exact on {self.build}"
+            return f"{self.dtype}, {self.quantize} exact on {self.build}, {self.forward} forward"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
 
     def __post_init__(self) -> None:

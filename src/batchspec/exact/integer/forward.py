@@ -46,12 +46,12 @@ from batchspec.exact.integer.linear import (
 )
 from batchspec.exact.integer.model import ExactRMSNorm
 from batchspec.exact.integer.rotary import RotaryTable
-from batchspec.families import Plan, family_of
+from batchspec.families import Norms, Plan, plan_of
 from batchspec.memory import give_back_freed_memory
 
 logger = logging.getLogger(__name__)
 
-_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_PLACES = ("before", "after", "attention_out", "mlp_out")  # plan.layer's names of Norms' places, in its order
 Stack = Int8Stack | Int4Stack
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> IntegerForward | None
@@ -64,8 +64,7 @@ class _Layer:
     """One decoder layer's modules: its two norms, the attention's products and (Qwen3) per-head norms, the MLP's;
     q, k and v, and gate and up, each stacked as one product where they can be (:class:`Int8Stack`)."""
 
-    before: ExactRMSNorm
-    after: ExactRMSNorm
+    norms: dict[str, ExactRMSNorm | None]  # by where they sit: plan.layer's before, after, attention_out, mlp_out
     qkv: list[IntLinear] | Stack
     o: IntLinear
     q_norm: ExactRMSNorm | None
@@ -135,6 +134,16 @@ def integer_forward(model: torch.nn.Module) -> IntegerForward | None:
     return _FORWARDS[model]
 
 
+def forward_in_use(model: torch.nn.Module) -> str:
+    """Which forward runs ``model``, for the load line and ``/v1/models``: ``fused`` (:class:`IntegerForward`), else
+    ``transformers'``, with the reason an integer model is not fused."""
+    if integer_forward(model) is not None:
+        return "fused"
+    if not isinstance(getattr(model, "lm_head", None), Int8Linear):
+        return "transformers'"
+    return f"transformers' ({_unsupported(model)})"
+
+
 def _unsupported(model: Any) -> str | None:
     """Why :class:`IntegerForward` cannot run ``model``, or None where it can."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -149,7 +158,8 @@ def _unsupported(model: Any) -> str | None:
     embedded = embedding.dtype if hasattr(embedding, "dtype") else embedding.weight.dtype
     if not isinstance(getattr(model, "lm_head", None), Int8Linear) or embedded != torch.float32:
         return f"it computes in {str(embedded).removeprefix('torch.')}, not float32, or its output layer is not int8"
-    if not decoder.layers or not all(_laid_out(module) for module in decoder.layers):
+    norms = plan_of(model.config).norms
+    if not decoder.layers or not all(_laid_out(module, norms) for module in decoder.layers):
         return "a decoder layer has parts other than a Llama-like layer's, or a product off the native kernels"
     size = decoder.layers[0].self_attn.head_dim
     if size > native.MAX_HEAD_SIZE:
@@ -174,7 +184,7 @@ class IntegerForward:
         self.head: Int8Linear = model.lm_head
         self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size  # layers: the plans' owners
         plan.check_layout(native.layout())
-        made = [plan.layer(*(getattr(layer, f.name) for f in dataclasses.fields(layer))) for layer in layers]
+        made = [plan.layer(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}) for layer in layers]
         self.plans = (plan.Layer * len(made))(*made)  # the layers' layer_t structs, laid out once
         self.widths = plan.Widths.of(made, decoder.norm.weight.shape[0], heads, kv_heads, size)
 
@@ -187,12 +197,11 @@ class IntegerForward:
         decoder = model.get_decoder()
         attention = decoder.layers[0].self_attn
         size, queries, keys = attention.head_dim, attention.q_proj.out_features, attention.k_proj.out_features
-        family = family_of(model.config)
-        recipe = family.plan(model.config) if family is not None else Plan()
+        recipe = plan_of(model.config)
         rotary = recipe.rotary or (True,) * len(decoder.layers)
         layers = []
         for module, rotates in zip(decoder.layers, rotary, strict=True):  # a stack copies q, k, v's (and gate, up's)
-            layers.append(_layer(module, recipe.residual_multiplier, rotates))  # weights into one buffer:
+            layers.append(_layer(module, recipe, rotates))  # weights into one buffer:
             give_back_freed_memory()  # the separate weights freed go back at once (0.6 GB kept, for the 1.5B pair)
         return cls(model, layers, queries // size, keys // size, size, recipe)
 
@@ -275,10 +284,12 @@ class IntegerForward:
         return call
 
 
-def _laid_out(module: torch.nn.Module) -> bool:
-    """Whether a decoder layer is laid out as Llama-like decoders' are, on the int8 modules, with no other part."""
+def _laid_out(module: torch.nn.Module, norms: Norms) -> bool:
+    """Whether a decoder layer is laid out as its family's plan says (an attention, an MLP and the ``norms``), on the
+    integer modules, with no other part."""
     attention = getattr(module, "self_attn", None)
-    if {name for name, _ in module.named_children()} != _LAYER_PARTS or attention is None:
+    parts = {"self_attn", "mlp"} | {name for name in norms.names() if name is not None}
+    if {name for name, _ in module.named_children()} != parts or attention is None:
         return False
     names = {name for name, _ in attention.named_children()}
     if not names <= _ATTENTION_PARTS or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:
@@ -286,7 +297,7 @@ def _laid_out(module: torch.nn.Module) -> bool:
     if len(names & {"q_norm", "k_norm"}) == 1:  # Qwen3 normalizes both; one alone is a layout this forward lacks
         return False
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    norms = [module.input_layernorm, module.post_attention_layernorm]
+    norms = [getattr(module, name) for name in norms.names() if name is not None]
     norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
     if not isinstance(module.mlp, QuantizedMLP):
         return False
@@ -302,15 +313,18 @@ def _native(linear: torch.nn.Module) -> bool:
     return isinstance(linear, Int4Linear) and linear.packed is not None
 
 
-def _layer(module: torch.nn.Module, residual: float, rotary: bool) -> _Layer:
+def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool) -> _Layer:
     """The parts of a decoder layer :func:`_laid_out` accepts, its q, k, v and gate, up stacked where they can be;
-    its family's residual multiplier and whether it rotates its queries and keys."""
+    its norms where its family's plan puts them, the plan's residual multiplier and whether it rotates its queries and
+    keys."""
     attention, mlp = module.self_attn, module.mlp
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
-    return _Layer(module.input_layernorm, module.post_attention_layernorm, _stacked(qkv), attention.o_proj,
-                  getattr(attention, "q_norm", None), getattr(attention, "k_norm", None), _stacked(gate_up),
-                  mlp.down_proj, float(attention.scaling), residual, rotary)
+    norms = {place: None if name is None else getattr(module, name)
+             for place, name in zip(_PLACES, recipe.norms.names(), strict=True)}
+    return _Layer(norms, _stacked(qkv), attention.o_proj, getattr(attention, "q_norm", None),
+                  getattr(attention, "k_norm", None), _stacked(gate_up), mlp.down_proj, float(attention.scaling),
+                  recipe.residual_multiplier, rotary)
 
 
 def _stacked(layers: list[IntLinear]) -> list[IntLinear] | Stack:

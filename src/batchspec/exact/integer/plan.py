@@ -36,9 +36,10 @@ class Layer(ctypes.Structure):
 
     _c_name_ = "layer_t"
 
-    _fields_ = [("before", _pointer), ("after", _pointer), ("q_norm", _pointer), ("k_norm", _pointer),
-                ("eps_before", _double), ("eps_after", _double), ("eps_q", _double), ("eps_k", _double),
-                ("factor", _double), ("residual", _double), ("rotary", _i64), ("qkv_count", _i64),
+    _fields_ = [("before", _pointer), ("after", _pointer), ("attention_out", _pointer), ("mlp_out", _pointer),
+                ("q_norm", _pointer), ("k_norm", _pointer), ("eps_before", _double), ("eps_after", _double),
+                ("eps_attention_out", _double), ("eps_mlp_out", _double), ("eps_q", _double), ("eps_k", _double),
+                ("factor", _double), ("residual", _double), ("rotary", _i64), ("whole", _i64), ("qkv_count", _i64),
                 ("gate_up_count", _i64), ("qkv", Product * 3),
                 ("o", Product), ("gate_up", Product * 2), ("down", Product)]
 
@@ -110,24 +111,35 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def layer(before: torch.nn.Module, after: torch.nn.Module, qkv: list[IntLinear] | Int8Stack | Int4Stack,
-          o: IntLinear, q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None,
+def layer(norms: dict[str, torch.nn.Module | None], qkv: list[IntLinear] | Int8Stack | Int4Stack, o: IntLinear,
+          q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None,
           gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear, scaling: float, residual: float,
           rotary: bool) -> Layer:
-    """One decoder layer's ``layer_t``: its norms (``ExactRMSNorm``: ``weight``, ``eps``), its products (q, k and v,
-    and gate and up, each one stacked product or a product per layer), the attention's ``scaling``, the multiplier of
-    its outputs on their way into the residual stream and whether it rotates its queries and keys."""
+    """One decoder layer's ``layer_t``: its RMSNorms (``ExactRMSNorm``: ``weight``, ``eps``) by where they sit
+    (``before``, ``after``, ``attention_out``, ``mlp_out``: see ``decoder.h``; a norm left out or None is not there),
+    its products (q, k and v, and gate and up, each one stacked product or a product per layer), its query and key
+    norms (over each head, or over the whole projection where their weight is that wide), the attention's
+    ``scaling``, the multiplier of its outputs on their way into the residual stream and whether it rotates its
+    queries and keys."""
     qkv_products, gate_up_products = _products(qkv), _products(gate_up)
-    made = Layer(before=before.weight.data_ptr(), after=after.weight.data_ptr(), eps_before=before.eps,
-                 eps_after=after.eps, factor=scaling / math.log(2.0), residual=residual, rotary=int(rotary),
-                 qkv_count=len(qkv_products),
+    made = Layer(factor=scaling / math.log(2.0), residual=residual, rotary=int(rotary), qkv_count=len(qkv_products),
                  gate_up_count=len(gate_up_products), o=product([o]), down=product([down]))
+    for name, norm in norms.items():
+        if norm is not None:
+            setattr(made, name, norm.weight.data_ptr())
+            setattr(made, f"eps_{name}", norm.eps)
     if q_norm is not None and k_norm is not None:
         made.q_norm, made.k_norm = q_norm.weight.data_ptr(), k_norm.weight.data_ptr()
         made.eps_q, made.eps_k = q_norm.eps, k_norm.eps
+        made.whole = int(q_norm.weight.numel() == _query_width(qkv))
     made.qkv[: len(qkv_products)] = qkv_products
     made.gate_up[: len(gate_up_products)] = gate_up_products
     return made
+
+
+def _query_width(qkv: list[IntLinear] | Int8Stack | Int4Stack) -> int:
+    """The width of the queries, q's outputs."""
+    return qkv[0].out_features if isinstance(qkv, list) else qkv.widths[0]
 
 
 def _products(layers: list[IntLinear] | Int8Stack | Int4Stack) -> list[Product]:

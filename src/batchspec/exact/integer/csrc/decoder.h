@@ -3,12 +3,12 @@
  * it had (each function's own bits are argued where it is defined). Per layer:
  *
  *   activations of RMSNorm(x) in each form the q, k, v products read   batchspec_norm_quantize(_blocks), or
- *                                                                       batchspec_rms_norm then a quantizer each
+ *   (of x itself where the layer has no norm before its attention)     batchspec_rms_norm then a quantizer each
  *   q, k, v = the products (stacked weights: one product, several outputs)
- *   spread to the [B, S] layout (zeros at padding), q and k normed per head where the model does (Qwen3)
+ *   spread to the [B, S] layout (zeros at padding), q and k normed per head (Qwen3) or whole (OLMo 2)
  *   query = rotary(q); cache[start:end] = pack(rotary(k)), pack(v)      batchspec_rotary_into (unrotated: NoPE)
  *   attended = attention(query, cache[:end]) in blocks of `chunk` queries, each over the keys it can see
- *   h = x + o(quantize(attended at the rows read)) (times the layer's residual multiplier, Granite's)
+ *   h = x + o(quantize(attended at the rows read)) (normed first: OLMo 2; times a multiplier: Granite)
  *   gate, up = the products of RMSNorm(h)'s activations
  *   x = h + down(quantize(silu(gate) * up)) (times it too)             batchspec_quantize_gated(_blocks)
  *
@@ -33,14 +33,16 @@ typedef struct {
 } product_t;
 
 /* One layer's constant parts. qkv: 1 to 3 products giving q, k and v in that order; gate_up: 1 or 2 giving gate and
- * up. q_norm, k_norm: per-head RMSNorm weights, or NULL. factor: the attention's scaling / ln 2. residual: what the
- * attention's and the MLP's outputs are multiplied by before they join the residual stream (1: nothing, the sum made
- * in the product; Granite's residual_multiplier). rotary: 0 where the layer takes its queries and keys unrotated
- * (SmolLM3's NoPE layers), else 1. */
+ * up. The RMSNorm weights, each NULL where the layer has no such norm: before (the attention's input), after (the
+ * MLP's input), attention_out and mlp_out (their outputs, before the residual sum: OLMo 2's). q_norm, k_norm: RMSNorm
+ * weights over each head (whole 0) or over the whole projection (whole 1, OLMo 2's), or NULL. factor: the attention's
+ * scaling / ln 2. residual: what the attention's and the MLP's outputs are multiplied by before they join the
+ * residual stream (1: nothing; Granite's residual_multiplier). rotary: 0 where the layer takes its queries and keys
+ * unrotated (SmolLM3's NoPE layers), else 1. */
 typedef struct {
-    const float *before, *after, *q_norm, *k_norm;
-    double eps_before, eps_after, eps_q, eps_k, factor, residual;
-    int64_t rotary, qkv_count, gate_up_count;
+    const float *before, *after, *attention_out, *mlp_out, *q_norm, *k_norm;
+    double eps_before, eps_after, eps_attention_out, eps_mlp_out, eps_q, eps_k, factor, residual;
+    int64_t rotary, whole, qkv_count, gate_up_count;
     product_t qkv[3], o, gate_up[2], down;
 } layer_t;
 
@@ -81,9 +83,10 @@ static const layout_t LAYOUT[] = {
     SIZE_OF(product_t), AT(product_t, bits), AT(product_t, inner), AT(product_t, outputs), AT(product_t, panels),
     AT(product_t, segments), AT(product_t, starts), AT(product_t, weight), AT(product_t, comp), AT(product_t, scale),
     AT(product_t, bias), AT(product_t, groups), AT(product_t, panel_bytes), AT(product_t, subs), AT(product_t, block),
-    SIZE_OF(layer_t), AT(layer_t, before), AT(layer_t, after), AT(layer_t, q_norm), AT(layer_t, k_norm),
-    AT(layer_t, eps_before), AT(layer_t, eps_after), AT(layer_t, eps_q), AT(layer_t, eps_k), AT(layer_t, factor),
-    AT(layer_t, residual), AT(layer_t, rotary), AT(layer_t, qkv_count), AT(layer_t, gate_up_count), AT(layer_t, qkv), AT(layer_t, o), AT(layer_t, gate_up),
+    SIZE_OF(layer_t), AT(layer_t, before), AT(layer_t, after), AT(layer_t, attention_out), AT(layer_t, mlp_out),
+    AT(layer_t, q_norm), AT(layer_t, k_norm), AT(layer_t, eps_before), AT(layer_t, eps_after),
+    AT(layer_t, eps_attention_out), AT(layer_t, eps_mlp_out), AT(layer_t, eps_q), AT(layer_t, eps_k),
+    AT(layer_t, factor), AT(layer_t, residual), AT(layer_t, rotary), AT(layer_t, whole), AT(layer_t, qkv_count), AT(layer_t, gate_up_count), AT(layer_t, qkv), AT(layer_t, o), AT(layer_t, gate_up),
     AT(layer_t, down),
     SIZE_OF(decoder_t), AT(decoder_t, n), AT(decoder_t, batch), AT(decoder_t, seq), AT(decoder_t, hidden),
     AT(decoder_t, heads), AT(decoder_t, kv_heads), AT(decoder_t, size), AT(decoder_t, width), AT(decoder_t, start),
@@ -146,18 +149,24 @@ static void product_for(const decoder_t *f, const product_t *p, float *const *ou
                           threads);
 }
 
-/* out = residual + p's product of the activations quantize_for made last, or (multiplier not 1) residual + product *
- * multiplier, rounded as transformers' Granite layer rounds it: the product, its multiple, the sum */
-static void add_product(const decoder_t *f, const product_t *p, float *out, const float *residual, double multiplier) {
+/* out = residual + p's product of the activations quantize_for made last; where the layer has them, the product
+ * RMSNorm-ed by norm first (OLMo 2) or multiplied by multiplier (Granite), rounded as transformers' layers round
+ * them: the product, its norm, its multiple, the sum */
+static void add_product(const decoder_t *f, const product_t *p, float *out, const float *residual, const float *norm,
+                        double eps, double multiplier) {
     float *outs[1] = {out};
-    if (multiplier == 1.0) {
+    if (norm == NULL && multiplier == 1.0) {
         product_for(f, p, outs, residual);
         return;
     }
     product_for(f, p, outs, NULL);
+    if (norm) batchspec_rms_norm(out, f->n, p->outputs, (float)eps, norm, out, (int)f->threads);
     float m = (float)multiplier;
     unsigned saved = fp_enter();
-    for (int64_t i = 0, count = f->n * p->outputs; i < count; i++) out[i] = residual[i] + out[i] * m;
+    if (multiplier == 1.0)
+        for (int64_t i = 0, count = f->n * p->outputs; i < count; i++) out[i] = residual[i] + out[i];
+    else
+        for (int64_t i = 0, count = f->n * p->outputs; i < count; i++) out[i] = residual[i] + out[i] * m;
     fp_leave(saved);
 }
 
@@ -167,11 +176,12 @@ static void products_of_normed(const decoder_t *f, const product_t *ps, int64_t 
                                const float *norm, float eps, float **targets) {
     int one_form = 1;
     for (int64_t i = 1; i < count; i++) one_form = one_form && same_form(&ps[0], &ps[i]);
-    if (!one_form) batchspec_rms_norm(x, f->n, f->hidden, eps, norm, f->normed, (int)f->threads);
+    if (!one_form && norm) batchspec_rms_norm(x, f->n, f->hidden, eps, norm, f->normed, (int)f->threads);
+    const float *read = one_form || !norm ? x : f->normed; /* each form's activations are quantized from it */
     const product_t *made = NULL;
     for (int64_t i = 0; i < count; i++) {
         if (made == NULL || !same_form(made, &ps[i])) {
-            quantize_for(f, &ps[i], one_form ? x : f->normed, one_form ? norm : NULL, eps);
+            quantize_for(f, &ps[i], read, one_form ? norm : NULL, eps);
             made = &ps[i];
         }
         product_for(f, &ps[i], targets, NULL);
@@ -226,7 +236,10 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
         spread_rows(f->v, f->vs, f->index, f->n, wk);
         q = f->qs, k = f->ks, v = f->vs;
     }
-    if (l->q_norm) {
+    if (l->q_norm && l->whole) {
+        batchspec_rms_norm(q, all, wq, (float)l->eps_q, l->q_norm, q, threads);
+        batchspec_rms_norm(k, all, wk, (float)l->eps_k, l->k_norm, k, threads);
+    } else if (l->q_norm) {
         batchspec_rms_norm(q, all * f->heads, f->size, (float)l->eps_q, l->q_norm, q, threads);
         batchspec_rms_norm(k, all * f->kv_heads, f->size, (float)l->eps_k, l->k_norm, k, threads);
     }
@@ -244,7 +257,7 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
         attended = f->gathered;
     }
     quantize_for(f, &l->o, attended, NULL, 0.0f);
-    add_product(f, &l->o, f->h, f->x, l->residual);
+    add_product(f, &l->o, f->h, f->x, l->attention_out, l->eps_attention_out, l->residual);
     products_of_normed(f, l->gate_up, l->gate_up_count, f->h, l->after, (float)l->eps_after, gate_up);
     const product_t *down = &l->down;
     int64_t ffn = down->inner, nsub = sub_blocks(ffn);
@@ -254,7 +267,7 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     else
         batchspec_quantize_gated_blocks(f->gate, f->up, f->n, ffn, down->block, 32 * nsub, f->codes4, f->xs,
                                         block_scales(down), f->sums4, counted_sums(ffn), f->coefficients, threads);
-    add_product(f, down, f->x, f->h, l->residual);
+    add_product(f, down, f->x, f->h, l->mlp_out, l->eps_mlp_out, l->residual);
     return 0;
 }
 
