@@ -41,7 +41,7 @@ def main() -> int:
     if not args.questions.is_file():
         parser.error(f"no SpecBench questions at {args.questions}; pass --questions PATH")
     args.output.mkdir(parents=True, exist_ok=True)
-    _lscpu(args.output / "lscpu.txt")
+    lscpu(args.output / "lscpu.txt")
     rows = []
     for category in args.categories.split(","):
         cells = _bench(args, category, extra)
@@ -100,7 +100,7 @@ def _write(output: Path, rows: list[dict]) -> None:
     (output / "specbench.md").write_text("\n".join(lines) + "\n")
 
 
-def _lscpu(path: Path) -> None:
+def lscpu(path: Path) -> None:
     if shutil.which("lscpu"):
         path.write_text(subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -32,10 +31,10 @@ import time
 from pathlib import Path
 
 import httpx
+from specbench import QUESTIONS, lscpu
 
 from batchspec.data.prompts import HUMANEVAL, chat_text, load_prompts
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 WORKLOAD = (("humaneval", 8), ("writing", 4), ("qa", 4), ("summarization", 4), ("math_reasoning", 4),
             ("translation", 2), ("rag", 2))
 SERVERS = {"plain": ["--method", "autoregressive"], "default": []}
@@ -55,7 +54,7 @@ def main() -> int:
     if not args.questions.is_file():
         parser.error(f"no SpecBench questions at {args.questions}; pass --questions PATH")
     args.output.mkdir(parents=True, exist_ok=True)
-    _lscpu(args.output / "lscpu.txt")
+    lscpu(args.output / "lscpu.txt")
     chats = _chats(args.questions)
     clients = [int(n) for n in args.clients.split(",")]
     cells, answers = [], {}
@@ -93,7 +92,7 @@ def _serve(args: argparse.Namespace, flags: list[str], chats: list[str], clients
                "--max-batch-size", str(args.max_batch_size), "--log-level", "warning", *flags]
     server = subprocess.Popen(command)
     try:
-        _wait_for_health(base, server)
+        wait_for_health(base, server)
         with httpx.Client(timeout=600) as client:
             _stream(client, base, "Hello", args.max_tokens)  # warm-up, sharing no prefix with a chat but the template's
         return _load(base, chats, clients, args.max_tokens)
@@ -102,7 +101,7 @@ def _serve(args: argparse.Namespace, flags: list[str], chats: list[str], clients
         server.wait(120)
 
 
-def _wait_for_health(base: str, server: subprocess.Popen) -> None:
+def wait_for_health(base: str, server: subprocess.Popen) -> None:
     for _ in range(1200):
         if server.poll() is not None:
             raise RuntimeError(f"the server exited with status {server.returncode}")
@@ -221,11 +220,6 @@ def _write(output: Path, cells: list[dict], clients: list[int]) -> None:
             f"{1000 * r['plain_gap_p50_s']:.0f} / {1000 * r['default_gap_p50_s']:.0f} ms | "
             f"{1000 * r['plain_gap_p99_s']:.0f} / {1000 * r['default_gap_p99_s']:.0f} ms |")
     (output / "serve.md").write_text("\n".join(lines) + "\n")
-
-
-def _lscpu(path: Path) -> None:
-    lscpu = shutil.which("lscpu")
-    path.write_text(subprocess.run([lscpu], capture_output=True, text=True).stdout if lscpu else "lscpu not found\n")
 
 
 if __name__ == "__main__":

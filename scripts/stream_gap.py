@@ -20,6 +20,7 @@ import threading
 import time
 
 import httpx
+from specbench_serve import wait_for_health
 
 from batchspec.models.loading import load_model
 
@@ -38,17 +39,6 @@ def long_text(tokenizer, tokens: int) -> str:
     while len(tokenizer.encode(text)) < tokens:
         text += PARAGRAPH
     return text
-
-
-def wait_for_health(base: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
 
 
 def stream(client: httpx.Client, base: str, on_event=None) -> tuple[list[float], int]:
@@ -107,7 +97,7 @@ def main(chunk: str, port: int) -> None:
                "--max-batch-size", "8", "--prefill-chunk", chunk, "--log-level", "warning"]
     server = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     try:
-        wait_for_health(base)
+        wait_for_health(base, server)
         result = measure(base, text)
     finally:
         server.terminate()

@@ -42,7 +42,7 @@ from batchspec.exact.integer.model import exact_rms_norm
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
           for name in native.ISAS]
-KINDS = ("llama", "qwen2", "qwen3", "mistral")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2")
 THREADS = (1, 2, 16)
 
 
@@ -242,9 +242,11 @@ def test_each_builds_attention_gives_the_torch_paths_bits(isa, kv_heads, group, 
 
 @pytest.fixture(scope="module")
 def float32_models() -> dict[str, torch.nn.Module]:
-    """``kind -> tiny float32 target`` (Qwen2's projections have biases, Qwen3's heads their own norms)."""
+    """``kind -> tiny float32 target`` (Qwen2's projections have biases, Qwen3's heads their own norms; SmolLM3's layers
+    without rotary, Granite's multipliers, OLMo 2's norms on the outputs)."""
     builders = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
-                "mistral": tiny_models.build_mistral}
+                "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
+                "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2}
     return {kind: builders[kind](seed=5).float() for kind in KINDS}
 
 

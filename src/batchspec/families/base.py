@@ -9,16 +9,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Norms:
-    """The names of a decoder layer's RMSNorms by where they sit (None: the layer has none there): before its attention
-    and its MLP (a Llama's), and on their outputs before the residual sum (OLMo 2's, Gemma's)."""
+    """The names of a decoder layer's RMSNorms by where they sit (None: the layer has none there): ``before`` its
+    attention and ``after`` it, before the MLP (a Llama's), and on the attention's and the MLP's outputs before the
+    residual sum (``attention_out``, ``mlp_out``: OLMo 2's). The places are ``decoder.h``'s ``layer_t`` fields."""
 
-    before_attention: str | None = "input_layernorm"
-    before_mlp: str | None = "post_attention_layernorm"
-    after_attention: str | None = None
-    after_mlp: str | None = None
-
-    def names(self) -> tuple[str | None, str | None, str | None, str | None]:
-        return self.before_attention, self.before_mlp, self.after_attention, self.after_mlp
+    before: str | None = "input_layernorm"
+    after: str | None = "post_attention_layernorm"
+    attention_out: str | None = None
+    mlp_out: str | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,6 @@ products are not smoothed (:mod:`batchspec.exact.integer.smoothing`)."""
 
 from batchspec.families.base import Family, Norms, Plan
 
-FAMILY = Family("olmo2", ("olmo2",), plan=lambda config: Plan(
-    norms=Norms(before_attention=None, before_mlp=None, after_attention="post_attention_layernorm",
-                after_mlp="post_feedforward_layernorm")))
+NORMS = Norms(before=None, after=None, attention_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm")
+
+FAMILY = Family("olmo2", ("olmo2",), plan=lambda config: Plan(norms=NORMS))

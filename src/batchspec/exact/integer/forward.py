@@ -51,7 +51,6 @@ from batchspec.memory import give_back_freed_memory
 
 logger = logging.getLogger(__name__)
 
-_PLACES = ("before", "after", "attention_out", "mlp_out")  # plan.layer's names of Norms' places, in its order
 Stack = Int8Stack | Int4Stack
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> IntegerForward | None
@@ -61,10 +60,11 @@ UNREACHED = -1e30  # the logit of a token past a draft's vocabulary: finite, so 
 
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's modules: its two norms, the attention's products and (Qwen3) per-head norms, the MLP's;
-    q, k and v, and gate and up, each stacked as one product where they can be (:class:`Int8Stack`)."""
+    """One decoder layer's modules: its norms by where they sit, the attention's products and (Qwen3, OLMo 2) query and
+    key norms, the MLP's; q, k and v, and gate and up, each stacked as one product where they can be
+    (:class:`Int8Stack`); its family's residual multiplier and whether it rotates its queries and keys."""
 
-    norms: dict[str, ExactRMSNorm | None]  # by where they sit: plan.layer's before, after, attention_out, mlp_out
+    norms: dict[str, ExactRMSNorm | None]  # by Norms' places: before, after, attention_out, mlp_out
     qkv: list[IntLinear] | Stack
     o: IntLinear
     q_norm: ExactRMSNorm | None
@@ -72,8 +72,8 @@ class _Layer:
     gate_up: list[IntLinear] | Stack
     down: IntLinear
     scaling: float
-    residual: float  # the family's residual multiplier (batchspec.families.Plan)
-    rotary: bool  # whether the layer rotates its queries and keys
+    residual: float
+    rotary: bool
 
 
 @dataclass(frozen=True)
@@ -177,9 +177,9 @@ class IntegerForward:
         heads, kv_heads, size: query heads, key/value heads and the head size of every layer.
     """
 
-    def __init__(self, model: Any, layers: list[_Layer], heads: int, kv_heads: int, size: int, family: Plan) -> None:
+    def __init__(self, model: Any, layers: list[_Layer], heads: int, kv_heads: int, size: int, recipe: Plan) -> None:
         decoder = model.get_decoder()
-        self.family = family  # the embedding's multiplier and the logits' divisor
+        self.recipe = recipe  # the family's plan: the embedding's multiplier and the logits' divisor
         self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.head: Int8Linear = model.lm_head
         self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size  # layers: the plans' owners
@@ -233,7 +233,7 @@ class IntegerForward:
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits over the family's divisor (Granite's ``logits_scaling``), as its own forward divides them."""
-        divisor = self.family.logits_divisor
+        divisor = self.recipe.logits_divisor
         return logits if divisor == 1.0 else logits / divisor
 
     def read(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any) -> None:
@@ -249,8 +249,8 @@ class IntegerForward:
         shape = (batch, self.kv_heads, 0, packed_width(self.size))
         store = cache.ensure_capacity(torch.empty(shape, dtype=torch.int16), end)  # [layers, 2, B, Hk, C, W]
         embedded = self.embed(input_ids)  # [B, S, H]
-        if self.family.embedding_multiplier != 1.0:
-            embedded = embedded * self.family.embedding_multiplier
+        if self.recipe.embedding_multiplier != 1.0:
+            embedded = embedded * self.recipe.embedding_multiplier
         cos, sin = self.rotary(embedded, positions)  # [B, S, D] each
         x = rows.take(embedded.view(batch * seq, -1))  # [N, H], the layers' input and output
         x = (x.clone() if rows.index is None else x).contiguous()
@@ -288,7 +288,8 @@ def _laid_out(module: torch.nn.Module, norms: Norms) -> bool:
     """Whether a decoder layer is laid out as its family's plan says (an attention, an MLP and the ``norms``), on the
     integer modules, with no other part."""
     attention = getattr(module, "self_attn", None)
-    parts = {"self_attn", "mlp"} | {name for name in norms.names() if name is not None}
+    named = [name for name in dataclasses.astuple(norms) if name is not None]
+    parts = {"self_attn", "mlp"} | set(named)
     if {name for name, _ in module.named_children()} != parts or attention is None:
         return False
     names = {name for name, _ in attention.named_children()}
@@ -297,13 +298,13 @@ def _laid_out(module: torch.nn.Module, norms: Norms) -> bool:
     if len(names & {"q_norm", "k_norm"}) == 1:  # Qwen3 normalizes both; one alone is a layout this forward lacks
         return False
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    norms = [getattr(module, name) for name in norms.names() if name is not None]
-    norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
+    layer_norms = [getattr(module, name) for name in named]
+    layer_norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
     if not isinstance(module.mlp, QuantizedMLP):
         return False
     linears += [module.mlp.gate_proj, module.mlp.up_proj, module.mlp.down_proj]
     return (all(_native(linear) for linear in linears) and hasattr(attention, "scaling")
-            and all(isinstance(norm, ExactRMSNorm) for norm in norms))
+            and all(isinstance(norm, ExactRMSNorm) for norm in layer_norms))
 
 
 def _native(linear: torch.nn.Module) -> bool:
@@ -321,7 +322,7 @@ def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool) -> _Layer:
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
     norms = {place: None if name is None else getattr(module, name)
-             for place, name in zip(_PLACES, recipe.norms.names(), strict=True)}
+             for place, name in dataclasses.asdict(recipe.norms).items()}
     return _Layer(norms, _stacked(qkv), attention.o_proj, getattr(attention, "q_norm", None),
                   getattr(attention, "k_norm", None), _stacked(gate_up), mlp.down_proj, float(attention.scaling),
                   recipe.residual_multiplier, rotary)
