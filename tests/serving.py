@@ -111,10 +111,10 @@ def recording_rounds(loop, monkeypatch, delay_s: float = 0.0) -> Iterator[list]:
     seen: list = []
     original = loop.engine.step
 
-    def step(rows):
+    def step(rows, **options):
         seen.extend(rows)
         time.sleep(delay_s)
-        original(rows)
+        original(rows, **options)
 
     monkeypatch.setattr(loop.engine, "step", step)
     yield seen

@@ -50,7 +50,7 @@ def make_slab(rows: list[Sequence], starts: list[int], lags: list[int], draft_la
     for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
         tokens[r, start : start + row.content_len] = torch.tensor(row.prompt + row.output)
     indices = [row.index for row in rows]
-    slab = Slab(tokens, fake_cache(starts, width, indices), fake_cache(starts, width, indices))
+    slab = Slab(tokens, fake_cache(starts, width, indices), fake_cache(starts, width, indices), holders=tuple(rows))
     for r, (row, start) in enumerate(zip(rows, starts, strict=True)):
         row.kv = KVLocation(slab, r, start, row.content_len - 1 - lags[r], row.content_len - 1 - draft_lags[r])
     return slab
@@ -213,6 +213,25 @@ def test_reordered_or_partial_slab_is_gathered(order):
     batch = _assemble(layout, picked, (1, 1))
     assert batch.slab.target.storage is not rows[0].kv.slab.target.storage, "other rows may still need that storage"
     assert batch.moved.rows == len(order)  # a gather copies every row, shifted or not
+
+
+def test_the_rows_left_when_others_finished_move_up_within_their_storage():
+    """Rows 0 and 2 of a slab whose row 1 finished: row 2 moves into row 1's place, row 0 stays; no storage is
+    allocated, and the batch runs on the storage's first two rows."""
+    rows = [Sequence(i, [7] * (4 + (i == 2)), 8) for i in range(3)]
+    slab = make_slab(rows, starts=[1, 0, 0], lags=[0, 0, 0], draft_lags=[0, 0, 0])
+    rows[1].retire("stop")
+    picked = [rows[0], rows[2]]
+    layout = plan_layout(picked)
+    batch = _assemble(layout, picked, (1, 1))
+    assert batch.slab.target.storage.data_ptr() == slab.target.storage.data_ptr()
+    assert batch.slab.target.storage.shape[2] == 2
+    assert batch.moved.rows == 1
+    for cache in (batch.slab.target, batch.slab.draft):
+        held = cache.storage[0, 0, :, 0, : cache.length, 0]  # [2, length]: 1000 * index + position
+        assert held[0, 1:].tolist() == [0, 1, 2]
+        assert held[1].tolist() == [2000, 2001, 2002, 2003]
+    batch.check()
 
 
 def test_new_rows_without_kv_start_from_zero_cache():

@@ -100,11 +100,11 @@ def test_one_device_read_per_round(method, proposer, temperature, bs, llama, ref
     reads, rounds = HostReads(), []
     decode = Engine.decode
 
-    def counted(engine, rows):
+    def counted(engine, rows, **options):
         rounds.append(len(rows))
         engine.runner.free_reads = False
         with reads:
-            decode(engine, rows)
+            decode(engine, rows, **options)
 
     monkeypatch.setattr(Engine, "decode", counted)
     base = [5, 9, 5, 9, 17, 5, 9]
@@ -127,9 +127,9 @@ def test_hybrid_reads_lookup_hits_only_where_reads_are_free(temperature, bs, lla
     forwards, free = [], [True]
     decode, step = Engine.decode, DraftModelProposer._model_step
 
-    def configured(engine, rows):
+    def configured(engine, rows, **options):
         engine.runner.free_reads = free[0]
-        decode(engine, rows)
+        decode(engine, rows, **options)
 
     def counted(proposer, *args, **kwargs):
         forwards[-1] += 1
@@ -160,9 +160,9 @@ def test_cuda_syncs_per_round(method, proposer, temperature, bs, reference, monk
     rounds: list[int] = []
     decode = Engine.decode
 
-    def counted(engine, rows):
+    def counted(engine, rows, **options):
         rounds.append(len(rows))
-        decode(engine, rows)
+        decode(engine, rows, **options)
 
     monkeypatch.setattr(Engine, "decode", counted)
     prompts = [[5, 9, 5, 9, 17] * 3, [3, 4, 5, 9, 5, 9], [11, 12, 13, 14, 15, 16]]

@@ -261,10 +261,10 @@ def test_failing_round_gives_500_and_serving_goes_on(eqspec_server, served, monk
     poison = [11, 12, 13, 14, 15, 16]
     original = loop.engine.step
 
-    def step(rows):
+    def step(rows, **options):
         if any(row.prompt == poison for row in rows):
             raise RuntimeError("injected failure")
-        original(rows)
+        original(rows, **options)
 
     monkeypatch.setattr(loop.engine, "step", step)
     with pytest.raises(openai.InternalServerError) as failure:
@@ -357,7 +357,7 @@ def test_full_queue_gets_429_with_retry_after(served, monkeypatch):
     with running(served, method="eqspec", batch_size=1, max_queue=1) as server, ThreadPoolExecutor(2) as pool:
         loop = loop_of(server)
         original = loop.engine.step
-        monkeypatch.setattr(loop.engine, "step", lambda rows: (gate.wait(TIMEOUT_S), original(rows)))
+        monkeypatch.setattr(loop.engine, "step", lambda rows, **kw: (gate.wait(TIMEOUT_S), original(rows, **kw)))
         prompts = plain_prompts(2, seed=23)
 
         def ask(prompt):

@@ -149,7 +149,7 @@ def test_requests_beyond_the_cap_get_503_with_retry_after_and_health_answers(ser
     with serving(served, limits=RequestLimits(max_connections=2)) as server, ThreadPoolExecutor(2) as pool:
         loop = loop_of(server)
         original = loop.engine.step
-        monkeypatch.setattr(loop.engine, "step", lambda rows: (gate.wait(TIMEOUT_S), original(rows)))
+        monkeypatch.setattr(loop.engine, "step", lambda rows, **kw: (gate.wait(TIMEOUT_S), original(rows, **kw)))
         try:
             held = [pool.submit(post_raw, server, json.dumps({"prompt": [10, 11 + i], "max_tokens": 2}))
                     for i in range(2)]

@@ -349,7 +349,7 @@ def test_shutdown_timeout_ends_requests_in_flight_with_503(served, monkeypatch):
     with serving(served, shutdown_timeout_s=1.0) as server, ThreadPoolExecutor(2) as pool:
         loop = loop_of(server)
         original = loop.engine.step
-        monkeypatch.setattr(loop.engine, "step", lambda rows: (gate.wait(TIMEOUT_S), original(rows)))
+        monkeypatch.setattr(loop.engine, "step", lambda rows, **kw: (gate.wait(TIMEOUT_S), original(rows, **kw)))
         try:
             connection, response = open_stream_on(server, plain_prompts(1, seed=53)[0])
             gate.clear()

@@ -64,17 +64,19 @@ class Engine:
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None
 
-    def step(self, rows: list[Sequence]) -> None:
+    def step(self, rows: list[Sequence], *, draining: bool = False) -> None:
         """One round over ``rows`` (unfinished, at most ``batch_size``): read what prompts it may, then decode
-        the rows that are ready. Finished rows release their KV."""
+        the rows that are ready. Finished rows release their KV. ``draining``: no row takes the place of one that
+        finishes before the batch ends (:attr:`~batchspec.engine.schedulers.Scheduler.draining`)."""
         ready = self.prefill(rows)
         if ready:
-            self.decode(ready)
+            self.decode(ready, draining=draining)
 
-    def decode(self, rows: list[Sequence]) -> None:
+    def decode(self, rows: list[Sequence], *, draining: bool = False) -> None:
         """One round: plan on the host, propose and verify on the device, and read the verdict back once."""
         reach = self.proposer.reach(rows, self.planner.limit)
-        lengths = self.planner.lengths(rows, reach, any(not row.sampling.greedy for row in rows))
+        sampled = any(not row.sampling.greedy for row in rows)
+        lengths = self.planner.lengths(rows, reach, sampled, draining=draining)
         if self.proposer.uses_draft_model and _model_drafts(lengths, reach, rows):
             self.sync_draft(rows)
         started = time.perf_counter()
@@ -221,7 +223,8 @@ class Engine:
         if mask:
             looked_up = [[bool(found) for found in values[2 + proposal.k : 3 + 2 * proposal.k]] for values in read]
             host = replace(host, looked_up=looked_up)
-        slab = Slab(torch.cat([batch.tokens, verdict.tokens], dim=1), batch.slab.target, batch.slab.draft)
+        tokens = torch.cat([batch.tokens, verdict.tokens], dim=1)  # [B, L + k + 1]
+        slab = Slab(tokens, batch.slab.target, batch.slab.draft, holders=tuple(batch.rows))
         draft_cached = self.proposer.cached_after(batch, proposal, accepted)
         scored_from = 2 + proposal.k + (proposal.k + 1 if mask else 0)
         for i, (row, tokens, pad) in enumerate(zip(batch.rows, gained, batch.host.pad, strict=True)):

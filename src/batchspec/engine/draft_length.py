@@ -49,6 +49,7 @@ draft model gives (1 + .8 + .64 + .51) / 0.67 = 4.4; K = 3 with lookups only (s 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from batchspec.config import SpecConfig
@@ -69,6 +70,7 @@ IDLE_READ_ROUNDS = 16  # rounds without a draft forward after which new prompts 
 REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with drafts in their running mean
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
+LAST_ROUNDS = 2.0  # rounds ahead of a draining batch's slowest row over which a row's chance to finish last falls by e
 
 
 @dataclass
@@ -188,7 +190,7 @@ class FixedLength:
         self.limit = k
         self.drafting = k > 0
 
-    def lengths(self, rows, reach: Reach, sampled: bool) -> list[int]:
+    def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False) -> list[int]:
         return [reach.available(i, min(self.k, row.remaining - 1)) for i, row in enumerate(rows)]
 
     def observe(self, rows, record: RoundRecord) -> None:
@@ -212,7 +214,9 @@ class AdaptiveLength:
         self.fits: dict[int, CostFit] = {}
         self.read_s: dict[bool, float] = {}  # seconds per prompt column read, by the draft (True) or the target
 
-    def lengths(self, rows, reach: Reach, sampled: bool) -> list[int]:
+    def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False) -> list[int]:
+        """Each row's drafts this round; ``draining``: no row takes the place of one that finishes before the batch
+        ends (see :func:`_worth`)."""
         limits = [min(self.max_k, row.remaining - 1) for row in rows]
         variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
         if reach.uses_draft_model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
@@ -222,34 +226,42 @@ class AdaptiveLength:
         catch_up_s = self._catch_up_s(reach)
         left = sum(row.remaining for row in rows)
         best, best_rate = [0] * len(rows), 0.0
+        worth = [1.0] * len(rows)
         for caps in variants:
             gains = [_gains(cap, found, row_shares, reach.uses_draft_model)
                      for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)]
+            if draining and caps is variants[0]:  # each row's rate: the tokens it gains where it drafts all it can
+                worth = _worth(rows, fit, [1 + sum(row) for row in gains])
             for k in range(max(caps, default=0) + 1):
                 steps = _draft_steps(k, caps, reach, sampled)
-                lengths, expected, extra = self._deal(gains, k, fit, steps)
-                catch_up = catch_up_s / min(left / expected, CATCH_UP_ROUNDS) if steps and left else 0.0
-                rate = expected / max(fit.predict(extra, steps) + catch_up, 1e-6)
+                lengths, value, extra = self._deal(gains, worth, k, fit, steps)
+                tokens = len(rows) + sum(sum(row[:n]) for row, n in zip(gains, lengths, strict=True))
+                catch_up = catch_up_s / min(left / tokens, CATCH_UP_ROUNDS) if steps and left else 0.0
+                rate = value / max(fit.predict(extra, steps) + catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = lengths, rate
         return best
 
-    def _deal(self, gains: list[list[float]], k: int, fit: CostFit, steps: int) -> tuple[list[int], float, int]:
+    def _deal(self, gains: list[list[float]], worth: list[float], k: int, fit: CostFit,
+              steps: int) -> tuple[list[int], float, int]:
         """Each row's drafts for a round of longest proposal ``k`` (``gains[i][j]``: the tokens row ``i``'s
-        ``(j+1)``-th draft adds), the tokens they are expected to give and the extra tokens the verification scores.
-        Ragged: drafts taken in order of gain while each raises the expected rate; else ``min(k, reach)`` for all."""
+        ``(j+1)``-th draft adds, each worth ``worth[i]``), the worth of the tokens they are expected to give and the
+        extra tokens the verification scores. Ragged: drafts taken in order of worth while each raises the expected
+        rate; else ``min(k, reach)`` for all."""
         if not self.ragged:
             lengths = [min(k, len(row)) for row in gains]
-            return lengths, sum(1 + sum(row[:n]) for row, n in zip(gains, lengths, strict=True)), k * len(gains)
+            value = sum(w * (1 + sum(row[:n])) for row, w, n in zip(gains, worth, lengths, strict=True))
+            return lengths, value, k * len(gains)
         c0, per_token = fit.theta
         lengths = [0] * len(gains)
-        expected, cost = float(len(gains)), c0 + fit.draft(steps)
-        for gain, i in sorted(((g, i) for i, row in enumerate(gains) for g in row[:k]), reverse=True):
-            if gain * cost <= expected * per_token:  # gains only fall from here on: none would raise the rate
+        value, cost = sum(worth), c0 + fit.draft(steps)
+        drafts = ((worth[i] * g, i) for i, row in enumerate(gains) for g in row[:k])
+        for adds, i in sorted(drafts, reverse=True):
+            if adds * cost <= value * per_token:  # the worth only falls from here on: none would raise the rate
                 break
             lengths[i] += 1
-            expected, cost = expected + gain, cost + per_token
-        return lengths, expected, sum(lengths)
+            value, cost = value + adds, cost + per_token
+        return lengths, value, sum(lengths)
 
     def observe(self, rows, record: RoundRecord) -> None:
         """Account a round: acceptance per row and source, and its cost."""
@@ -325,6 +337,28 @@ def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool) -> Fixe
     if not config.adaptive:
         return FixedLength(config.num_draft_tokens)
     return AdaptiveLength(config.max_draft_tokens, draft_share, ragged=ragged)
+
+
+def _worth(rows, fit: CostFit, rates: list[float]) -> list[float]:
+    """What a token of each row is worth to a batch that drains (no row takes the place of one that finishes: an
+    offline batch, which runs to its end before the next one starts). The batch ends when its last row does: a token
+    shortens it only where it shortens the row that finishes last; any row's token saves the column it would have
+    taken in a later step.
+
+    From now on the batch costs about ``shared * max_i T_i + c_v * sum_i left_i``: ``T_i = left_i / rates[i]`` is the
+    rounds row ``i`` still needs at the tokens it gains a round, and ``shared`` the part of a step no row's absence
+    saves (reading the weights: the fitted plain step ``c_0`` less its rows' columns at the fitted ``c_v`` each). A
+    row's token is thus worth ``c_v`` plus its share of ``shared``: its chance of finishing last, taken as falling
+    by ``e`` for every :data:`LAST_ROUNDS` rounds it is ahead of the slowest row. Where every row is as far from its
+    end (the start of an offline batch), each token is worth ``c_0 / B``, what every token is worth while finished
+    rows are replaced; a row far ahead is worth ``c_v`` a token and drafts only where its drafts cost less than the
+    columns they save, while the rows that hold the batch up draft more boldly.
+    """
+    c0, per_token = fit.theta
+    shared = max(c0 - len(rows) * per_token, 0.0)
+    rounds = [row.remaining / rate for row, rate in zip(rows, rates, strict=True)]
+    last = [math.exp((left - max(rounds)) / LAST_ROUNDS) for left in rounds]
+    return [per_token + shared * chance / sum(last) for chance in last]
 
 
 def _gains(cap: int, found: int, shares: tuple[float, float], uses_draft_model: bool) -> list[float]:

@@ -137,12 +137,15 @@ class Slab:
         draft: the draft model's KV cache of these rows (None without a draft model).
         shared: its caches belong to the prefix cache (:mod:`batchspec.engine.prefix_cache`): rows laid out from it
             are always copied out, never run or shifted in place.
+        holders: the sequences laid out in it, in its rows' order; those that still keep their KV here are the rows
+            a realignment must not overwrite (:mod:`batchspec.engine.realign`).
     """
 
     tokens: torch.Tensor  # [B, C]
     target: BatchKVCache
     draft: BatchKVCache | None
     shared: bool = False
+    holders: tuple = ()
 
     @property
     def size(self) -> int:

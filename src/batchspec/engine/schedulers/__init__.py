@@ -37,6 +37,13 @@ class Scheduler(Protocol):
         """Admitted, unfinished rows."""
         ...
 
+    @property
+    def draining(self) -> bool:
+        """No row takes the place of one that finishes until every row of the next round has: the round's batch ends
+        when its last row does (offline batches), so the draft-length planner values a row's tokens by how much
+        sooner they end it (:func:`~batchspec.engine.draft_length._worth`)."""
+        ...
+
     def add(self, row: Sequence) -> None:
         """Queue ``row``; it is admitted once there is room."""
         ...

@@ -37,6 +37,10 @@ class Batches:
     def running(self) -> int:
         return len(self.rows)
 
+    @property
+    def draining(self) -> bool:
+        return not self.refill
+
     def add(self, row: Sequence) -> None:
         self.queue.append(row)
         if self.refill:

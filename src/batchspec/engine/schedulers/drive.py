@@ -39,7 +39,7 @@ def drive(engine: Engine, scheduler: Scheduler, hooks: Hooks) -> None:
             if not rows:
                 continue
             try:
-                engine.step(rows)
+                engine.step(rows, draining=scheduler.draining)
             except Exception as error:
                 hooks.failed(rows, error)
                 scheduler.remove(rows)

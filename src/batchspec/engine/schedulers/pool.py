@@ -187,6 +187,11 @@ class PooledWindow:
     def running(self) -> int:
         return len(self.pool.window)
 
+    @property
+    def draining(self) -> bool:
+        """Offline, once nothing waits and the window is one round's rows."""
+        return self.sort_by_length and not self.pool.waiting and len(self.pool.window) <= self.batch_size
+
     def add(self, row: Sequence) -> None:
         self.pool.add(row)
         self.added += 1
