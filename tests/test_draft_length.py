@@ -189,34 +189,39 @@ def test_a_row_that_holds_columns_joins_only_a_group_that_lacks_as_many():
     assert len({width - row.content_len + row.kv.target_cached for row in groups[-1]}) == 1  # none re-read
 
 
-def makespan(chances: list[float], *, draining: bool, budget: int = 64, c0: float = 0.3, seed: int = 0) -> float:
-    """Seconds until the last of ``len(chances)`` rows has its ``budget`` of tokens, row ``i`` finding 5 lookups a
-    round, accepted with ``chances[i]``, and scored over its own drafts. A round over the ``B`` rows still running
-    costs ``c0 (1/2 + (B + sum n) / 16)``: at B = 8 on 2 CPU cores half of a plain step reads the weights and each
-    column scored costs a sixteenth of it."""
+def makespan(chances: list[float], *, draining: bool, batches: int = 4, budget: int = 64, c0: float = 0.3,
+             seed: int = 0) -> float:
+    """Seconds of ``batches`` offline batches, one after another, each lasting until the last of its
+    ``len(chances)`` rows has its ``budget`` of tokens; row ``i`` finds 5 lookups a round, accepted with
+    ``chances[i]``, and is scored over its own drafts. A round over the ``B`` rows still running costs
+    ``c0 (1/2 + (B + sum n) / 16)``: at B = 8 on 2 CPU cores half of a plain step reads the weights and each column
+    scored costs a sixteenth of it."""
     planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
-    rows = [Sequence(i, [1, 2, 3], budget) for i in range(len(chances))]
     rng = random.Random(seed)
     seconds = 0.0
-    while running := [row for row in rows if row.remaining]:
-        lookups = [5] * len(running)
-        reach = Reach(lookups, uses_draft_model=False, first=[7] * len(running))
-        lengths = planner.lengths(running, reach, False, draining=draining)
-        accepted = [accepted_chain(rng, [chances[row.index]] * n) for row, n in zip(running, lengths, strict=True)]
-        shadow = [None if n else rng.random() < chances[row.index] for row, n in zip(running, lengths, strict=True)]
-        looked = [[True] * (max(lengths) + 1) for _ in running]
-        cost = c0 * (0.5 + (len(running) + sum(lengths)) / 16)
-        planner.observe(running, RoundRecord(lengths, accepted, looked, shadow, max(lengths), 0, cost))
-        for row, a in zip(running, accepted, strict=True):
-            row.output.extend([7] * min(a + 1, row.remaining))
-        seconds += cost
+    for _ in range(batches):
+        rows = [Sequence(i, [1, 2, 3], budget) for i in range(len(chances))]
+        while running := [row for row in rows if not row.finished]:
+            lookups = [5] * len(running)
+            reach = Reach(lookups, uses_draft_model=False, first=[7] * len(running))
+            lengths = planner.lengths(running, reach, False, draining=draining)
+            accepted = [accepted_chain(rng, [chances[row.index]] * n) for row, n in zip(running, lengths, strict=True)]
+            shadow = [None if n else rng.random() < chances[row.index] for row, n in zip(running, lengths, strict=True)]
+            looked = [[True] * (max(lengths) + 1) for _ in running]
+            for row, a in zip(running, accepted, strict=True):
+                row.append([7] * (a + 1), frozenset())
+            cost = c0 * (0.5 + (len(running) + sum(lengths)) / 16)
+            planner.observe(running, RoundRecord(lengths, accepted, looked, shadow, max(lengths), 0, cost))
+            seconds += cost
     return seconds
 
 
 def test_a_draining_batch_drafts_only_for_the_rows_with_the_most_left():
-    """An offline batch ends when its last row does: a row far ahead of the others is worth about the column its
-    token would take later, so it proposes nothing, while the row with the most left drafts for the batch."""
+    """An offline batch of rows that run to their budget ends when its last row does: a row far ahead of the others
+    is worth about the column its token would take later, so it proposes nothing, while the row with the most left
+    drafts for the batch."""
     planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
+    planner.finished = (20, 20)  # the rows finished so far all ran to their budget
     rows = [Sequence(i, [1, 2, 3], 64) for i in range(4)]
     for row in rows[1:]:
         row.output.extend([7] * 30)
@@ -225,6 +230,8 @@ def test_a_draining_batch_drafts_only_for_the_rows_with_the_most_left():
     draining = planner.lengths(rows, reach, False, draining=True)
     assert draining[0] >= 3
     assert draining[1:] == [0, 0, 0]
+    planner.finished = (0, 20)  # rows that end at EOS: any of them may turn out the longest, every token counts
+    assert planner.lengths(rows, reach, False, draining=True) == planner.lengths(rows, reach, False)
 
 
 def test_a_draining_batch_is_not_slowed_by_the_rows_that_accept():
@@ -233,7 +240,7 @@ def test_a_draining_batch_is_not_slowed_by_the_rows_that_accept():
     rows are replaced) makes each of those rounds dearer and the batch slower than plain steps; valued by how much
     sooner they end the batch, the drafts keep it within 3% of plain steps."""
     chances = [0.9] * 4 + [0.1] * 4
-    plain = 64 * 0.3 * (0.5 + 8 / 16)
+    plain = 4 * 64 * 0.3 * (0.5 + 8 / 16)
     assert makespan(chances, draining=False) > 1.05 * plain
     assert makespan(chances, draining=True) <= 1.03 * plain
 
@@ -241,5 +248,5 @@ def test_a_draining_batch_is_not_slowed_by_the_rows_that_accept():
 def test_a_draining_batch_whose_rows_all_accept_still_drafts_for_all():
     """B = 8, every row's lookups accepted 90% of the time: the rows finish together only if they all draft, and
     valued by how much sooner they end the batch they do (0.79 of plain steps' time, as while rows are replaced)."""
-    plain = 64 * 0.3 * (0.5 + 8 / 16)
+    plain = 4 * 64 * 0.3 * (0.5 + 8 / 16)
     assert makespan([0.9] * 8, draining=True) <= 0.85 * plain

@@ -44,86 +44,54 @@ class NgramIndex:
     n_max: int
     tokens: list[int] = field(default_factory=list)
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _last: tuple[int, int, list[int]] | None = field(default=None, repr=False)  # text length, limit, its chain
 
     def extend(self, text: list[int]) -> None:
         """Index ``text``, the row's whole text so far, of which ``self.tokens`` is a prefix."""
         for token in text[len(self.tokens) :]:
-            _record(self.ends, self.tokens, len(self.tokens) - 1, self.n_min, self.n_max)
+            _record(self.ends, self.tokens[-self.n_max :], len(self.tokens) - 1, self.n_min)
             self.tokens.append(token)
 
     def chain(self, limit: int) -> list[int]:
-        """Up to ``limit`` drafts, each looked up with the ones before it appended (see the module docstring)."""
-        cursor = self.cursor()
-        while len(cursor.drafts) < limit and (token := cursor.next()) is not None:
-            cursor.push(token)
-        return cursor.drafts
+        """Up to ``limit`` drafts, each looked up with the ones before it appended (see the module docstring). A round
+        asks for a row's chain twice (its reach, then its plan, for as many or fewer): the last chain of this text
+        is kept, and a shorter one is its start."""
+        last = self._last
+        if last is not None and last[0] == len(self.tokens) and (limit <= last[1] or len(last[2]) < last[1]):
+            return last[2][:limit]
+        drafts: list[int] = []
+        recent: dict[tuple[int, ...], int] = {}  # n-grams that end inside the drafts
+        tail = self.tokens[-self.n_max :]  # the last n_max tokens of the text and the drafts so far
+        while len(drafts) < limit and (token := self._next(tail, drafts, recent)) is not None:
+            _record(recent, tail, len(self.tokens) + len(drafts) - 1, self.n_min)
+            drafts.append(token)
+            tail = (tail + [token])[-self.n_max :]
+        self._last = (len(self.tokens), limit, drafts)
+        return drafts[:]
 
-    def cursor(self) -> LookupCursor:
-        """A lookup over this text followed by the drafts of one round, pushed as they are chosen."""
-        return LookupCursor(self)
-
-
-@dataclass
-class LookupCursor:
-    """One round's lookups for one row: the indexed text plus the drafts pushed so far (from any source)."""
-
-    index: NgramIndex
-    drafts: list[int] = field(default_factory=list)
-    recent: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-grams that end inside the drafts
-
-    def next(self) -> int | None:
-        """The lookup draft for the position after the drafts so far, or None when no suffix occurred before."""
-        text = _Joined(self.index.tokens, self.drafts)
-        for n in range(min(self.index.n_max, len(text) - 1), self.index.n_min - 1, -1):
-            key = text.tail(n)
-            end = self.index.ends.get(key, self.recent.get(key))
+    def _next(self, tail: list[int], drafts: list[int], recent: dict[tuple[int, ...], int]) -> int | None:
+        """The lookup draft for the position after the text and ``drafts`` (whose last tokens are ``tail``), or None
+        when no suffix of ``n_min .. n_max`` tokens occurred before."""
+        key = tuple(tail)
+        for n in range(min(self.n_max, len(self.tokens) + len(drafts) - 1), self.n_min - 1, -1):
+            end = self.ends.get(key[len(key) - n :], recent.get(key[len(key) - n :]))
             if end is not None:
-                return text[end + 1]
+                after = end + 1 - len(self.tokens)
+                return self.tokens[end + 1] if after < 0 else drafts[after]
         return None
 
-    def push(self, token: int) -> None:
-        text = _Joined(self.index.tokens, self.drafts)
-        _record(self.recent, text, len(text) - 1, self.index.n_min, self.index.n_max)
-        self.drafts.append(token)
 
-
-def _record(ends: dict, text, last: int, n_min: int, n_max: int) -> None:
-    """Note every n-gram ending at index ``last`` of ``text`` (whose next token is about to be known), unless it
-    occurred before."""
-    for n in range(n_min, min(n_max, last + 1) + 1):
-        ends.setdefault(tuple(text[last - n + 1 : last + 1]), last)
-
-
-class _Joined:
-    """A row's indexed text followed by the round's drafts, read without copying the text."""
-
-    def __init__(self, head: list[int], tail: list[int]) -> None:
-        self.head, self.tail_tokens = head, tail
-
-    def __len__(self) -> int:
-        return len(self.head) + len(self.tail_tokens)
-
-    def __getitem__(self, index):
-        """As a list's: ``_Joined([1, 2], [3])[-1] == 3``, ``[0:3] == [1, 2, 3]``."""
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            if step != 1:
-                return [self[i] for i in range(start, stop, step)]
-            cut = len(self.head)
-            return self.head[start : min(stop, cut)] + self.tail_tokens[max(start - cut, 0) : max(stop - cut, 0)]
-        position = index + len(self) if index < 0 else index
-        if not 0 <= position < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} tokens")
-        return self.head[position] if position < len(self.head) else self.tail_tokens[position - len(self.head)]
-
-    def tail(self, n: int) -> tuple[int, ...]:
-        return tuple(self[len(self) - n : len(self)])
+def _record(ends: dict, tail: list[int], last: int, n_min: int) -> None:
+    """Note every n-gram ending at index ``last`` of the text (whose next token is about to be known; ``tail``: the
+    text's last tokens, up to ``n_max`` of them), unless it occurred before."""
+    for n in range(n_min, len(tail) + 1):
+        ends.setdefault(tuple(tail[len(tail) - n :]), last)
 
 
 def lookup_on_device(
     text: torch.Tensor, start: torch.Tensor, n_min: int, n_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lookup of :meth:`LookupCursor.next` for every row at once, on the device (no read back).
+    """The lookup of :meth:`NgramIndex.chain` (its first draft) for every row at once, on the device (no read back).
 
     ``text`` ``[B, T]`` holds row ``i``'s text in columns ``start[i] .. T-1`` (``start`` ``[B]``: its left padding);
     returns the draft for position ``T`` ``[B]`` and whether a suffix of ``n_min .. n_max`` tokens occurred before
