@@ -3,7 +3,9 @@
 Each category is one ``batchspec bench --category C`` run (models loaded once per run) whose cells alternate
 ``autoregressive`` and the default (``eqspec``, ``hybrid``, ``k`` auto) ``--repeats`` times at each batch size, so
 that the host's minute-to-minute drift falls on both alike; a cell's ratio is the median of its pairs' ratios.
-``lscpu`` is kept beside the results.
+Every cell's answers are compared with the bench's reference (transformers' own greedy ``generate``, one prompt at a
+time): the table's ``exact`` is the share that equal it, and the command fails unless every one does. ``lscpu`` is
+kept beside the results.
 
     .venv/bin/python scripts/specbench.py --output runs/specbench                      # 7 categories, B = 1, 4, 8
     .venv/bin/python scripts/specbench.py --output runs/sb --categories writing,qa --batch-sizes 8 --repeats 1
@@ -49,6 +51,10 @@ def main() -> int:
             rows.append(_row(category, [cell for cell in cells if cell["batch_size"] == size]))
         _write(args.output, rows)
     print((args.output / "specbench.md").read_text())
+    inexact = [f"{row['category']} at B = {row['batch_size']}" for row in rows if row["exact"] < 1]
+    if inexact:
+        print(f"specbench: answers differ from the reference in {', '.join(inexact)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -58,7 +64,7 @@ def _bench(args: argparse.Namespace, category: str, extra: list[str]) -> list[di
     command = [str(Path(sys.executable).parent / "batchspec"), "bench", "--preset", args.preset,
                "--prompts", str(args.questions), "--category", category, "--limit", str(args.limit),
                "--max-new-tokens", str(args.max_new_tokens), "--batch-sizes", args.batch_sizes,
-               "--methods", ",".join([PLAIN, DEFAULT] * args.repeats), "--proposers", "hybrid", "--no-compare",
+               "--methods", ",".join([PLAIN, DEFAULT] * args.repeats), "--proposers", "hybrid",
                "--output", str(out), *extra]
     print(f"specbench: {category}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True)
@@ -78,6 +84,7 @@ def _row(category: str, cells: list[dict]) -> dict:
         "default_tokens_per_s": statistics.median(c["tokens_per_s"] for c in default),
         "ratio": statistics.median(ratios),
         "ratios": ratios,
+        "exact": min(c["exact_match"] for c in cells),
         "mean_accepted_length": statistics.median(c["mean_accepted_length"] or 1.0 for c in default),
         "plain_wall_s": statistics.median(c["wall_s"] for c in plain),
         "default_wall_s": statistics.median(c["wall_s"] for c in default),
@@ -91,10 +98,12 @@ def _write(output: Path, rows: list[dict]) -> None:
         mine = [row for row in rows if row["batch_size"] == size]
         summary[size] = sum(r["plain_wall_s"] for r in mine) / sum(r["default_wall_s"] for r in mine)
     (output / "specbench.json").write_text(json.dumps({"rows": rows, "overall": summary}, indent=2))
-    lines = ["| category | B | tokens | plain tokens/s | default tokens/s | ratio (median of pairs) | mean accepted |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| category | B | tokens | plain tokens/s | default tokens/s | ratio (median of pairs) | mean accepted "
+             "| exact |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['category']} | {r['batch_size']} | {r['tokens']} | {r['plain_tokens_per_s']:.2f} | "
-              f"{r['default_tokens_per_s']:.2f} | {r['ratio']:.2f}× | {r['mean_accepted_length']:.2f} |" for r in rows]
+              f"{r['default_tokens_per_s']:.2f} | {r['ratio']:.2f}× | {r['mean_accepted_length']:.2f} | "
+              f"{r['exact']:.2f} |" for r in rows]
     lines += ["", "Over the categories (summed wall time): "
               + ", ".join(f"B = {size}: {ratio:.2f}×" for size, ratio in summary.items())]
     (output / "specbench.md").write_text("\n".join(lines) + "\n")
