@@ -236,13 +236,12 @@ class AdaptiveLength:
         fit = self._fit(len(rows))
         catch_up_s = self._catch_up_s(reach)
         left = sum(row.remaining for row in rows)
+        gains_of = [[_gains(cap, found, row_shares, reach.uses_draft_model)
+                     for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)] for caps in variants]
+        # a row's rate where the batch drains: the tokens it gains where it drafts all it can
+        worth = self._worth(rows, fit, [1 + sum(row) for row in gains_of[0]]) if draining else [1.0] * len(rows)
         best, best_rate = [0] * len(rows), 0.0
-        worth = [1.0] * len(rows)
-        for caps in variants:
-            gains = [_gains(cap, found, row_shares, reach.uses_draft_model)
-                     for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)]
-            if draining and caps is variants[0]:  # each row's rate: the tokens it gains where it drafts all it can
-                worth = self._worth(rows, fit, [1 + sum(row) for row in gains])
+        for caps, gains in zip(variants, gains_of, strict=True):
             for k in range(max(caps, default=0) + 1):
                 steps = _draft_steps(k, caps, reach, sampled)
                 lengths, value, extra = self._deal(gains, worth, k, fit, steps)
@@ -279,7 +278,7 @@ class AdaptiveLength:
         budget, whose ends it knows; ``c_0 / B`` each where they end at EOS, when any row may turn out the longest. The
         two are weighed by the share of the finished rows that ran to their budget (``PRIOR_BUDGET_SHARE`` before
         any finished). On HumanEval (answers ending at EOS, 157 of 164) the budget alone made every row that drew
-        ahead stop drafting: 5,384 rounds for 32,041 tokens, against 3,031 valued alike."""
+        ahead stop drafting: 5,384 rounds for 32,041 tokens, against 3,074 with this weighing."""
         budget = (self.finished[0] + PRIOR_BUDGET_SHARE) / (self.finished[1] + 1)
         even = fit.theta[0] / len(rows)
         return [budget * worth + (1 - budget) * even for worth in _drain_worth(rows, fit, rates)]

@@ -41,7 +41,7 @@ class Scheduler(Protocol):
     def draining(self) -> bool:
         """No row takes the place of one that finishes until every row of the next round has: the round's batch ends
         when its last row does (offline batches), so the draft-length planner values a row's tokens by how much
-        sooner they end it (:func:`~batchspec.engine.draft_length._worth`)."""
+        sooner they end it (:meth:`~batchspec.engine.draft_length.AdaptiveLength._worth`)."""
         ...
 
     def add(self, row: Sequence) -> None:
