@@ -387,7 +387,8 @@ def _record(
         None if n or token is None or not plain else token == got[0]
         for n, token, got, plain in zip(lengths, first, gained, greedy, strict=True)
     ]
-    return RoundRecord(lengths, accepted, looked_up, shadow, proposal.k, proposal.draft_forwards, seconds, proposing)
+    return RoundRecord(lengths, accepted, looked_up, shadow, proposal.k, proposal.draft_forwards, seconds, proposing,
+                       draft_width=proposal.draft_width)
 
 
 def _model_drafts(lengths: list[int], reach: Reach, rows: list[Sequence]) -> bool:

@@ -179,6 +179,7 @@ class RoundRecord:
         k, forwards: the round's longest proposal and the draft forwards it ran.
         seconds: the round's decode time but its realignment, of which ``draft_seconds`` were spent proposing.
         realign_seconds: the realignment at the round's start (what the round before it left unequal).
+        draft_width: columns per row the draft's first forward read (its catch-up where it was idle; 0: no forward).
     """
 
     lengths: list[int]
@@ -190,6 +191,7 @@ class RoundRecord:
     seconds: float
     draft_seconds: float = 0.0
     realign_seconds: float = 0.0
+    draft_width: int = 0
 
 
 class FixedLength:
@@ -311,7 +313,18 @@ class AdaptiveLength:
             fit.realigned(record.realign_seconds)
         scored = sum(record.lengths) if self.ragged else len(record.lengths) * record.k  # extra tokens verified
         self.proposed = len(rows) if scored else 0
-        fit.observe(scored, record.forwards, record.seconds, record.draft_seconds)
+        fit.observe(scored, self._draft_steps_read(rows, record, fit), record.seconds, record.draft_seconds)
+
+    def _draft_steps_read(self, rows, record: RoundRecord, fit: CostFit) -> int:
+        """The round's draft forwards that time a draft step: all of them, or none where the first one also caught
+        up (read more columns than a round re-reads: the draft was idle), whose seconds then time the catch-up's
+        columns instead (less the steps' own, at the draft step's price so far). Booked as steps, a catch-up of 50
+        columns at B = 1 priced every later step at 4.6 times its cost, and the draft never ran again."""
+        caught_up = len(rows) * max(0, record.draft_width - 1 - self._steady_lag)
+        if not caught_up:
+            return record.forwards
+        self.read(caught_up, record.draft_seconds - fit.draft(record.forwards), draft=True)
+        return 0
 
     @property
     def drafting(self) -> bool:
@@ -323,7 +336,7 @@ class AdaptiveLength:
 
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         """Reading prompt columns (``tokens`` of them, over all rows) took one model ``seconds``."""
-        if tokens > 0:
+        if tokens > 0 and seconds > 0:
             each = seconds / tokens
             before = self.read_s.get(draft)
             self.read_s[draft] = each if before is None else READ_DECAY * before + (1 - READ_DECAY) * each
@@ -333,7 +346,13 @@ class AdaptiveLength:
         if not reach.uses_draft_model or not reach.lag:
             return 0.0
         per_column = self.read_s.get(True, self.draft_ratio * self.read_s.get(False, 0.0))
-        return per_column * sum(max(0, lag - self.max_k - 1) for lag in reach.lag)
+        return per_column * sum(max(0, lag - self._steady_lag) for lag in reach.lag)
+
+    @property
+    def _steady_lag(self) -> int:
+        """Columns a row's draft may lack after a round in which it ran: the drafts the target accepted past the ones
+        the draft read, and the bonus token; a round's first draft forward re-reads them."""
+        return self.max_k + 1
 
     def _shares(self, row) -> tuple[float, float]:
         engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)

@@ -63,6 +63,8 @@ class Proposal:
         draft_fed: drafts ``d_1 .. d_n`` whose KV the draft model's cache holds after proposing (its last forward
             read ``d_n``); None when the draft model did not run this round.
         draft_forwards: forwards the draft model ran this round.
+        draft_width: columns per row its first forward read: the pending token, and where its cache lagged (it was
+            idle), the columns it caught up on (0 when it did not run).
         lookup_mask: ``[B, k+1]`` (bool) the positions whose draft came from prompt lookup, where the host does not
             know them all (the hybrid proposer looks up on the device); read back with the verdict. None otherwise.
     """
@@ -74,6 +76,7 @@ class Proposal:
     bonus_drafted: torch.Tensor | None = None  # [B]
     draft_fed: int | None = None
     draft_forwards: int = 0
+    draft_width: int = 0
     lookup_mask: torch.Tensor | None = None  # [B, k+1]
 
     def __post_init__(self) -> None:

@@ -77,6 +77,7 @@ class DraftModelProposer:
         step_sampling = sampling if sampled else None
         q, runs = None, []
         inputs = batch.tokens[:, batch.slab.draft.length :]  # [B, L - draft_len]: columns the draft lacks
+        width = 0
         guide = _guide(batch.rows)
         for j in range(steps):
             if drafts.past_chains(j, needed):
@@ -86,6 +87,7 @@ class DraftModelProposer:
             else:
                 if not runs:
                     _check_caught_up(batch)
+                    width = inputs.shape[1]
                 drafted, q = self._model_step(batch, inputs, runner, (drafts.tokens.shape, q, j, guide), step_sampling)
                 drafts.fill(j, drafted)
                 inputs = drafts.tokens[:, j : j + 1]
@@ -94,7 +96,7 @@ class DraftModelProposer:
                 guide.follow(drafts.tokens[:, j].tolist())  # a read of the device: grammar rows only
         if guide is not None:
             guide.finish()
-        kept = dict(draft_fed=max(runs, default=None), draft_forwards=len(runs))
+        kept = dict(draft_fed=max(runs, default=None), draft_forwards=len(runs), draft_width=width)
         if not sampled:
             return drafts.proposal(plan.host, **kept)
         if q is not None and self.lookup is not None:
