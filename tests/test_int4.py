@@ -282,6 +282,21 @@ def test_a_sources_4_bit_weights_beside_its_others(bundles):
         assert torch.equal(got, alone_one_token_at_a_time(four, row))
 
 
+def test_a_draft_rounds_to_int4_what_its_file_holds_otherwise():
+    """``round_rest`` (a draft's ``--draft-quantize int4``): the layers the source has no int4 weight for are the
+    float weight rounded to int4 rather than int8; the source's own weights are kept; the output layer stays int8."""
+    model = BUILDERS["llama"](seed=6).float()
+
+    def source(name: str) -> Int4Weight | None:
+        return None if name.endswith("v_proj") else from_float(model.get_submodule(name).weight)
+
+    four = quantize_model(model, width="int4", source=SimpleNamespace(int4=source, embedding=lambda *_: None),
+                          round_rest=True)
+    first = four.model.layers[0]
+    assert isinstance(first.self_attn.v_proj, Int4Linear) and isinstance(first.self_attn.q_proj, Int4Linear)
+    assert isinstance(four.lm_head, Int8Linear)
+
+
 def test_the_int4_model_is_the_same_bits_on_every_build_and_thread_count():
     """Quantized under each build this CPU runs and under the torch path, the int4 model's logits (a ragged batch
     decoded 1, 3 and 1 tokens at a time) are the same bits with 1, 2 and 16 threads."""

@@ -43,7 +43,8 @@ GENERATION = {
 MODELS = {
     "--preset": "smollm2", "--target": "other-target", "--dtype": "bfloat16",
     "--draft": ["--target", "other-target", "--draft", "other-draft"],  # a draft alone is refused
-    "--kernels": "default", "--quantize": "none", "--cache-dir": "{tmp}/cache", "--device": "cpu",
+    "--kernels": "default", "--quantize": "none", "--draft-quantize": "int4", "--cache-dir": "{tmp}/cache",
+    "--device": "cpu",
     "--batch-invariant": None,
 }
 PROMPT_OPTIONS = {"--limit": "2", "--category": "coding", "--no-chat-template": None}

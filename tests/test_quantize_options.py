@@ -152,7 +152,7 @@ def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
     forward = "fused" if native.available() else "transformers' (no native kernels: none)"
     assert pair.build == build and pair.precision == f"float32, int8 exact on {build}, {forward} forward"
     assert pair.served() == {"device": "cpu", "dtype": "float32", "quantize": "int8", "build": build,
-                             "forward": forward}
+                             "forward": forward, "draft_quantize": "int8"}
     alone = load_chosen(ModelChoice(target=target, quantize="int8"), Method.AUTOREGRESSIVE, progress=False)
     assert alone.draft is None and alone.quantize == "int8" and quantization(alone.target) == "int8"
     plain = loading.load_pair(target=target, draft=draft, progress=False, quantize="none")
@@ -214,6 +214,27 @@ def test_int8_asked_for_a_model_it_does_not_support_is_one_line(tiny_dirs, gelu_
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
     assert "needs a SiLU MLP; this model uses 'gelu'" in lines[0] and "Traceback" not in result.output
+
+
+def test_a_draft_in_int4_beside_an_int8_target_drafts_and_the_output_stays_the_targets(tiny_dirs):
+    """``draft_quantize="int4"``: the draft's every linear layer but the output in int4 (the tiny files hold no
+    4-bit blocks: each rounded), the target's int8; the load line names both, and the greedy output is still the
+    int8 target's own, draft by draft."""
+    from batchspec import generate
+    from batchspec.exact.integer.linear import Int4Linear
+
+    target, draft = str(tiny_dirs / "target"), str(tiny_dirs / "draft")
+    pair = loading.load_pair(target=target, draft=draft, quantize="int8", draft_quantize="int4", progress=False)
+    assert quantization(pair.target) == "int8" and quantization(pair.draft) == "int4"
+    fours = [name for name, m in pair.draft.named_modules() if isinstance(m, Int4Linear)]
+    assert fours and all("lm_head" not in name for name in fours)
+    assert pair.draft_quantize == "int4" and ", the draft int4, " in pair.precision
+    prompts = [[5, 1, 2, 7], [3, 3, 6], [1, 4, 6, 2, 0, 1]]
+    plain = generate(pair.target, None, prompts, method="autoregressive", batch_size=3, max_new_tokens=12)
+    drafted = generate(pair.target, pair.draft, prompts, method="eqspec", proposer="draft", num_draft_tokens=3,
+                       batch_size=3, max_new_tokens=12)
+    assert drafted.sequences == plain.sequences
+    assert drafted.stats.draft_tokens_proposed > 0
 
 
 def test_generate_runs_int8_models_and_names_them(tiny_dirs, tmp_path):

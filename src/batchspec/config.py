@@ -101,9 +101,18 @@ class Quantize(StrEnum):
     INT4 = "int4"
 
 
+class DraftQuantize(StrEnum):
+    """The draft model's weights where the models are quantized: as the target's, or 4 bits (each linear layer but
+    the output)."""
+
+    SAME = "same"
+    INT4 = "int4"
+
+
 DTYPES = tuple(d.value for d in DType)
 KERNELS = tuple(k.value for k in Kernels)
 QUANTIZE = tuple(q.value for q in Quantize)
+DRAFT_QUANTIZE = tuple(q.value for q in DraftQuantize)
 
 
 def check_option(name: str, value: str, choices: tuple[str, ...]) -> str:
@@ -398,6 +407,15 @@ class ModelOptions:
         "quantized model's own decoding exactly; CPU only. int4: the same with 4-bit weights (a GGUF file's own "
         "Q4_0/Q4_1/Q4_K blocks, its other tensors int8) and int8 activations per block of 256: half the bytes a "
         "step reads. none: the dtype's own arithmetic (float32 on the CPU: the original model).",
+    )
+    draft_quantize: str = option(
+        "same", check=named(DraftQuantize), choices=DraftQuantize,
+        help="The draft model's weights where the models are quantized (--quantize int8 or int4). same (default): "
+        "as --quantize makes the target (in int4 a GGUF file's own Q4 blocks, its other tensors int8). int4: every "
+        "linear layer but the output in 4 bits, a GGUF file's own Q4 blocks where it holds them and the rest rounded "
+        "to the same grid: a one-row draft step reads about half the bytes (faster at B = 1, slower from B = 4 on, "
+        "where the int4 product is bound by its arithmetic; docs/integer.md). The draft's weights never change the "
+        "output: the target verifies every token.",
     )
     cache_dir: Path | None = option(
         None, metavar="DIR", file_okay=False,

@@ -127,7 +127,8 @@ def with_options(**groups: Callable[..., Any]) -> Callable[[Callable[..., None]]
 
 
 model_choice = settings_choice(
-    "preset", "target", "draft", "dtype", "kernels", "quantize", "cache_dir", "device", "batch_invariant",
+    "preset", "target", "draft", "dtype", "kernels", "quantize", "draft_quantize", "cache_dir", "device",
+    "batch_invariant",
     record=ModelChoice,
 )
 

@@ -88,7 +88,8 @@ class ModelChoice(ModelOptions):
     def load_settings(self) -> LoadSettings:
         """The load settings made concrete and checked (:func:`~batchspec.models.loading.load_settings`), before
         anything loads: what :func:`load_models` takes."""
-        return load_settings(self.dtype, self.device, self.quantize, self.kernels, self.batch_invariant)
+        return load_settings(self.dtype, self.device, self.quantize, self.kernels, self.batch_invariant,
+                             self.draft_quantize)
 
     @property
     def target_spec(self) -> str:

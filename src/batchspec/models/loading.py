@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchspec.config import DTYPES, KERNELS, check_option, default_cache_dir, setting_default
+from batchspec.config import DRAFT_QUANTIZE, DTYPES, KERNELS, check_option, default_cache_dir, setting_default
 from batchspec.devices import resolve_device
 from batchspec.exact import integer
 from batchspec.exact.integer.forward import integer_forward
@@ -139,6 +139,8 @@ class LoadSettings:
         quantize: what ``asked`` resolves to before any model is seen: ``"none"``, ``"int8"`` or ``"int4"``.
         kernels: the CPU matrix kernels (see :func:`use_kernels`).
         batch_invariant: the models run on the batch-invariant kernels (CUDA).
+        draft_quantize: the draft's weights where the models are quantized: ``"same"`` (as the target's) or
+            ``"int4"`` (every linear layer but the output, rounded where its file holds it otherwise).
     """
 
     dtype: str
@@ -147,20 +149,31 @@ class LoadSettings:
     quantize: str
     kernels: str
     batch_invariant: bool
+    draft_quantize: str
+
+    def rounded(self, role: str) -> bool:
+        """Whether a model of ``role`` has every linear layer but the output in int4 where the pair is quantized."""
+        return role == "draft" and self.draft_quantize == "int4"
+
+    def width(self, settled: str, role: str) -> str:
+        """What a model of ``role`` is made where the pair settled on ``settled``."""
+        return "int4" if settled != "none" and self.rounded(role) else settled
 
 
 def load_settings(
     dtype: str = setting_default("dtype"), device: str | torch.device = setting_default("device"),
     quantize: str = setting_default("quantize"), kernels: str = setting_default("kernels"),
     batch_invariant: bool = setting_default("batch_invariant"),
+    draft_quantize: str = setting_default("draft_quantize"),
 ) -> LoadSettings:
     """The load settings made concrete and checked, before anything loads (ValueError where they cannot apply: see
     :func:`check_quantize_for` and :func:`check_batch_invariant_for`); the one place each is resolved."""
     kernels = check_option("kernels", kernels, KERNELS)
+    draft_quantize = check_option("draft_quantize", draft_quantize, DRAFT_QUANTIZE)
     dtype, place = resolve_dtype(dtype), resolve_device(device)
     check_batch_invariant_for(batch_invariant, place)
     resolved = check_quantize_for(quantize, dtype, kernels, place)
-    return LoadSettings(dtype, place, quantize, resolved, kernels, batch_invariant)
+    return LoadSettings(dtype, place, quantize, resolved, kernels, batch_invariant, draft_quantize)
 
 
 def settle_quantize(asked: str, resolved: str, models: Sequence[tuple[str, Any]],
@@ -294,11 +307,12 @@ def load_model(
 
 def load_specs(
     specs: list[str], settings: LoadSettings, *, cache_dir: str | Path | None = None, cache_gguf: bool = True,
-    gguf_file: str | None = None, progress: bool = True,
+    gguf_file: str | None = None, progress: bool = True, roles: Sequence[str] = (),
 ) -> list[tuple[Any, Any]]:
     """``(model, tokenizer)`` for each of ``specs``, loaded as ``settings`` say: on their device, then all quantized
-    alike (:func:`settle_quantize`) or all put on the batch-invariant or the chosen CPU kernels; what the load frees
-    goes back to the system (:func:`batchspec.memory.returned_when_freed`)."""
+    (:func:`settle_quantize`; a spec whose ``roles`` entry is ``"draft"`` in the settings' draft width, the others
+    alike) or all put on the batch-invariant or the chosen CPU kernels; what the load frees goes back to the system
+    (:func:`batchspec.memory.returned_when_freed`)."""
     with returned_when_freed():
         # on the CPU, models load in their files' dtype and widen a tensor at a time (quantize_model, _finish)
         place, resolved = settings.device, settings.quantize
@@ -307,7 +321,9 @@ def load_specs(
                   for spec in specs]
         models = [model for model, _ in loaded]
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        fetch = resolved == "int4"  # int4 needs the file's blocks; int8 takes its embedding's where the file is at hand
+        roles = list(roles) or ["target"] * len(specs)
+        # int4 needs the file's blocks; int8 takes its embedding's where the file is at hand
+        fetch = "int4" in {settings.width(resolved, role) for role in roles}
         quantized = resolved != "none"
         origins = [_origin(spec, root, gguf_file, progress, fetch) for spec in specs] if quantized else []
         resolved = settle_quantize(settings.asked, resolved, list(zip(specs, models, strict=True)), origins)
@@ -316,7 +332,8 @@ def load_specs(
             fresh = None if reader is None else reader.fresh
             origin = origins[index] if resolved != "none" else None
             source = None if origin is None else GgufWeights(origin, model, fresh)
-            _finish(model, tokenizer, resolved, settings, source, fresh)
+            _finish(model, tokenizer, settings.width(resolved, roles[index]), settings, source, fresh,
+                    rounded=settings.rounded(roles[index]))
         return loaded
 
 
@@ -352,14 +369,15 @@ def _load_on(
 
 
 def _finish(model: Any, tokenizer: Any, quantize: str, settings: LoadSettings, source: GgufWeights | None = None,
-            fresh: Any = None) -> None:
+            fresh: Any = None, *, rounded: bool = False) -> None:
     """Make the loaded ``model`` the exact integer one (``quantize``, settled; the GGUF file's own blocks from
     ``source`` where given; its weights read afresh through ``fresh``, see
-    :class:`~batchspec.models.checkpoint.CheckpointReader`), else batch-invariant, else the settings' dtype (widened
+    :class:`~batchspec.models.checkpoint.CheckpointReader`; ``rounded``: a draft's, its int4 layers that the file
+    holds otherwise rounded to int4 rather than kept int8), else batch-invariant, else the settings' dtype (widened
     a tensor at a time where loaded narrower, each linear layer packed as it is widened where the kernels pack) on
     the settings' kernels."""
     if quantize != "none":
-        integer.quantize_model(model, tokenizer, quantize, source, fresh)
+        integer.quantize_model(model, tokenizer, quantize, source, fresh, round_rest=rounded)
         integer_forward(model)  # its stacked weights laid out now, while the load's freed memory goes back
         return
     import torch
@@ -472,17 +490,19 @@ def load_pair(
     device: str = setting_default("device"),
     quantize: str = setting_default("quantize"),
     batch_invariant: bool = setting_default("batch_invariant"),
+    draft_quantize: str = setting_default("draft_quantize"),
 ) -> ModelPair:
     """Load a target and a draft sharing one tokenizer, both in ``dtype`` (``"auto"``: see :func:`resolve_dtype`)
     on ``device`` (``"auto"``: CUDA when available) and, on the CPU, the kernels ``kernels`` (see
     :func:`use_kernels`), or both quantized (``quantize``, see :func:`load_model`: ``"auto"`` quantizes both or
-    neither, see :func:`settle_quantize`), or both batch-invariant.
+    neither, see :func:`settle_quantize`; the draft's weights in int4 with ``draft_quantize="int4"``), or both
+    batch-invariant.
 
     With no arguments the default preset is used. ``target`` and ``draft`` (any spec accepted by
     :func:`load_model`) replace the preset's models; without a ``preset`` both must be given. The pair's
     ``seconds`` count loading and quantizing both.
     """
-    settings = load_settings(dtype, device, quantize, kernels, batch_invariant)
+    settings = load_settings(dtype, device, quantize, kernels, batch_invariant, draft_quantize)
     return load_specified_pair(preset, target, draft, settings, cache_dir=cache_dir, progress=progress)
 
 
@@ -494,7 +514,7 @@ def load_specified_pair(
     preset, target, draft = _pair_specs(preset, target, draft)
     started = time.perf_counter()
     (target_model, target_tokenizer), (draft_model, draft_tokenizer) = load_specs(
-        [target, draft], settings, cache_dir=cache_dir, progress=progress
+        [target, draft], settings, cache_dir=cache_dir, progress=progress, roles=ROLES
     )
     check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"

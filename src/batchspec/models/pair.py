@@ -31,6 +31,7 @@ class ModelPair:
         quantize: ``"int8"`` when both were made the exact int8 models (see :mod:`batchspec.exact.integer`: their
             ``dtype`` is then that of the activations and of what stays float), else ``"none"``.
         batch_invariant: whether both run on the batch-invariant kernels (see :mod:`batchspec.exact.invariant`).
+        draft_quantize: what the load made of the draft (``"int4"``, ``"int8"``, ``"none"``; no draft: ``"none"``).
         build: the native build the integer forward runs on (:func:`batchspec.exact.integer.native.isa`), ``torch``
             without one, ``none`` for models that are not integer.
     """
@@ -46,6 +47,7 @@ class ModelPair:
     batch_invariant: bool = False
     build: str = "none"
     forward: str = "transformers'"
+    draft_quantize: str = "none"
 
     @classmethod
     def loaded(cls, target: Any, draft: Any | None, tokenizer: Any, name: str, dtype: str, device: torch.device,
@@ -59,12 +61,12 @@ class ModelPair:
         if draft is not None and forward_in_use(draft) != forward:
             forward = f"{forward}; the draft's {forward_in_use(draft)}"
         return cls(target, draft, tokenizer, name, dtype, seconds, device_name(device), quantize,
-                   is_batch_invariant(target), build, forward)
+                   is_batch_invariant(target), build, forward, "none" if draft is None else quantization(draft))
 
     def served(self) -> dict[str, str]:
         """What ``/v1/models`` says of how the pair runs: device, dtype, quantize mode, native build and forward."""
         return {"device": self.device, "dtype": self.dtype, "quantize": self.quantize, "build": self.build,
-                "forward": self.forward}
+                "forward": self.forward, "draft_quantize": self.draft_quantize}
 
     @property
     def precision(self) -> str:
@@ -76,7 +78,8 @@ class ModelPair:
         if self.device != "cpu":
             return f"{self.dtype}{', batch-invariant' if self.batch_invariant else ''} on {self.device}"
         if self.quantize != "none":
-            return f"{self.dtype}, {self.quantize} exact on {self.build}, {self.forward} forward"
+            draft = f", the draft {self.draft_quantize}" if self.draft_quantize not in ("none", self.quantize) else ""
+            return f"{self.dtype}, {self.quantize} exact on {self.build}{draft}, {self.forward} forward"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
 
     def __post_init__(self) -> None:

@@ -181,14 +181,15 @@ Fresh = Callable[..., torch.Tensor]
 
 
 def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8",
-                   source: WeightSource | None = None, fresh: Fresh | None = None) -> Any:
+                   source: WeightSource | None = None, fresh: Fresh | None = None, *, round_rest: bool = False) -> Any:
     """Make ``model`` the exact integer model of ``width`` in place (see the module docstring) and return it.
 
     int8: the activations are smoothed first (:mod:`~batchspec.exact.integer.smoothing`), with peaks from the exact
     int8 model's own decoder before smoothing, run on text ``tokenizer`` encodes (seeded token ids without one): a
     forward whose every value is the same bits on every CPU, where the float model's would depend on its BLAS and
     thread count. int4: ``source`` gives each linear layer's own int4 weight where the model came from a file that
-    holds them (None: that layer is int8); without a source every linear layer but the output is rounded to int4.
+    holds them (None: that layer is int8, or with ``round_rest``, a draft's, rounded to int4 too); without a source
+    every linear layer but the output is rounded to int4.
     Either width keeps ``source``'s form of the input embedding where it gives one.
 
     A model held in bfloat16 or float16 is computed in float32 (float64 models in float64): its norms and biases are
@@ -204,7 +205,7 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
     fresh = fresh or _as_held
     _widen_the_rest(model, compute, fresh, source)
     peaks = _calibration(model, tokenizer, compute, fresh) if width == "int8" else None
-    make = _int8_maker(compute, fresh) if width == "int8" else _int4_maker(source, compute, fresh)
+    make = _int8_maker(compute, fresh) if width == "int8" else _int4_maker(source, compute, fresh, round_rest)
     for name, layer in _named_layers(model):
         if peaks is not None:
             _widen_linears(layer, name, compute, fresh)
@@ -257,14 +258,17 @@ def _int8_layer(name: str, linear: torch.nn.Linear, compute: torch.dtype, fresh:
     return Int8Linear(linear, lambda part: fresh(f"{name}.weight", weight, part), compute)
 
 
-def _int4_maker(source: WeightSource | None, compute: torch.dtype, fresh: Fresh) -> Maker:
+def _int4_maker(source: WeightSource | None, compute: torch.dtype, fresh: Fresh, round_rest: bool = False) -> Maker:
     """The layer ``--quantize int4`` makes of the linear layer ``name``: the output layer int8; else ``source``'s
-    int4 weight, int8 where it has none, or without a source the float weight rounded to int4."""
+    int4 weight, where it has none int8 (or with ``round_rest`` the float weight rounded to int4), or without a
+    source the float weight rounded to int4."""
 
     def make(name: str, linear: torch.nn.Linear) -> IntLinear:
         weight = None
         if name.split(".")[-1] != "lm_head":
-            weight = from_float(fresh(f"{name}.weight", linear.weight)) if source is None else source.int4(name)
+            weight = None if source is None else source.int4(name)
+            if weight is None and (source is None or round_rest):
+                weight = from_float(fresh(f"{name}.weight", linear.weight))
         if weight is not None:
             return Int4Linear(weight, linear.bias)
         return _int8_layer(name, linear, compute, fresh)
