@@ -28,7 +28,6 @@ import batchspec
 import batchspec.engine.core as engine
 import batchspec.engine.verifier as verifier
 from batchspec.config import SamplingParams, SpecConfig
-from batchspec.engine.draft_length import IDLE_READ_ROUNDS
 from batchspec.engine.prefill import Reader, catch_up
 from batchspec.engine.realign import plan_layout
 from batchspec.engine.sampling import derive_row_seeds
@@ -394,7 +393,7 @@ class DrawnLengths:
         """The planner learns from the round, and whether new prompts are read by the draft too is drawn: rows
         then join with a draft that holds none, part or all of their prompt."""
         self.observe(rows, record)
-        self.planner.idle = 0 if self.draw(st.booleans()) else IDLE_READ_ROUNDS
+        self.planner.drafting = self.draw(st.booleans())
 
     def __call__(self, rows, reach, sampled: bool, *, draining: bool = False) -> list[int]:
         limits = [min(self.planner.max_k, row.remaining - 1) for row in rows]
