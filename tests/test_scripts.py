@@ -1,0 +1,69 @@
+"""Every script in the repository runs against the current package: each Python script's imports resolve (batchspec's
+modules and the names taken from them; a sibling script; any other package installed, or a peer named below), and
+every shell script parses (``bash -n``). Scripts that need a GPU or a peer's venv are checked for their imports only:
+none is run here."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON_SCRIPTS = sorted([*ROOT.glob("scripts/*.py"), *ROOT.glob("docs/results/**/*.py")])
+SHELL_SCRIPTS = sorted([*ROOT.glob("scripts/*.sh"), *ROOT.glob("docs/results/**/*.sh"), ROOT / ".ci" / "run"])
+# packages of the peers and devices some scripts drive, installed in their own venvs or machines, not in the tests'
+PEERS = {"openvino", "openvino_genai", "optimum", "llama_cpp", "vllm"}
+
+
+def imports(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module, names taken from it)`` of every import in the script, at any depth (relative imports excluded)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def unresolved(path: Path, module: str, names: tuple[str, ...]) -> list[str]:
+    """What of one import does not resolve, as ``module`` or ``module.name``."""
+    top = module.split(".")[0]
+    if (path.parent / f"{top}.py").is_file() or top in PEERS:
+        return []
+    if top != "batchspec":
+        return [] if importlib.util.find_spec(top) is not None else [module]
+    try:
+        loaded = importlib.import_module(module)
+    except ImportError:
+        return [module]
+    package = hasattr(loaded, "__path__")  # a name may be a submodule of a package, not yet imported
+    return [f"{module}.{name}" for name in names if name != "*" and not hasattr(loaded, name)
+            and not (package and importlib.util.find_spec(f"{module}.{name}") is not None)]
+
+
+@pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_script_imports_against_the_current_package(path):
+    missing = [name for module, names in imports(path) for name in unresolved(path, module, names)]
+    assert not missing, f"{path.relative_to(ROOT)} imports what does not exist: {missing}"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash on this host")
+@pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shell_script_parses(path):
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_script_that_imports_a_name_batchspec_lost_is_caught(tmp_path):
+    """The check itself: a script importing a moved module, or a name its module no longer has, is named."""
+    script = tmp_path / "old.py"
+    script.write_text("from batchspec.int8 import Int8Forward\nfrom batchspec.memory import no_such_name\nimport os\n")
+    found = [name for module, names in imports(script) for name in unresolved(script, module, names)]
+    assert found == ["batchspec.int8", "batchspec.memory.no_such_name"]
