@@ -11,6 +11,8 @@ model.
 from __future__ import annotations
 
 import copy
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -328,6 +330,23 @@ def test_only_float32_int8_models_take_it(models, bundles):
     lopsided = copy.deepcopy(models["qwen3", False])
     del lopsided.model.layers[1].self_attn.k_norm  # a q norm without a k norm: not a layout it runs
     assert IntegerForward.of(lopsided) is None and IntegerForward.of(copy.deepcopy(models["qwen3", False])) is not None
+
+
+def test_threads_that_meet_a_new_model_share_one_forward_made_once(monkeypatch):
+    """Two servers over one model (CI caught it: a round failed on a view of 48 values as [4, 5, -1, 12]): making the
+    forward restacks the model's weights, so the second thread waits for the first's and runs on it."""
+    model = quantize_model(BUILDERS["qwen2"](seed=5, **STACKABLE).float())
+    made, make = [], IntegerForward.of.__func__
+
+    def slow(cls, target):
+        made.append(target)
+        time.sleep(0.2)  # long enough that, unlocked, the other thread finds no forward and makes its own
+        return make(cls, target)
+
+    monkeypatch.setattr(IntegerForward, "of", classmethod(slow))
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(integer_forward, [model, model])
+    assert first is not None and first is second and made == [model]
 
 
 @pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window"])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 Stack = Int8Stack | Int4Stack
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> IntegerForward | None
+_BUILDING = threading.Lock()  # held while a forward is made: making one restacks the model's weights in place
 UNREACHED = -1e30  # the logit of a token past a draft's vocabulary: finite, so that a softmax over tokens a grammar
 # leaves that all lie past it is still a distribution (uniform), and far below any logit a model gives
 
@@ -124,14 +126,19 @@ class _Kept:
 
 def integer_forward(model: torch.nn.Module) -> IntegerForward | None:
     """:meth:`IntegerForward.of` ``model``, made once per model; where an integer model cannot have it (it then runs
-    through transformers' forward, the same bits but slower), one log line says why."""
-    if model not in _FORWARDS:
-        _FORWARDS[model] = IntegerForward.of(model)
-        reason = _unsupported(model) if _FORWARDS[model] is None else None
-        if reason is not None and isinstance(getattr(model, "lm_head", None), Int8Linear):
-            logger.info("batchspec: %s runs its integer layers through transformers' forward, not batchspec's fused "
-                        "one (%s)", type(model).__name__, reason)
-    return _FORWARDS[model]
+    through transformers' forward, the same bits but slower), one log line says why.
+
+    Made under a lock: making it moves the model's q, k, v (and gate, up) weights into stacked buffers, so a second
+    thread (two servers over one model) must neither make it again nor run the model meanwhile; it waits, then gets
+    the one made."""
+    with _BUILDING:
+        if model not in _FORWARDS:
+            _FORWARDS[model] = IntegerForward.of(model)
+            reason = _unsupported(model) if _FORWARDS[model] is None else None
+            if reason is not None and isinstance(getattr(model, "lm_head", None), Int8Linear):
+                logger.info("batchspec: %s runs its integer layers through transformers' forward, not batchspec's "
+                            "fused one (%s)", type(model).__name__, reason)
+        return _FORWARDS[model]
 
 
 def forward_in_use(model: torch.nn.Module) -> str:
