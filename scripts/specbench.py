@@ -1,8 +1,9 @@
 """SpecBench's categories, plain decoding against the default, at several batch sizes: one JSON and one markdown table.
 
 Each category is one ``batchspec bench --category C`` run (models loaded once per run) whose cells alternate
-``autoregressive`` and the default (``eqspec``, ``hybrid``, ``k`` auto) ``--repeats`` times at each batch size, so
-that the host's minute-to-minute drift falls on both alike; a cell's ratio is the median of its pairs' ratios.
+``autoregressive`` and the default (``eqspec``, ``hybrid``, ``k`` auto) ``--repeats`` times at each batch size, one
+after another and in A B B A order, so that the host's minute-to-minute drift falls on both alike; a cell's ratio is
+the median of its pairs' ratios.
 Every cell's answers are compared with the bench's reference (transformers' own greedy ``generate``, one prompt at a
 time): the table's ``exact`` is the share that equal it, and the command fails unless every one does. ``lscpu`` is
 kept beside the results.
@@ -64,11 +65,18 @@ def _bench(args: argparse.Namespace, category: str, extra: list[str]) -> list[di
     command = [str(Path(sys.executable).parent / "batchspec"), "bench", "--preset", args.preset,
                "--prompts", str(args.questions), "--category", category, "--limit", str(args.limit),
                "--max-new-tokens", str(args.max_new_tokens), "--batch-sizes", args.batch_sizes,
-               "--methods", ",".join([PLAIN, DEFAULT] * args.repeats), "--proposers", "hybrid",
+               "--methods", ",".join(_alternated(args.repeats)), "--proposers", "hybrid",
                "--output", str(out), *extra]
     print(f"specbench: {category}", file=sys.stderr, flush=True)
     subprocess.run(command, check=True)
     return json.loads((out / "results.json").read_text())
+
+
+def _alternated(repeats: int) -> list[str]:
+    """Plain and default, ``repeats`` pairs, each pair's order the reverse of the one before (A B B A ...): the bench
+    runs them one after another at each batch size, so a drift of the host's speed over a pair's minute falls on both
+    of the pairs' ratios in opposite directions."""
+    return [method for i in range(repeats) for method in ((PLAIN, DEFAULT) if i % 2 == 0 else (DEFAULT, PLAIN))]
 
 
 def _row(category: str, cells: list[dict]) -> dict:

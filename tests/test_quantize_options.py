@@ -272,7 +272,7 @@ def test_an_int8_audit_has_no_near_ties_and_records_it(int8_tiny, tmp_path):
     pair, workload = int8_tiny
     report = run_audit(pair, workload, ("eqspec", "exspec"), (1, 3), out_dir=tmp_path, progress=False)
     assert report.quantize == "int8" and report.near_tie_ulps == 0 and report.passed
-    assert [(c.method, c.batch_size) for c in report.cells] == [(m, b) for m in ("eqspec", "exspec") for b in (1, 3)]
+    assert [(c.method, c.batch_size) for c in report.cells] == [(m, b) for b in (1, 3) for m in ("eqspec", "exspec")]
     assert all(c.exact_match == 1.0 and c.divergences == [] for c in report.cells)
     stored = json.loads((tmp_path / "audit.json").read_text())
     assert stored["quantize"] == "int8" and stored["near_tie_ulps"] == 0 and stored["passed"]

@@ -25,7 +25,7 @@ from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked
 from batchspec.engine.metrics import GenerationStats, StageTimer
 from batchspec.engine.prefill import ChunkBudget, Reader, catch_up, length_groups, prompt_logprobs
 from batchspec.engine.prefix_cache import PrefixCache, prefix_cache_bytes
-from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalHost, ProposalPlan, Proposer, point_masses
+from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalPlan, Proposer, point_masses
 from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.engine.proposers.ngram import NgramProposer
 from batchspec.engine.realign import LEFT_SLACK, assemble, draft_catch_up, layout_columns, plan_layout
@@ -90,10 +90,10 @@ class Engine:
         with self.timer.stage("verify"):
             verdict, scores = self.verify(batch, proposal, sampling)
         with self.timer.stage("other"):
-            accepted, gained, host = self.accept(batch, proposal, verdict, scores)
+            accepted, gained = self.accept(batch, proposal, verdict, scores)
             seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
             proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
-            record = _record(replace(proposal, host=host), accepted, gained, reach, sampling, seconds, proposing)
+            record = _record(proposal, accepted, gained, reach, sampling, seconds, proposing)
             self.planner.observe(rows, replace(record, seconds=seconds - realigned, realign_seconds=realigned))
             self.chunks.decoded(seconds)
         if self.config.check_invariants:
@@ -209,24 +209,18 @@ class Engine:
 
     def accept(
         self, batch: BatchState, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None = None
-    ) -> tuple[list[int], list[list[int]], ProposalHost]:
-        """Read the verdict back (the round's one device→host read, with the proposal's lookup positions where the
-        host does not know them, and the logprobs rows asked for), append each row's gained tokens (cut at EOS or
-        budget), advance their grammars and record where its KV now lives. Returns, per row, the drafts accepted
-        and the tokens gained, and the proposal as the host now knows it."""
-        mask = () if proposal.lookup_mask is None else (proposal.lookup_mask,)
+    ) -> tuple[list[int], list[list[int]]]:
+        """Read the verdict back (the round's one device→host read, with the logprobs rows asked for), append each
+        row's gained tokens (cut at EOS or budget), advance their grammars and record where its KV now lives.
+        Returns, per row, the drafts accepted and the tokens gained."""
         logprobs = () if scores is None else (scores,)
-        read = self.runner.fetch(verdict.accepted, verdict.tokens, *mask, *logprobs)  # [B][1 + k+1 (+ ...)]: the sync
+        read = self.runner.fetch(verdict.accepted, verdict.tokens, *logprobs)  # [B][1 + k+1 (+ ...)]: the sync
         accepted = [values[0] for values in read]
         gained = [values[1 : values[0] + 2] for values in read]
-        host = proposal.host
-        if mask:
-            looked_up = [[bool(found) for found in values[2 + proposal.k : 3 + 2 * proposal.k]] for values in read]
-            host = replace(host, looked_up=looked_up)
         tokens = torch.cat([batch.tokens, verdict.tokens], dim=1)  # [B, L + k + 1]
         slab = Slab(tokens, batch.slab.target, batch.slab.draft, holders=tuple(batch.rows))
         draft_cached = self.proposer.cached_after(batch, proposal, accepted)
-        scored_from = 2 + proposal.k + (proposal.k + 1 if mask else 0)
+        scored_from = 2 + proposal.k
         for i, (row, tokens, pad) in enumerate(zip(batch.rows, gained, batch.host.pad, strict=True)):
             kept = row.append(tokens, self.eos)
             self.stats.generated_tokens += kept
@@ -234,7 +228,7 @@ class Engine:
             if not row.finished:
                 row.kv = KVLocation(slab, i, start=pad, target_cached=row.content_len - 1, draft_cached=draft_cached[i])
         self.stats.record_round(accepted, proposal.host.lengths)
-        return accepted, gained, host
+        return accepted, gained
 
 
 def build_engine(
@@ -380,14 +374,14 @@ def _record(
 ) -> RoundRecord:
     """What the planner learns from a round (lookup drafts checked for free in rows that proposed nothing)."""
     lengths = proposal.host.lengths
-    looked_up = proposal.host.looked_up or [[False] * (proposal.k + 1)] * len(lengths)
+    chained = [[j < found for j in range(proposal.k + 1)] for found in reach.lookups]  # as the planner priced them
     first = reach.first or [None] * len(lengths)
     greedy = [True] * len(lengths) if sampling is None else sampling.greedy_rows(len(lengths))
     shadow = [
         None if n or token is None or not plain else token == got[0]
         for n, token, got, plain in zip(lengths, first, gained, greedy, strict=True)
     ]
-    return RoundRecord(lengths, accepted, looked_up, shadow, proposal.k, proposal.draft_forwards, seconds, proposing,
+    return RoundRecord(lengths, accepted, chained, shadow, proposal.k, proposal.draft_forwards, seconds, proposing,
                        draft_width=proposal.draft_width)
 
 

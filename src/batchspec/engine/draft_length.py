@@ -17,14 +17,17 @@ With a ragged verification the drafts are dealt out per row: for each ``K``, eac
 ``gain > rate * c_v``. A row with little chance of acceptance thus proposes nothing and costs what a plain step of
 it costs, while the rows beside it propose many. Elsewhere every row proposes ``min(K, reach_i)``.
 
-``K = 0`` is a plain step of the target (no draft forward at all for greedy rows), so speculation is used only
-where it is expected to pay. A row's ``a`` is its recent share of accepted drafts (exponentially weighted), pulled
-toward the engine-wide share while it has few observations; lookup drafts and draft-model drafts are counted
-apart. Per batch size, ``c_0`` and ``c_v`` are fitted to every round's measured seconds outside the draft by ridge
-regression towards a prior that follows the fitted plain step ``c_0``: an extra token costs ``c_0 / max(B,
-KNEE_TOKENS)`` (a forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the weights
-dominates, and grows in proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but
-``c_t(8, 6) = 3.5 c_t(8, 1)``), so a width no round has tested yet is priced from the measured plain step. ``c_d`` is
+``K = 0`` is a plain step of the target (no draft forward at all for greedy rows), so speculation is used only where it
+is expected to pay. A row's ``a`` is its recent share of accepted drafts (exponentially weighted), pulled toward the
+engine-wide share while it has few observations; lookup drafts and draft-model drafts are counted apart, and within each
+source the first draft of a round's run apart from the ones after it (a draft model's first guess is its best, while a
+lookup that matched once tends to go on matching: see :class:`~batchspec.engine.acceptance.SourceAcceptance`). Counted
+as one share, the planner expected 493 tokens from the drafts of SpecBench's coding prompts at B = 1 and got 249. Per
+batch size, ``c_0`` and ``c_v`` are fitted to every round's measured seconds outside the draft by ridge regression
+towards a prior that follows the fitted plain step ``c_0``: an extra token costs ``c_0 / max(B, KNEE_TOKENS)`` (a
+forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the weights dominates, and grows in
+proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but ``c_t(8, 6) = 3.5 c_t(8, 1)``), so a
+width no round has tested yet is priced from the measured plain step. ``c_d`` is
 the draft forwards' own measured seconds (a running mean), and until the draft has run at that batch size, the
 draft's share of the weights a forward multiplies by, times ``c_0``. ``r`` is the measured realignment at the start of
 the rounds that follow a round with drafts (a running mean, 0 where none was needed: one row, or rows that gained
@@ -40,9 +43,10 @@ forward caught up times those columns, not a draft step (:meth:`AdaptiveLength._
 
 With prompt lookup and a draft model (hybrid), rows without a lookup would make every drafted position a draft
 forward for the whole batch; each round therefore also weighs proposing the lookups alone (rows without one take a
-plain step) and takes whichever is expected to be faster. While the draft is idle its rows' counts fade toward
-the engine-wide prior, which itself fades toward an optimistic 0.6, so that acceptance is probed again now and then;
-lookup drafts need no probe, since a plain step checks the first lookup of every row for free.
+plain step) and takes whichever is expected to be faster. While a source's drafts at a place go untested (the draft
+idle, or a row proposing only its first lookup) their counts fade toward the prior (the engine-wide share, which
+itself fades toward an optimistic 0.6), so that acceptance is probed again now and then; a first lookup needs no
+probe, since a plain step checks the first lookup of every row for free.
 
 What a token is worth depends on what follows the batch. While finished rows are replaced (the server, and
 ExSpec's window while prompts wait), every token is worth the same. An offline batch instead *drains*: it runs to
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from batchspec.config import SpecConfig
 from batchspec.engine.acceptance import RowAcceptance
@@ -80,6 +85,7 @@ REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with dra
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
 PRIOR_BUDGET_SHARE = 0.5  # the share of rows taken to run to their budget before any has finished
+_PLACES = (("lookup", "first"), ("lookup", "later"), ("model", "first"), ("model", "later"))  # see Shares
 LAST_ROUNDS = 2.0  # rounds ahead of a draining batch's slowest row over which a row's chance to finish last falls by e
 
 
@@ -146,6 +152,16 @@ class CostFit:
         return each * steps
 
 
+class Shares(NamedTuple):
+    """A row's chances that a draft is accepted once the ones before it were, by source and place
+    (:class:`~batchspec.engine.acceptance.SourceAcceptance`)."""
+
+    lookup_first: float
+    lookup_later: float
+    model_first: float
+    model_later: float
+
+
 @dataclass(frozen=True)
 class Reach:
     """How far each row of a round could draft.
@@ -173,7 +189,9 @@ class RoundRecord:
 
     Attributes:
         lengths, accepted: per row, drafts proposed and accepted.
-        looked_up: per row, which proposed positions were lookup drafts.
+        chained: per row, which proposed positions the planner priced as lookup drafts: the row's lookup chain when
+            it planned (:attr:`Reach.lookups`); a lookup found on the device past it counts with the draft model's
+            positions, as the planner priced it.
         shadow: per row that proposed nothing, whether its first lookup draft equals the token it gained
             (None: no lookup draft).
         k, forwards: the round's longest proposal and the draft forwards it ran.
@@ -184,7 +202,7 @@ class RoundRecord:
 
     lengths: list[int]
     accepted: list[int]
-    looked_up: list[list[bool]]
+    chained: list[list[bool]]
     shadow: list[bool | None]
     k: int
     forwards: int
@@ -290,29 +308,37 @@ class AdaptiveLength:
         ended = [row for row in rows if row.finished]
         self.finished = (self.finished[0] + sum(row.finish_reason == FINISH_LENGTH for row in ended),
                          self.finished[1] + len(ended))
-        model_tested = False
-        for row, n, a, looked_up, shadow in zip(
-            rows, record.lengths, record.accepted, record.looked_up, record.shadow, strict=True
-        ):
-            counts = _tests(n, a, looked_up)
-            if shadow is not None:
-                counts["lookup"] = (counts["lookup"][0] + int(shadow), counts["lookup"][1] + 1)
-            for source in ("model", "lookup"):
-                accepted, tested = counts[source]
-                if tested:
-                    getattr(row.acceptance, source).observe(accepted, tested, ROW_DECAY)
-                    getattr(self.engine, source).observe(accepted, tested, ENGINE_DECAY)
-            if counts["model"][1] == 0:
-                row.acceptance.model.fade(IDLE_DECAY)
-            model_tested |= counts["model"][1] > 0
-        if not model_tested:
-            self.engine.model.fade(IDLE_DECAY)
+        self._count(rows, record)
         fit = self._fit(len(rows))
         if self.proposed == len(rows):  # the round before had drafts, over as many rows
             fit.realigned(record.realign_seconds)
         scored = sum(record.lengths) if self.ragged else len(record.lengths) * record.k  # extra tokens verified
         self.proposed = len(rows) if scored else 0
         fit.observe(scored, self._draft_steps_read(rows, record, fit), record.seconds, record.draft_seconds)
+
+    def _count(self, rows, record: RoundRecord) -> None:
+        """Each row's tested drafts, by source and place, into its counts and the engine's; a count that no draft
+        tested this round fades toward its prior (a row's, and the engine's where no row tested one), so that a
+        source or place left idle after a few rejections is tried again."""
+        tested_any = set()
+        for row, n, a, chained, shadow in zip(
+            rows, record.lengths, record.accepted, record.chained, record.shadow, strict=True
+        ):
+            counts = _tests(n, a, chained)
+            if shadow is not None:
+                accepted, tested = counts["lookup", "first"]
+                counts["lookup", "first"] = (accepted + int(shadow), tested + 1)
+            for (source, place), (accepted, tested) in counts.items():
+                mine = getattr(getattr(row.acceptance, source), place)
+                if tested:
+                    mine.observe(accepted, tested, ROW_DECAY)
+                    getattr(getattr(self.engine, source), place).observe(accepted, tested, ENGINE_DECAY)
+                    tested_any.add((source, place))
+                else:
+                    mine.fade(IDLE_DECAY)
+        for source, place in _PLACES:
+            if (source, place) not in tested_any:
+                getattr(getattr(self.engine, source), place).fade(IDLE_DECAY)
 
     def _draft_steps_read(self, rows, record: RoundRecord, fit: CostFit) -> int:
         """The round's draft forwards that time a draft step: all of them, or none where the first one also caught
@@ -350,13 +376,19 @@ class AdaptiveLength:
         the draft read, and the bonus token; a round's first draft forward re-reads them."""
         return self.max_k + 1
 
-    def _shares(self, row) -> tuple[float, float]:
-        engine_lookup = self.engine.lookup.estimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
-        engine_model = self.engine.model.estimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
-        return (
-            row.acceptance.lookup.estimate(engine_lookup, PRIOR_WEIGHT),
-            row.acceptance.model.estimate(engine_model, PRIOR_WEIGHT),
-        )
+    def _shares(self, row) -> Shares:
+        """The row's chances of acceptance by source and place. A ``first`` share is pulled toward the engine-wide
+        one; a ``later`` share toward the row's own ``first`` times the engine-wide ratio of ``later`` to ``first``
+        (1 until some ``later`` draft was tested: a later draft is proposed only where the first's share makes it
+        pay, and a prior of its own could keep it from ever being tested)."""
+        return Shares(*self._source_shares(row, "lookup"), *self._source_shares(row, "model"))
+
+    def _source_shares(self, row, source: str) -> tuple[float, float]:
+        engine, mine = getattr(self.engine, source), getattr(row.acceptance, source)
+        engine_first = engine.first.estimate(PRIOR_ACCEPTANCE, ENGINE_PRIOR_WEIGHT)
+        engine_later = engine.later.estimate(engine_first, ENGINE_PRIOR_WEIGHT)
+        first = mine.first.estimate(engine_first, PRIOR_WEIGHT)
+        return first, mine.later.estimate(min(first * engine_later / max(engine_first, 1e-6), 1.0), PRIOR_WEIGHT)
 
     def _fit(self, rows: int) -> CostFit:
         """The cost fit of ``rows`` rows, started from the nearest batch size's plain step."""
@@ -399,15 +431,18 @@ def _drain_worth(rows, fit: CostFit, rates: list[float]) -> list[float]:
     return [per_token + shared * chance / sum(last) for chance in last]
 
 
-def _gains(cap: int, found: int, shares: tuple[float, float], uses_draft_model: bool) -> list[float]:
-    """What each of a row's drafts ``1 .. cap`` adds to its expected tokens (``E(m) = 1 + sum(gains[:m])``), lookups
-    first (share ``shares[0]``), then the draft model's (``shares[1]``); a row without a draft model stops at its
-    lookups."""
+def _gains(cap: int, found: int, shares: Shares, uses_draft_model: bool) -> list[float]:
+    """What each of a row's drafts ``1 .. cap`` adds to its expected tokens (``E(m) = 1 + sum(gains[:m])``): its
+    ``found`` lookups first, then the draft model's, each source's first draft at its ``first`` share and the ones
+    after it at its ``later`` one; a row without a draft model stops at its lookups."""
     gains, chance = [], 1.0
     for j in range(1, cap + 1):
         if j > found and not uses_draft_model:
             break
-        chance *= shares[0] if j <= found else shares[1]
+        if j <= found:
+            chance *= shares.lookup_first if j == 1 else shares.lookup_later
+        else:
+            chance *= shares.model_first if j == found + 1 else shares.model_later
         gains.append(chance)
     return gains
 
@@ -420,12 +455,14 @@ def _draft_steps(k: int, caps: list[int], reach: Reach, sampled: bool) -> int:
     return (k if needs_model else 0) + int(sampled)
 
 
-def _tests(n: int, a: int, looked_up: list[bool]) -> dict[str, tuple[int, int]]:
-    """``{source: (accepted, tested)}`` of one row: drafts ``1 .. a`` were accepted and draft ``a + 1`` (if it was
-    proposed) rejected; each counts for the source that proposed it."""
-    counts = {"model": (0, 0), "lookup": (0, 0)}
+def _tests(n: int, a: int, chained: list[bool]) -> dict[tuple[str, str], tuple[int, int]]:
+    """``{(source, place): (accepted, tested)}`` of one row: drafts ``1 .. a`` were accepted and draft ``a + 1`` (if
+    it was proposed) rejected; each counts for the source the planner priced it as (``chained``: a lookup), as that
+    source's ``first`` draft or a ``later`` one."""
+    counts = dict.fromkeys(_PLACES, (0, 0))
     for j in range(min(a + 1, n)):
-        source = "lookup" if looked_up[j] else "model"
-        accepted, tested = counts[source]
-        counts[source] = (accepted + int(j < a), tested + 1)
+        source = "lookup" if chained[j] else "model"
+        place = "first" if j == 0 or chained[j - 1] != chained[j] else "later"
+        accepted, tested = counts[source, place]
+        counts[source, place] = (accepted + int(j < a), tested + 1)
     return counts

@@ -39,12 +39,9 @@ class ProposalHost:
 
     Attributes:
         lengths: per row, drafts proposed (0 .. k), as :attr:`Proposal.lengths`.
-        looked_up: per row, for each of the ``k + 1`` positions, whether its draft came from prompt lookup (None:
-            no draft did).
     """
 
     lengths: list[int]
-    looked_up: list[list[bool]] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,8 +62,6 @@ class Proposal:
         draft_forwards: forwards the draft model ran this round.
         draft_width: columns per row its first forward read: the pending token, and where its cache lagged (it was
             idle), the columns it caught up on (0 when it did not run).
-        lookup_mask: ``[B, k+1]`` (bool) the positions whose draft came from prompt lookup, where the host does not
-            know them all (the hybrid proposer looks up on the device); read back with the verdict. None otherwise.
     """
 
     tokens: torch.Tensor  # [B, k+1]
@@ -77,7 +72,6 @@ class Proposal:
     draft_fed: int | None = None
     draft_forwards: int = 0
     draft_width: int = 0
-    lookup_mask: torch.Tensor | None = None  # [B, k+1]
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2 or self.lengths.shape != self.tokens.shape[:1]:

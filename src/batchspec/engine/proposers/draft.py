@@ -219,7 +219,7 @@ class _RoundDrafts:
             self.tokens[:, j] = torch.where(self.looked_up[:, j], self.tokens[:, j], drafted)
 
     def proposal(self, host: ProposalHost, **kept) -> Proposal:
-        return Proposal(self.tokens, self.lengths, host, lookup_mask=self.looked_up, **kept)
+        return Proposal(self.tokens, self.lengths, host, **kept)
 
 
 def _point_masses_at_lookups(q: torch.Tensor, tokens: torch.Tensor, looked_up: torch.Tensor) -> None:

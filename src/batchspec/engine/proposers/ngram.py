@@ -65,6 +65,5 @@ def lookup_plan(chains: list[list[int]], lengths: list[int]) -> ProposalPlan:
     k = max(lengths, default=0)
     drafted = [chain[: k + 1] for chain in chains]
     matrix = [chain + [0] * (k + 1 - len(chain)) for chain in drafted]  # [B, k+1]
-    looked_up = [[j < len(chain) for j in range(k + 1)] for chain in drafted]
     bonus = [int(len(chain) > n) for chain, n in zip(chains, lengths, strict=True)]
-    return ProposalPlan(ProposalHost(lengths=lengths, looked_up=looked_up), columns=(matrix, lengths, bonus))
+    return ProposalPlan(ProposalHost(lengths=lengths), columns=(matrix, lengths, bonus))

@@ -1,10 +1,11 @@
 """The exact integer model's forward as batchspec runs it: every decoder layer in one native call.
 
-transformers' decoder layer, run around the integer modules (:mod:`batchspec.exact.integer.model`), took ~9 ms of
-Python and torch operations in a one-token step of the 28-layer 1.5B target; the same steps called from Python one
-native function at a time still took ~5 ms (ctypes' conversions and the checks of ~12 calls a layer). So
-:class:`IntegerForward` hands the whole stack of layers to ``csrc/decoder.h`` in one call, each layer's constant parts
-laid out once (:mod:`batchspec.exact.integer.plan`) and the forward's buffers made once and shared by the layers::
+transformers' decoder layer, run around the integer modules (:mod:`batchspec.exact.integer.model`), spends more of a
+one-token step in Python and torch's operations than in the products; so does calling the native functions from
+Python one at a time (ctypes' conversions and the checks of ~12 calls a layer; the figures are in docs/integer.md,
+"Speed"). So :class:`IntegerForward` hands the whole stack of layers to ``csrc/decoder.h`` in one call, each layer's
+constant parts laid out once (:mod:`batchspec.exact.integer.plan`) and the forward's buffers made once and shared by
+the layers::
 
     rows = quantize(RMSNorm(x))                        # norm_quantize: the norm never written out
     q, k, v = one product of rows                      # a stack: q, k, v's weights in one buffer

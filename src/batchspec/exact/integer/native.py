@@ -27,8 +27,8 @@ There is one build per instruction set (:data:`BUILDS`: name, source, CPU featur
 chosen once per process, with one log line naming it:
 
 * ``avx512vnni`` (``csrc/avx512.c``): 16-lane ``vpdpbusd`` on a weight laid out as panels of 64 outputs
-  ``[P, G, 64, 4]``, streamed once per 240 rows; it read a 1536 x 8960 weight at 46.6 GB/s for 1 row and 34.5 for 8
-  on a 2-core AMD EPYC Zen 4 whose memory streams 50 GB/s (oneDNN's prepacked quantized linear: 28.5 GB/s);
+  ``[P, G, 64, 4]``, streamed once per 240 rows (its read rates against oneDNN's, measured: docs/integer.md,
+  "Speed");
 * ``avxvnni`` (``csrc/avx2.c`` with VNNI): the same on 8 lanes, VEX ``vpdpbusd`` (Intel 12th gen and later, Zen 5),
   or its EVEX form on AVX-512 VNNI CPUs;
 * ``avx2`` (``csrc/avx2.c``): llama.cpp's sign trick (every AVX2 CPU: Zen 1-3, Haswell and later): each code's sign

@@ -6,18 +6,15 @@ reads the weight and whether its products saturate. :func:`product_kernel` picks
 * ``"native"``: batchspec's own kernel for this CPU's instruction set (:func:`batchspec.exact.integer.native.linear`:
   AVX-512 VNNI, AVX-VNNI, AVX2, or the portable C build on any other CPU), on a weight prepacked in panels of 64
   outputs, activations as ``uint8`` ``q + 128``, the zero point's share subtracted in int32 (the portable build sums
-  ``q`` itself), the sum rounded once to float32. On AVX-512 VNNI it read a 1536 x 8960
-  weight at 46.6 GB/s for 1 row and 34.5 for 8, against oneDNN's 28.5 and 24.8 (2-core AMD EPYC Zen 4 reading
-  50 GB/s), and has no per-call overhead to speak of. Taken where a build runs
-  (:func:`batchspec.exact.integer.native.isa`)
-  and a worst-case probe is exact, for float32 activations.
-* ``"onednn"``: oneDNN's quantized linear with the weight **prepacked once** in the blocked layout its VNNI kernel
-  reads (``onednn::qlinear_prepack``); activations enter as ``uint8`` codes ``q + 128`` with zero point 128, and
-  the result comes back as float32 with unit scales, which is the int32 sum rounded once to float32 — the bits
-  ``acc.float()`` gives. Streaming 30 distinct 1536 x 8960 weights on a 2-core AMD EPYC Zen 4 it read 25.3 GB/s for
-  1 row and 24.0 for 8, against 14.1 and 12.0 for ``torch._int_mm`` on an unpacked weight, which oneDNN lays out
-  again on every call. Taken only where a worst-case probe is exact (CPUs without VNNI saturate u8 x s8 pairs), for
-  float32 activations (float64 ones keep the int32 sum unrounded) and for weights of at least
+  ``q`` itself), the sum rounded once to float32. It reads weights faster than oneDNN
+  and has no per-call overhead to speak of (the measured rates: docs/integer.md, "Speed"). Taken where a build runs
+  (:func:`batchspec.exact.integer.native.isa`) and a worst-case probe is exact, for float32 activations.
+* ``"onednn"``: oneDNN's quantized linear with the weight **prepacked once** in the blocked layout its VNNI kernel reads
+  (``onednn::qlinear_prepack``); activations enter as ``uint8`` codes ``q + 128`` with zero point 128, and the result
+  comes back as float32 with unit scales, which is the int32 sum rounded once to float32 — the bits ``acc.float()``
+  gives. It reads a weight about twice as fast as ``torch._int_mm`` on an unpacked weight, which oneDNN lays out again
+  on every call (docs/integer.md). Taken only where a worst-case probe is exact (CPUs without VNNI saturate u8 x s8
+  pairs), for float32 activations (float64 ones keep the int32 sum unrounded) and for weights of at least
   :data:`ONEDNN_MIN_WEIGHT` values.
 * ``"int_mm"``: ``torch._int_mm`` on the weight as ``[K, O]``.
 * ``"int_mm_split"``: the same on a CPU whose int8 product saturates (no VNNI), with the weight in exact halves
