@@ -210,9 +210,8 @@ Where = tuple[str, str | None, int]  # (method, proposer, batch size)
 def plan_cells(methods: tuple[str, ...], proposers: tuple[str, ...], batch_sizes: tuple[int, ...]) -> list[Where]:
     """Every (method, proposer, batch size) asked for: the speculative batchspec methods once per proposer, the
     others with proposer None. The batch size is the outer loop, so that the cells compared at one batch size run one
-    after another: the host's read bandwidth drifts by up to 2x from minute to minute, and the SpecBench run of
-    6d08293 (methods outer) paired a coding cell at B = 4 with a plain cell run 40 s away at 1.30x its partner's
-    speed."""
+    after another: the host's read bandwidth drifts from minute to minute, and cells compared across other batch
+    sizes' cells see different hosts."""
     return [(m, p, b) for b in batch_sizes for m in methods for p in (proposers if m in SPECULATIVE else (None,))]
 
 

@@ -22,12 +22,12 @@ is expected to pay. A row's ``a`` is its recent share of accepted drafts (expone
 engine-wide share while it has few observations; lookup drafts and draft-model drafts are counted apart, and within each
 source the first draft of a round's run apart from the ones after it (a draft model's first guess is its best, while a
 lookup that matched once tends to go on matching: see :class:`~batchspec.engine.acceptance.SourceAcceptance`). Counted
-as one share, the planner expected 493 tokens from the drafts of SpecBench's coding prompts at B = 1 and got 249. Per
-batch size, ``c_0`` and ``c_v`` are fitted to every round's measured seconds outside the draft by ridge regression
-towards a prior that follows the fitted plain step ``c_0``: an extra token costs ``c_0 / max(B, KNEE_TOKENS)`` (a
-forward costs about the same for up to ``KNEE_TOKENS`` tokens, when reading the weights dominates, and grows in
-proportion to the tokens beyond: on 2 CPU cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but ``c_t(8, 6) = 3.5 c_t(8, 1)``), so a
-width no round has tested yet is priced from the measured plain step. ``c_d`` is
+as one share, a draft model's later drafts are overrated and the planner drafts too far. Per batch size, ``c_0`` and
+``c_v`` are fitted to every round's measured seconds outside the draft by ridge regression towards a prior that follows
+the fitted plain step ``c_0``: an extra token costs ``c_0 / max(B, KNEE_TOKENS)`` (a forward costs about the same for up
+to ``KNEE_TOKENS`` tokens, when reading the weights dominates, and grows in proportion to the tokens beyond: on 2 CPU
+cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but ``c_t(8, 6) = 3.5 c_t(8, 1)``), so a width no round has tested yet is priced
+from the measured plain step. ``c_d`` is
 the draft forwards' own measured seconds (a running mean), and until the draft has run at that batch size, the
 draft's share of the weights a forward multiplies by, times ``c_0``. ``r`` is the measured realignment at the start of
 the rounds that follow a round with drafts (a running mean, 0 where none was needed: one row, or rows that gained
@@ -85,8 +85,8 @@ REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with dra
 RIDGE = 0.5
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
 PRIOR_BUDGET_SHARE = 0.5  # the share of rows taken to run to their budget before any has finished
-_PLACES = (("lookup", "first"), ("lookup", "later"), ("model", "first"), ("model", "later"))  # see Shares
 LAST_ROUNDS = 2.0  # rounds ahead of a draining batch's slowest row over which a row's chance to finish last falls by e
+_PLACES = (("lookup", "first"), ("lookup", "later"), ("model", "first"), ("model", "later"))  # see Shares
 
 
 @dataclass
@@ -341,10 +341,10 @@ class AdaptiveLength:
                 getattr(getattr(self.engine, source), place).fade(IDLE_DECAY)
 
     def _draft_steps_read(self, rows, record: RoundRecord, fit: CostFit) -> int:
-        """The round's draft forwards that time a draft step: all of them, or none where the first one also caught
-        up (read more columns than a round re-reads: the draft was idle), whose seconds then time the catch-up's
-        columns instead (less the steps' own, at the draft step's price so far). Booked as steps, a catch-up of 50
-        columns at B = 1 priced every later step at 4.6 times its cost, and the draft never ran again."""
+        """The round's draft forwards that time a draft step: all of them, or none where the first one also caught up
+        (read more columns than a round re-reads: the draft was idle), whose seconds then time the catch-up's columns
+        instead (less the steps' own, at the draft step's price so far). Booked as steps, a catch-up prices every later
+        step at several times its cost, and the draft may never run again."""
         caught_up = len(rows) * max(0, record.draft_width - 1 - self._steady_lag)
         if not caught_up:
             return record.forwards
@@ -356,8 +356,8 @@ class AdaptiveLength:
 
         The draft reads a new prompt only where it drafts for that row (``drafting`` False: the engine does not have
         it read prompts along with the target's), its catch-up priced by the planner where it would run. Read along,
-        a prompt the draft never drafts for costs its whole reading: on SpecBench's translation at B = 4 and 8 (answers
-        of about 23 tokens), 0.1-0.4 s of 4-5 s."""
+        a prompt the draft never drafts for (short answers, batch sizes where it does not pay) costs its whole
+        reading."""
         if tokens > 0 and seconds > 0:
             each = seconds / tokens
             before = self.read_s.get(draft)
