@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from batchspec.engine import draft_length
 from batchspec.engine.draft_length import AdaptiveLength, Reach, RoundRecord
 from batchspec.engine.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
 from batchspec.engine.state import KVLocation, Sequence
@@ -115,6 +116,19 @@ def test_hybrid_keeps_the_lookups_when_the_draft_model_does_not_pay():
     assert hybrid >= 0.95 * lookups_alone
 
 
+@pytest.mark.parametrize(("batch", "step", "drafts"), [(8, 0.06, False), (1, 0.03, True)])
+def test_a_first_lookup_is_priced_as_prose_accepts_it_before_any_was_tested(batch, step, drafts):
+    """Before any lookup was tested, a row's first is priced at what SpecBench's prose accepts (0.17-0.23; 0.3 is
+    the prior), not at a draft model's first guess: at B = 8 (a plain step of 60 ms, a column 1/16 of it, as measured
+    on writing with the int8 preset) it is not worth its column, so rows whose lookups would be wrong cost what plain
+    steps cost from the first round; at B = 1 (30 ms, and a column almost free) it is."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
+    rows = [Sequence(i, [1, 2, 3], 64) for i in range(batch)]
+    planner.observe(rows, RoundRecord([0] * batch, [0] * batch, [[False]] * batch, [None] * batch, 0, 0, step))
+    lengths = planner.lengths(rows, Reach([5] * batch, uses_draft_model=False, first=[7] * batch), False)
+    assert any(lengths) == drafts, lengths
+
+
 def test_long_lookups_that_are_accepted_pay_at_b1():
     """B = 1: ten columns cost little more than one, so accepted lookups are taken in long runs."""
     assert speedup(1, 0.8, slope=0.02, reach=10) >= 3.0
@@ -162,9 +176,11 @@ def test_an_idle_draft_pays_its_catch_up_before_it_drafts(lag, budget, drafts):
     assert (lengths[0] > 0) == drafts, lengths
 
 
-def test_a_catch_up_is_spread_over_a_few_rounds_however_long_the_answer():
+def test_a_catch_up_is_spread_over_a_few_rounds_however_long_the_answer(monkeypatch):
     """A draft that stops soon after its catch-up has paid all of it: a 4,000-column catch-up (4 s) is spread over
-    CATCH_UP_ROUNDS rounds (0.25 s each, as much as the plain step), not over the 100,000 tokens the row has left."""
+    CATCH_UP_ROUNDS rounds (0.25 s each, as much as the plain step), not over the 100,000 tokens the row has left.
+    The draft's first guess is priced at 60% before any was tested."""
+    monkeypatch.setitem(draft_length.FIRST_PRIOR, "model", 0.6)
     planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
     planner.read(1000, 10.0, draft=False)
     row = Sequence(0, [1] * 4000, 100_000)
@@ -246,10 +262,11 @@ def makespan(chances: list[float], *, draining: bool, batches: int = 4, budget: 
     return seconds
 
 
-def test_a_draining_batch_drafts_only_for_the_rows_with_the_most_left():
+def test_a_draining_batch_drafts_only_for_the_rows_with_the_most_left(monkeypatch):
     """An offline batch of rows that run to their budget ends when its last row does: a row far ahead of the others
     is worth about the column its token would take later, so it proposes nothing, while the row with the most left
-    drafts for the batch."""
+    drafts for the batch. A first lookup is priced at 60% before any was tested."""
+    monkeypatch.setitem(draft_length.FIRST_PRIOR, "lookup", 0.6)
     planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
     planner.finished = (20, 20)  # the rows finished so far all ran to their budget
     rows = [Sequence(i, [1, 2, 3], 64) for i in range(4)]
@@ -264,11 +281,13 @@ def test_a_draining_batch_drafts_only_for_the_rows_with_the_most_left():
     assert planner.lengths(rows, reach, False, draining=True) == planner.lengths(rows, reach, False)
 
 
-def test_a_draining_batch_is_not_slowed_by_the_rows_that_accept():
+def test_a_draining_batch_is_not_slowed_by_the_rows_that_accept(monkeypatch):
     """B = 8, four rows whose lookups are accepted 90% of the time beside four whose are accepted 10%: the batch
     lasts as long as the slow rows, whatever the fast ones gain. Drafting for every token's worth (as while finished
     rows are replaced) makes each of those rounds dearer and the batch slower than plain steps; valued by how much
-    sooner they end the batch, the drafts keep it within 3% of plain steps."""
+    sooner they end the batch, the drafts keep it within 3% of plain steps (a first lookup priced at 60% before any
+    was tested)."""
+    monkeypatch.setitem(draft_length.FIRST_PRIOR, "lookup", 0.6)
     chances = [0.9] * 4 + [0.1] * 4
     plain = 4 * 64 * 0.3 * (0.5 + 8 / 16)
     assert makespan(chances, draining=False) > 1.05 * plain
