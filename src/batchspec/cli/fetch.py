@@ -31,9 +31,11 @@ class FetchReport:
 
     def lines(self) -> list[str]:
         preset = get_preset(self.preset)
-        lines = [f"{self.preset}: target {preset.target.description}; draft {preset.draft.description}"]
+        draft = "prompt lookup (no draft model)" if preset.draft is None else preset.draft.description
+        lines = [f"{self.preset}: target {preset.target.description}; draft {draft}"]
         for role, directory in (("target", self.paths.target_dir), ("draft", self.paths.draft_dir)):
-            lines.append(f"  {role:<7}{directory}  ({directory_megabytes(directory):.0f} MB)")
+            if directory is not None:
+                lines.append(f"  {role:<7}{directory}  ({directory_megabytes(directory):.0f} MB)")
         if self.paths.timings:
             steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in self.paths.timings.items())
             lines.append(f"  built in {self.seconds:.1f} s: {steps}")

