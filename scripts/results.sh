@@ -1,8 +1,9 @@
 #!/bin/bash
 # The README's Results, every scenario in one command: each writes JSON (and markdown) under one folder, with the
 # machine's lscpu, the date and the commit, and summary.md gathers their tables. Run it alone on an idle machine
-# (about two and a half hours on 2 cores); nothing else may run beside it, since the host's speed is part of every
-# figure. Peers that are not installed are named in summary.md and skipped.
+# (SpecBench and the server run one plain/default pair per cell, so that the whole fits in an hour on 2 cores; pass
+# REPEATS=2 for A B B A pairs, about twice as long); nothing else may run beside it, since the host's speed is part of
+# every figure. Peers that are not installed are named in summary.md and skipped.
 #
 #   bash scripts/results.sh runs/results                      # every scenario
 #   bash scripts/results.sh runs/results specbench,memory     # some of them
@@ -22,6 +23,7 @@ all=quickstart,humaneval,specbench,serve,memory,floor
 wanted=",${2:-$all},"
 questions="${SPECBENCH_QUESTIONS:-../shared/data/spec_bench/question.jsonl}"
 bin=.venv/bin
+repeats="${REPEATS:-1}"
 failed=()
 
 run() {  # run NAME COMMAND...: the command's output to OUT/NAME.log; a failure is recorded, the others still run
@@ -56,11 +58,13 @@ if want humaneval; then
     fi
 fi
 if want specbench; then
-    run specbench "$bin/python" scripts/specbench.py --output "$out/specbench" --questions "$questions" -- \
+    run specbench "$bin/python" scripts/specbench.py --output "$out/specbench" --questions "$questions" \
+        --repeats "$repeats" -- \
         --quantize int8
 fi
 if want serve; then
-    run serve "$bin/python" scripts/specbench_serve.py --output "$out/serve" -- --quantize int8
+    run serve "$bin/python" scripts/specbench_serve.py --output "$out/serve" --repeats "$repeats" \
+        -- --quantize int8
 fi
 if want memory; then
     for width in int8 int4; do
