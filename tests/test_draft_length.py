@@ -150,7 +150,7 @@ def test_fixed_and_whole_prefill_budgets():
 
 
 def test_auto_prefill_chunk_takes_about_one_decode_round():
-    """Decode rounds of 0.06 s and 2.5 ms per prompt token: one new row reads 24 columns, two read 12 each,
+    """Plain decode steps of 0.06 s and 2.5 ms per prompt token: one new row reads 24 columns, two read 12 each,
     never fewer than the minimum; before anything is timed the first chunk is small."""
     budget = ChunkBudget("auto")
     assert budget.limit(1) == FIRST_AUTO_CHUNK
@@ -161,6 +161,20 @@ def test_auto_prefill_chunk_takes_about_one_decode_round():
     assert budget.limit(8) == MIN_AUTO_CHUNK
     budget.read(tokens=24, seconds=0.12)  # reading got slower (longer context): smaller chunks
     assert budget.limit(1) < 24
+
+
+def test_a_prompt_chunk_is_sized_by_the_plain_step_not_by_the_rounds_drafts():
+    """B = 8, rounds that verify drafts cost more than a plain step (0.3 s, and half of it again per draft column a
+    row): the planner's plain step, from which a prompt's chunk is sized, stays near 0.3 s whatever the rounds
+    drafted, so a long round does not also read a long chunk; before a round of that size was seen it is the round's
+    own seconds."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.0)
+    rows = [Sequence(i, [1, 2, 3], 10**6) for i in range(8)]
+    assert planner.plain_step_s(8, 0.7) == 0.7
+    for k in (0, 3, 2, 0, 4, 1, 3, 0, 2, 5) * 4:
+        seconds = 0.3 * (1 + 0.5 * k)
+        planner.observe(rows, RoundRecord([k] * 8, [0] * 8, [[False] * (k + 1)] * 8, [None] * 8, k, 0, seconds))
+        assert planner.plain_step_s(8, seconds) == pytest.approx(0.3, rel=0.15)
 
 
 @pytest.mark.parametrize(("lag", "budget", "drafts"), [(0, 16, True), (1999, 16, False), (1999, 2000, True)])

@@ -95,7 +95,7 @@ class Engine:
             proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
             record = _record(proposal, accepted, gained, reach, sampling, seconds, proposing)
             self.planner.observe(rows, replace(record, seconds=seconds - realigned, realign_seconds=realigned))
-            self.chunks.decoded(seconds)
+            self.chunks.decoded(self.planner.plain_step_s(len(rows), seconds))
         if self.config.check_invariants:
             for row in rows:
                 if not row.finished:

@@ -231,6 +231,10 @@ class FixedLength:
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         return None
 
+    def plain_step_s(self, rows: int, seconds: float) -> float:
+        """What a plain step of ``rows`` rows takes: the last round's ``seconds`` (no fit is kept here)."""
+        return seconds
+
 
 class AdaptiveLength:
     """Chooses each round's ``K`` for the highest expected tokens per second (see the module docstring)."""
@@ -352,6 +356,12 @@ class AdaptiveLength:
             return record.forwards
         self.read(caught_up, record.draft_seconds - fit.draft(record.forwards), draft=True)
         return 0
+
+    def plain_step_s(self, rows: int, seconds: float) -> float:
+        """What a plain step of ``rows`` rows takes: the fitted intercept ``c_0`` of their rounds' cost, or the last
+        round's ``seconds`` before any round of ``rows`` rows was observed."""
+        fit = self.fits.get(rows)
+        return seconds if fit is None or fit.start is None else fit.theta[0]
 
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         """Reading prompt columns (``tokens`` of them, over all rows) took one model ``seconds``.

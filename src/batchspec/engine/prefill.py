@@ -53,10 +53,11 @@ TIMING_DECAY = 0.5  # weight of earlier measurements in the running estimates
 
 class ChunkBudget:
     """Columns of new prompts a round may read while other rows decode: ``setting`` columns, all (None), or
-    (``"auto"``) the columns that take about as long to read as a decode round, from running estimates of the
-    seconds a decode round and a read prompt token take.
+    (``"auto"``) the columns that take about as long to read as a plain decode step, from running estimates of the
+    seconds a plain step and a read prompt token take. A plain step, not the round: a round whose drafts make it
+    longer would otherwise read a longer chunk too, and the gap its rows' clients wait would grow twice.
 
-    Example: decode rounds of 0.06 s and 2.5 ms per prompt token read: one new row reads 24 columns per round;
+    Example: plain steps of 0.06 s and 2.5 ms per prompt token read: one new row reads 24 columns per round;
     two new rows read 12 each.
     """
 
@@ -74,7 +75,7 @@ class ChunkBudget:
         return max(MIN_AUTO_CHUNK, round(self.round_s / (self.token_s * rows)))
 
     def decoded(self, seconds: float) -> None:
-        """A decode round took ``seconds``."""
+        """A plain decode step takes about ``seconds`` (the draft-length planner's estimate after each round)."""
         self.round_s = _mix(self.round_s, seconds)
 
     def read(self, tokens: int, seconds: float) -> None:
