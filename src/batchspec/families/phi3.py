@@ -1,0 +1,27 @@
+"""Phi-3 and Phi-4-mini (Microsoft, ``Phi3ForCausalLM``): Llama's layers with q, k and v in one weight (``qkv_proj``)
+and gate and up in one (``gate_up_proj``), split into a Llama's at quantization
+(:func:`batchspec.exact.integer.model.split_fused`: every output keeps its channel's weights); Phi-4-mini's rotary
+embedding is partial (``partial_rotary_factor`` 0.75: each head's first three quarters turn, over their halves as a
+Llama's, the rest pass through) and its output layer tied to the embedding.
+
+LongRoPE (``rope_type`` ``longrope``, Phi-3-*-128k's and Phi-4-mini's): transformers turns a forward's positions by the
+short factors while its last position is below ``original_max_position_embeddings``, by the long ones once it is past
+(so a position's cos and sin depend on the sequence's length there). batchspec's exact model decodes with the short
+factors' table up to that length and refuses positions past it
+(:func:`batchspec.exact.integer.rotary.exact_positions`): up to it, its output is transformers' generate's.
+
+A ``sliding_window`` in the config (Phi-3-mini-4k's 2047) makes every layer attend over that window, as Mistral's
+does: transformers' Phi-3 builds the same sliding-window mask. A GGUF file's Phi-3 is refused (batchspec reads
+Llama's GGUF layout only)."""
+
+from typing import Any
+
+from batchspec.families.base import Family, Plan, one_window
+
+
+def _plan(config: Any) -> Plan:
+    window = getattr(config, "sliding_window", None)
+    return Plan(window=int(window) if window else None)
+
+
+FAMILY = Family("phi3", ("phi3",), plan=_plan, refuse=one_window)
