@@ -55,10 +55,10 @@ from batchspec.exact.integer.rotary import (
     RotaryTable,
     correctly_rounded,
     correctly_rounded_frequencies,
-    exact_positions,
     mp_rounded,
 )
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
+from batchspec.families import positions_of
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -209,8 +209,8 @@ def test_longrope_holds_the_short_factors_table_up_to_the_original_length_and_re
     model = tiny_models.build_phi3(seed=1).float()
     check_quantizable(model)
     rotary, config = model.model.rotary_emb, model.config
-    assert exact_positions(config) == 256 and config.max_position_embeddings == 512
-    table = RotaryTable(rotary, exact_positions(config), torch.float32)
+    assert positions_of(config) == 256 and config.max_position_embeddings == 512
+    table = RotaryTable(rotary, positions_of(config), torch.float32)
     x = torch.zeros(1, dtype=torch.float32)
     short = rotary(x, torch.arange(256)[None])  # [1, 256, R] each: the short factors
     long = rotary(x, torch.arange(257)[None])  # reaching past: the long factors at every position

@@ -72,9 +72,12 @@ def one_window(config: Any) -> str | None:
 @dataclass(frozen=True)
 class Family:
     """One family: its ``model_type`` names, why one of its configs is refused (:func:`full_attention` unless it
-    says otherwise) and its :class:`Plan`."""
+    says otherwise), its :class:`Plan`, and ``context``: the positions past which it decodes a model of a config
+    no longer as transformers' generate does (a prompt and its new tokens must fit in them; Phi-3's LongRoPE), or
+    None where the family sets no such bound."""
 
     name: str
     model_types: tuple[str, ...]
     plan: Callable[[Any], Plan] = field(default=lambda config: Plan())
     refuse: Callable[[Any], str | None] = full_attention
+    context: Callable[[Any], int | None] = field(default=lambda config: None)

@@ -4,11 +4,13 @@ and gate and up in one (``gate_up_proj``), split into a Llama's at quantization
 embedding is partial (``partial_rotary_factor`` 0.75: each head's first three quarters turn, over their halves as a
 Llama's, the rest pass through) and its output layer tied to the embedding.
 
-LongRoPE (``rope_type`` ``longrope``, Phi-3-*-128k's and Phi-4-mini's): transformers turns a forward's positions by the
-short factors while its last position is below ``original_max_position_embeddings``, by the long ones once it is past
-(so a position's cos and sin depend on the sequence's length there). batchspec's exact model decodes with the short
-factors' table up to that length and refuses positions past it
-(:func:`batchspec.exact.integer.rotary.exact_positions`): up to it, its output is transformers' generate's.
+LongRoPE (``rope_type`` ``longrope``, Phi-3-*-128k's and Phi-4-mini's): transformers turns every position of a forward
+by the short factors while the forward's last position is below ``original_max_position_embeddings``, and by the long
+ones once it reaches it (the keys cached before keep the short ones), so past that length a position's cos and sin
+depend on the forward that reads it, and no batched decoding equals generate's. batchspec's rule: a prompt and its new
+tokens must fit in ``original_max_position_embeddings`` positions (:attr:`Family.context`; ``batchspec.generate`` and
+the server refuse a request that does not, and the exact model's rotary table holds the short factors' positions
+alone, :func:`batchspec.families.positions_of`): every forward then turns by the short factors, as generate's do.
 
 A ``sliding_window`` in the config (Phi-3-mini-4k's 2047) makes every layer attend over that window, as Mistral's
 does: transformers' Phi-3 builds the same sliding-window mask. A GGUF file's Phi-3 is refused (batchspec reads
@@ -24,4 +26,11 @@ def _plan(config: Any) -> Plan:
     return Plan(window=int(window) if window else None)
 
 
-FAMILY = Family("phi3", ("phi3",), plan=_plan, refuse=one_window)
+def _context(config: Any) -> int | None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return None
+    return int(rope.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+
+
+FAMILY = Family("phi3", ("phi3",), plan=_plan, refuse=one_window, context=_context)

@@ -46,16 +46,17 @@ from batchspec.exact.integer.linear import (
     QuantizedMLP,
     SharedQuantization,
 )
-from batchspec.exact.integer.rotary import RotaryTable, exact_positions
+from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
+from batchspec.families import positions_of
 from batchspec.memory import give_back_freed_memory
 from batchspec.model_checks import check_model
 
 logger = logging.getLogger(__name__)
 
 # rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does); LongRoPE's
-# do up to its original_max_position_embeddings, the positions its table holds (rotary.exact_positions)
+# do up to its original_max_position_embeddings, the positions its table holds (batchspec.families.positions_of)
 STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -305,7 +306,7 @@ def _as_held(name: str, tensor: torch.Tensor, part: slice | None = None) -> torc
 
 def _calibration(model: Any, tokenizer: Any | None, compute: torch.dtype, fresh: Fresh) -> dict[torch.nn.Module, dict]:
     """:func:`calibration_peaks` of the exact int8 model before smoothing (swapped in, then out again)."""
-    ids = calibration_ids(tokenizer, model.config.vocab_size)[: exact_positions(model.config)]  # the table's
+    ids = calibration_ids(tokenizer, model.config.vocab_size)[: positions_of(model.config)]  # the table's
     make, replaced = _int8_maker(compute, fresh), []
     for name, layer in _named_layers(model):
         replaced += _swap(layer, make, compute, head=False, prefix=f"{name}.")
@@ -404,7 +405,7 @@ def _swap(root: torch.nn.Module, make: Maker, compute: torch.dtype, head: bool,
     is exact already is left), each linear layer as ``make(qualified name, layer)`` makes it; returns what was
     replaced (setting it back in reverse undoes the swap)."""
     config = getattr(root, "config", None)
-    positions = exact_positions(config) if config is not None else 0
+    positions = positions_of(config) if config is not None else 0
     return swap_layers(root, lambda name, child: _replacement(name, child, positions, compute, head, make), prefix)
 
 

@@ -13,15 +13,15 @@ logits, had other bits on a CPU without AVX2. :class:`RotaryTable` holds instead
 * for position ``p`` and frequency ``f``, the float32 angle ``f * p`` as transformers rounds it, its cosine and sine
   correctly rounded (:func:`correctly_rounded`), times the module's ``attention_scaling``.
 
-A table holds :func:`exact_positions` positions and refuses a position past them. Where the rope's
-``partial_rotary_factor`` is below 1 its rows are as narrow as the part of a head that turns (``2 * len(inv_freq)``).
+A table holds the positions :func:`batchspec.families.positions_of` gives and refuses a position past them. Where the
+rope's ``partial_rotary_factor`` is below 1 its rows are as narrow as the part of a head that turns
+(``2 * len(inv_freq)``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import mpmath
 import torch
@@ -47,24 +47,8 @@ class RotaryTable(torch.nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids.numel() and int(position_ids.max()) >= self.cos.shape[0]:
             raise ValueError(f"position {int(position_ids.max())} is past the {self.cos.shape[0]} positions this "
-                             "model's exact rotary embedding holds (batchspec.exact.integer.rotary.exact_positions)")
+                             "model's exact rotary embedding holds (batchspec.families.positions_of)")
         return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)  # [B, S, R] each
-
-
-def exact_positions(config: Any) -> int:
-    """The positions a model of ``config`` is decoded at with a rotary embedding of the position alone: its
-    ``max_position_embeddings``, and for LongRoPE (Phi-3's ``longrope``) at most its
-    ``original_max_position_embeddings``. transformers turns every position of a forward by LongRoPE's short factors
-    while the forward's last position is below that length, and by its long factors once it reaches it (the cache's
-    earlier keys keep the short ones): up to it, a position's cos and sin are the short factors' whatever the batch or
-    the forward, and batchspec equals transformers' generate; past it, no rule of the position alone does, so
-    batchspec's exact model holds the short factors' table up to it and refuses positions past it."""
-    positions = int(config.max_position_embeddings)
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "longrope":
-        original = rope.get("original_max_position_embeddings") or config.original_max_position_embeddings
-        positions = min(positions, int(original))
-    return positions
 
 
 def correctly_rounded_frequencies(rotary: torch.nn.Module) -> torch.Tensor:
