@@ -172,6 +172,9 @@ def _unsupported(model: Any) -> str | None:
     size = decoder.layers[0].self_attn.head_dim
     if size > native.MAX_HEAD_SIZE:
         return f"its heads of {size} values are larger than the native attention's {native.MAX_HEAD_SIZE}"
+    rotated = decoder.rotary_emb.cos.shape[-1]  # a head's values that turn (fewer: partial rotary)
+    if rotated > size or rotated % 2:
+        return f"its rotary embedding turns {rotated} values of heads of {size}, not an even number at most that"
     widths = {(m.self_attn.q_proj.out_features, m.self_attn.k_proj.out_features) for m in decoder.layers}
     if len(widths) != 1 or any(width % size for width in next(iter(widths))):
         return "its layers' attention widths differ or are not whole heads"
