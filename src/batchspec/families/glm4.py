@@ -3,7 +3,8 @@ attention and the MLP as a Llama's, and on each of their outputs before the resi
 ``post_mlp_layernorm``), gate and up in one weight (``gate_up_proj``, split into a Llama's two at quantization:
 :func:`batchspec.exact.integer.model.split_fused`) and a partial rotary embedding that turns adjacent pairs: each
 head's first ``head_dim * partial_rotary_factor`` values (half, by default) turn as pairs ``(x[2i], x[2i + 1])`` by
-frequency ``i``, the rest pass through. A GGUF file's GLM-4 is refused (batchspec reads Llama's GGUF layout only)."""
+frequency ``i``, the rest pass through. The integer model is not made from a GGUF file's GLM-4 (its fused tensors'
+blocks are not read, ``models/gguf_weights.py``: load the safetensors checkpoint)."""
 
 from batchspec.families.base import Family, Norms, Plan
 

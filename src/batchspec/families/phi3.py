@@ -13,8 +13,8 @@ the server refuse a request that does not, and the exact model's rotary table ho
 alone, :func:`batchspec.families.positions_of`): every forward then turns by the short factors, as generate's do.
 
 A ``sliding_window`` in the config (Phi-3-mini-4k's 2047) makes every layer attend over that window, as Mistral's
-does: transformers' Phi-3 builds the same sliding-window mask. A GGUF file's Phi-3 is refused (batchspec reads
-Llama's GGUF layout only)."""
+does: transformers' Phi-3 builds the same sliding-window mask. The integer model is not made from a GGUF file's
+Phi-3 (its fused tensors' blocks are not read, ``models/gguf_weights.py``: load the safetensors checkpoint)."""
 
 from typing import Any
 
