@@ -252,3 +252,17 @@ def test_vocab_mismatch_rejected(vocab_size, bs, llama):
     draft = _different_vocab_draft(vocab_size)
     with pytest.raises(ValueError, match="(?i)vocab"):
         bs.generate(llama.target, draft, PROMPTS, method="eqspec", max_new_tokens=4, check_invariants=True)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_request_past_its_familys_context_is_rejected(role, bs, llama):
+    """Phi-3 with LongRoPE is decoded within its original_max_position_embeddings (256 of the tiny model's 512
+    positions; batchspec.families.phi3): a prompt and its new tokens that fit are decoded, one position more is
+    refused before any work, whichever of target and draft it is."""
+    phi3 = tiny_models.build_phi3(seed=1)
+    target, draft = (phi3, llama.target) if role == "target" else (llama.target, phi3)
+    prompts = [[3] * 250, [5, 6]]
+    fitting = bs.generate(target, draft, prompts, method="eqspec", max_new_tokens=6, num_draft_tokens=2)
+    assert [len(row) for row in fitting.sequences] == [6, 6]
+    with pytest.raises(ValueError, match=r"prompts\[0\] \(250 tokens\) and max_new_tokens=7 take more than the 256"):
+        bs.generate(target, draft, prompts, method="eqspec", max_new_tokens=7, num_draft_tokens=2)

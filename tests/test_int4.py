@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tiny_models
 import torch
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ragged import alone_one_token_at_a_time, draw_ragged, ragged_forwards
@@ -29,6 +29,7 @@ from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
 from batchspec.exact.integer.int4 import Int4Weight, from_float, from_gguf, int4_product, quantize_blocks
 from batchspec.exact.integer.linear import Int4Linear, Int8Linear, gated
 from batchspec.exact.integer.model import exact_rms_norm
+from batchspec.models.gguf_weights import GgufOrigin, GgufWeights
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
           for name in native.ISAS]
@@ -369,3 +370,20 @@ def test_the_gguf_index_reads_what_ggufs_reader_reads(tmp_path):
         ours = index.tensors[tensor.name]
         assert ours.kind == tensor.tensor_type.name and ours.shape == tuple(int(d) for d in reversed(tensor.shape))
         assert np.array_equal(ours.read().reshape(-1), np.asarray(tensor.data).reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "glm4"])
+def test_a_gguf_file_of_a_family_with_fused_projections_is_refused(arch, tmp_path):
+    """Phi-3's and GLM-4's GGUF files hold their fused projections as llama.cpp lays them out, which the integer model
+    (its projections split from a checkpoint's, batchspec.exact.integer.model.split_fused) does not read: refused
+    with a sentence that names the safetensors checkpoint."""
+    path = tmp_path / f"{arch}.gguf"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="load its safetensors checkpoint instead"):
+        GgufWeights(GgufOrigin(path), torch.nn.Linear(1, 1))

@@ -40,7 +40,7 @@ from batchspec.exact.integer.arithmetic import (
 )
 from batchspec.exact.integer.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
 from batchspec.exact.integer.linear import Int8Linear
-from batchspec.exact.integer.model import exact_rms_norm
+from batchspec.exact.integer.model import check_quantizable, exact_rms_norm, split_fused
 from batchspec.exact.integer.product import (
     KERNELS,
     activation_codes,
@@ -58,6 +58,7 @@ from batchspec.exact.integer.rotary import (
     mp_rounded,
 )
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
+from batchspec.families import positions_of
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -198,6 +199,50 @@ def test_every_static_rope_type_gets_its_frequencies_with_pow_correctly_rounded(
         got = correctly_rounded_frequencies(rotary)
     assert calls, "the rope function's base ** exponents went past the correctly rounded pow"
     torch.testing.assert_close(got, rotary.inv_freq, rtol=2.0**-22, atol=0.0)
+
+
+def test_longrope_holds_the_short_factors_table_up_to_the_original_length_and_refuses_past_it():
+    """Phi-3's LongRoPE: transformers turns a forward whose last position is below
+    ``original_max_position_embeddings`` (256 here, of 512) by the short factors, and every position of one that
+    reaches past it by the long ones. The exact table holds the short factors' 256 positions, as wide as the part of a
+    head that turns (partial rotary), and refuses position 256."""
+    model = tiny_models.build_phi3(seed=1).float()
+    check_quantizable(model)
+    rotary, config = model.model.rotary_emb, model.config
+    assert positions_of(config) == 256 and config.max_position_embeddings == 512
+    table = RotaryTable(rotary, positions_of(config), torch.float32)
+    x = torch.zeros(1, dtype=torch.float32)
+    short = rotary(x, torch.arange(256)[None])  # [1, 256, R] each: the short factors
+    long = rotary(x, torch.arange(257)[None])  # reaching past: the long factors at every position
+    size = model.model.layers[0].self_attn.head_dim
+    assert table.cos.shape == (256, 2 * rotary.inv_freq.numel()) and table.cos.shape[1] < size
+    for got, want in zip(table(x, torch.arange(256)[None]), short, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert not torch.allclose(long[0][:, 1:256], short[0][:, 1:])
+    with pytest.raises(ValueError, match="past the 256 positions"):
+        table(x, torch.tensor([[3, 256]]))
+
+
+def test_split_projections_give_the_fused_layers_bits():
+    """Phi-3's qkv_proj and gate_up_proj split into a Llama's layers (:func:`split_fused`): each part's int8 product
+    is the fused weight's int8 product at its outputs, and the attention's qkv_proj still gives the three side by
+    side."""
+    model = tiny_models.build_phi3(seed=1, hidden_size=128, intermediate_size=192).float()
+    layer = model.model.layers[0]
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    fused_qkv, fused_gate_up = Int8Linear(layer.self_attn.qkv_proj), Int8Linear(layer.mlp.gate_up_proj)
+    want_qkv, want_gate_up = fused_qkv(x), fused_gate_up(x)
+    split_fused(model)
+    layer = model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    assert {name for name, _ in attention.named_children()} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    parts = [Int8Linear(p) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
+    assert torch.equal(torch.cat([part(x) for part in parts], -1), want_qkv)
+    assert torch.equal(torch.cat([Int8Linear(p)(x) for p in (mlp.gate_proj, mlp.up_proj)], -1), want_gate_up)
+    torch.testing.assert_close(attention.qkv_proj(x), torch.cat([p(x) for p in (attention.q_proj, attention.k_proj,
+                                                                                attention.v_proj)], -1))
+    copied = copy.deepcopy(attention)
+    assert copied.qkv_proj.owner is copied
 
 
 def test_correctly_rounded_pow_rounds_every_element_to_the_nearest_float32():

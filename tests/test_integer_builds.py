@@ -42,7 +42,7 @@ from batchspec.exact.integer.model import exact_rms_norm
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
           for name in native.ISAS]
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4")
 THREADS = (1, 2, 16)
 
 
@@ -243,10 +243,12 @@ def test_each_builds_attention_gives_the_torch_paths_bits(isa, kv_heads, group, 
 @pytest.fixture(scope="module")
 def float32_models() -> dict[str, torch.nn.Module]:
     """``kind -> tiny float32 target`` (Qwen2's projections have biases, Qwen3's heads their own norms; SmolLM3's layers
-    without rotary, Granite's multipliers, OLMo 2's norms on the outputs)."""
+    without rotary, Granite's multipliers, OLMo 2's norms on the outputs; Phi-3's fused projections, partial rotary
+    and LongRoPE, GLM-4's four norms and partial rotary over pairs)."""
     builders = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
                 "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
-                "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2}
+                "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2,
+                "phi3": tiny_models.build_phi3, "glm4": tiny_models.build_glm4}
     return {kind: builders[kind](seed=5).float() for kind in KINDS}
 
 
@@ -549,8 +551,12 @@ def _every_call_on(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     ]
     query, keys, values = torch.empty(1, 2, 3, 8), *(torch.zeros(1, 1, 3, 32, dtype=torch.int16) for _ in "kv")
     native.rotary_into(t["q"], t["k"], t["v"], t["cos"], t["sin"], query, keys, values, 32767)
+    partial = torch.empty(1, 2, 3, 8), *(torch.zeros(1, 1, 3, 32, dtype=torch.int16) for _ in "kv")  # GLM-4's
+    native.rotary_into(t["q"], t["k"], t["v"], t["cos"][..., :6].contiguous(), t["sin"][..., :6].contiguous(), *partial,
+                       32767, pairs=True)
     visible = torch.ones(1, 1, 3, 9, dtype=torch.bool)
-    return [*out, query, keys, values, native.attention(t["query"], t["keys"], t["values"], visible, 0.16, 32767, c)]
+    attended = native.attention(t["query"], t["keys"], t["values"], visible, 0.16, 32767, c)
+    return [*out, query, keys, values, *partial, attended]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -21,7 +21,9 @@ import tiny_models
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as glm4_rotary
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
 
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.runner import ModelRunner, cache_keyword
@@ -36,15 +38,17 @@ from batchspec.exact.integer.model import exact_rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4")
 # widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
 
 BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
             "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
-            "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2,
-            "mistral-window": lambda seed, **kw: tiny_models.build_mistral(seed, sliding_window=7, **kw)}
+            "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2, "phi3": tiny_models.build_phi3,
+            "glm4": tiny_models.build_glm4,
+            "mistral-window": lambda seed, **kw: tiny_models.build_mistral(seed, sliding_window=7, **kw),
+            "phi3-window": lambda seed, **kw: tiny_models.build_phi3(seed, sliding_window=7, **kw)}
 
 
 @pytest.fixture(scope="module")
@@ -87,17 +91,26 @@ def int4_models() -> dict[tuple[str, bool], torch.nn.Module]:
 
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 3), seq=st.integers(1, 5), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
-       size=st.sampled_from([2, 6, 16, 64]), seed=st.integers(0, 2**16))
-def test_rotary_into_gives_transformers_rotation_and_the_caches_packing(batch, seq, kv_heads, group, size, seed):
+       size=st.sampled_from([2, 6, 16, 64]), part=st.floats(0.0, 1.0), pairs=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_rotary_into_gives_transformers_rotation_and_the_caches_packing(batch, seq, kv_heads, group, size, part,
+                                                                        pairs, seed):
+    """Every head's first ``rotated`` values turned (partial rotary: the rest pass through), over halves as Phi-3's
+    ``apply_rotary_pos_emb`` turns them (a Llama's where all turn) or over adjacent pairs as GLM-4's does."""
     generator = torch.Generator().manual_seed(seed)
-    heads = kv_heads * group
+    heads, rotated = kv_heads * group, max(2, 2 * round(part * size / 2))
     q, k, v = (torch.randn(batch, seq, h, size, generator=generator) * 3 for h in (heads, kv_heads, kv_heads))
-    cos, sin = (torch.randn(batch, seq, size, generator=generator) for _ in range(2))
+    cos, sin = (torch.randn(batch, seq, rotated, generator=generator) for _ in range(2))
     width = packed_width(size)
     store = torch.zeros(2, batch, kv_heads, seq + 3, width, dtype=torch.int16)  # [2, B, Hk, C, W], strided writes
     query = torch.empty(batch, heads, seq, size)
-    native.rotary_into(q, k, v, cos, sin, query, store[0, :, :, 2 : 2 + seq], store[1, :, :, 2 : 2 + seq], QKV_LEVELS)
-    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, S, D] each
+    native.rotary_into(q, k, v, cos, sin, query, store[0, :, :, 2 : 2 + seq], store[1, :, :, 2 : 2 + seq], QKV_LEVELS,
+                       pairs)
+    rotation = glm4_rotary if pairs else phi3_rotary
+    want_q, want_k = rotation(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, S, D] each
+    if rotated == size and not pairs:
+        assert all(torch.equal(a, b) for a, b in zip((want_q, want_k), apply_rotary_pos_emb(
+            q.transpose(1, 2), k.transpose(1, 2), cos, sin), strict=True))
     assert torch.equal(query, want_q)
     assert torch.equal(store[0, :, :, 2 : 2 + seq], pack(want_k))
     assert torch.equal(store[1, :, :, 2 : 2 + seq], pack(v.transpose(1, 2)))
@@ -349,12 +362,13 @@ def test_threads_that_meet_a_new_model_share_one_forward_made_once(monkeypatch):
     assert first is not None and first is second and made == [model]
 
 
-@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window"])
+@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window", "phi3", "phi3-window", "glm4"])
 @pytest.mark.parametrize("width", ["int8", "int4"])
 def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, reference):
     """A family whose layers depart from a Llama's (batchspec.families: SmolLM3's layers without a rotary embedding,
-    Granite's multipliers, OLMo 2's norms on the outputs and over whole projections, Mistral's sliding window of 7 over
-    prompts of up to 24 tokens) runs on the fused forward,
+    Granite's multipliers, OLMo 2's norms on the outputs and over whole projections, Mistral's and Phi-3's sliding
+    window of 7 over prompts of up to 24 tokens, Phi-3's fused projections, partial rotary and LongRoPE's short
+    factors, GLM-4's four norms, biases and partial rotary over pairs) runs on the fused forward,
     and EqSpec with a perturbed draft of its own family gives each prompt the model's own greedy output (transformers
     building its own sliding-window mask), in int8 and int4."""
     target = quantize_model(BUILDERS[kind](seed=5, **STACKABLE).float(), width=width)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    Glm4Config,
+    Glm4ForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -32,6 +34,8 @@ from transformers import (
     MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -133,6 +137,41 @@ def build_olmo2(seed: int = 0, **overrides) -> Olmo2ForCausalLM:
     """OLMo 2: norms on the attention's and the MLP's outputs, none before them, q and k normed whole."""
     torch.manual_seed(seed)
     return _finish(Olmo2ForCausalLM(Olmo2Config(**_common_config_kwargs(**overrides))))
+
+
+def build_phi3(seed: int = 0, **overrides) -> Phi3ForCausalLM:
+    """Phi-3 as Phi-4-mini is: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.75 of each head where
+    that many values pair up, else half), LongRoPE with short and long factors away from 1 (its attention factor from
+    max_position_embeddings over an original_max_position_embeddings of half of it) and a tied output layer."""
+    kw = {"tie_word_embeddings": True, **_common_config_kwargs(**overrides)}
+    head = kw["hidden_size"] // kw["num_attention_heads"]
+    factor = 0.75 if int(head * 0.75) % 2 == 0 else 0.5
+    pairs = range(int(head * factor) // 2)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": factor,
+            "short_factor": [1.0 + 0.05 * i for i in pairs], "long_factor": [1.5 + 0.4 * i for i in pairs],
+            "original_max_position_embeddings": kw["max_position_embeddings"] // 2}
+    cfg = Phi3Config(rope_parameters=rope, original_max_position_embeddings=kw["max_position_embeddings"] // 2, **kw)
+    torch.manual_seed(seed)
+    return _finish(Phi3ForCausalLM(cfg))
+
+
+def build_glm4(seed: int = 0, **overrides) -> Glm4ForCausalLM:
+    """GLM-4: four norms a layer (two on the attention's and the MLP's outputs), q, k and v with a bias, a fused
+    gate_up_proj and half of each head turned over adjacent pairs. The norms' weights and the biases are drawn away
+    from their initial ones and zeros; no EOS."""
+    kw = _common_config_kwargs(**overrides)
+    cfg = Glm4Config(head_dim=kw["hidden_size"] // kw["num_attention_heads"], attention_bias=True, **kw)
+    cfg.eos_token_id = None  # its class puts GLM-4's own ids, past this vocabulary, in place of None
+    torch.manual_seed(seed)
+    model = Glm4ForCausalLM(cfg)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.normal_(0.0, 0.3)
+    return _finish(model)
 
 
 _BUILDERS = {"llama": build_llama, "qwen2": build_qwen2, "qwen3": build_qwen3, "mistral": build_mistral}

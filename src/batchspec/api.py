@@ -25,6 +25,7 @@ from batchspec.engine import (
     drive,
     make_scheduler,
 )
+from batchspec.families import context_limit
 from batchspec.model_checks import vocab_size
 from batchspec.run import RunConfig, build_run, resolve_loaded
 
@@ -146,6 +147,7 @@ def generate_with(
     sampling = sampling or SamplingParams()
     engine = build_run(run, target, draft)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
+    _check_context([target, draft], token_prompts, max_new_tokens)
     seeds = derive_row_seeds(seed, len(token_prompts))
     requests = [
         GenerationParams(prompt=p, max_tokens=max_new_tokens, sampling=sampling, penalties=penalties or Penalties(),
@@ -163,6 +165,20 @@ def generate_with(
         logprobs=None if logprobs is None else [s.token_logprobs for s in sequences],
         prompt_logprobs=None if prompt_logprobs is None else [s.prompt_token_logprobs for s in sequences],
     )
+
+
+def _check_context(models: list[torch.nn.Module | None], prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Raise ValueError where a prompt and its ``max_new_tokens`` do not fit in the positions a model's family bounds
+    them to (:func:`~batchspec.families.context_limit`: Phi-3's LongRoPE, past whose original length no batched
+    decoding equals transformers' generate)."""
+    for model in models:
+        limit = None if model is None else context_limit(model.config)
+        for i, prompt in enumerate(prompts if limit is not None else []):
+            if len(prompt) + max_new_tokens > limit:
+                raise ValueError(
+                    f"prompts[{i}] ({len(prompt)} tokens) and max_new_tokens={max_new_tokens} take more than the "
+                    f"{limit} positions {type(model).__name__} is decoded at exactly (its family's bound: "
+                    "batchspec.families.context_limit)")
 
 
 def _decode(engine: Engine, sequences: list[Sequence], progress: bool) -> None:

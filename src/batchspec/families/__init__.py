@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchspec.families import granite, llama, mistral, olmo2, qwen2, qwen3, smollm3
+from batchspec.families import glm4, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
 from batchspec.families.base import Family, Norms, Plan
 
 FAMILIES: tuple[Family, ...] = tuple(
-    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2)
+    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2, phi3, glm4)
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(kind for family in FAMILIES for kind in family.model_types)
 
-__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Norms", "Plan", "attention_window", "family_of", "plan_of"]
+__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Norms", "Plan", "attention_window", "context_limit",
+           "family_of", "plan_of", "positions_of"]
 
 
 def family_of(config: Any) -> Family | None:
@@ -38,3 +39,17 @@ def plan_of(config: Any) -> Plan:
 def attention_window(config: Any) -> int | None:
     """The sliding window every layer of a model of ``config`` attends over (:attr:`Plan.window`), or None."""
     return plan_of(config).window
+
+
+def context_limit(config: Any) -> int | None:
+    """The positions a prompt and its new tokens must fit in for a model of ``config`` where its family bounds them
+    (:attr:`Family.context`: Phi-3's LongRoPE), else None."""
+    family = family_of(config)
+    return None if family is None else family.context(config)
+
+
+def positions_of(config: Any) -> int:
+    """The positions a model of ``config`` is decoded at, at most: its ``max_position_embeddings``, or
+    :func:`context_limit` where that is smaller."""
+    positions, limit = int(config.max_position_embeddings), context_limit(config)
+    return positions if limit is None else min(positions, limit)

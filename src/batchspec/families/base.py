@@ -32,6 +32,10 @@ class Plan:
         window: every layer attends over the last ``window`` positions, its own included (a sliding window, as
             transformers' ``sliding_window`` means it); None: over every position before it.
         norms: where each layer's RMSNorms sit (:class:`Norms`).
+        rotary_pairs: the rotary embedding turns each head's adjacent pairs ``(x[2i], x[2i + 1])`` by frequency
+            ``i`` (GLM-4's), where a Llama's turns ``x[i]`` with ``x[i + R/2]``. Either turns a head's first ``R``
+            values only where the rope's ``partial_rotary_factor`` is below 1 (``R``: the width of the rotary
+            embedding's cos and sin), the others passing through.
     """
 
     rotary: tuple[bool, ...] | None = None
@@ -40,6 +44,7 @@ class Plan:
     logits_divisor: float = 1.0
     window: int | None = None
     norms: Norms = field(default_factory=Norms)
+    rotary_pairs: bool = False
 
 
 def full_attention(config: Any) -> str | None:
@@ -67,9 +72,12 @@ def one_window(config: Any) -> str | None:
 @dataclass(frozen=True)
 class Family:
     """One family: its ``model_type`` names, why one of its configs is refused (:func:`full_attention` unless it
-    says otherwise) and its :class:`Plan`."""
+    says otherwise), its :class:`Plan`, and ``context``: the positions past which it decodes a model of a config
+    no longer as transformers' generate does (a prompt and its new tokens must fit in them; Phi-3's LongRoPE), or
+    None where the family sets no such bound."""
 
     name: str
     model_types: tuple[str, ...]
     plan: Callable[[Any], Plan] = field(default=lambda config: Plan())
     refuse: Callable[[Any], str | None] = full_attention
+    context: Callable[[Any], int | None] = field(default=lambda config: None)

@@ -170,6 +170,10 @@ class GgufWeights:
         index = gguf_index(origin.path, origin.path.stat().st_mtime_ns)
         self.arch, self.tensors = index.arch, index.tensors
         key = next((k for k, v in MODEL_ARCH_NAMES.items() if v == self.arch), None)
+        if self.arch in FUSED_ARCHITECTURES:
+            raise ValueError(f"{origin.path.name}: a GGUF file of {self.arch} holds fused q, k, v or gate, up tensors "
+                             "(split at quantization from a checkpoint's, not from a file's blocks); load its "
+                             "safetensors checkpoint instead")
         if key is None:
             raise ValueError(f"{origin.path.name}: gguf knows no architecture {self.arch!r}")
         self.names = get_tensor_name_map(key, index.blocks)
@@ -219,6 +223,9 @@ class GgufWeights:
         return config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
 
 
+# GGUF architectures of the families whose projections batchspec splits (Phi-3's qkv and gate_up, GLM-4's gate_up;
+# batchspec.exact.integer.model.split_fused): their file blocks are not read
+FUSED_ARCHITECTURES = ("phi3", "glm4")
 UNQUANTIZED = ("F32", "F16", "BF16", "F64")  # GGUF types a table takes as many bytes in as a dense one
 
 

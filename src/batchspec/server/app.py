@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchspec.engine import make_scheduler
+from batchspec.families import positions_of
 from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
 from batchspec.run import RunConfig, build_run, resolve_loaded
@@ -99,9 +100,10 @@ def build_state(models: ModelPair, config: ServerConfig, run: RunConfig | None =
 
 
 def context_length(target: Any, draft: Any | None) -> int:
-    """Positions both models can attend over: the smaller ``max_position_embeddings``."""
+    """Positions both models can attend over: the smaller of their :func:`~batchspec.families.positions_of`
+    (``max_position_embeddings``, or fewer where a family bounds them)."""
     models = [m for m in (target, draft) if m is not None]
-    return min(int(m.config.get_text_config().max_position_embeddings) for m in models)
+    return min(positions_of(m.config.get_text_config()) for m in models)
 
 
 def prompt_reader(models: ModelPair, state: ServingState) -> PromptReader:

@@ -172,6 +172,9 @@ def _unsupported(model: Any) -> str | None:
     size = decoder.layers[0].self_attn.head_dim
     if size > native.MAX_HEAD_SIZE:
         return f"its heads of {size} values are larger than the native attention's {native.MAX_HEAD_SIZE}"
+    rotated = decoder.rotary_emb.cos.shape[-1]  # a head's values that turn (fewer: partial rotary)
+    if rotated > size or rotated % 2:
+        return f"its rotary embedding turns {rotated} values of heads of {size}, not an even number at most that"
     widths = {(m.self_attn.q_proj.out_features, m.self_attn.k_proj.out_features) for m in decoder.layers}
     if len(widths) != 1 or any(width % size for width in next(iter(widths))):
         return "its layers' attention widths differ or are not whole heads"
@@ -259,7 +262,7 @@ class IntegerForward:
         embedded = self.embed(input_ids)  # [B, S, H]
         if self.recipe.embedding_multiplier != 1.0:
             embedded = embedded * self.recipe.embedding_multiplier
-        cos, sin = self.rotary(embedded, positions)  # [B, S, D] each
+        cos, sin = self.rotary(embedded, positions)  # [B, S, R] each: R of a head's D values turn
         x = rows.take(embedded.view(batch * seq, -1))  # [N, H], the layers' input and output
         x = (x.clone() if rows.index is None else x).contiguous()
         made = plan.buffers(self.widths, x.shape[0], batch, seq, QUERY_CHUNK, rows.index is not None)
@@ -280,7 +283,8 @@ class IntegerForward:
         call = plan.Decoder(n=x.shape[0], batch=rows.batch, seq=rows.seq, hidden=x.shape[1], heads=self.heads,
                             kv_heads=self.kv_heads, size=self.size, width=store.shape[-1], start=start, end=end,
                             chunk=QUERY_CHUNK, threads=torch.get_num_threads(), cos=cos.data_ptr(),
-                            sin=sin.data_ptr(), visible=visible.data_ptr(), store=store.data_ptr(),
+                            sin=sin.data_ptr(), rotated=cos.shape[-1], pairs=int(self.recipe.rotary_pairs),
+                            visible=visible.data_ptr(), store=store.data_ptr(),
                             levels=QKV_LEVELS, coefficients=ctypes.addressof(native.float_table(EXP2_COEFFICIENTS)))
         if rows.index is not None:
             made["index"] = rows.index.to(torch.int64).contiguous()  # [N]
@@ -294,11 +298,12 @@ class IntegerForward:
 
 def _laid_out(module: torch.nn.Module, norms: Norms) -> bool:
     """Whether a decoder layer is laid out as its family's plan says (an attention, an MLP and the ``norms``), on the
-    integer modules, with no other part."""
+    integer modules, with no other part (but dropouts that pass their input through: Phi-3's, in eval mode)."""
     attention = getattr(module, "self_attn", None)
     named = [name for name in dataclasses.astuple(norms) if name is not None]
     parts = {"self_attn", "mlp"} | set(named)
-    if {name for name, _ in module.named_children()} != parts or attention is None:
+    children = {name for name, child in module.named_children() if not _passes_through(child)}
+    if children != parts or attention is None:
         return False
     names = {name for name, _ in attention.named_children()}
     if not names <= _ATTENTION_PARTS or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:
@@ -313,6 +318,11 @@ def _laid_out(module: torch.nn.Module, norms: Norms) -> bool:
     linears += [module.mlp.gate_proj, module.mlp.up_proj, module.mlp.down_proj]
     return (all(_native(linear) for linear in linears) and hasattr(attention, "scaling")
             and all(isinstance(norm, ExactRMSNorm) for norm in layer_norms))
+
+
+def _passes_through(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a dropout that gives its input as it is (in eval mode, or of probability 0)."""
+    return isinstance(module, torch.nn.Dropout) and (not module.training or module.p == 0)
 
 
 def _native(linear: torch.nn.Module) -> bool:

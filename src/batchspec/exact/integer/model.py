@@ -16,6 +16,9 @@ instead (:mod:`~batchspec.exact.integer.int4`). Then it swaps, in place:
   rounded, computed once per position, then looked up);
 * the attention implementation for :data:`~batchspec.exact.integer.attention.NAME`.
 
+Phi-3's and GLM-4's fused projections are split first (:func:`split_fused`), so that every step after sees a Llama's
+q, k, v and gate, up layers.
+
 The token embedding keeps its values: a lookup copies a row (of a bfloat16 table widened, :class:`ExactEmbedding`, or
 of a GGUF file's own blocks expanded, where the model came from one). What is left between these modules is elementwise
 (residual additions, the rotary products), so every row's logits are independent of the batch; and since no value
@@ -46,13 +49,15 @@ from batchspec.exact.integer.linear import (
 from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
+from batchspec.families import positions_of
 from batchspec.memory import give_back_freed_memory
 from batchspec.model_checks import check_model
 
 logger = logging.getLogger(__name__)
 
-# rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does)
-STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+# rotary kinds whose cos/sin depend on the position alone (not on the sequence length, as "dynamic" does); LongRoPE's
+# do up to its original_max_position_embeddings, the positions its table holds (batchspec.families.positions_of)
+STATIC_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class ExactRMSNorm(RMSNormSwap):
@@ -200,6 +205,7 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
     :class:`batchspec.models.checkpoint.CheckpointReader`), so a lazily loaded model's file mapping never becomes
     resident as a whole."""
     check_quantizable(model, width)
+    split_fused(model)
     attention.register()
     compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     fresh = fresh or _as_held
@@ -217,6 +223,77 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
     return model
 
 
+def split_fused(model: Any) -> None:
+    """Lay ``model``'s fused projections out as a Llama's, in place: each MLP whose gate and up projections are one
+    weight (``gate_up_proj``: Phi-3's, GLM-4's) becomes a :class:`GatedMLP` of its two halves, and each attention
+    whose q, k and v are one (``qkv_proj``: Phi-3's) gets them as ``q_proj``, ``k_proj`` and ``v_proj`` of its rows,
+    its ``qkv_proj`` then their outputs side by side (:class:`JoinedProjection`). Every output keeps its channel's
+    weights, so the integer model made from the layers split has the bits of one made from the fused weights; the
+    smoothing, the swap and the fused forward see a Llama's layers."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(getattr(child, "gate_up_proj", None), torch.nn.Linear):
+                setattr(module, name, GatedMLP(child))
+        if isinstance(getattr(module, "qkv_proj", None), torch.nn.Linear):
+            _split_qkv(module)
+
+
+def _rows(linear: torch.nn.Linear, part: slice) -> torch.nn.Linear:
+    """A linear layer of ``linear``'s output channels ``part`` (its weight a view of their rows)."""
+    weight = linear.weight.detach()[part]  # [R, K]
+    made = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=linear.bias is not None, device="meta")
+    made.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if linear.bias is not None:
+        made.bias = torch.nn.Parameter(linear.bias.detach()[part], requires_grad=False)
+    return made
+
+
+class GatedMLP(torch.nn.Module):
+    """An MLP whose gate and up projections were one weight (``gate_up_proj``, gate's rows first, as Phi-3's and
+    GLM-4's ``chunk(2)`` reads them) as a Llama's: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the fused
+    weight's two halves its ``gate_proj`` and ``up_proj``."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        fused = mlp.gate_up_proj
+        half = fused.out_features // 2
+        if fused.out_features != 2 * half:
+            raise ValueError(f"{type(mlp).__name__}'s gate_up_proj has an odd number of outputs ({fused.out_features})")
+        self.gate_proj, self.up_proj = _rows(fused, slice(0, half)), _rows(fused, slice(half, None))
+        self.down_proj, self.act_fn = mlp.down_proj, mlp.activation_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _split_qkv(attention: torch.nn.Module) -> None:
+    """``attention``'s ``qkv_proj`` (rows: q's, then k's, then v's) as its ``q_proj``, ``k_proj`` and ``v_proj``."""
+    fused, size = attention.qkv_proj, attention.head_dim
+    queries, keys = attention.config.num_attention_heads * size, attention.config.num_key_value_heads * size
+    if fused.out_features != queries + 2 * keys:
+        raise ValueError(f"{type(attention).__name__}'s qkv_proj has {fused.out_features} outputs, not q's {queries} "
+                         f"and k's and v's {keys} each")
+    del attention.qkv_proj
+    attention.q_proj = _rows(fused, slice(0, queries))
+    attention.k_proj = _rows(fused, slice(queries, queries + keys))
+    attention.v_proj = _rows(fused, slice(queries + keys, None))
+    attention.qkv_proj = JoinedProjection(attention)
+
+
+class JoinedProjection:
+    """What an attention whose q, k and v were one layer (Phi-3's ``qkv_proj``) calls in its place: its own
+    ``q_proj``, ``k_proj`` and ``v_proj`` (looked up at each call: the integer layers once swapped in), their outputs
+    side by side, ``[..., K] -> [..., Q + 2 Kv]``. Not a module: the attention's parts are the three layers alone, as
+    a Llama's are."""
+
+    def __init__(self, owner: torch.nn.Module) -> None:
+        self.owner = owner
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        owner = self.owner
+        return torch.cat([owner.q_proj(x), owner.k_proj(x), owner.v_proj(x)], dim=-1)
+
+
 def _named_layers(model: Any) -> list[tuple[str, torch.nn.Module]]:
     """``(qualified name, layer)`` of each of ``model``'s decoder layers, in order."""
     layers = {id(layer) for layer in decoder_layers(model)}
@@ -229,7 +306,7 @@ def _as_held(name: str, tensor: torch.Tensor, part: slice | None = None) -> torc
 
 def _calibration(model: Any, tokenizer: Any | None, compute: torch.dtype, fresh: Fresh) -> dict[torch.nn.Module, dict]:
     """:func:`calibration_peaks` of the exact int8 model before smoothing (swapped in, then out again)."""
-    ids = calibration_ids(tokenizer, model.config.vocab_size)[: model.config.max_position_embeddings]  # the table's
+    ids = calibration_ids(tokenizer, model.config.vocab_size)[: positions_of(model.config)]  # the table's
     make, replaced = _int8_maker(compute, fresh), []
     for name, layer in _named_layers(model):
         replaced += _swap(layer, make, compute, head=False, prefix=f"{name}.")
@@ -327,8 +404,8 @@ def _swap(root: torch.nn.Module, make: Maker, compute: torch.dtype, head: bool,
     """Swap the exact modules into ``root`` in place (named from ``prefix``; the output layer too where ``head``; what
     is exact already is left), each linear layer as ``make(qualified name, layer)`` makes it; returns what was
     replaced (setting it back in reverse undoes the swap)."""
-    positions = getattr(root, "config", None)
-    positions = positions.max_position_embeddings if positions is not None else 0
+    config = getattr(root, "config", None)
+    positions = positions_of(config) if config is not None else 0
     return swap_layers(root, lambda name, child: _replacement(name, child, positions, compute, head, make), prefix)
 
 

@@ -430,27 +430,30 @@ def pack_kv(x: torch.Tensor, levels: int, width: int) -> torch.Tensor:
 
 def rotary_into(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, query: torch.Tensor,
-    keys: torch.Tensor, values: torch.Tensor, levels: int,
+    keys: torch.Tensor, values: torch.Tensor, levels: int, pairs: bool = False,
 ) -> None:
     """A layer's float32 ``q`` ``[B, S, H, D]``, ``k`` and ``v`` ``[B, S, Hk, D]`` on their way to the attention, bit
-    for bit as transformers' ``apply_rotary_pos_emb`` (with ``cos``/``sin`` ``[B, S, D]``) and :func:`pack_kv` give
-    them: ``q`` rotated into ``query`` ``[B, H, S, D]`` float32, ``k`` rotated and ``v`` as it is packed into the
-    cache's ``keys``/``values`` ``[B, Hk, S, W]`` int16 (any strides but the last, 1), in one call."""
+    for bit as transformers' ``apply_rotary_pos_emb`` (with ``cos``/``sin`` ``[B, S, R]``: each head's first ``R``
+    values turn, the others pass through, as Phi-3's and GLM-4's partial rotary do; ``pairs``: turned over adjacent
+    pairs as GLM-4's is, not over halves) and :func:`pack_kv` give them: ``q`` rotated into ``query`` ``[B, H, S, D]``
+    float32, ``k`` rotated and ``v`` as it is packed into the cache's ``keys``/``values`` ``[B, Hk, S, W]`` int16 (any
+    strides but the last, 1), in one call."""
     batch, seq, heads, size = q.shape
-    kv_heads, width = k.shape[2], keys.shape[-1]
+    kv_heads, width, rotated = k.shape[2], keys.shape[-1], cos.shape[-1]
     inputs = all(t.dtype == torch.float32 and t.is_contiguous() for t in (q, k, v, cos, sin))
     inputs = inputs and k.shape == v.shape == (batch, seq, kv_heads, size)
-    inputs = inputs and cos.shape == sin.shape == (batch, seq, size)
+    inputs = inputs and cos.shape == sin.shape == (batch, seq, rotated) and 0 < rotated <= size and rotated % 2 == 0
     outputs = query.dtype == torch.float32 and query.shape == (batch, heads, seq, size)
     outputs = outputs and all(t.dtype == torch.int16 and t.shape == (batch, kv_heads, seq, width)
                               for t in (keys, values))
-    fits = inputs and outputs and size % 2 == 0 and all(t.stride(3) == 1 for t in (query, keys, values))
+    fits = inputs and outputs and all(t.stride(3) == 1 for t in (query, keys, values))
     if not fits or width != packed_width(size) or not 0 < levels < 2**15:
         raise ValueError(f"queries {tuple(q.shape)}, keys {tuple(k.shape)} do not fit their outputs' layout")
     strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (query, keys, values)]
     _library().rotary_into(q.data_ptr(), k.data_ptr(), v.data_ptr(), batch, seq, heads, kv_heads, size,
-                           cos.data_ptr(), sin.data_ptr(), query.data_ptr(), strides[0], keys.data_ptr(), strides[1],
-                           values.data_ptr(), strides[2], width, levels, torch.get_num_threads())
+                           cos.data_ptr(), sin.data_ptr(), rotated, int(pairs), query.data_ptr(), strides[0],
+                           keys.data_ptr(), strides[1], values.data_ptr(), strides[2], width, levels,
+                           torch.get_num_threads())
 
 
 def _wide_input(x: torch.Tensor, levels: int) -> torch.Tensor:
@@ -660,8 +663,8 @@ def _signatures() -> dict[str, list]:
         "norm_quantize": [pointer, i64, i64, f32, pointer, i64, pointer, pointer, threads],
         "quantize_wide": [pointer, i64, i64, f32, pointer, i64, pointer, i64, threads],
         "pack_kv": [pointer, i64, i64, f32, pointer, i64, threads],
-        "rotary_into": [pointer, pointer, pointer, i64, i64, i64, i64, i64, pointer, pointer, pointer, pointer, pointer,
-                        pointer, pointer, pointer, i64, f32, threads],
+        "rotary_into": [pointer, pointer, pointer, i64, i64, i64, i64, i64, pointer, pointer, i64, i64, pointer,
+                        pointer, pointer, pointer, pointer, pointer, i64, f32, threads],
         "exp2_nonpositive": [pointer, i64, pointer, threads],
         "attention": [pointer, pointer, i64, i64, pointer, i64, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64,
                       i64, i64, ctypes.c_double, f32, pointer, pointer, threads],

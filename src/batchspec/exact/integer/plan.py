@@ -55,7 +55,8 @@ class Decoder(ctypes.Structure):
 
     _fields_ = [(name, _i64) for name in ("n", "batch", "seq", "hidden", "heads", "kv_heads", "size", "width",
                                           "start", "end", "chunk", "threads")]
-    _fields_ += [("index", _pointer), ("cos", _pointer), ("sin", _pointer), ("visible", _pointer), ("vb", _i64),
+    _fields_ += [("index", _pointer), ("cos", _pointer), ("sin", _pointer), ("rotated", _i64), ("pairs", _i64),
+                 ("visible", _pointer), ("vb", _i64),
                  ("vq", _i64), ("vl", _i64), ("store", _pointer), ("s_layer", _i64), ("s_kv", _i64),
                  ("s_batch", _i64), ("s_head", _i64), ("s_token", _i64), ("levels", _double),
                  ("coefficients", _pointer)]

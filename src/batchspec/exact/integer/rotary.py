@@ -12,6 +12,10 @@ logits, had other bits on a CPU without AVX2. :class:`RotaryTable` holds instead
   everywhere);
 * for position ``p`` and frequency ``f``, the float32 angle ``f * p`` as transformers rounds it, its cosine and sine
   correctly rounded (:func:`correctly_rounded`), times the module's ``attention_scaling``.
+
+A table holds the positions :func:`batchspec.families.positions_of` gives and refuses a position past them. Where the
+rope's ``partial_rotary_factor`` is below 1 its rows are as narrow as the part of a head that turns
+(``2 * len(inv_freq)``).
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ class RotaryTable(torch.nn.Module):
         self.register_buffer("sin", sin.to(rotary.inv_freq.device), persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)  # [B, S, D] each
+        if position_ids.numel() and int(position_ids.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(position_ids.max())} is past the {self.cos.shape[0]} positions this "
+                             "model's exact rotary embedding holds (batchspec.families.positions_of)")
+        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)  # [B, S, R] each
 
 
 def correctly_rounded_frequencies(rotary: torch.nn.Module) -> torch.Tensor:

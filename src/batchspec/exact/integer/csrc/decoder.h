@@ -6,7 +6,8 @@
  *   (of x itself where the layer has no norm before its attention)     batchspec_rms_norm then a quantizer each
  *   q, k, v = the products (stacked weights: one product, several outputs)
  *   spread to the [B, S] layout (zeros at padding), q and k normed per head (Qwen3) or whole (OLMo 2)
- *   query = rotary(q); cache[start:end] = pack(rotary(k)), pack(v)      batchspec_rotary_into (unrotated: NoPE)
+ *   query = rotary(q); cache[start:end] = pack(rotary(k)), pack(v)      batchspec_rotary_into (unrotated: NoPE;
+ *                                                                      a head's first `rotated` values: partial)
  *   attended = attention(query, cache[:end]) in blocks of `chunk` queries, each over the keys it can see
  *   h = x + o(quantize(attended at the rows read)) (normed first: OLMo 2; times a multiplier: Granite)
  *   gate, up = the products of RMSNorm(h)'s activations
@@ -54,7 +55,8 @@ typedef struct {
 typedef struct {
     int64_t n, batch, seq, hidden, heads, kv_heads, size, width, start, end, chunk, threads;
     const int64_t *index;
-    const float *cos, *sin; /* [batch, seq, size] */
+    const float *cos, *sin; /* [batch, seq, rotated]: each head's first `rotated` values turn (partial rotary) */
+    int64_t rotated, pairs; /* pairs: turned over adjacent pairs (GLM-4's), not halves (scalar.h's rotate) */
     const uint8_t *visible;
     int64_t vb, vq, vl;
     int16_t *store;
@@ -91,7 +93,8 @@ static const layout_t LAYOUT[] = {
     SIZE_OF(decoder_t), AT(decoder_t, n), AT(decoder_t, batch), AT(decoder_t, seq), AT(decoder_t, hidden),
     AT(decoder_t, heads), AT(decoder_t, kv_heads), AT(decoder_t, size), AT(decoder_t, width), AT(decoder_t, start),
     AT(decoder_t, end), AT(decoder_t, chunk), AT(decoder_t, threads), AT(decoder_t, index), AT(decoder_t, cos),
-    AT(decoder_t, sin), AT(decoder_t, visible), AT(decoder_t, vb), AT(decoder_t, vq), AT(decoder_t, vl),
+    AT(decoder_t, sin), AT(decoder_t, rotated), AT(decoder_t, pairs), AT(decoder_t, visible), AT(decoder_t, vb),
+    AT(decoder_t, vq), AT(decoder_t, vl),
     AT(decoder_t, store), AT(decoder_t, s_layer), AT(decoder_t, s_kv), AT(decoder_t, s_batch), AT(decoder_t, s_head),
     AT(decoder_t, s_token), AT(decoder_t, levels), AT(decoder_t, coefficients), AT(decoder_t, x), AT(decoder_t, h),
     AT(decoder_t, normed), AT(decoder_t, q), AT(decoder_t, k), AT(decoder_t, v), AT(decoder_t, qs), AT(decoder_t, ks),
@@ -247,8 +250,8 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     int64_t query_strides[3] = {f->heads * f->seq * f->size, f->seq * f->size, f->size};
     int64_t cache_strides[3] = {f->s_batch, f->s_head, f->s_token};
     const float *cos = l->rotary ? f->cos : NULL, *sin = l->rotary ? f->sin : NULL;
-    batchspec_rotary_into(q, k, v, f->batch, f->seq, f->heads, f->kv_heads, f->size, cos, sin, f->query,
-                          query_strides, keys + f->start * f->s_token, cache_strides,
+    batchspec_rotary_into(q, k, v, f->batch, f->seq, f->heads, f->kv_heads, f->size, cos, sin, f->rotated, f->pairs,
+                          f->query, query_strides, keys + f->start * f->s_token, cache_strides,
                           values + f->start * f->s_token, cache_strides, f->width, (float)f->levels, threads);
     if (attend(f, l, keys, values)) return 1;
     const float *attended = f->attended;

@@ -224,13 +224,15 @@ void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16
 
 /* A layer's queries, keys and values on their way to the attention: queries rotated into `query` (float32), keys
  * rotated and values as they are packed into the KV cache as batchspec_pack_kv packs them. q is
- * [batch, seq, heads, d] contiguous, k and v [batch, seq, kv_heads, d], cos and sin [batch, seq, d] (both NULL: a
- * layer without a rotary embedding, queries and keys taken as they are); token (b, s) of head h goes to
+ * [batch, seq, heads, d] contiguous, k and v [batch, seq, kv_heads, d], cos and sin [batch, seq, rotated] (both NULL:
+ * a layer without a rotary embedding, queries and keys taken as they are), each head's first `rotated` values turned
+ * over halves or, with `pairs`, over adjacent pairs (scalar.h's rotate); token (b, s) of head h goes to
  * out + b * st[0] + h * st[1] + s * st[2] of its output. */
 void batchspec_rotary_into(const float *q, const float *k, const float *v, int64_t batch, int64_t seq,
                            int64_t heads, int64_t kv_heads, int64_t d, const float *cos, const float *sin,
-                           float *query, const int64_t *qst, int16_t *keys, const int64_t *kst, int16_t *values,
-                           const int64_t *vst, int64_t width, float levels, int threads) {
+                           int64_t rotated, int64_t pairs, float *query, const int64_t *qst, int16_t *keys,
+                           const int64_t *kst, int16_t *values, const int64_t *vst, int64_t width, float levels,
+                           int threads) {
     int64_t per_token = heads + 2 * kv_heads, rows = batch * seq * per_token;
     #pragma omp parallel num_threads(threads) if (rows * d > 65536)
     {
@@ -238,18 +240,18 @@ void batchspec_rotary_into(const float *q, const float *k, const float *v, int64
         #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < rows; r++) {
             int64_t token = r / per_token, j = r % per_token, b = token / seq, s = token % seq;
-            const float *c = cos ? cos + token * d : NULL, *n = sin ? sin + token * d : NULL;
+            const float *c = cos ? cos + token * rotated : NULL, *n = sin ? sin + token * rotated : NULL;
             if (j < heads) {
                 const float *x = q + (token * heads + j) * d;
                 float *y = query + b * qst[0] + j * qst[1] + s * qst[2];
-                if (c) rotate(x, c, n, d, y);
+                if (c) rotate(x, c, n, d, rotated, (int)pairs, y);
                 else memcpy(y, x, (size_t)d * sizeof(float));
             } else if (j < heads + kv_heads) {
                 int64_t h = j - heads;
-                float rotated[d];
+                float rotated_key[d];
                 const float *x = k + (token * kv_heads + h) * d;
-                if (c) rotate(x, c, n, d, rotated);
-                pack_token(c ? rotated : x, d, levels, keys + b * kst[0] + h * kst[1] + s * kst[2], width);
+                if (c) rotate(x, c, n, d, rotated, (int)pairs, rotated_key);
+                pack_token(c ? rotated_key : x, d, levels, keys + b * kst[0] + h * kst[1] + s * kst[2], width);
             } else {
                 int64_t h = j - heads - kv_heads;
                 pack_token(v + (token * kv_heads + h) * d, d, levels, values + b * vst[0] + h * vst[1] + s * vst[2],

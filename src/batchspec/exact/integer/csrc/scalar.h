@@ -218,15 +218,27 @@ static inline float token_scale_bits(const int16_t *token) {
     return s;
 }
 
-/* the rotary embedding as transformers' apply_rotary_pos_emb computes it in float32 (rotate_half, then two
- * products and a sum, each rounded): y[i] = x[i] * cos[i] + r[i] * sin[i] with r[i] = -x[i + d/2] for i < d/2 and
- * x[i - d/2] after */
-static inline void rotate(const float *x, const float *cos, const float *sin, int64_t d, float *y) {
-    int64_t half = d / 2;
-    for (int64_t i = 0; i < d; i++) {
-        float r = i < half ? -x[i + half] : x[i - half];
-        y[i] = x[i] * cos[i] + r * sin[i];
+/* the rotary embedding as transformers' apply_rotary_pos_emb computes it in float32 (its rotate_half, then two
+ * products and a sum, each rounded) on a head's first `rotated` values, the other d - rotated passed through as they
+ * are (partial rotary: Phi-4-mini's, GLM-4's): y[i] = x[i] * c[i] + r[i] * s[i] for i < rotated, y[i] = x[i] after.
+ * Over halves (pairs 0: Llama's, Phi-3's) c = cos, s = sin and r[i] = -x[i + h] for i < h = rotated / 2, x[i - h]
+ * after; over adjacent pairs (pairs 1: GLM-4's, which repeats each of the first h values of cos and sin twice)
+ * c[i] = cos[i / 2], s[i] = sin[i / 2] and r[2j] = -x[2j + 1], r[2j + 1] = x[2j]. cos and sin hold `rotated` values. */
+static inline void rotate(const float *x, const float *cos, const float *sin, int64_t d, int64_t rotated, int pairs,
+                          float *y) {
+    int64_t half = rotated / 2;
+    for (int64_t i = 0; i < rotated; i++) {
+        float r, c, s;
+        if (pairs) {
+            r = i % 2 ? x[i - 1] : -x[i + 1];
+            c = cos[i / 2], s = sin[i / 2];
+        } else {
+            r = i < half ? -x[i + half] : x[i - half];
+            c = cos[i], s = sin[i];
+        }
+        y[i] = x[i] * c + r * s;
     }
+    for (int64_t i = rotated; i < d; i++) y[i] = x[i];
 }
 
 /* The int4 product's activations (batchspec_quantize_blocks): a row of k values quantized per block of `block`
