@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -133,6 +135,27 @@ def build_olmo2(seed: int = 0, **overrides) -> Olmo2ForCausalLM:
     """OLMo 2: norms on the attention's and the MLP's outputs, none before them, q and k normed whole."""
     torch.manual_seed(seed)
     return _finish(Olmo2ForCausalLM(Olmo2Config(**_common_config_kwargs(**overrides))))
+
+
+def build_gemma3(seed: int = 0, **overrides) -> Gemma3ForCausalLM:
+    """Gemma 3 (text) with every departure from a Llama's switched on: a sliding layer (window 4) then a full one,
+    distinct rotary bases for each kind, ``query_pre_attn_scalar`` away from the head size, norms scaling by
+    ``1 + w`` with ``w`` drawn away from 0, GELU with tanh, the embedding scaled by ``sqrt(hidden_size)``, tied
+    output layer."""
+    kw = _common_config_kwargs(**{"tie_word_embeddings": True, **overrides})
+    layers = kw["num_hidden_layers"]
+    cfg = Gemma3TextConfig(
+        head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=4, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}, **kw)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(0.0, 0.3)
+    return _finish(model)
 
 
 _BUILDERS = {"llama": build_llama, "qwen2": build_qwen2, "qwen3": build_qwen3, "mistral": build_mistral}

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchspec.families import granite, llama, mistral, olmo2, qwen2, qwen3, smollm3
-from batchspec.families.base import Family, Norms, Plan
+from batchspec.families import gemma3, granite, llama, mistral, olmo2, qwen2, qwen3, smollm3
+from batchspec.families.base import FULL, SLIDING, Family, Norms, Plan, sliding_visible
 
 FAMILIES: tuple[Family, ...] = tuple(
-    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2)
+    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2, gemma3)
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(kind for family in FAMILIES for kind in family.model_types)
 
-__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Norms", "Plan", "attention_window", "family_of", "plan_of"]
+__all__ = ["FAMILIES", "FULL", "SLIDING", "SUPPORTED_MODEL_TYPES", "Family", "Norms", "Plan", "attention_window",
+           "family_of", "plan_of", "sliding_visible"]
 
 
 def family_of(config: Any) -> Family | None:
@@ -36,5 +37,5 @@ def plan_of(config: Any) -> Plan:
 
 
 def attention_window(config: Any) -> int | None:
-    """The sliding window every layer of a model of ``config`` attends over (:attr:`Plan.window`), or None."""
-    return plan_of(config).window
+    """The sliding window every layer of a model of ``config`` attends over (:attr:`Plan.shared_window`), or None."""
+    return plan_of(config).shared_window
