@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.runner import ModelRunner, as_mask, cache_keyword
-from batchspec.engine.state import BatchState
+from batchspec.engine.state import BatchState, visible_keys
 from batchspec.exact.integer import native, quantize_model
 from batchspec.exact.integer.arithmetic import ACTIVATIONS, EXP2_COEFFICIENTS
 from batchspec.exact.integer.attention import QKV_LEVELS, pack, packed_width
@@ -33,6 +33,7 @@ from batchspec.exact.integer.forward import UNREACHED, IntegerForward, integer_f
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import Int4Stack, Int8Stack, gated, quantize_gated
 from batchspec.exact.integer.model import exact_rms_norm
+from batchspec.families import sliding_visible
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
@@ -351,6 +352,20 @@ def test_threads_that_meet_a_new_model_share_one_forward_made_once(monkeypatch):
     with ThreadPoolExecutor(2) as pool:
         first, second = pool.map(integer_forward, [model, model])
     assert first is not None and first is second and made == [model]
+
+
+def test_the_sliding_layers_mask_is_the_windowed_one_of_each_rows_own_columns():
+    """Gemma 3's sliding layers see the mask every-layer windows give (:func:`visible_keys` with the window), made from
+    the full layers' mask alone: left-padded rows, queries that see nothing (a ragged verification's), and the
+    capacity-wide masks of the static mode, whose queries do not sit at the last columns."""
+    pad = torch.tensor([0, 3, 5])
+    for queries, width in ((torch.arange(0, 9), 9), (torch.arange(6, 9), 9), (torch.arange(4, 7), 12)):
+        full = visible_keys(queries, pad, width)  # [3, 1, q, width]
+        for window in (1, 2, 4, 20):
+            assert torch.equal(sliding_visible(full, window), visible_keys(queries, pad, width, window))
+        assert sliding_visible(full, None) is full
+    unseen = visible_keys(torch.arange(6, 9), pad, 9) & torch.tensor([True, False, True])[None, None, :, None]
+    assert torch.equal(sliding_visible(unseen, 2), visible_keys(torch.arange(6, 9), pad, 9, 2) & unseen)
 
 
 @pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window", "gemma3"])
