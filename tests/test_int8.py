@@ -41,7 +41,7 @@ from batchspec.exact.integer.arithmetic import (
 )
 from batchspec.exact.integer.attention import QKV_LEVELS, QUERY_CHUNK, exact_attention, pack
 from batchspec.exact.integer.linear import Int8Linear
-from batchspec.exact.integer.model import exact_rms_norm
+from batchspec.exact.integer.model import ExactRMSNorm, exact_rms_norm
 from batchspec.exact.integer.product import (
     KERNELS,
     activation_codes,
@@ -227,6 +227,21 @@ def test_a_rotary_module_without_a_rope_function_keeps_its_frequencies(caplog):
     with caplog.at_level("WARNING"):
         assert torch.equal(correctly_rounded_frequencies(Rotary()), torch.tensor([1.0, 0.1]))
     assert "no rope function transformers knows" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_gemma_norm_is_swapped_for_one_holding_one_plus_its_weight(dtype):
+    """Gemma's RMSNorm scales by ``1.0 + w.float()``, computed on every call; the swapped norm holds ``1 + w``
+    rounded once and gives transformers' product of it with the exact normalization (:func:`exact_rms_norm`'s), bit
+    for bit, in float32 on the native kernels and in float64 on torch."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    norm = Gemma3RMSNorm(48, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(norm.weight, 0.0, 0.3)
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(0), dtype=dtype)  # [5, 48]
+    normed = x * (1.0 / sqrt_rounded(row_sum(x * x) / 48 + 1e-6))  # [5, 48]
+    with torch.no_grad():
+        assert torch.equal(ExactRMSNorm.offset(norm, 1.0)(x), normed * (1.0 + norm.weight))
 
 
 def test_row_sum_order_is_a_pairwise_tree():
