@@ -4,10 +4,10 @@
  * Usage: kernel_hashes [cases] [threads]. Each case draws its shapes and values from a fixed xorshift generator (so
  * every build and machine sees the same inputs, made from integers by exact float operations), calls every kernel
  * (the float16 conversion of all 65,536 patterns once; per case the int8 quantization and product with bias and, in
- * odd cases, a residual; the int4 activations' quantization and the int4 product; SiLU; RMSNorm; the gated
- * quantization; KV packing; the attention over packed keys and values with holes in its causal mask) and folds each
- * kernel's output bytes into that kernel's FNV-1a hash; every seventh case puts an inf or a NaN in one row. It prints
- * one line per kernel: its name and its hash. */
+ * odd cases, a residual; the int4 activations' quantization and the int4 product; SiLU; GELU with tanh; RMSNorm; the
+ * gated quantization; KV packing; the attention over packed keys and values with holes in its causal mask) and folds
+ * each kernel's output bytes into that kernel's FNV-1a hash; every seventh case puts an inf or a NaN in one row. It
+ * prints one line per kernel: its name and its hash. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -27,10 +27,10 @@ void batchspec_linear4(const int8_t *q, int64_t n, int64_t ldq, const float *xs,
                        int64_t lds, const uint8_t *w, int64_t panel_bytes, int64_t panels, int64_t nsub,
                        int64_t subs, int64_t o, const float *bias, float *const *outs, const int64_t *starts,
                        int64_t segments, const float *residual, int threads);
-void batchspec_silu(const float *x, float *y, int64_t count, const float *c, int threads);
+void batchspec_activation(const float *x, float *y, int64_t count, const float *c, int64_t activation, int threads);
 void batchspec_rms_norm(const float *x, int64_t n, int64_t h, float eps, const float *weight, float *out, int threads);
 void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
-                              float *scale, const float *c, int threads);
+                              float *scale, const float *c, int64_t activation, int threads);
 void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16_t *out, int64_t width, int threads);
 int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch, int64_t k_head,
                         const int16_t *values, int64_t v_batch, int64_t v_head, int64_t width,
@@ -44,9 +44,10 @@ static const float C[10] = {1.0f, 0.6931471805599453f, 0.2402265069591007f, 0.05
                             1.5252733804059838e-05f, 1.3215486790144305e-06f, 1.0178086009239696e-07f};
 static const float LEVELS = 32767.0f; /* the KV cache's and the attention's 15-bit levels */
 
-enum { HALF, QUANTIZE, LINEAR, QUANTIZE_BLOCKS, LINEAR4, SILU, RMS_NORM, QUANTIZE_GATED, PACK_KV, ATTENTION, KERNELS };
-static const char *NAMES[KERNELS] = {"half_to_float", "quantize", "linear", "quantize_blocks", "linear4",
-                                     "silu", "rms_norm", "quantize_gated", "pack_kv", "attention"};
+enum { HALF, QUANTIZE, LINEAR, QUANTIZE_BLOCKS, LINEAR4, SILU, GELU_TANH, RMS_NORM, QUANTIZE_GATED, PACK_KV,
+       ATTENTION, KERNELS };
+static const char *NAMES[KERNELS] = {"half_to_float", "quantize", "linear", "quantize_blocks", "linear4", "silu",
+                                     "gelu_tanh", "rms_norm", "quantize_gated", "pack_kv", "attention"};
 static uint64_t hashes[KERNELS];
 
 /* folds n bytes at p into kernel's FNV-1a hash */
@@ -146,19 +147,24 @@ static void check_int4(const case_t *t, int64_t subs, int threads) {
     free(q), free(scales), free(out), free(sums), free(w);
 }
 
-/* SiLU, RMSNorm, the gated quantization and the KV cache's packing of the case's rows */
+/* SiLU, GELU with tanh, RMSNorm, the gated quantization (with each activation) and the KV cache's packing of the
+ * case's rows */
 static void check_rows(const case_t *t, int threads) {
     int64_t n = t->n, k = t->k, lda = (k + 3) / 4 * 4, width = k > 32 ? k : 32;
     float *y = malloc(n * k * sizeof(float)), *scale = malloc(n * sizeof(float));
     uint8_t *codes = malloc(n * lda);
     int16_t *packed = malloc(n * width * sizeof(int16_t));
-    batchspec_silu(t->x, y, n * k, C, threads);
+    batchspec_activation(t->x, y, n * k, C, 0, threads);
     mix(SILU, y, n * k * sizeof(float));
+    batchspec_activation(t->x, y, n * k, C, 1, threads);
+    mix(GELU_TANH, y, n * k * sizeof(float));
     batchspec_rms_norm(t->x, n, k, 1e-6f, t->weight, y, threads);
     mix(RMS_NORM, y, n * k * sizeof(float));
-    batchspec_quantize_gated(t->x, t->up, n, k, lda, codes, scale, C, threads);
-    mix(QUANTIZE_GATED, codes, n * lda);
-    mix(QUANTIZE_GATED, scale, n * sizeof(float));
+    for (int64_t activation = 0; activation < 2; activation++) {
+        batchspec_quantize_gated(t->x, t->up, n, k, lda, codes, scale, C, activation, threads);
+        mix(QUANTIZE_GATED, codes, n * lda);
+        mix(QUANTIZE_GATED, scale, n * sizeof(float));
+    }
     batchspec_pack_kv(t->x, n, k, LEVELS, packed, width, threads);
     mix(PACK_KV, packed, n * width * sizeof(int16_t));
     free(y), free(scale), free(codes), free(packed);

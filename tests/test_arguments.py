@@ -208,15 +208,21 @@ def _sliding_window_model(kind: str):
     return model.to(torch.float64).eval()
 
 
-def _gemma3_model():
-    """A family batchspec does not run yet: its error lists the ones it does."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def _gpt_neox_model():
+    """A family batchspec does not run: its error lists the ones it does."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=tiny_models.VOCAB_SIZE, hidden_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                           max_position_embeddings=512)
-    return Gemma3ForCausalLM(cfg).to(torch.float64).eval()
+    cfg = GPTNeoXConfig(vocab_size=tiny_models.VOCAB_SIZE, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=512)
+    return GPTNeoXForCausalLM(cfg).to(torch.float64).eval()
+
+
+def _soft_capped_gemma3():
+    """Gemma 3 with Gemma 2's final logit soft-capping, which batchspec does not implement."""
+    model = tiny_models.build_gemma3(seed=0)
+    model.config.final_logit_softcapping = 30.0
+    return model
 
 
 def _different_vocab_draft(vocab_size: int = tiny_models.VOCAB_SIZE + 32):
@@ -229,7 +235,8 @@ UNSUPPORTED = {
     "bart": (lambda: _encoder_decoder("bart"), "encoder"),
     "qwen2-sliding": (lambda: _sliding_window_model("qwen2"), "sliding"),
     "ministral-mixed": (lambda: _sliding_window_model("ministral"), "mixes sliding-window and full attention"),
-    "gemma3": (_gemma3_model, "'gemma3_text' is not supported; supported families: llama, .*smollm3, granite"),
+    "gpt_neox": (_gpt_neox_model, "'gpt_neox' is not supported; supported families: llama, .*smollm3, granite"),
+    "gemma3-softcap": (_soft_capped_gemma3, "final_logit_softcapping=30.0; batchspec does not soft-cap logits"),
 }
 
 

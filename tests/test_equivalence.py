@@ -512,3 +512,18 @@ def test_tiny_models_are_fit_for_purpose(target, bundles):
     assert bundle.target.generation_config.eos_token_id == bundle.eos_id
     assert bundle.target.dtype == torch.float64
     assert bundle.drafts["unrelated"].config.vocab_size == bundle.target.config.vocab_size
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_gemma3_float_sliding_and_full_layers_match_reference(implementation, bs):
+    """Gemma 3 on transformers' forward (float64, no quantization): the runner hands its sliding and full layers a
+    mask each (window 4 over prompts of up to 24 tokens), boolean for sdpa and additive for eager, and EqSpec gives
+    each prompt the model's own greedy output."""
+    target = tiny_models.build_gemma3(seed=5)
+    draft = tiny_models.perturbed_copy(tiny_models.build_gemma3(seed=5), 0.05, seed=6)
+    for model in (target, draft):
+        model.config._attn_implementation = implementation
+    prompts = tiny_models.random_prompts(5, seed=9, max_len=24)
+    result = bs.generate(target, draft, prompts, method="eqspec", proposer="draft", batch_size=3, max_new_tokens=12,
+                         num_draft_tokens=3, check_invariants=True)
+    assert result.sequences == [reference_greedy(target, prompt, 12, None) for prompt in prompts]

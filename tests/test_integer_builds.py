@@ -35,14 +35,20 @@ from hypothesis import strategies as st
 from ragged import ragged_forwards
 
 from batchspec.exact.integer import int4, native, plan, quantize_model
-from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
+from batchspec.exact.integer.arithmetic import (
+    ACTIVATIONS,
+    EXP2_COEFFICIENTS,
+    exact_gelu_tanh,
+    exact_silu,
+    quantize_rows,
+)
 from batchspec.exact.integer.attention import _quantized, exact_attention, pack
 from batchspec.exact.integer.linear import Int4Linear, Int8Linear, gated, quantize_activations, quantize_gated
 from batchspec.exact.integer.model import exact_rms_norm
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
           for name in native.ISAS]
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3")
 THREADS = (1, 2, 16)
 
 
@@ -193,8 +199,9 @@ def test_each_architecture_reads_its_own_feature_line_and_runs_only_its_own_buil
     log_scale=st.integers(-20, 20),
 )
 def test_each_build_gives_the_torch_paths_bits(isa, rows, inner, outputs, seed, log_scale):
-    """Quantization, the scaled product with bias and residual, RMSNorm (alone and before quantization), the SiLU and
-    the gated activation's quantization: each build's bits are the torch path's, for any shape and magnitude."""
+    """Quantization, the scaled product with bias and residual, RMSNorm (alone and before quantization), the SiLU, the
+    GELU with tanh and the gated activations' quantization (int8 and int4's blocks): each build's bits are the torch
+    path's, for any shape and magnitude."""
     generator = torch.Generator().manual_seed(seed)
     x, up = (torch.randn(2, rows, inner, generator=generator) * 2.0**log_scale).unbind()  # [N, K] each
     weight = torch.rand(inner, generator=generator) + 0.5
@@ -204,7 +211,8 @@ def test_each_build_gives_the_torch_paths_bits(isa, rows, inner, outputs, seed, 
     q, scale = quantize_rows(x)
     want = ((q.double() @ w.double().T).float() * scale * w_scale + bias) + residual  # [N, O]
     with native.using("none"):
-        torch_path = [exact_rms_norm(x, weight, 1e-6), exact_silu(x), gated(x.clone(), up)]
+        torch_path = [exact_rms_norm(x, weight, 1e-6), exact_silu(x), gated(x.clone(), up), exact_gelu_tanh(x),
+                      gated(x.clone(), up, "gelu_pytorch_tanh")]
     with native.using(isa):
         codes, native_scale = native.quantize(x)
         assert torch.equal(native_scale, scale) and torch.equal(codes[:, :inner], (q + 128).to(torch.uint8))
@@ -212,9 +220,16 @@ def test_each_build_gives_the_torch_paths_bits(isa, rows, inner, outputs, seed, 
         assert torch.equal(native.rms_norm(x, weight, 1e-6), torch_path[0])
         assert torch.equal(torch.cat(native.norm_quantize(x, weight, 1e-6), 1),
                            torch.cat(native.quantize(torch_path[0]), 1))
-        assert torch.equal(native.silu(x, EXP2_COEFFICIENTS), torch_path[1])
+        assert torch.equal(native.activation(x, EXP2_COEFFICIENTS, ACTIVATIONS["silu"]), torch_path[1])
         assert torch.equal(torch.cat(native.quantize_gated(x, up, EXP2_COEFFICIENTS), 1),
                            torch.cat(native.quantize(torch_path[2]), 1))
+        gelu = ACTIVATIONS["gelu_pytorch_tanh"]
+        assert torch.equal(native.activation(x, EXP2_COEFFICIENTS, gelu), torch_path[3])
+        assert torch.equal(torch.cat(native.quantize_gated(x, up, EXP2_COEFFICIENTS, gelu), 1),
+                           torch.cat(native.quantize(torch_path[4]), 1))
+        for got, want in zip(native.quantize_gated_blocks(x, up, EXP2_COEFFICIENTS, 32, gelu),
+                             native.quantize_blocks(torch_path[4], 32), strict=True):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -248,7 +263,7 @@ def float32_models() -> dict[str, torch.nn.Module]:
     builders = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
                 "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
                 "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2,
-                "phi3": tiny_models.build_phi3, "glm4": tiny_models.build_glm4}
+                "phi3": tiny_models.build_phi3, "glm4": tiny_models.build_glm4, "gemma3": tiny_models.build_gemma3}
     return {kind: builders[kind](seed=5).float() for kind in KINDS}
 
 
@@ -542,7 +557,9 @@ def _every_call_on(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         native.rms_norm(small, weight, 0.0),
         *native.norm_quantize(small, weight, 0.0),
         *native.norm_quantize_blocks(small, weight, 0.0, 32),
-        native.silu(tiny, c),
+        native.activation(tiny, c, ACTIVATIONS["silu"]),
+        native.activation(tiny, c, ACTIVATIONS["gelu_pytorch_tanh"]),
+        *native.quantize_gated(tiny, small, c, ACTIVATIONS["gelu_pytorch_tanh"]),
         *native.quantize_gated(tiny, small, c),
         *native.quantize_gated_blocks(tiny, small, c, 32),
         native.exp2_nonpositive_(t["negative"].clone(), c),

@@ -26,19 +26,20 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rotary
 
 from batchspec.engine.kv_cache import BatchKVCache
-from batchspec.engine.runner import ModelRunner, cache_keyword
-from batchspec.engine.state import BatchState
+from batchspec.engine.runner import ModelRunner, as_mask, cache_keyword
+from batchspec.engine.state import BatchState, visible_keys
 from batchspec.exact.integer import native, quantize_model
-from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
+from batchspec.exact.integer.arithmetic import ACTIVATIONS, EXP2_COEFFICIENTS
 from batchspec.exact.integer.attention import QKV_LEVELS, pack, packed_width
 from batchspec.exact.integer.forward import UNREACHED, IntegerForward, integer_forward
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import Int4Stack, Int8Stack, gated, quantize_gated
 from batchspec.exact.integer.model import exact_rms_norm
+from batchspec.families import sliding_visible
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3")
 # widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
@@ -46,7 +47,7 @@ STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
             "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
             "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2, "phi3": tiny_models.build_phi3,
-            "glm4": tiny_models.build_glm4,
+            "glm4": tiny_models.build_glm4, "gemma3": tiny_models.build_gemma3,
             "mistral-window": lambda seed, **kw: tiny_models.build_mistral(seed, sliding_window=7, **kw),
             "phi3-window": lambda seed, **kw: tiny_models.build_phi3(seed, sliding_window=7, **kw)}
 
@@ -130,16 +131,20 @@ def test_norm_quantize_is_the_quantization_of_the_norm(rows, size, seed, log_sca
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 9), size=st.integers(1, 300), seed=st.integers(0, 2**16), log_scale=st.integers(-8, 8))
-def test_the_gated_product_is_quantized_as_if_written_out(rows, size, seed, log_scale):
-    """The MLP's ``silu(gate) * up`` quantized in one pass: the codes and scales of quantizing the written product."""
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_the_gated_product_is_quantized_as_if_written_out(activation, rows, size, seed, log_scale):
+    """The MLP's ``act(gate) * up`` (SiLU, GELU with tanh) quantized in one pass: the codes and scales of quantizing
+    the written product."""
     generator = torch.Generator().manual_seed(seed)
     gate, up = (torch.randn(2, rows, size, generator=generator) * 2.0**log_scale).unbind()
-    want_codes, want_scale = native.quantize(gated(gate.clone(), up).view(rows, size))
-    got = quantize_gated(gate.clone().view(1, rows, size), up.view(1, rows, size))
+    want_codes, want_scale = native.quantize(gated(gate.clone(), up, activation).view(rows, size))
+    got = quantize_gated(gate.clone().view(1, rows, size), up.view(1, rows, size), activation)
     assert torch.equal(got.codes("native"), want_codes) and torch.equal(got.scale, want_scale)
     assert got.shape == (1, rows) and got.inner == size
-    fused_codes, fused_scale = native.quantize_gated(gate.view(rows, size), up.view(rows, size), EXP2_COEFFICIENTS)
-    written = native.silu(gate.view(rows, size), EXP2_COEFFICIENTS) * up.view(rows, size)  # [N, K]
+    kind = ACTIVATIONS[activation]
+    fused_codes, fused_scale = native.quantize_gated(gate.view(rows, size), up.view(rows, size), EXP2_COEFFICIENTS,
+                                                     kind)
+    written = native.activation(gate.view(rows, size), EXP2_COEFFICIENTS, kind) * up.view(rows, size)  # [N, K]
     codes, scale = native.quantize(written)
     assert torch.equal(fused_codes, codes) and torch.equal(fused_scale, scale)
     with pytest.raises(ValueError, match="twice"):
@@ -244,7 +249,7 @@ def _same_as_transformers(model: torch.nn.Module, pad: torch.Tensor, stops: list
             visible = ((keys[None, :] <= queries[:, None])[None] & (keys[None, None, :] >= pad[:, None, None]))[:, None]
             positions = (queries[None] - pad[:, None]).clamp(min=0)
             got = forward.logits(ids[:, start:stop], positions, visible, ours, stop - start)
-            want = model(ids[:, start:stop], attention_mask=visible, position_ids=positions,
+            want = model(ids[:, start:stop], attention_mask=as_mask(model, visible), position_ids=positions,
                          **{cache_keyword(model): theirs}, use_cache=True, logits_to_keep=stop - start).logits
             read = visible.any(-1)[:, 0]  # [B, S]: the positions that see a key
             assert torch.equal(got[read], want[read])
@@ -362,13 +367,29 @@ def test_threads_that_meet_a_new_model_share_one_forward_made_once(monkeypatch):
     assert first is not None and first is second and made == [model]
 
 
-@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window", "phi3", "phi3-window", "glm4"])
+def test_the_sliding_layers_mask_is_the_windowed_one_of_each_rows_own_columns():
+    """Gemma 3's sliding layers see the mask every-layer windows give (:func:`visible_keys` with the window), made from
+    the full layers' mask alone: left-padded rows, queries that see nothing (a ragged verification's), and the
+    capacity-wide masks of the static mode, whose queries do not sit at the last columns."""
+    pad = torch.tensor([0, 3, 5])
+    for queries, width in ((torch.arange(0, 9), 9), (torch.arange(6, 9), 9), (torch.arange(4, 7), 12)):
+        full = visible_keys(queries, pad, width)  # [3, 1, q, width]
+        for window in (1, 2, 4, 20):
+            assert torch.equal(sliding_visible(full, window), visible_keys(queries, pad, width, window))
+        assert sliding_visible(full, None) is full
+    unseen = visible_keys(torch.arange(6, 9), pad, 9) & torch.tensor([True, False, True])[None, None, :, None]
+    assert torch.equal(sliding_visible(unseen, 2), visible_keys(torch.arange(6, 9), pad, 9, 2) & unseen)
+
+
+@pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window", "phi3", "phi3-window", "glm4",
+                                  "gemma3"])
 @pytest.mark.parametrize("width", ["int8", "int4"])
 def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, reference):
     """A family whose layers depart from a Llama's (batchspec.families: SmolLM3's layers without a rotary embedding,
     Granite's multipliers, OLMo 2's norms on the outputs and over whole projections, Mistral's and Phi-3's sliding
     window of 7 over prompts of up to 24 tokens, Phi-3's fused projections, partial rotary and LongRoPE's short
-    factors, GLM-4's four norms, biases and partial rotary over pairs) runs on the fused forward,
+    factors, GLM-4's four norms, biases and partial rotary over pairs, Gemma 3's sliding and full layers, window 4,
+    GELU and 1 + w norms) runs on the fused forward,
     and EqSpec with a perturbed draft of its own family gives each prompt the model's own greedy output (transformers
     building its own sliding-window mask), in int8 and int4."""
     target = quantize_model(BUILDERS[kind](seed=5, **STACKABLE).float(), width=width)

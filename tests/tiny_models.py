@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Glm4Config,
     Glm4ForCausalLM,
     GraniteConfig,
@@ -170,6 +172,28 @@ def build_glm4(seed: int = 0, **overrides) -> Glm4ForCausalLM:
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
+                parameter.normal_(0.0, 0.3)
+    return _finish(model)
+
+
+
+def build_gemma3(seed: int = 0, **overrides) -> Gemma3ForCausalLM:
+    """Gemma 3 (text) with every departure from a Llama's switched on: a sliding layer (window 4) then a full one,
+    distinct rotary bases for each kind, ``query_pre_attn_scalar`` away from the head size, norms scaling by
+    ``1 + w`` with ``w`` drawn away from 0, GELU with tanh, the embedding scaled by ``sqrt(hidden_size)``, tied
+    output layer."""
+    kw = _common_config_kwargs(**{"tie_word_embeddings": True, **overrides})
+    layers = kw["num_hidden_layers"]
+    cfg = Gemma3TextConfig(
+        head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=4, query_pre_attn_scalar=20,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}, **kw)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
                 parameter.normal_(0.0, 0.3)
     return _finish(model)
 

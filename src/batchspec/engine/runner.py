@@ -46,7 +46,7 @@ from batchspec.engine.state import BatchState, visible_keys
 from batchspec.exact.integer.attention import NAME as EXACT_ATTENTION
 from batchspec.exact.integer.forward import integer_forward
 from batchspec.exact.invariant.model import NAME as INVARIANT_ATTENTION
-from batchspec.families import attention_window
+from batchspec.families import FULL, SLIDING, attention_window, plan_of, sliding_visible
 
 
 @dataclass(frozen=True)
@@ -218,16 +218,18 @@ def _bits(value: float) -> int:
 def _placement(
     model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(position_ids [B, q], attention mask)`` of ``input_ids`` ``[B, q]`` appended to ``cache`` (:func:`_mask`)."""
+    """``(position_ids [B, q], visible [B, 1, q, end])`` of ``input_ids`` ``[B, q]`` appended to ``cache``: the
+    boolean visibility the fused integer forward takes (:func:`_visible`)."""
     start = cache.length
     end = start + input_ids.shape[1]
-    return batch.position_ids(start, end), _mask(model, batch, start, end)
+    return batch.position_ids(start, end), _visible(model, batch, start, end)
 
 
 def _inputs(model: torch.nn.Module, batch: BatchState, cache: BatchKVCache, input_ids: torch.Tensor) -> dict:
-    positions, mask = _placement(model, batch, cache, input_ids)
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, cache_keyword(model): cache,
-            "use_cache": True}
+    start = cache.length
+    end = start + input_ids.shape[1]
+    return {"input_ids": input_ids, "attention_mask": _mask(model, batch, start, end),
+            "position_ids": batch.position_ids(start, end), cache_keyword(model): cache, "use_cache": True}
 
 
 _BOOLEAN_MASKS = ("sdpa", EXACT_ATTENTION, INVARIANT_ATTENTION)
@@ -237,22 +239,39 @@ def _implementation(model: torch.nn.Module) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
 
 
-def _mask(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> torch.Tensor:
+def _mask(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> torch.Tensor | dict[str, torch.Tensor]:
     """The attention mask of queries at columns ``start .. end-1`` over keys ``0 .. end-1``.
 
     For the ``sdpa`` and ``eager`` attention implementations it is the 4D mask transformers would build itself
     (``[B, 1, q, end]``: boolean for sdpa and the exact int8 attention, additive for eager; over the model's sliding
-    window where it has one), which it then uses as is: building it here reads nothing back from the device
-    (transformers checks whether a 2D mask has padding, a synchronisation). Other implementations get the 2D
-    padding mask ``[B, end]``.
+    window where it has one; one per layer kind where its layers mix them, :func:`as_mask`), which it then uses as
+    is: building it here reads nothing back from the device (transformers checks whether a 2D mask has padding, a
+    synchronisation). Other implementations get the 2D padding mask ``[B, end]``.
     """
     if _implementation(model) not in _BOOLEAN_MASKS and _implementation(model) != "eager":
         return batch.attention_mask(end)
+    return as_mask(model, _visible(model, batch, start, end))
+
+
+def _visible(model: torch.nn.Module, batch: BatchState, start: int, end: int) -> torch.Tensor:
+    """``[B, 1, q, end]`` (bool): which keys ``0 .. end-1`` the queries at columns ``start .. end-1`` see, over the
+    sliding window every layer of the model shares where it has one."""
     queries = torch.arange(start, end, device=batch.device)  # [q]
-    return _as_mask(model, visible_keys(queries, batch.pad, end, attention_window(model.config)))
+    return visible_keys(queries, batch.pad, end, attention_window(model.config))
 
 
-def _as_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
+def as_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``visible`` ``[B, 1, q, width]`` as the model's attention implementation takes a 4D mask (:func:`_as_4d`);
+    for a model whose layers mix sliding and full attention (:attr:`~batchspec.families.Plan.sliding`), a mask per
+    layer kind, as its own forward takes them: ``visible`` for the full layers, over the sliding window for the
+    sliding ones (:func:`~batchspec.families.sliding_visible`)."""
+    plan = plan_of(model.config)
+    if plan.sliding is None:
+        return _as_4d(model, visible)
+    return {FULL: _as_4d(model, visible), SLIDING: _as_4d(model, sliding_visible(visible, plan.window))}
+
+
+def _as_4d(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
     """``visible`` ``[B, 1, q, width]`` as the model's attention implementation takes a 4D mask: boolean for sdpa
     and the exact int8 attention, additive for eager."""
     if _implementation(model) in _BOOLEAN_MASKS:
@@ -271,7 +290,7 @@ def _static_call(
 ) -> torch.Tensor:
     """The model call of a static-mode forward (:mod:`batchspec.engine.graphs`): ``visible`` ``[B, 1, q, capacity]``,
     ``positions`` ``[B, q]``."""
-    inputs = {"input_ids": input_ids, "attention_mask": _as_mask(model, visible), "position_ids": positions}
+    inputs = {"input_ids": input_ids, "attention_mask": as_mask(model, visible), "position_ids": positions}
     return model(**inputs, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=keep).logits
 
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchspec.families import glm4, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
-from batchspec.families.base import Family, Norms, Plan
+from batchspec.families import gemma3, glm4, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
+from batchspec.families.base import FULL, SLIDING, Family, Norms, Plan, sliding_visible
 
 FAMILIES: tuple[Family, ...] = tuple(
-    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2, phi3, glm4)
+    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2, phi3, glm4, gemma3)
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(kind for family in FAMILIES for kind in family.model_types)
 
-__all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Norms", "Plan", "attention_window", "context_limit",
-           "family_of", "plan_of", "positions_of"]
+__all__ = ["FAMILIES", "FULL", "SLIDING", "SUPPORTED_MODEL_TYPES", "Family", "Norms", "Plan", "attention_window",
+           "context_limit", "family_of", "plan_of", "positions_of", "sliding_visible"]
 
 
 def family_of(config: Any) -> Family | None:
@@ -37,8 +37,8 @@ def plan_of(config: Any) -> Plan:
 
 
 def attention_window(config: Any) -> int | None:
-    """The sliding window every layer of a model of ``config`` attends over (:attr:`Plan.window`), or None."""
-    return plan_of(config).window
+    """The sliding window every layer of a model of ``config`` attends over (:attr:`Plan.shared_window`), or None."""
+    return plan_of(config).shared_window
 
 
 def context_limit(config: Any) -> int | None:

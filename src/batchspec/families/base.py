@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Norms:
@@ -31,11 +33,17 @@ class Plan:
         logits_divisor: the logits are divided by it.
         window: every layer attends over the last ``window`` positions, its own included (a sliding window, as
             transformers' ``sliding_window`` means it); None: over every position before it.
+        sliding: per layer, whether it is a sliding layer (transformers' :data:`SLIDING` layer type: Gemma 3's local
+            layers), attending over the last ``window`` positions (every position where ``window`` is None) and
+            rotating its queries and keys by the sliding layers' rotary table; the other layers attend over every
+            position (:data:`FULL`). None: no layer is, and every layer attends alike (over ``window`` where it is
+            set).
         norms: where each layer's RMSNorms sit (:class:`Norms`).
         rotary_pairs: the rotary embedding turns each head's adjacent pairs ``(x[2i], x[2i + 1])`` by frequency
             ``i`` (GLM-4's), where a Llama's turns ``x[i]`` with ``x[i + R/2]``. Either turns a head's first ``R``
             values only where the rope's ``partial_rotary_factor`` is below 1 (``R``: the width of the rotary
             embedding's cos and sin), the others passing through.
+        norm_offset: every RMSNorm scales by ``norm_offset + weight`` (Gemma's ``1 + w``), not by its weight.
     """
 
     rotary: tuple[bool, ...] | None = None
@@ -43,8 +51,34 @@ class Plan:
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0
     window: int | None = None
+    sliding: tuple[bool, ...] | None = None
     norms: Norms = field(default_factory=Norms)
     rotary_pairs: bool = False
+    norm_offset: float = 0.0
+
+    @property
+    def shared_window(self) -> int | None:
+        """The window every layer attends over (one mask serves them all), or None: every layer attends over every
+        position, or the layers mix (:attr:`sliding`; each kind then gets its own mask, :data:`FULL` and
+        :data:`SLIDING`)."""
+        return self.window if self.sliding is None else None
+
+
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types, the keys of its masks by kind
+
+
+def sliding_visible(visible: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``visible`` ``[B, 1, q, L]`` (bool: causal over each row's own columns) over a sliding ``window`` only: each
+    query keeps the keys less than ``window`` columns before the last one it sees, its own column (a row's columns
+    are its positions in order, so a distance in columns is one in positions); a query that sees no key still sees
+    none. ``window`` None: ``visible`` itself.
+
+    Example: a query seeing columns 2..6 with ``window = 3`` keeps 4, 5, 6."""
+    if window is None:
+        return visible
+    keys = torch.arange(visible.shape[-1], device=visible.device)  # [L]
+    own = torch.where(visible, keys, -1).amax(-1, keepdim=True)  # [B, 1, q, 1]: the query's own column, or -1
+    return visible & (keys > own - window)  # [B, 1, q, L]
 
 
 def full_attention(config: Any) -> str | None:

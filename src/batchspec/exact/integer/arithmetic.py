@@ -19,7 +19,8 @@ with SIMD approximations in vector lanes and with scalar code in a loop's tail, 
 and which path a value takes depends on its offset in the tensor, so on the batch and the thread count (``F.silu``
 of a tensor and of the same tensor shifted by one to 39 elements differ in 147 of 39 million values on an AVX-512
 CPU), and on the instruction set torch dispatches to (its AVX2 and AVX-512 SiLU agree, its scalar one does not). So
-:func:`exp2_nonpositive` builds ``2**t`` from kind-1 operations, :func:`exact_silu` builds the SiLU on it, and
+:func:`exp2_nonpositive` builds ``2**t`` from kind-1 operations, :func:`exact_silu` and :func:`exact_gelu_tanh` build
+the MLP's activations on it, and
 :func:`row_sum` sums a float row in an order fixed by its length. The native kernels
 (:mod:`batchspec.exact.integer.native`) compute each of these with the same operations in the same order, so every build
 and the torch path give one set of bits.
@@ -31,6 +32,7 @@ is the largest integer a quantized value may take (127 for int8).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -41,6 +43,12 @@ INT8_LEVELS = 127
 EXP2_COEFFICIENTS = tuple(math.log(2.0) ** i / math.factorial(i) for i in range(10))
 # log2(e), which times -|x| gives exact_silu's exponent (rounded to float32 where it multiplies float32)
 LOG2E = math.log2(math.e)
+# exact_gelu_tanh's constants, each a float32 value (so float32 and float64 arguments multiply by the same numbers):
+# 0.044715 and 2 sqrt(2 / pi), the tanh form's cubic coefficient and twice its scale (tanh(u) = 2 sigmoid(2u) - 1)
+GELU_CUBIC = 0.044714998453855515
+GELU_SCALE = 1.5957691669464111
+# the MLP activations the exact model computes, by transformers' name, as the native kernels number them
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 # the smallest exponent kept: 2**-126 is float32's smallest normal number
 _MIN_EXPONENT = -126.0
 
@@ -111,19 +119,47 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def exact_silu(x: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(x)`` from kind-1 operations and :func:`exp2_nonpositive`, so each value depends on its argument
-    alone, on every CPU: ``e = 2**(|x| * -log2 e)`` (``exp(-|x|)``), then ``x * (s / (1 + e))`` with ``s = 1`` for
-    ``x >= 0`` and ``e`` below (the sigmoid of ``|x|`` or of ``-|x|``, never an overflow). Within a few units in the
-    last place of torch's ``F.silu``; a float32 call on a CPU with batchspec's native kernels runs
-    :func:`~batchspec.exact.integer.native.silu`, the same bits.
+    """``x * sigmoid(x)`` from kind-1 operations and :func:`exp2_nonpositive` (:func:`_sigmoid`), so each value
+    depends on its argument alone, on every CPU. Within a few units in the last place of torch's ``F.silu``; a float32
+    call on a CPU with batchspec's native kernels runs :func:`~batchspec.exact.integer.native.activation`, the same
+    bits.
 
-    Example: ``x = 0`` gives ``e = 1`` and ``0 * (1 / 2) = 0``; ``x = -1`` gives ``e = 0.3679`` and
-    ``-1 * (0.3679 / 1.3679) = -0.2689``.
+    Example: ``x = 0`` gives ``0 * (1 / 2) = 0``; ``x = -1`` gives ``-1 * (0.3679 / 1.3679) = -0.2689``.
     """
     if x.dtype == torch.float32 and native.available():
-        return native.silu(x, EXP2_COEFFICIENTS)
-    e = exp2_nonpositive(x.abs().mul_(-LOG2E))
-    return x * (torch.where(x >= 0, 1.0, e) / (e + 1.0))
+        return native.activation(x, EXP2_COEFFICIENTS, ACTIVATIONS["silu"])
+    return x * _sigmoid(x)
+
+
+def exact_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU in its tanh form (transformers' ``gelu_pytorch_tanh``, torch's ``gelu(approximate="tanh")``),
+    ``0.5 x (1 + tanh(u))`` with ``u = sqrt(2 / pi) (x + 0.044715 x^3)``, computed as ``x * sigmoid(2u)`` (the same
+    function) from kind-1 operations and :func:`exp2_nonpositive`: ``z = (x + ((x * x) * x) * GELU_CUBIC) *
+    GELU_SCALE``, each operation rounded once, then :func:`_sigmoid` of ``z`` (never an overflow), times ``x``. Each
+    value depends on its argument alone, on every CPU; a float32 call on a CPU with batchspec's native kernels runs
+    :func:`~batchspec.exact.integer.native.activation`, the same bits.
+
+    Example: ``x = 0`` gives ``0``; ``x = 1`` gives ``z = 1.6671``, ``1 * 0.8412 = 0.8412``.
+    """
+    if x.dtype == torch.float32 and native.available():
+        return native.activation(x, EXP2_COEFFICIENTS, ACTIVATIONS["gelu_pytorch_tanh"])
+    z = (x + x * x * x * GELU_CUBIC) * GELU_SCALE
+    return x * _sigmoid(z)
+
+
+def exact_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The exact function of the MLP activation transformers calls ``name`` (a key of :data:`ACTIVATIONS`)."""
+    functions = {"silu": exact_silu, "gelu_pytorch_tanh": exact_gelu_tanh}
+    if name not in functions:
+        raise ValueError(f"the exact model computes the activations {sorted(functions)}, not {name!r}")
+    return functions[name]
+
+
+def _sigmoid(z: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(z)`` as ``(s / (1 + e))`` with ``e = 2**(|z| * -log2 e)`` (``exp(-|z|)``) and ``s = 1`` for
+    ``z >= 0``, ``e`` below (the sigmoid of ``|z|`` or of ``-|z|``, never an overflow)."""
+    e = exp2_nonpositive(z.abs().mul_(-LOG2E))
+    return torch.where(z >= 0, 1.0, e) / (e + 1.0)
 
 
 def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:

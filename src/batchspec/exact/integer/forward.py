@@ -12,7 +12,7 @@ the layers::
     query = rotary(q); cache[.., start:end] = pack(rotary(k)), pack(v)   # rotary_into: [B, H, S, D], int16 in place
     x = x + o(quantize(exact_attention(query, cache[.., :end])))        # the residual added in the product
     gate, up = one product of quantize(RMSNorm(x))
-    x = x + down(quantize(silu(gate) * up))            # quantize_gated: exact_silu, never written out
+    x = x + down(quantize(act(gate) * up))             # quantize_gated: exact_silu (or GELU), never written out
 
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from batchspec.exact.integer import native, plan
-from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS
+from batchspec.exact.integer.arithmetic import ACTIVATIONS, EXP2_COEFFICIENTS
 from batchspec.exact.integer.attention import QKV_LEVELS, QUERY_CHUNK, packed_width
 from batchspec.exact.integer.linear import (
     Int4Linear,
@@ -48,7 +48,7 @@ from batchspec.exact.integer.linear import (
 )
 from batchspec.exact.integer.model import ExactRMSNorm
 from batchspec.exact.integer.rotary import RotaryTable
-from batchspec.families import Norms, Plan, plan_of
+from batchspec.families import FULL, SLIDING, Norms, Plan, plan_of, sliding_visible
 from batchspec.memory import give_back_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ UNREACHED = -1e30  # the logit of a token past a draft's vocabulary: finite, so 
 class _Layer:
     """One decoder layer's modules: its norms by where they sit, the attention's products and (Qwen3, OLMo 2) query and
     key norms, the MLP's; q, k and v, and gate and up, each stacked as one product where they can be
-    (:class:`Int8Stack`); its family's residual multiplier and whether it rotates its queries and keys."""
+    (:class:`Int8Stack`); its family's residual multiplier, whether it rotates its queries and keys, its MLP's
+    activation (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code) and whether it is a sliding layer
+    (:attr:`~batchspec.families.Plan.sliding`)."""
 
     norms: dict[str, ExactRMSNorm | None]  # by Norms' places: before, after, attention_out, mlp_out
     qkv: list[IntLinear] | Stack
@@ -77,6 +79,8 @@ class _Layer:
     scaling: float
     residual: float
     rotary: bool
+    activation: int
+    sliding: bool
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,10 @@ def _unsupported(model: Any) -> str | None:
     size = decoder.layers[0].self_attn.head_dim
     if size > native.MAX_HEAD_SIZE:
         return f"its heads of {size} values are larger than the native attention's {native.MAX_HEAD_SIZE}"
-    rotated = decoder.rotary_emb.cos.shape[-1]  # a head's values that turn (fewer: partial rotary)
+    turned = {table.shape[-1] for table in decoder.rotary_emb.cos_tables()}  # a head's values that turn (partial)
+    if len(turned) != 1:
+        return f"its layer kinds' rotary embeddings turn different parts of a head ({sorted(turned)} values)"
+    rotated = turned.pop()
     if rotated > size or rotated % 2:
         return f"its rotary embedding turns {rotated} values of heads of {size}, not an even number at most that"
     widths = {(m.self_attn.q_proj.out_features, m.self_attn.k_proj.out_features) for m in decoder.layers}
@@ -210,9 +217,10 @@ class IntegerForward:
         size, queries, keys = attention.head_dim, attention.q_proj.out_features, attention.k_proj.out_features
         recipe = plan_of(model.config)
         rotary = recipe.rotary or (True,) * len(decoder.layers)
+        sliding = recipe.sliding or (False,) * len(decoder.layers)
         layers = []
-        for module, rotates in zip(decoder.layers, rotary, strict=True):  # a stack copies q, k, v's (and gate, up's)
-            layers.append(_layer(module, recipe, rotates))  # weights into one buffer:
+        for module, rotates, slides in zip(decoder.layers, rotary, sliding, strict=True):  # a stack copies q, k, v's
+            layers.append(_layer(module, recipe, rotates, slides))  # (and gate, up's) weights into one buffer:
             give_back_freed_memory()  # the separate weights freed go back at once (0.6 GB kept, for the 1.5B pair)
         return cls(model, layers, queries // size, keys // size, size, recipe)
 
@@ -262,19 +270,27 @@ class IntegerForward:
         embedded = self.embed(input_ids)  # [B, S, H]
         if self.recipe.embedding_multiplier != 1.0:
             embedded = embedded * self.recipe.embedding_multiplier
-        cos, sin = self.rotary(embedded, positions)  # [B, S, R] each: R of a head's D values turn
         x = rows.take(embedded.view(batch * seq, -1))  # [N, H], the layers' input and output
         x = (x.clone() if rows.index is None else x).contiguous()
         made = plan.buffers(self.widths, x.shape[0], batch, seq, QUERY_CHUNK, rows.index is not None)
-        call = self._call(x, rows, cos.contiguous(), sin.contiguous(), visible, store, start, end, made)
+        sliding, typed = self.recipe.sliding or (), bool(self.rotary.layer_types)  # typed: a table per layer kind
+        if not all(sliding) or not sliding:  # a layer reads the full layers' table (a model's only one, untyped)
+            made["cos"], made["sin"] = self.rotary(embedded, positions, *([FULL] if typed else []))  # [B, S, D] each
+        if any(sliding):  # the sliding layers' table and mask
+            made["cos_sliding"], made["sin_sliding"] = self.rotary(embedded, positions, SLIDING)  # [B, S, D] each
+            visible = visible.contiguous()  # the windowed mask is laid out as it: the same strides serve both
+            made["windowed"] = sliding_visible(visible, self.recipe.window)  # [B, 1, S, end]
+        made = {name: tensor.contiguous() for name, tensor in made.items()}
+        call = self._call(x, rows, visible, store, start, end, made)
         native.decoder(call, self.plans)
         cache.length = end
         return x
 
-    def _call(self, x: torch.Tensor, rows: _Rows, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
-              store: torch.Tensor, start: int, end: int, made: dict[str, torch.Tensor]) -> plan.Decoder:
-        """The ``decoder_t`` of one forward: its shapes, inputs, the cache ``store`` and the buffers ``made`` (which,
-        with ``cos``, ``sin`` and the index, must live until the call returns)."""
+    def _call(self, x: torch.Tensor, rows: _Rows, visible: torch.Tensor, store: torch.Tensor, start: int, end: int,
+              made: dict[str, torch.Tensor]) -> plan.Decoder:
+        """The ``decoder_t`` of one forward: its shapes, inputs, the cache ``store`` and the buffers ``made`` (with
+        the rotary tables ``cos``, ``sin``, the sliding layers' where there are any and their mask ``windowed``, laid
+        out as ``visible``; these and the index must live until the call returns)."""
         if store.stride()[-2:] != (store.shape[-1], 1):
             raise ValueError(f"the KV cache {tuple(store.shape)} holds its tokens apart")
         if visible.dtype != torch.bool or visible.shape != (rows.batch, 1, rows.seq, end):
@@ -282,9 +298,9 @@ class IntegerForward:
                              f"{list(visible.shape)}")
         call = plan.Decoder(n=x.shape[0], batch=rows.batch, seq=rows.seq, hidden=x.shape[1], heads=self.heads,
                             kv_heads=self.kv_heads, size=self.size, width=store.shape[-1], start=start, end=end,
-                            chunk=QUERY_CHUNK, threads=torch.get_num_threads(), cos=cos.data_ptr(),
-                            sin=sin.data_ptr(), rotated=cos.shape[-1], pairs=int(self.recipe.rotary_pairs),
-                            visible=visible.data_ptr(), store=store.data_ptr(),
+                            chunk=QUERY_CHUNK, threads=torch.get_num_threads(),
+                            rotated=made["cos" if "cos" in made else "cos_sliding"].shape[-1],
+                            pairs=int(self.recipe.rotary_pairs), visible=visible.data_ptr(), store=store.data_ptr(),
                             levels=QKV_LEVELS, coefficients=ctypes.addressof(native.float_table(EXP2_COEFFICIENTS)))
         if rows.index is not None:
             made["index"] = rows.index.to(torch.int64).contiguous()  # [N]
@@ -332,10 +348,10 @@ def _native(linear: torch.nn.Module) -> bool:
     return isinstance(linear, Int4Linear) and linear.packed is not None
 
 
-def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool) -> _Layer:
+def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool, sliding: bool) -> _Layer:
     """The parts of a decoder layer :func:`_laid_out` accepts, its q, k, v and gate, up stacked where they can be;
-    its norms where its family's plan puts them, the plan's residual multiplier and whether it rotates its queries and
-    keys."""
+    its norms where its family's plan puts them, the plan's residual multiplier, whether it rotates its queries and
+    keys, its MLP's activation and whether it is a sliding layer."""
     attention, mlp = module.self_attn, module.mlp
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
@@ -343,7 +359,7 @@ def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool) -> _Layer:
              for place, name in dataclasses.asdict(recipe.norms).items()}
     return _Layer(norms, _stacked(qkv), attention.o_proj, getattr(attention, "q_norm", None),
                   getattr(attention, "k_norm", None), _stacked(gate_up), mlp.down_proj, float(attention.scaling),
-                  recipe.residual_multiplier, rotary)
+                  recipe.residual_multiplier, rotary, ACTIVATIONS[mlp.activation], sliding)
 
 
 def _stacked(layers: list[IntLinear]) -> list[IntLinear] | Stack:

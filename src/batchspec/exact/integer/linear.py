@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from batchspec.exact.integer import int4, native
-from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_silu, quantize_rows
+from batchspec.exact.integer.arithmetic import ACTIVATIONS, EXP2_COEFFICIENTS, exact_activation, quantize_rows
 from batchspec.exact.integer.native import ZERO_POINT
 from batchspec.exact.integer.product import PackedWeight, activation_codes, int_product, pack_weight, product_kernel
 from batchspec.memory import weight_buffer
@@ -100,9 +100,9 @@ class Int8Linear(torch.nn.Module):
             y.add_(flat)
         return y[:, :width].reshape(*rows.shape, width)
 
-    def gated_rows(self, gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
-        """The MLP's ``gated(gate, up)`` as this layer reads it (:func:`quantize_gated`)."""
-        return quantize_gated(gate, up)
+    def gated_rows(self, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> QuantizedRows:
+        """The MLP's ``gated(gate, up, activation)`` as this layer reads it (:func:`quantize_gated`)."""
+        return quantize_gated(gate, up, activation)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -283,14 +283,14 @@ class Int4Linear(torch.nn.Module):
             y = y if flat is None else flat + y
         return y.reshape(*rows.shape, self.out_features)
 
-    def gated_rows(self, gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
-        """The MLP's ``gated(gate, up)`` (``[..., F]`` each) as this layer reads it: in its blocks, neither the SiLU
-        nor the product written out where the native kernels run."""
+    def gated_rows(self, gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> QuantizedRows:
+        """The MLP's ``gated(gate, up, activation)`` (``[..., F]`` each) as this layer reads it: in its blocks,
+        neither the activation nor the product written out where the native kernels run."""
         if gate.dtype != torch.float32 or not native.available():
-            return quantize_activations(gated(gate, up))
+            return quantize_activations(gated(gate, up, activation))
         width = gate.shape[-1]
         blocked = native.quantize_gated_blocks(gate.reshape(-1, width), up.reshape(-1, width), EXP2_COEFFICIENTS,
-                                               self.block)
+                                               self.block, ACTIVATIONS[activation])
         return QuantizedRows(gate.dtype, tuple(gate.shape[:-1]), width, blocked={self.block: blocked})
 
     def extra_repr(self) -> str:
@@ -346,30 +346,34 @@ class Int4Stack:
 
 
 class QuantizedMLP(torch.nn.Module):
-    """The gated SiLU MLP of Llama-like models on integer layers (:class:`Int8Linear` or :class:`Int4Linear`, each
-    as its weight came): ``down(silu(gate(x)) * up(x))``, with ``x`` quantized once for gate and up and the
-    activation computed in place."""
+    """The gated MLP of Llama-like models on integer layers (:class:`Int8Linear` or :class:`Int4Linear`, each as its
+    weight came): ``down(act(gate(x)) * up(x))``, ``act`` the exact function of ``activation`` (transformers' name:
+    ``silu``, or Gemma's ``gelu_pytorch_tanh``; :func:`~batchspec.exact.integer.arithmetic.exact_activation`), with
+    ``x`` quantized once for gate and up and the activation computed in place."""
 
-    def __init__(self, gate: IntLinear, up: IntLinear, down: IntLinear) -> None:
+    def __init__(self, gate: IntLinear, up: IntLinear, down: IntLinear, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+        exact_activation(activation)  # raises for an activation the exact model does not compute
+        self.gate_proj, self.up_proj, self.down_proj, self.activation = gate, up, down, activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         rows = quantize_activations(x)
-        return self.down_proj(gated(self.gate_proj.apply_to(rows), self.up_proj.apply_to(rows)))
+        return self.down_proj(gated(self.gate_proj.apply_to(rows), self.up_proj.apply_to(rows), self.activation))
 
 
-def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``exact_silu(gate) * up`` (``[..., F]`` each): the MLP's activation, each value from its operands alone
-    (:func:`~batchspec.exact.integer.arithmetic.exact_silu`)."""
-    return exact_silu(gate).mul_(up)
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` (``[..., F]`` each): the MLP's activation ``activation``, each value from its operands
+    alone (:func:`~batchspec.exact.integer.arithmetic.exact_activation`)."""
+    return exact_activation(activation)(gate).mul_(up)
 
 
-def quantize_gated(gate: torch.Tensor, up: torch.Tensor) -> QuantizedRows:
-    """``quantize_activations(gated(gate, up))`` per token; with the native kernels neither the SiLU nor the product
-    is written out (:func:`~batchspec.exact.integer.native.quantize_gated`, the same bits)."""
+def quantize_gated(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> QuantizedRows:
+    """``quantize_activations(gated(gate, up, activation))`` per token; with the native kernels neither the
+    activation nor the product is written out (:func:`~batchspec.exact.integer.native.quantize_gated`, the same
+    bits)."""
     if gate.dtype != torch.float32 or not native.available():
-        return quantize_activations(gated(gate, up))
+        return quantize_activations(gated(gate, up, activation))
     width = gate.shape[-1]
-    codes, scale = native.quantize_gated(gate.reshape(-1, width), up.reshape(-1, width), EXP2_COEFFICIENTS)
+    codes, scale = native.quantize_gated(gate.reshape(-1, width), up.reshape(-1, width), EXP2_COEFFICIENTS,
+                                         ACTIVATIONS[activation])
     return QuantizedRows(gate.dtype, tuple(gate.shape[:-1]), width, scale=scale, codes={"native": codes})

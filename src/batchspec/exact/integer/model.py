@@ -5,15 +5,18 @@ float model's activations (:mod:`~batchspec.exact.integer.smoothing`); int4's ac
 instead (:mod:`~batchspec.exact.integer.int4`). Then it swaps, in place:
 
 * every MLP for a :class:`~batchspec.exact.integer.linear.QuantizedMLP` (its activation
-  :func:`~batchspec.exact.integer.arithmetic.exact_silu`);
+  :func:`~batchspec.exact.integer.arithmetic.exact_silu`, or Gemma's
+  :func:`~batchspec.exact.integer.arithmetic.exact_gelu_tanh`, as the config names it);
 * every other ``nn.Linear`` for an :class:`~batchspec.exact.integer.linear.Int8Linear` or, in int4, an
   :class:`~batchspec.exact.integer.linear.Int4Linear` (the output layer stays int8): a GGUF file's own 4-bit blocks
   where the model came from one (its other tensors int8), else the float weight rounded to int4; an attention's q,
   k and v projections share one quantization of their input, and its keys and values enter the KV cache quantized
   (:func:`~batchspec.exact.integer.attention.pack_on_update`);
-* every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`);
+* every RMSNorm for :class:`ExactRMSNorm` (the mean of squares summed in a fixed order, :func:`row_sum`); a family
+  whose norms scale by ``1 + weight`` (Gemma's, :attr:`~batchspec.families.Plan.norm_offset`) has them swapped
+  first, before the smoothing folds its scales into them, each holding ``1 + weight`` as its weight;
 * the rotary embedding for :class:`~batchspec.exact.integer.rotary.RotaryTable` (frequencies, cos and sin correctly
-  rounded, computed once per position, then looked up);
+  rounded, computed once per position, then looked up; one table per layer type where the model has them);
 * the attention implementation for :data:`~batchspec.exact.integer.attention.NAME`.
 
 Phi-3's and GLM-4's fused projections are split first (:func:`split_fused`), so that every step after sees a Llama's
@@ -37,7 +40,7 @@ import torch
 
 from batchspec.config import QUANTIZE, check_option
 from batchspec.exact.integer import attention, native
-from batchspec.exact.integer.arithmetic import row_sum, sqrt_rounded
+from batchspec.exact.integer.arithmetic import ACTIVATIONS, row_sum, sqrt_rounded
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import (
     Int4Linear,
@@ -49,7 +52,7 @@ from batchspec.exact.integer.linear import (
 from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
-from batchspec.families import positions_of
+from batchspec.families import plan_of, positions_of
 from batchspec.memory import give_back_freed_memory
 from batchspec.model_checks import check_model
 
@@ -64,7 +67,18 @@ class ExactRMSNorm(RMSNormSwap):
     """RMSNorm with its mean of squares summed in an order fixed by the hidden size (:func:`exact_rms_norm`); in
     float32 on a CPU that runs batchspec's native kernels, :func:`~batchspec.exact.integer.native.rms_norm` gives the
     same
-    bits in one call."""
+    bits in one call.
+
+    :meth:`offset` makes one of a norm that scales by ``offset + weight`` (Gemma's ``(1.0 + w.float())``): its
+    weight is ``offset + weight`` rounded once, which is the factor that norm computes on every call, so the output is
+    ``(offset + w) * normed``, the product it forms (a product's bits do not depend on its operands' order)."""
+
+    @classmethod
+    def offset(cls, norm: torch.nn.Module, offset: float) -> ExactRMSNorm:
+        """The exact norm of ``norm``, which scales by ``offset + norm.weight``."""
+        made = cls(norm)
+        made.weight = torch.nn.Parameter(norm.weight.detach() + offset, requires_grad=False)
+        return made
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         if x.dtype == self.weight.dtype == torch.float32 and native.available():
@@ -157,11 +171,22 @@ def check_quantizable(model: Any, width: str = "int8") -> None:
     if not held <= set(STORED_DTYPES) and not (width == "int8" and held == {torch.float64}):
         names = ", ".join(sorted(str(d).removeprefix("torch.") for d in held))
         raise ValueError(f"--quantize {width} needs a float32 model (or one held in bfloat16 or float16), not {names}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"--quantize {width} needs a SiLU MLP; this model uses {config.hidden_act!r}")
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope not in STATIC_ROPE_TYPES:
-        raise ValueError(f"--quantize {width} needs a rotary embedding fixed per position, not {rope!r}")
+    activation = mlp_activation(config)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"--quantize {width} needs an MLP activation among {sorted(ACTIVATIONS)}; this model uses "
+                         f"{activation!r}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    by_type = [value for value in rope.values() if isinstance(value, dict)]  # a table per layer type (Gemma 3)
+    for parameters in by_type or [rope]:
+        kind = parameters.get("rope_type", "default")
+        if kind not in STATIC_ROPE_TYPES:
+            raise ValueError(f"--quantize {width} needs a rotary embedding fixed per position, not {kind!r}")
+
+
+def mlp_activation(config: Any) -> str:
+    """The name of the MLP activation of a model of ``config`` (``hidden_activation`` where the config has one, as
+    Gemma's do, else ``hidden_act``; ``silu`` where it names none)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
 
 
 # the dtypes a model may hold its weights in for quantize_model, which computes in float32 (float64 models: float64)
@@ -210,12 +235,16 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
     compute = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
     fresh = fresh or _as_held
     _widen_the_rest(model, compute, fresh, source)
+    plan = plan_of(model.config)
+    if plan.norm_offset:
+        offset = plan.norm_offset
+        swap_layers(model, lambda name, child: ExactRMSNorm.offset(child, offset) if is_rms_norm(child) else None)
     peaks = _calibration(model, tokenizer, compute, fresh) if width == "int8" else None
     make = _int8_maker(compute, fresh) if width == "int8" else _int4_maker(source, compute, fresh, round_rest)
     for name, layer in _named_layers(model):
         if peaks is not None:
             _widen_linears(layer, name, compute, fresh)
-            smooth_layer(layer, peaks[layer])
+            smooth_layer(layer, peaks[layer], plan.norms.after)
         _swap(layer, make, compute, head=True, prefix=f"{name}.")
         give_back_freed_memory()  # the layer's widened weights, so that the heap does not grow layer by layer
     _swap(model, make, compute, head=True)
@@ -368,11 +397,12 @@ def _widen_the_rest(model: Any, compute: torch.dtype, fresh: Fresh, source: Weig
     decoder, names = model.get_decoder(), {id(m): name for name, m in model.named_modules()}
     embedding, module_name = decoder.embed_tokens, names[id(decoder.embed_tokens)]
     table = fresh(f"{module_name}.weight", embedding.weight.detach())  # [V, H]
-    compact = None if source is None else source.embedding(module_name, table, compute)
+    scale = getattr(embedding, "embed_scale", None)  # Gemma's: its rows are multiplied by it
+    compact = None if source is None or scale is not None else source.embedding(module_name, table, compute)
     if compact is not None:
         decoder.embed_tokens = compact
     elif table.dtype != compute:
-        decoder.embed_tokens = ExactEmbedding(table, compute)
+        decoder.embed_tokens = ExactEmbedding(table, compute, scale)
     else:
         embedding.weight.data = table
     for prefix, module in model.named_modules():
@@ -387,16 +417,19 @@ def _widen_the_rest(model: Any, compute: torch.dtype, fresh: Fresh, source: Weig
 class ExactEmbedding(torch.nn.Module):
     """A token embedding whose table stays in the dtype it was loaded in (a bfloat16 checkpoint's: half of float32's
     memory) and whose rows widen to ``dtype`` as they are looked up: the same values as a widened table's rows, for
-    every id (a widening is exact)."""
+    every id (a widening is exact). With ``scale`` (Gemma's ``embed_scale``, a 0-d tensor) the rows are multiplied by
+    it in ``dtype``, as the scaled embedding of the widened table multiplies them."""
 
-    def __init__(self, table: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, table: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", table)  # [V, H]
+        self.register_buffer("scale", None if scale is None else scale.detach().to(dtype), persistent=False)
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = table.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., H]
-        return torch.nn.functional.embedding(ids, self.weight).to(self.dtype)
+        rows = torch.nn.functional.embedding(ids, self.weight).to(self.dtype)  # [..., H]
+        return rows if self.scale is None else rows * self.scale
 
 
 def _swap(root: torch.nn.Module, make: Maker, compute: torch.dtype, head: bool,
@@ -442,7 +475,9 @@ def _replacement(name: str, child: torch.nn.Module, positions: int, dtype: torch
     if part == "lm_head" and not head:
         return None
     if part == "mlp":
-        return QuantizedMLP(*(make(f"{name}.{p}", getattr(child, p)) for p in ("gate_proj", "up_proj", "down_proj")))
+        linears = (make(f"{name}.{p}", getattr(child, p)) for p in ("gate_proj", "up_proj", "down_proj"))
+        config = getattr(child, "config", None)
+        return QuantizedMLP(*linears, activation=mlp_activation(config) if config is not None else "silu")
     if isinstance(child, torch.nn.Linear):
         return make(name, child)
     if is_rms_norm(child):

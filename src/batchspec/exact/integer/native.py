@@ -3,7 +3,7 @@
 * :func:`linear`: the int8 product with its scales and bias applied (the ``native`` kernel of
   :mod:`batchspec.exact.integer.product`);
 * :func:`quantize`: a token's quantization, straight to that kernel's codes; :func:`quantize_gated`, the MLP's
-  ``exact_silu(gate) * up`` quantized so (:func:`silu`);
+  ``act(gate) * up`` quantized so (:func:`activation`: SiLU or GELU with tanh);
 * :func:`rms_norm`: :class:`~batchspec.exact.integer.model.ExactRMSNorm`;
 * :func:`attention`: :func:`~batchspec.exact.integer.attention.exact_attention` over the int16 KV cache, a call per
   block
@@ -284,15 +284,15 @@ def norm_quantize_blocks(x: torch.Tensor, weight: torch.Tensor, eps: float, bloc
     return out
 
 
-def quantize_gated_blocks(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[float, ...], block: int) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quantize_blocks` of ``silu(gate) * up`` (:func:`quantize_gated`'s activation), bit for bit."""
+def quantize_gated_blocks(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[float, ...], block: int,
+                          kind: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blocks` of ``act(gate) * up`` (:func:`quantize_gated`'s activation ``kind``), bit for bit."""
     if up.dtype != gate.dtype or up.shape != gate.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     gate, up = _block_input(gate, block), _block_input(up, block)
     out = _block_outputs(*gate.shape, block)
     _library().quantize_gated_blocks(gate.data_ptr(), up.data_ptr(), gate.shape[0], gate.shape[1], block,
-                                     *_block_pointers(out), float_table(_checked(coefficients)),
+                                     *_block_pointers(out), float_table(_checked(coefficients)), kind,
                                      torch.get_num_threads())
     return out
 
@@ -329,11 +329,11 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
-def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[float, ...]) -> tuple[
+def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[float, ...], kind: int = 0) -> tuple[
         torch.Tensor, torch.Tensor]:
-    """:func:`quantize` of ``silu(gate) * up`` for float32 ``gate``, ``up`` ``[N, K]``, with :func:`silu`'s bits (its
-    ``2**t``'s ten ``coefficients``): the MLP's activation quantized a row at a time, never stored. Returns
-    ``(codes [N, 4 G], scale [N, 1])``."""
+    """:func:`quantize` of ``act(gate) * up`` for float32 ``gate``, ``up`` ``[N, K]``, ``act`` :func:`activation`
+    ``kind`` (0: SiLU) with its bits (its ``2**t``'s ten ``coefficients``): the MLP's activation quantized a row at a
+    time, never stored. Returns ``(codes [N, 4 G], scale [N, 1])``."""
     if gate.dtype != torch.float32 or gate.dim() != 2 or up.dtype != gate.dtype or up.shape != gate.shape:
         raise ValueError(f"native quantization takes float32 [N, K] twice, not {gate.dtype} {tuple(gate.shape)}, "
                          f"{up.dtype} {tuple(up.shape)}")
@@ -343,19 +343,19 @@ def quantize_gated(gate: torch.Tensor, up: torch.Tensor, coefficients: tuple[flo
     out = torch.empty(rows, -(-inner // GROUP) * GROUP, dtype=torch.uint8)  # [N, 4 G]
     scale = torch.empty(rows, 1)  # [N, 1]
     _library().quantize_gated(gate.data_ptr(), up.data_ptr(), rows, inner, out.shape[1], out.data_ptr(),
-                              scale.data_ptr(), table, torch.get_num_threads())
+                              scale.data_ptr(), table, kind, torch.get_num_threads())
     return out, scale
 
 
-def silu(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    """:func:`~batchspec.exact.integer.arithmetic.exact_silu` of float32 ``x``, bit for bit, with its ``2**t``'s ten
-    ``coefficients``."""
+def activation(x: torch.Tensor, coefficients: tuple[float, ...], kind: int) -> torch.Tensor:
+    """The MLP activation ``kind`` (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code: ``exact_silu`` or
+    ``exact_gelu_tanh``) of float32 ``x``, bit for bit, with its ``2**t``'s ten ``coefficients``."""
     if x.dtype != torch.float32:
-        raise ValueError(f"native silu takes float32, not {x.dtype}")
+        raise ValueError(f"the native activation takes float32, not {x.dtype}")
     x = x.contiguous()
     out = torch.empty_like(x)
-    _library().silu(x.data_ptr(), out.data_ptr(), x.numel(), float_table(_checked(coefficients)),
-                    torch.get_num_threads())
+    _library().activation(x.data_ptr(), out.data_ptr(), x.numel(), float_table(_checked(coefficients)), kind,
+                          torch.get_num_threads())
     return out
 
 
@@ -656,9 +656,9 @@ def _signatures() -> dict[str, list]:
         "norm_quantize_blocks": [pointer, i64, i64, f32, pointer, i64, i64, pointer, pointer, i64, pointer, i64,
                                  threads],
         "quantize_gated_blocks": [pointer, pointer, i64, i64, i64, i64, pointer, pointer, i64, pointer, i64, pointer,
-                                  threads],
-        "quantize_gated": [pointer, pointer, i64, i64, i64, pointer, pointer, pointer, threads],
-        "silu": [pointer, pointer, i64, pointer, threads],
+                                  i64, threads],
+        "quantize_gated": [pointer, pointer, i64, i64, i64, pointer, pointer, pointer, i64, threads],
+        "activation": [pointer, pointer, i64, pointer, i64, threads],
         "rms_norm": [pointer, i64, i64, f32, pointer, pointer, threads],
         "norm_quantize": [pointer, i64, i64, f32, pointer, i64, pointer, pointer, threads],
         "quantize_wide": [pointer, i64, i64, f32, pointer, i64, pointer, i64, threads],

@@ -40,7 +40,7 @@ class Layer(ctypes.Structure):
                 ("q_norm", _pointer), ("k_norm", _pointer), ("eps_before", _double), ("eps_after", _double),
                 ("eps_attention_out", _double), ("eps_mlp_out", _double), ("eps_q", _double), ("eps_k", _double),
                 ("factor", _double), ("residual", _double), ("rotary", _i64), ("whole", _i64), ("qkv_count", _i64),
-                ("gate_up_count", _i64), ("qkv", Product * 3),
+                ("gate_up_count", _i64), ("activation", _i64), ("sliding", _i64), ("qkv", Product * 3),
                 ("o", Product), ("gate_up", Product * 2), ("down", Product)]
 
 
@@ -55,8 +55,9 @@ class Decoder(ctypes.Structure):
 
     _fields_ = [(name, _i64) for name in ("n", "batch", "seq", "hidden", "heads", "kv_heads", "size", "width",
                                           "start", "end", "chunk", "threads")]
-    _fields_ += [("index", _pointer), ("cos", _pointer), ("sin", _pointer), ("rotated", _i64), ("pairs", _i64),
-                 ("visible", _pointer), ("vb", _i64),
+    _fields_ += [("index", _pointer), ("cos", _pointer), ("sin", _pointer), ("cos_sliding", _pointer),
+                 ("sin_sliding", _pointer), ("rotated", _i64), ("pairs", _i64), ("visible", _pointer),
+                 ("windowed", _pointer), ("vb", _i64),
                  ("vq", _i64), ("vl", _i64), ("store", _pointer), ("s_layer", _i64), ("s_kv", _i64),
                  ("s_batch", _i64), ("s_head", _i64), ("s_token", _i64), ("levels", _double),
                  ("coefficients", _pointer)]
@@ -115,15 +116,17 @@ def _address(t: torch.Tensor | None) -> int | None:
 def layer(norms: dict[str, torch.nn.Module | None], qkv: list[IntLinear] | Int8Stack | Int4Stack, o: IntLinear,
           q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None,
           gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear, scaling: float, residual: float,
-          rotary: bool) -> Layer:
+          rotary: bool, activation: int, sliding: bool) -> Layer:
     """One decoder layer's ``layer_t``: its RMSNorms (``ExactRMSNorm``: ``weight``, ``eps``) by where they sit
     (``before``, ``after``, ``attention_out``, ``mlp_out``: see ``decoder.h``; a norm left out or None is not there),
     its products (q, k and v, and gate and up, each one stacked product or a product per layer), its query and key
     norms (over each head, or over the whole projection where their weight is that wide), the attention's
-    ``scaling``, the multiplier of its outputs on their way into the residual stream and whether it rotates its
-    queries and keys."""
+    ``scaling``, the multiplier of its outputs on their way into the residual stream, whether it rotates its
+    queries and keys, its MLP's ``activation`` (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code) and
+    whether it is ``sliding`` (attends over the windowed mask and rotates by the sliding layers' table)."""
     qkv_products, gate_up_products = _products(qkv), _products(gate_up)
-    made = Layer(factor=scaling / math.log(2.0), residual=residual, rotary=int(rotary), qkv_count=len(qkv_products),
+    made = Layer(factor=scaling / math.log(2.0), residual=residual, rotary=int(rotary), activation=activation,
+                 sliding=int(sliding), qkv_count=len(qkv_products),
                  gate_up_count=len(gate_up_products), o=product([o]), down=product([down]))
     for name, norm in norms.items():
         if norm is not None:

@@ -32,40 +32,56 @@ logger = logging.getLogger(__name__)
 
 class RotaryTable(torch.nn.Module):
     """The model's rotary embedding ``rotary``, computed once for ``positions`` positions and then looked up, in
-    ``dtype`` (see the module docstring)."""
+    ``dtype`` (see the module docstring). A module with a table per layer type (Gemma 3's: ``layer_types``, each
+    type's ``{type}_inv_freq`` and ``{type}_attention_scaling``, called with the type) gets one table per type, each
+    made as a single table is; :meth:`forward` then takes the type too."""
 
     def __init__(self, rotary: torch.nn.Module, positions: int, dtype: torch.dtype) -> None:
         super().__init__()
-        frequencies = correctly_rounded_frequencies(rotary)  # [D / 2]
-        angles = torch.arange(positions, dtype=torch.float32)[:, None] * frequencies  # [P, D / 2]
-        angles = torch.cat([angles, angles], dim=-1)  # [P, D]
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        cos, sin = (correctly_rounded(angles, f).mul_(scaling).to(dtype) for f in ("cos", "sin"))  # [P, D] each
-        self.register_buffer("cos", cos.to(rotary.inv_freq.device), persistent=False)
-        self.register_buffer("sin", sin.to(rotary.inv_freq.device), persistent=False)
+        self.layer_types = tuple(getattr(rotary, "layer_types", None) or ())
+        for layer_type in self.layer_types or (None,):
+            prefix = "" if layer_type is None else f"{layer_type}_"
+            frequencies = correctly_rounded_frequencies(rotary, layer_type)  # [D / 2]
+            angles = torch.arange(positions, dtype=torch.float32)[:, None] * frequencies  # [P, D / 2]
+            angles = torch.cat([angles, angles], dim=-1)  # [P, D]
+            scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
+            cos, sin = (correctly_rounded(angles, f).mul_(scaling).to(dtype) for f in ("cos", "sin"))  # [P, D] each
+            device = getattr(rotary, f"{prefix}inv_freq").device
+            self.register_buffer(f"{prefix}cos", cos.to(device), persistent=False)
+            self.register_buffer(f"{prefix}sin", sin.to(device), persistent=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if position_ids.numel() and int(position_ids.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(position_ids.max())} is past the {self.cos.shape[0]} positions this "
+    def cos_tables(self) -> list[torch.Tensor]:
+        """Every cosine table held, ``[P, R]`` each: the model's one, or one per layer type."""
+        return [getattr(self, "cos" if kind is None else f"{kind}_cos") for kind in self.layer_types or (None,)]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
+                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        cos, sin = getattr(self, f"{prefix}cos"), getattr(self, f"{prefix}sin")  # [P, R] each
+        if position_ids.numel() and int(position_ids.max()) >= cos.shape[0]:
+            raise ValueError(f"position {int(position_ids.max())} is past the {cos.shape[0]} positions this "
                              "model's exact rotary embedding holds (batchspec.families.positions_of)")
-        return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)  # [B, S, R] each
+        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)  # [B, S, R] each: R of a head's D turn
 
 
-def correctly_rounded_frequencies(rotary: torch.nn.Module) -> torch.Tensor:
-    """``rotary.inv_freq`` (float32 ``[D / 2]``) as its own rope function computes it from the model's config, with
+def correctly_rounded_frequencies(rotary: torch.nn.Module, layer_type: str | None = None) -> torch.Tensor:
+    """``rotary.inv_freq`` (float32 ``[D / 2]``; of a module with a table per layer type, ``layer_type``'s) as its own
+    rope function computes it from the model's config, with
     every float32 ``pow`` in it correctly rounded (:class:`CorrectlyRoundedPow`), then rounded as the module's own
     values were where they were rounded further (:func:`_held_precision`: a model cast to bfloat16 holds its
     frequencies so, even once widened again, and its forward turns at those). A module without a config and rope
     type transformers knows keeps its own ``inv_freq``, with one log line; a recomputation that is not within a
     rounding of the module's own raises ValueError (the module is not what its config says)."""
-    held = rotary.inv_freq.detach().to("cpu")  # [D / 2]
-    function = _rope_function(rotary)
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    held = getattr(rotary, f"{prefix}inv_freq").detach().to("cpu")  # [D / 2]
+    function = _rope_function(rotary, layer_type)
     if function is None:
         logger.warning("batchspec: %s has no rope function transformers knows; its inv_freq is kept as torch's pow "
                        "rounded it on this CPU", type(rotary).__name__)
         return held.float()
+    typed = {} if layer_type is None else {"layer_type": layer_type}
     with CorrectlyRoundedPow():
-        frequencies = function(rotary.config)[0].detach().to("cpu", torch.float32)  # [D / 2]
+        frequencies = function(rotary.config, **typed)[0].detach().to("cpu", torch.float32)  # [D / 2]
     precision = _held_precision(held)
     frequencies = frequencies.to(precision).float()
     tolerance = max(torch.finfo(precision).eps, 2.0**-20)
@@ -81,11 +97,14 @@ def _held_precision(held: torch.Tensor) -> torch.dtype:
     return next(exact, torch.float32)
 
 
-def _rope_function(rotary: torch.nn.Module) -> Callable | None:
-    """The function transformers built ``rotary.inv_freq`` with (its class's default one, or the rope type's)."""
+def _rope_function(rotary: torch.nn.Module, layer_type: str | None = None) -> Callable | None:
+    """The function transformers built ``rotary.inv_freq`` with (its class's default one, or the rope type's; of a
+    module with a table per layer type, ``layer_type``'s)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = getattr(rotary, "rope_type", None)
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type)
     if getattr(rotary, "config", None) is None:
         return None
     if rope_type == "default":

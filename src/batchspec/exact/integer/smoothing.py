@@ -95,14 +95,16 @@ def calibration_peaks(model: Any, ids: list[int]) -> dict[torch.nn.Module, dict[
     return peaks
 
 
-def smooth_layer(layer: torch.nn.Module, peak: dict[str, torch.Tensor]) -> None:
+def smooth_layer(layer: torch.nn.Module, peak: dict[str, torch.Tensor],
+                 after: str = "post_attention_layernorm") -> None:
     """Smooth one decoder layer of a float model in place with its :func:`calibration_peaks` (``peak``): its
-    attention's and MLP's inputs, folded into the norms before them, and its down projection's, folded into the up
-    projection's rows."""
+    attention's and MLP's inputs, folded into the norms before them (``input_layernorm``, and the norm named ``after``:
+    its family's :attr:`~batchspec.families.Norms.after`, Gemma's ``pre_feedforward_layernorm``), and its down
+    projection's, folded into the up projection's rows."""
     attn, mlp = layer.self_attn, layer.mlp
     with torch.no_grad():
         _fold(peak["attention"], [attn.q_proj, attn.k_proj, attn.v_proj], _divide_norm(layer.input_layernorm))
-        _fold(peak["mlp"], [mlp.gate_proj, mlp.up_proj], _divide_norm(layer.post_attention_layernorm))
+        _fold(peak["mlp"], [mlp.gate_proj, mlp.up_proj], _divide_norm(getattr(layer, after)))
         _fold(peak["down"], [mlp.down_proj], _divide_rows(mlp.up_proj))
 
 

@@ -243,7 +243,7 @@ static void quantize_values(const float *x, int64_t k, int64_t ldc, uint8_t *cod
     row_codes(x, k, ldc, scale_of((uint32_t)_mm_cvtsi128_si32(half), 127.0f), codes, scale);
 }
 
-/* 2b. arithmetic.py's exact_silu, eight values at a time (scalar.h's silu_value in each lane) */
+/* 2b. the MLP's activation (arithmetic.py's exact_silu or exact_gelu_tanh), eight values at a time */
 static inline __m256 exp2_8(__m256 t, const float *c) {
     __m256 v = _mm256_min_ps(_mm256_setzero_ps(), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
     __m256 whole = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -253,18 +253,31 @@ static inline __m256 exp2_8(__m256 t, const float *c) {
     return _mm256_mul_ps(power, _mm256_castsi256_ps(bits));
 }
 
-static inline __m256 silu8(__m256 x, const float *c) {
+/* scalar.h's sigmoid_value in each lane */
+static inline __m256 sigmoid8(__m256 z, const float *c) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    __m256 magnitude = _mm256_and_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), x);
+    __m256 magnitude = _mm256_and_ps(_mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), z);
     __m256 e = exp2_8(_mm256_mul_ps(magnitude, _mm256_set1_ps(-LOG2E)), c);
-    __m256 numerator = _mm256_blendv_ps(e, one, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
-    return _mm256_mul_ps(x, _mm256_div_ps(numerator, _mm256_add_ps(one, e)));
+    __m256 numerator = _mm256_blendv_ps(e, one, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GE_OQ));
+    return _mm256_div_ps(numerator, _mm256_add_ps(one, e));
 }
 
-static void silu_values(const float *x, const float *up, float *out, int64_t k, const float *c) {
+/* scalar.h's activation_value in each lane: x * sigmoid(x), or x * sigmoid(z) with GELU's z */
+static inline __m256 activation8(__m256 x, const float *c, int64_t activation) {
+    __m256 z = x;
+    if (activation == ACTIVATION_GELU_TANH) {
+        __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        z = _mm256_mul_ps(_mm256_add_ps(x, _mm256_mul_ps(cube, _mm256_set1_ps(GELU_CUBIC))),
+                          _mm256_set1_ps(GELU_SCALE));
+    }
+    return _mm256_mul_ps(x, sigmoid8(z, c));
+}
+
+static void activation_values(const float *x, const float *up, float *out, int64_t k, const float *c,
+                              int64_t activation) {
     for (int64_t i = 0; i < k; i += 8) {
         __m256i lanes = first8(k - i);
-        __m256 y = silu8(_mm256_maskload_ps(x + i, lanes), c);
+        __m256 y = activation8(_mm256_maskload_ps(x + i, lanes), c, activation);
         if (up) y = _mm256_mul_ps(y, _mm256_maskload_ps(up + i, lanes));
         _mm256_maskstore_ps(out + i, lanes, y);
     }

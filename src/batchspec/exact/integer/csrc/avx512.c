@@ -130,18 +130,30 @@ static inline __m512 exp2_vector(__m512 t, const float *c) {
     return _mm512_mul_ps(power, _mm512_castsi512_ps(bits));
 }
 
-/* 2b. arithmetic.py's exact_silu, sixteen values at a time (scalar.h's silu_value in each lane): e = 2**(-|x| log2 e),
- * then x * ((x >= 0 ? 1 : e) / (1 + e)) */
-static inline __m512 silu_vector(__m512 x, const float *c) {
-    __m512 e = exp2_vector(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-LOG2E)), c);
-    __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+/* 2b. the MLP's activation (arithmetic.py's exact_silu or exact_gelu_tanh), sixteen values at a time (scalar.h's
+ * activation_value in each lane): the sigmoid of z with e = 2**(-|z| log2 e), (z >= 0 ? 1 : e) / (1 + e), then x
+ * times it, z being x (SiLU) or (x + x^3 GELU_CUBIC) GELU_SCALE */
+static inline __m512 sigmoid_vector(__m512 z, const float *c) {
+    __m512 e = exp2_vector(_mm512_mul_ps(_mm512_abs_ps(z), _mm512_set1_ps(-LOG2E)), c);
+    __mmask16 positive = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ);
     __m512 numerator = _mm512_mask_blend_ps(positive, e, _mm512_set1_ps(1.0f));
-    return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-static void silu_values(const float *x, const float *up, float *out, int64_t k, const float *c) {
+static inline __m512 activation_vector(__m512 x, const float *c, int64_t activation) {
+    __m512 z = x;
+    if (activation == ACTIVATION_GELU_TANH) {
+        __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        z = _mm512_mul_ps(_mm512_add_ps(x, _mm512_mul_ps(cube, _mm512_set1_ps(GELU_CUBIC))),
+                          _mm512_set1_ps(GELU_SCALE));
+    }
+    return _mm512_mul_ps(x, sigmoid_vector(z, c));
+}
+
+static void activation_values(const float *x, const float *up, float *out, int64_t k, const float *c,
+                              int64_t activation) {
     for (int64_t i = 0; i < k; i += 16) {
-        __m512 y = silu_vector(_mm512_maskz_loadu_ps(first(k - i), x + i), c);
+        __m512 y = activation_vector(_mm512_maskz_loadu_ps(first(k - i), x + i), c, activation);
         if (up) y = _mm512_mul_ps(y, _mm512_maskz_loadu_ps(first(k - i), up + i));
         _mm512_mask_storeu_ps(out + i, first(k - i), y);
     }

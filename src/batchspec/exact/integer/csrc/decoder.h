@@ -11,7 +11,10 @@
  *   attended = attention(query, cache[:end]) in blocks of `chunk` queries, each over the keys it can see
  *   h = x + o(quantize(attended at the rows read)) (normed first: OLMo 2; times a multiplier: Granite)
  *   gate, up = the products of RMSNorm(h)'s activations
- *   x = h + down(quantize(silu(gate) * up)) (times it too)             batchspec_quantize_gated(_blocks)
+ *   x = h + down(quantize(act(gate) * up)) (normed, times it too)      batchspec_quantize_gated(_blocks)
+ *
+ * act is SiLU or GELU with tanh (the layer's `activation`). A sliding layer (Gemma 3's local layers) reads the
+ * windowed mask and the sliding layers' rotary table in place of the others'.
  *
  * Every field is 8 bytes wide (pointers, int64_t, double). plan.py's ctypes structs mirror these typedefs; LAYOUT
  * below gives each typedef's size and each field's offset as this compiler lays them out, and plan.check_layout
@@ -39,25 +42,31 @@ typedef struct {
  * weights over each head (whole 0) or over the whole projection (whole 1, OLMo 2's), or NULL. factor: the attention's
  * scaling / ln 2. residual: what the attention's and the MLP's outputs are multiplied by before they join the
  * residual stream (1: nothing; Granite's residual_multiplier). rotary: 0 where the layer takes its queries and keys
- * unrotated (SmolLM3's NoPE layers), else 1. */
+ * unrotated (SmolLM3's NoPE layers), else 1. activation: the MLP's (scalar.h's ACTIVATION_SILU or
+ * ACTIVATION_GELU_TANH).
+ * sliding: 1 where the layer attends over decoder_t's `windowed` mask and rotates by `cos_sliding`, `sin_sliding`
+ * (Gemma 3's sliding-window layers), 0 where it reads `visible`, `cos` and `sin`. */
 typedef struct {
     const float *before, *after, *attention_out, *mlp_out, *q_norm, *k_norm;
     double eps_before, eps_after, eps_attention_out, eps_mlp_out, eps_q, eps_k, factor, residual;
-    int64_t rotary, whole, qkv_count, gate_up_count;
+    int64_t rotary, whole, qkv_count, gate_up_count, activation, sliding;
     product_t qkv[3], o, gate_up[2], down;
 } layer_t;
 
 /* One forward's shapes, inputs and buffers (shared by every layer, which run one after another). n rows are read
  * (index: their flat positions b * seq + s in [batch, seq], or NULL where they are every position); the KV cache
  * `store` is [layers, 2, batch, kv_heads, capacity, width] with the given strides (a token's `width` int16
- * contiguous); visible: bool [batch, 1, seq, end] with strides vb, vq, vl. x [n, hidden] holds the embedded rows on
+ * contiguous); visible: bool [batch, 1, seq, end] with strides vb, vq, vl, and windowed (NULL where no layer is
+ * sliding) the same over a sliding window only, laid out alike. x [n, hidden] holds the embedded rows on
  * entry and the last layer's output on return. */
 typedef struct {
     int64_t n, batch, seq, hidden, heads, kv_heads, size, width, start, end, chunk, threads;
     const int64_t *index;
-    const float *cos, *sin; /* [batch, seq, rotated]: each head's first `rotated` values turn (partial rotary) */
+    const float *cos, *sin, *cos_sliding, *sin_sliding; /* [batch, seq, rotated] each: each head's first `rotated`
+                                                           * values turn (partial rotary); the sliding layers' pair
+                                                           * NULL where no layer slides */
     int64_t rotated, pairs; /* pairs: turned over adjacent pairs (GLM-4's), not halves (scalar.h's rotate) */
-    const uint8_t *visible;
+    const uint8_t *visible, *windowed;
     int64_t vb, vq, vl;
     int16_t *store;
     int64_t s_layer, s_kv, s_batch, s_head, s_token;
@@ -88,13 +97,15 @@ static const layout_t LAYOUT[] = {
     SIZE_OF(layer_t), AT(layer_t, before), AT(layer_t, after), AT(layer_t, attention_out), AT(layer_t, mlp_out),
     AT(layer_t, q_norm), AT(layer_t, k_norm), AT(layer_t, eps_before), AT(layer_t, eps_after),
     AT(layer_t, eps_attention_out), AT(layer_t, eps_mlp_out), AT(layer_t, eps_q), AT(layer_t, eps_k),
-    AT(layer_t, factor), AT(layer_t, residual), AT(layer_t, rotary), AT(layer_t, whole), AT(layer_t, qkv_count), AT(layer_t, gate_up_count), AT(layer_t, qkv), AT(layer_t, o), AT(layer_t, gate_up),
+    AT(layer_t, factor), AT(layer_t, residual), AT(layer_t, rotary), AT(layer_t, whole), AT(layer_t, qkv_count), AT(layer_t, gate_up_count),
+    AT(layer_t, activation), AT(layer_t, sliding), AT(layer_t, qkv), AT(layer_t, o), AT(layer_t, gate_up),
     AT(layer_t, down),
     SIZE_OF(decoder_t), AT(decoder_t, n), AT(decoder_t, batch), AT(decoder_t, seq), AT(decoder_t, hidden),
     AT(decoder_t, heads), AT(decoder_t, kv_heads), AT(decoder_t, size), AT(decoder_t, width), AT(decoder_t, start),
     AT(decoder_t, end), AT(decoder_t, chunk), AT(decoder_t, threads), AT(decoder_t, index), AT(decoder_t, cos),
-    AT(decoder_t, sin), AT(decoder_t, rotated), AT(decoder_t, pairs), AT(decoder_t, visible), AT(decoder_t, vb),
-    AT(decoder_t, vq), AT(decoder_t, vl),
+    AT(decoder_t, sin), AT(decoder_t, cos_sliding), AT(decoder_t, sin_sliding), AT(decoder_t, rotated),
+    AT(decoder_t, pairs), AT(decoder_t, visible), AT(decoder_t, windowed), AT(decoder_t, vb), AT(decoder_t, vq),
+    AT(decoder_t, vl),
     AT(decoder_t, store), AT(decoder_t, s_layer), AT(decoder_t, s_kv), AT(decoder_t, s_batch), AT(decoder_t, s_head),
     AT(decoder_t, s_token), AT(decoder_t, levels), AT(decoder_t, coefficients), AT(decoder_t, x), AT(decoder_t, h),
     AT(decoder_t, normed), AT(decoder_t, q), AT(decoder_t, k), AT(decoder_t, v), AT(decoder_t, qs), AT(decoder_t, ks),
@@ -204,9 +215,10 @@ static void gather_rows(const float *all, float *rows, const int64_t *index, int
  * over the keys a causal block can see (attention.py's exact_attention); 1 where scratch memory ran out */
 static int attend(const decoder_t *f, const layer_t *l, const int16_t *keys, const int16_t *values) {
     int64_t seq = f->seq, heads = f->heads, size = f->size, rows = f->batch * heads;
+    const uint8_t *visible = l->sliding ? f->windowed : f->visible;
     if (seq <= f->chunk)
         return batchspec_attention(f->query, keys, f->s_batch, f->s_head, values, f->s_batch, f->s_head, f->width,
-                                   f->visible, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, seq, f->end, size,
+                                   visible, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, seq, f->end, size,
                                    l->factor, (float)f->levels, f->coefficients, f->attended, (int)f->threads);
     for (int64_t s0 = 0; s0 < seq; s0 += f->chunk) {
         int64_t count = seq - s0 < f->chunk ? seq - s0 : f->chunk;
@@ -215,7 +227,7 @@ static int attend(const decoder_t *f, const layer_t *l, const int16_t *keys, con
             memcpy(f->block_query + r * count * size, f->query + (r * seq + s0) * size,
                    (size_t)(count * size) * sizeof(float));
         if (batchspec_attention(f->block_query, keys, f->s_batch, f->s_head, values, f->s_batch, f->s_head, f->width,
-                                f->visible + s0 * f->vq, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, count,
+                                visible + s0 * f->vq, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, count,
                                 seen, size, l->factor, (float)f->levels, f->coefficients, f->block_out,
                                 (int)f->threads))
             return 1;
@@ -249,7 +261,8 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     int16_t *keys = f->store + layer * f->s_layer, *values = keys + f->s_kv;
     int64_t query_strides[3] = {f->heads * f->seq * f->size, f->seq * f->size, f->size};
     int64_t cache_strides[3] = {f->s_batch, f->s_head, f->s_token};
-    const float *cos = l->rotary ? f->cos : NULL, *sin = l->rotary ? f->sin : NULL;
+    const float *cos = l->sliding ? f->cos_sliding : f->cos, *sin = l->sliding ? f->sin_sliding : f->sin;
+    if (!l->rotary) cos = sin = NULL;
     batchspec_rotary_into(q, k, v, f->batch, f->seq, f->heads, f->kv_heads, f->size, cos, sin, f->rotated, f->pairs,
                           f->query, query_strides, keys + f->start * f->s_token, cache_strides,
                           values + f->start * f->s_token, cache_strides, f->width, (float)f->levels, threads);
@@ -266,10 +279,11 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     int64_t ffn = down->inner, nsub = sub_blocks(ffn);
     if (down->bits == 8)
         batchspec_quantize_gated(f->gate, f->up, f->n, ffn, 4 * down->groups, f->codes8, f->scale8, f->coefficients,
-                                 threads);
+                                 l->activation, threads);
     else
         batchspec_quantize_gated_blocks(f->gate, f->up, f->n, ffn, down->block, 32 * nsub, f->codes4, f->xs,
-                                        block_scales(down), f->sums4, counted_sums(ffn), f->coefficients, threads);
+                                        block_scales(down), f->sums4, counted_sums(ffn), f->coefficients,
+                                        l->activation, threads);
     add_product(f, down, f->x, f->h, l->mlp_out, l->eps_mlp_out, l->residual);
     return 0;
 }

@@ -6,7 +6,7 @@
  *                                                prepare_codes lays them out where PREPARED_CODES is its bytes
  *                                                a code);
  *   quantize_values(x, k, ldc, codes, scale)     one row quantized to the product's codes;
- *   silu_values(x, up, out, k, c)                out = silu_value(x) (times up where up is not NULL);
+ *   activation_values(x, up, out, k, c, a)       out = activation_value(x, c, a) (times up where up is not NULL);
  *   attend_group(g, query, k, v, visible, s, out, out_head, out_query)   one GQA group's exact attention;
  *   panels4_block(...), PANELS4                  the int4 product of PANELS4 panels of 16 outputs;
  *
@@ -82,31 +82,31 @@ void batchspec_quantize(const float *x, int64_t n, int64_t k, int64_t ldc, uint8
     }
 }
 
-/* arithmetic.py's exact_silu, elementwise */
-void batchspec_silu(const float *x, float *y, int64_t count, const float *c, int threads) {
+/* arithmetic.py's exact_silu (activation ACTIVATION_SILU) or exact_gelu_tanh (ACTIVATION_GELU_TANH), elementwise */
+void batchspec_activation(const float *x, float *y, int64_t count, const float *c, int64_t activation, int threads) {
     int64_t chunk = 1 << 14;
     #pragma omp parallel num_threads(threads) if (count > 65536)
     {
         unsigned saved = fp_enter();
         #pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < count; i += chunk)
-            silu_values(x + i, NULL, y + i, count - i < chunk ? count - i : chunk, c);
+            activation_values(x + i, NULL, y + i, count - i < chunk ? count - i : chunk, c, activation);
         fp_leave(saved);
     }
 }
 
-/* batchspec_quantize of exact_silu(gate) * up (each value rounded as arithmetic.py's torch code rounds it), a row
+/* batchspec_quantize of activation(gate) * up (each value rounded as arithmetic.py's torch code rounds it), a row
  * at a time through a buffer on the stack: the MLP's activation on its way to the down projection, never written
  * out */
 void batchspec_quantize_gated(const float *gate, const float *up, int64_t n, int64_t k, int64_t ldc, uint8_t *codes,
-                              float *scale, const float *c, int threads) {
+                              float *scale, const float *c, int64_t activation, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         unsigned saved = fp_enter();
         #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < n; r++) {
             float row[k];
-            silu_values(gate + r * k, up + r * k, row, k, c);
+            activation_values(gate + r * k, up + r * k, row, k, c, activation);
             quantize_values(row, k, ldc, codes + r * ldc, scale + r);
         }
         fp_leave(saved);
@@ -128,17 +128,18 @@ void batchspec_quantize_blocks(const float *x, int64_t n, int64_t k, int64_t blo
     }
 }
 
-/* batchspec_quantize_blocks of exact_silu(gate) * up, a row at a time, never written out (as batchspec_quantize_gated) */
+/* batchspec_quantize_blocks of activation(gate) * up, a row at a time, never written out (as
+ * batchspec_quantize_gated) */
 void batchspec_quantize_gated_blocks(const float *gate, const float *up, int64_t n, int64_t k, int64_t block,
                                      int64_t padded, int8_t *q, float *scale, int64_t lds, int16_t *sums,
-                                     int64_t counted, const float *c, int threads) {
+                                     int64_t counted, const float *c, int64_t activation, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         unsigned saved = fp_enter();
         #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < n; r++) {
             float row[k];
-            silu_values(gate + r * k, up + r * k, row, k, c);
+            activation_values(gate + r * k, up + r * k, row, k, c, activation);
             quantize_block_row(row, k, block, padded, q + r * padded, scale + r * lds, sums + r * counted, counted);
         }
         fp_leave(saved);

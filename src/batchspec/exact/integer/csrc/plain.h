@@ -45,10 +45,12 @@ static void quantize_values(const float *x, int64_t k, int64_t ldc, uint8_t *cod
     row_codes(x, k, ldc, token_scale(x, k, 127.0f), codes, scale);
 }
 
-/* 2b. arithmetic.py's exact_silu (scalar.h's silu_value), times up where up is not NULL */
-static void silu_values(const float *x, const float *up, float *out, int64_t k, const float *c) {
+/* 2b. the MLP's activation (scalar.h's activation_value: arithmetic.py's exact_silu or exact_gelu_tanh), times up
+ * where up is not NULL */
+static void activation_values(const float *x, const float *up, float *out, int64_t k, const float *c,
+                              int64_t activation) {
     for (int64_t i = 0; i < k; i++) {
-        float y = silu_value(x[i], c);
+        float y = activation_value(x[i], c, activation);
         out[i] = up ? y * up[i] : y;
     }
 }

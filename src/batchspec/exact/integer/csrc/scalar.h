@@ -50,6 +50,12 @@ static inline void fp_leave(unsigned previous) { (void)previous; }
 #define ROW_BLOCK 240 /* rows per pass over the weight: their outputs stay in cache while a panel is reused */
 #define SCALE_BITS 32 /* the KV cache's scale bits, one in the parity of each of a token's first 32 integers */
 #define LOG2E 1.44269504088896340736f /* log2(e) rounded to float32, as torch rounds arithmetic.py's LOG2E */
+/* arithmetic.py's GELU_CUBIC and GELU_SCALE (0.044715 and 2 sqrt(2 / pi)), each already a float32 value there */
+#define GELU_CUBIC 0.04471499845385551453f
+#define GELU_SCALE 1.59576916694641113281f
+/* the MLP's activation (layer_t's `activation`, arithmetic.py's ACTIVATIONS): SiLU or GELU with tanh */
+#define ACTIVATION_SILU 0
+#define ACTIVATION_GELU_TANH 1
 
 /* the larger of two floats (neither is NaN here); fmaxf is a library call */
 static inline float larger(float a, float b) { return a > b ? a : b; }
@@ -91,11 +97,26 @@ static inline float exp2_nonpositive(float t, const float *c) {
     return power * scale;
 }
 
-/* SiLU as arithmetic.py's exact_silu computes it: e = 2**(|x| * -log2 e) (exp2_nonpositive), the sigmoid
- * (x >= 0 ? 1 : e) / (1 + e), times x. */
-static inline float silu_value(float x, const float *c) {
-    float e = exp2_nonpositive(fabsf(x) * -LOG2E, c);
-    return x * ((x >= 0.0f ? 1.0f : e) / (1.0f + e));
+/* The sigmoid of z as arithmetic.py's _sigmoid computes it: e = 2**(|z| * -log2 e) (exp2_nonpositive), then
+ * (z >= 0 ? 1 : e) / (1 + e). */
+static inline float sigmoid_value(float z, const float *c) {
+    float e = exp2_nonpositive(fabsf(z) * -LOG2E, c);
+    return (z >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* SiLU as arithmetic.py's exact_silu computes it: x * sigmoid(x). */
+static inline float silu_value(float x, const float *c) { return x * sigmoid_value(x, c); }
+
+/* GELU with tanh as arithmetic.py's exact_gelu_tanh computes it: z = (x + ((x * x) * x) * GELU_CUBIC) * GELU_SCALE,
+ * then x * sigmoid(z) (0.5 (1 + tanh(z / 2)) is sigmoid(z)). */
+static inline float gelu_tanh_value(float x, const float *c) {
+    float z = (x + ((x * x) * x) * GELU_CUBIC) * GELU_SCALE;
+    return x * sigmoid_value(z, c);
+}
+
+/* the MLP's activation of x: ACTIVATION_SILU or ACTIVATION_GELU_TANH */
+static inline float activation_value(float x, const float *c, int64_t activation) {
+    return activation == ACTIVATION_GELU_TANH ? gelu_tanh_value(x, c) : silu_value(x, c);
 }
 
 /* RMSNorm's root as model.py's exact_rms_norm computes it in float32: the squares summed by arithmetic.py's
