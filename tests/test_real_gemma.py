@@ -1,6 +1,7 @@
 """The real ``gemma3`` preset (Gemma 3 270M, a base model; no draft model, it drafts by prompt lookup): a family other
 than the Llama-like ones, exact on the fused integer forward. Batched EqSpec and ExSpec with prompt lookup equal the
-target's own greedy output, prompt by prompt, in int8 and int4; the forward that runs is the fused one.
+target's own greedy output, prompt by prompt (EqSpec in int8, ExSpec in int4); the forward that runs is the fused
+one.
 
 The prompts are long enough that the sliding layers' 512-position window is not reached: the window's masking is
 tested on tiny models (``tests/test_integer_forward.py``), where prompts pass it. CI obtains the preset first
@@ -26,17 +27,11 @@ MAX_NEW_TOKENS = 24
 BATCH_SIZE = 4
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
-def gemma(request):
+@pytest.mark.parametrize(("width", "method"), [("int8", "eqspec"), ("int4", "exspec")])
+def test_gemma3_batched_lookup_decoding_equals_its_own_greedy(reference, width, method):
     cached_or_skip("gemma3")
-    settings = load_settings("auto", "cpu", request.param, "auto", False)
-    ((model, tokenizer),) = load_specs(["gemma3:target"], settings, progress=False)
-    return request.param, model, tokenizer
-
-
-@pytest.mark.parametrize("method", ["eqspec", "exspec"])
-def test_gemma3_batched_lookup_decoding_equals_its_own_greedy(gemma, reference, method):
-    width, model, tokenizer = gemma
+    ((model, tokenizer),) = load_specs(["gemma3:target"], load_settings("auto", "cpu", width, "auto", False),
+                                       progress=False)
     assert model.config.model_type == "gemma3_text"
     assert forward_in_use(model) == "fused"
     prompts = [tokenizer.encode(text) for text in PROMPTS]
