@@ -3,7 +3,7 @@ than the Llama-like ones, exact on the fused integer forward. Batched EqSpec and
 target's own greedy output, prompt by prompt (EqSpec in int8, ExSpec in int4); the forward that runs is the fused
 one.
 
-The prompts are long enough that the sliding layers' 512-position window is not reached: the window's masking is
+The prompts are short enough that the sliding layers' 512-position window is not reached: the window's masking is
 tested on tiny models (``tests/test_integer_forward.py``), where prompts pass it. CI obtains the preset first
 (``scripts/setup.sh test``), so there a missing preset fails instead of skipping.
 """
