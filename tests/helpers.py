@@ -282,27 +282,28 @@ def _replay_row(target, draft, prefix: list[int], k: int) -> tuple[int, list[int
 
 
 def replay_eqspec(target, draft, prompts, *, batch_size: int, k: int, max_new: int, eos: int) -> Replay:
-    """Greedy EqSpec recounted one row at a time with plain model calls, sharing no code with batchspec:
-    fixed batches in prompt order; each round every unfinished row drafts ``min(k, its own budget left - 1)``
-    tokens and keeps those equal to the target's own greedy tokens, plus one of the target's."""
+    """Greedy EqSpec recounted one row at a time with plain model calls, sharing no code with batchspec: one batch
+    of at most ``batch_size`` rows, the next prompt in order joining before a round as soon as a row has finished;
+    each round every unfinished row drafts ``min(k, its own budget left - 1)`` tokens and keeps those equal to the
+    target's own greedy tokens, plus one of the target's."""
     replay = Replay(outputs=[[] for _ in prompts])
-    for start in range(0, len(prompts), batch_size):
-        active = list(range(start, min(start + batch_size, len(prompts))))
-        while active:
-            drafting = []  # accepted drafts of the rows that proposed any
-            for i in active:
-                k_row = min(k, max_new - len(replay.outputs[i]) - 1)
-                a, gained = _replay_row(target, draft, list(prompts[i]) + replay.outputs[i], k_row)
-                drafting += [a] if k_row else []
-                replay.proposed += k_row
-                replay.accepted += a
-                kept = gained[: max_new - len(replay.outputs[i])]
-                replay.outputs[i] += kept[: kept.index(eos) + 1] if eos in kept else kept
-            replay.rounds += 1
-            replay.row_rounds += len(active)
-            replay.ragged_rounds += int(len(set(drafting)) > 1)
-            replay.histogram.update(drafting)
-            active = [i for i in active if len(replay.outputs[i]) < max_new and eos not in replay.outputs[i]]
+    queue, active = list(range(len(prompts))), []
+    while queue or active:
+        active, queue = active + queue[: batch_size - len(active)], queue[batch_size - len(active) :]
+        drafting = []  # accepted drafts of the rows that proposed any
+        for i in active:
+            k_row = min(k, max_new - len(replay.outputs[i]) - 1)
+            a, gained = _replay_row(target, draft, list(prompts[i]) + replay.outputs[i], k_row)
+            drafting += [a] if k_row else []
+            replay.proposed += k_row
+            replay.accepted += a
+            kept = gained[: max_new - len(replay.outputs[i])]
+            replay.outputs[i] += kept[: kept.index(eos) + 1] if eos in kept else kept
+        replay.rounds += 1
+        replay.row_rounds += len(active)
+        replay.ragged_rounds += int(len(set(drafting)) > 1)
+        replay.histogram.update(drafting)
+        active = [i for i in active if len(replay.outputs[i]) < max_new and eos not in replay.outputs[i]]
     return replay
 
 

@@ -15,6 +15,7 @@ import pytest
 from batchspec.engine import draft_length
 from batchspec.engine.draft_length import AdaptiveLength, Reach, RoundRecord
 from batchspec.engine.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
+from batchspec.engine.schedulers.batches import Batches
 from batchspec.engine.state import KVLocation, Sequence
 
 
@@ -293,6 +294,26 @@ def test_a_draining_batch_drafts_only_for_the_rows_with_the_most_left(monkeypatc
     assert draining[1:] == [0, 0, 0]
     planner.finished = (0, 20)  # rows that end at EOS: any of them may turn out the longest, every token counts
     assert planner.lengths(rows, reach, False, draining=True) == planner.lengths(rows, reach, False)
+
+
+def test_a_finished_row_makes_room_for_the_next_prompt_and_the_batch_drains_once_none_waits():
+    """Offline, a row that ends frees its place for the next prompt in order before the next round, so a row that
+    speculation ends sooner gains the run its tokens; the batch drains (no row takes an ended row's place) only once
+    no prompt waits. Online it never drains: a request may come at any time."""
+    batches = Batches(2)
+    rows = [Sequence(i, [1, 2, 3], 4) for i in range(4)]
+    for row in rows:
+        batches.add(row)
+    assert [row.index for row in batches.select()] == [0, 1] and not batches.draining
+    rows[1].append([7] * 4, frozenset())
+    assert batches.ran(rows[:2]) == [rows[1]]
+    assert [row.index for row in batches.select()] == [0, 2] and not batches.draining
+    rows[0].append([7] * 4, frozenset())
+    batches.ran(rows[:3])
+    assert [row.index for row in batches.select()] == [2, 3] and batches.draining
+    online = Batches(2, online=True)
+    online.add(rows[3])
+    assert online.select() == [rows[3]] and not online.draining
 
 
 def test_a_draining_batch_is_not_slowed_by_the_rows_that_accept(monkeypatch):

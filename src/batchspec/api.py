@@ -191,7 +191,8 @@ def _decode(engine: Engine, sequences: list[Sequence], progress: bool) -> None:
                 engine.score_prompt(row)
         else:
             scheduler.add(row)
-    bar = tqdm(total=scheduler.waiting, desc=engine.config.method.value, unit="prompt", disable=not progress)
+    queued = scheduler.waiting + scheduler.running
+    bar = tqdm(total=queued, desc=engine.config.method.value, unit="prompt", disable=not progress)
     with bar, torch.inference_mode():
         drive(engine, scheduler, Offline(bar.update))
 

@@ -13,7 +13,7 @@
 - ``realign``: lazy unpad → append → repad as index arithmetic, and compaction.
 - ``draft_length``: the draft-length policy: a fixed k, or adaptive k, each row's draft length from its acceptance
   (``acceptance``, the counts each row keeps) and the round-cost model.
-- ``schedulers``: EqSpec's fixed batches, ExSpec's pool, and the one driver that loops them.
+- ``schedulers``: EqSpec's refilled batch, ExSpec's pool, and the one driver that loops them.
 - ``core``: build_engine and the Engine, whose step is the decode loop.
 - ``request``: the request record (GenerationParams) that the front doors hand the engine, and its rows.
 - ``metrics``: GenerationStats and the stage timer.

@@ -49,9 +49,9 @@ itself fades toward an optimistic 0.6), so that acceptance is probed again now a
 probe, since a plain step checks the first lookup of every row for free.
 
 What a token is worth depends on what follows the batch. While finished rows are replaced (the server, and
-ExSpec's window while prompts wait), every token is worth the same. An offline batch instead *drains*: it runs to
-its end before the next one starts, so it lasts as long as its slowest row, and a row far ahead of the others gains
-the batch only the columns its tokens would take in later steps. ``best`` then weighs each row's tokens by how much
+offline runs while prompts wait), every token is worth the same. Once no prompt waits, an offline batch instead
+*drains*: it lasts as long as its slowest row, and a row far ahead of the others gains the batch only the columns
+its tokens would take in later steps. ``best`` then weighs each row's tokens by how much
 sooner they end the batch (:meth:`AdaptiveLength._worth`): rows that hold the batch up draft boldly, rows far ahead
 not at all. Where rows end at EOS instead of their budget, any of them may turn out the longest, and the tokens
 are weighed alike again, by the share of finished rows that ran to their budget.
@@ -421,7 +421,7 @@ def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool) -> Fixe
 
 def _drain_worth(rows, fit: CostFit, rates: list[float]) -> list[float]:
     """What a token of each row is worth to a batch that drains (no row takes the place of one that finishes: an
-    offline batch, which runs to its end before the next one starts). The batch ends when its last row does: a token
+    offline batch once no prompt waits). The batch ends when its last row does: a token
     shortens it only where it shortens the row that finishes last; any row's token saves the column it would have
     taken in a later step.
 

@@ -6,7 +6,7 @@ scheduler picks the rows of the next round, :func:`plan_layout` computes their l
 that carries row ``i``'s old columns to its new ones. One shift serves the token matrix, the target KV and the
 draft KV, because all three hold a row's columns at the same offsets.
 
-For a fixed batch (EqSpec) this is the paper's unpad → append → repad: a row that gained ``n[i]`` tokens while
+For EqSpec's batch this is the paper's unpad → append → repad: a row that gained ``n[i]`` tokens while
 the batch grew from width ``L`` to ``L'`` moves by ``delta[i] = (L' - L) - n[i]``. Worked example, ``k = 2``,
 ``L = 5`` (``_`` is padding; ``x y`` drafts, ``z``/``w`` bonus tokens), as the round left the slab::
 

@@ -6,9 +6,8 @@ rows retired early, and ``capacity`` says how many rows may be admitted at once.
 any of them, for ``batchspec.generate`` (every request queued at the start) and for the server's engine thread
 (requests queued as they arrive) alike.
 
-* :class:`~batchspec.engine.schedulers.batches.Batches` — EqSpec (and the autoregressive baseline): offline, batches of
-  ``B`` prompts in order, each decoded to the end; online (``refill``), one batch of up to ``B`` rows, refilled as
-  rows leave;
+* :class:`~batchspec.engine.schedulers.batches.Batches` — EqSpec (and the autoregressive baseline): one batch of up to
+  ``B`` rows, refilled in order as rows leave;
 * :class:`~batchspec.engine.schedulers.pool.PooledWindow` — ExSpec, offline and online: a window of ``W`` rows from
   which every round takes ``B`` of one length when it can.
 """
@@ -39,9 +38,9 @@ class Scheduler(Protocol):
 
     @property
     def draining(self) -> bool:
-        """No row takes the place of one that finishes until every row of the next round has: the round's batch ends
-        when its last row does (offline batches), so the draft-length planner values a row's tokens by how much
-        sooner they end it (:meth:`~batchspec.engine.draft_length.AdaptiveLength._worth`)."""
+        """No row will take the place of one that finishes (offline, once no row waits): the batch ends when its last
+        row does, so the draft-length planner values a row's tokens by how much sooner they end it
+        (:meth:`~batchspec.engine.draft_length.AdaptiveLength._worth`)."""
         ...
 
     def add(self, row: Sequence) -> None:
@@ -62,7 +61,7 @@ class Scheduler(Protocol):
 
 
 def make_scheduler(config: SpecConfig, *, online: bool = False) -> Scheduler:
-    """The policy of ``config.method``: ExSpec's window, or EqSpec's batches (fixed offline, refilled online)."""
+    """The policy of ``config.method``: ExSpec's window, or EqSpec's batch."""
     from batchspec.engine.schedulers.batches import Batches
     from batchspec.engine.schedulers.pool import PooledWindow
 
@@ -71,4 +70,4 @@ def make_scheduler(config: SpecConfig, *, online: bool = False) -> Scheduler:
             config.batch_size, config.window, sort_by_length=config.sort_by_length and not online,
             check=config.check_invariants,
         )
-    return Batches(config.batch_size, refill=online)
+    return Batches(config.batch_size, online=online)

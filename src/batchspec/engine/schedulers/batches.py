@@ -1,10 +1,12 @@
 """EqSpec's batches: up to ``batch_size`` rows decoded together, realigned (unpad–append–repad) every round, and a
-queue of the rest. Rows that finish leave the batch at once; when queued rows take their place is the one thing
-the offline and the online policy do differently (``refill``).
+queue of the rest. A row that finishes leaves the batch at once and the first queued row takes its place before the
+next round (its prompt is read apart, see :mod:`batchspec.engine.prefill`), offline and online alike: a row that
+speculation ends sooner frees its place for the next prompt, so the tokens it gained are not lost to a batch that
+waits for its slowest row.
 
-Offline (``refill=False``): fixed batches of ``batch_size`` prompts in order, each decoded to completion before
-the next one starts. Online (``refill=True``): one running batch that queued requests join between rounds as soon
-as a row is free (their prompts are read apart, see :mod:`batchspec.engine.prefill`).
+Offline (``online=False``) every row is queued before the first round, so once the queue is empty no row will take
+the place of one that finishes: the batch is *draining*, and ends with its slowest row. Online, a request may
+arrive at any time, so the batch never drains.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from batchspec.engine.state import Sequence
 
 @dataclass
 class Batches:
-    """One batch of at most ``batch_size`` admitted rows and a queue; with ``refill`` queued rows join whenever a row
-    is free, else only once the whole batch is done."""
+    """One batch of at most ``batch_size`` admitted rows and a queue; queued rows join whenever a row is free."""
 
     batch_size: int
-    refill: bool = False
+    online: bool = False
     queue: deque[Sequence] = field(default_factory=deque)
     rows: list[Sequence] = field(default_factory=list)
 
@@ -39,16 +40,15 @@ class Batches:
 
     @property
     def draining(self) -> bool:
-        return not self.refill
+        """Offline, once nothing waits."""
+        return not self.online and not self.queue
 
     def add(self, row: Sequence) -> None:
         self.queue.append(row)
-        if self.refill:
-            self._admit()
+        self._admit()
 
     def select(self) -> list[Sequence]:
-        if self.refill or not self.rows:
-            self._admit()
+        self._admit()
         return list(self.rows)
 
     def _admit(self) -> None:
