@@ -35,8 +35,8 @@ void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16
 int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch, int64_t k_head,
                         const int16_t *values, int64_t v_batch, int64_t v_head, int64_t width,
                         const uint8_t *visible, int64_t vb, int64_t vq, int64_t vl, int64_t batch, int64_t heads,
-                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float levels,
-                        const float *c, float *out, int threads);
+                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float softcap,
+                        float levels, const float *c, float *out, int threads);
 
 /* 2**t's polynomial (arithmetic.py's EXP2_COEFFICIENTS, lowest degree first) */
 static const float C[10] = {1.0f, 0.6931471805599453f, 0.2402265069591007f, 0.055504108664821576f,
@@ -194,7 +194,7 @@ static void check_attention(int threads) {
     for (int64_t q = 0; q < queries; q++)
         for (int64_t j = 0; j < length; j++) visible[q * length + j] = j <= length - queries + q && below(10) > 0;
     batchspec_attention(query, keys, 0, head, values, 0, head, width, visible, 0, length, 1, 1, heads, kv_heads,
-                        queries, length, size, 0.125 / 0.6931471805599453, LEVELS, C, out, threads);
+                        queries, length, size, 0.125 / 0.6931471805599453, 0.0f, LEVELS, C, out, threads);
     mix(ATTENTION, out, count * sizeof(float));
     free(query), free(out), free(keys), free(values), free(visible);
 }
