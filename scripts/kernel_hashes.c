@@ -35,8 +35,8 @@ void batchspec_pack_kv(const float *x, int64_t n, int64_t k, float levels, int16
 int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch, int64_t k_head,
                         const int16_t *values, int64_t v_batch, int64_t v_head, int64_t width,
                         const uint8_t *visible, int64_t vb, int64_t vq, int64_t vl, int64_t batch, int64_t heads,
-                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float levels,
-                        const float *c, float *out, int threads);
+                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float softcap,
+                        float levels, const float *c, float *out, int threads);
 
 /* 2**t's polynomial (arithmetic.py's EXP2_COEFFICIENTS, lowest degree first) */
 static const float C[10] = {1.0f, 0.6931471805599453f, 0.2402265069591007f, 0.055504108664821576f,
@@ -178,7 +178,8 @@ static void random_tokens(int64_t length, int64_t size, int16_t *out, int64_t wi
     free(x);
 }
 
-/* the attention of a random GQA shape over random packed keys and values, causal with random holes */
+/* the attention of a random GQA shape over random packed keys and values, causal with random holes, its scores
+ * soft-capped or not */
 static void check_attention(int threads) {
     int64_t kv_heads = 1 + below(2), heads = kv_heads * (1 + below(3)), queries = 1 + below(20);
     int64_t length = queries + below(90), size = (int64_t[]){8, 32, 64, 100}[below(4)];
@@ -193,8 +194,9 @@ static void check_attention(int threads) {
     }
     for (int64_t q = 0; q < queries; q++)
         for (int64_t j = 0; j < length; j++) visible[q * length + j] = j <= length - queries + q && below(10) > 0;
+    float softcap = below(2) ? 0.0f : (float)(3.0 / 0.6931471805599453); /* none, or Gemma 2's cap of 3, in log2 units */
     batchspec_attention(query, keys, 0, head, values, 0, head, width, visible, 0, length, 1, 1, heads, kv_heads,
-                        queries, length, size, 0.125 / 0.6931471805599453, LEVELS, C, out, threads);
+                        queries, length, size, 0.125 / 0.6931471805599453, softcap, LEVELS, C, out, threads);
     mix(ATTENTION, out, count * sizeof(float));
     free(query), free(out), free(keys), free(values), free(visible);
 }

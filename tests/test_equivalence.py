@@ -514,13 +514,17 @@ def test_tiny_models_are_fit_for_purpose(target, bundles):
     assert bundle.drafts["unrelated"].config.vocab_size == bundle.target.config.vocab_size
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-def test_gemma3_float_sliding_and_full_layers_match_reference(implementation, bs):
-    """Gemma 3 on transformers' forward (float64, no quantization): the runner hands its sliding and full layers a
+@pytest.mark.parametrize(("kind", "implementation"), [("gemma3", "sdpa"), ("gemma3", "eager"), ("gemma2", "eager"),
+                                                       ("ministral", "sdpa"), ("ministral", "eager")])
+def test_mixed_sliding_and_full_layers_on_the_float_forward_match_reference(kind, implementation, bs):
+    """Gemma 3, Gemma 2 (its scores and logits soft-capped, by transformers' eager attention, which alone caps) and
+    Ministral on transformers' forward (float64, no quantization): the runner hands their sliding and full layers a
     mask each (window 4 over prompts of up to 24 tokens), boolean for sdpa and additive for eager, and EqSpec gives
     each prompt the model's own greedy output."""
-    target = tiny_models.build_gemma3(seed=5)
-    draft = tiny_models.perturbed_copy(tiny_models.build_gemma3(seed=5), 0.05, seed=6)
+    build = {"gemma3": tiny_models.build_gemma3, "gemma2": tiny_models.build_gemma2,
+             "ministral": tiny_models.build_ministral}[kind]
+    target = build(seed=5)
+    draft = tiny_models.perturbed_copy(build(seed=5), 0.05, seed=6)
     for model in (target, draft):
         model.config._attn_implementation = implementation
     prompts = tiny_models.random_prompts(5, seed=9, max_len=24)

@@ -48,7 +48,8 @@ from batchspec.exact.integer.model import exact_rms_norm
 
 BUILDS = [pytest.param(name, marks=pytest.mark.skipif(name not in native.host_isas(), reason=f"this CPU lacks {name}"))
           for name in native.ISAS]
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3", "gemma2",
+         "ministral")
 THREADS = (1, 2, 16)
 
 
@@ -236,12 +237,13 @@ def test_each_build_gives_the_torch_paths_bits(isa, rows, inner, outputs, seed, 
 @settings(max_examples=20, deadline=None)
 @given(
     kv_heads=st.integers(1, 2), group=st.integers(1, 3), queries=st.integers(1, 70), extra=st.integers(0, 140),
-    size=st.sampled_from([5, 32, 64, 128]), seed=st.integers(0, 2**16),
+    size=st.sampled_from([5, 32, 64, 128]), seed=st.integers(0, 2**16), softcap=st.sampled_from([None, 0.3, 2.0]),
 )
-def test_each_builds_attention_gives_the_torch_paths_bits(isa, kv_heads, group, queries, extra, size, seed):
+def test_each_builds_attention_gives_the_torch_paths_bits(isa, kv_heads, group, queries, extra, size, seed, softcap):
     """The exact attention over the packed int16 cache: each build's bits are the torch path's, for GQA groups,
     partial visibility (a row whose last queries see nothing and whose first keys no query sees: the native builds
-    leave them out), more keys than one int32 flush of the weighted sum (64) and more queries than one block."""
+    leave them out), more keys than one int32 flush of the weighted sum (64), more queries than one block, and scores
+    soft-capped (Gemma 2's) or not."""
     generator = torch.Generator().manual_seed(seed)
     heads, length = kv_heads * group, queries + extra
     query = torch.randn(2, heads, queries, size, generator=generator)
@@ -250,9 +252,9 @@ def test_each_builds_attention_gives_the_torch_paths_bits(isa, kv_heads, group, 
     visible[1, :, queries // 2 + 1 :] = False  # a ragged verification's unscored drafts: the last queries see nothing
     visible[1, :, :, : extra // 2] = False  # a short row's padding beside a long one: keys no query sees
     with native.using("none"):
-        want = exact_attention(query, key, value, visible, scaling=size**-0.5)
+        want = exact_attention(query, key, value, visible, scaling=size**-0.5, softcap=softcap)
     with native.using(isa):
-        assert torch.equal(exact_attention(query, key, value, visible, scaling=size**-0.5), want)
+        assert torch.equal(exact_attention(query, key, value, visible, scaling=size**-0.5, softcap=softcap), want)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +265,8 @@ def float32_models() -> dict[str, torch.nn.Module]:
     builders = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, "qwen3": tiny_models.build_qwen3,
                 "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
                 "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2,
-                "phi3": tiny_models.build_phi3, "glm4": tiny_models.build_glm4, "gemma3": tiny_models.build_gemma3}
+                "phi3": tiny_models.build_phi3, "glm4": tiny_models.build_glm4, "gemma3": tiny_models.build_gemma3,
+                "gemma2": tiny_models.build_gemma2, "ministral": tiny_models.build_ministral}
     return {kind: builders[kind](seed=5).float() for kind in KINDS}
 
 

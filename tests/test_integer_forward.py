@@ -39,7 +39,8 @@ from batchspec.families import sliding_visible
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
-KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3")
+KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3", "gemma2",
+         "ministral")
 # widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
@@ -48,6 +49,7 @@ BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, 
             "mistral": tiny_models.build_mistral, "smollm3": tiny_models.build_smollm3,
             "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2, "phi3": tiny_models.build_phi3,
             "glm4": tiny_models.build_glm4, "gemma3": tiny_models.build_gemma3,
+            "gemma2": tiny_models.build_gemma2, "ministral": tiny_models.build_ministral,
             "mistral-window": lambda seed, **kw: tiny_models.build_mistral(seed, sliding_window=7, **kw),
             "phi3-window": lambda seed, **kw: tiny_models.build_phi3(seed, sliding_window=7, **kw)}
 
@@ -382,14 +384,15 @@ def test_the_sliding_layers_mask_is_the_windowed_one_of_each_rows_own_columns():
 
 
 @pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window", "phi3", "phi3-window", "glm4",
-                                  "gemma3"])
+                                  "gemma3", "gemma2", "ministral"])
 @pytest.mark.parametrize("width", ["int8", "int4"])
 def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, reference):
     """A family whose layers depart from a Llama's (batchspec.families: SmolLM3's layers without a rotary embedding,
     Granite's multipliers, OLMo 2's norms on the outputs and over whole projections, Mistral's and Phi-3's sliding
     window of 7 over prompts of up to 24 tokens, Phi-3's fused projections, partial rotary and LongRoPE's short
     factors, GLM-4's four norms, biases and partial rotary over pairs, Gemma 3's sliding and full layers, window 4,
-    GELU and 1 + w norms) runs on the fused forward,
+    GELU and 1 + w norms, Gemma 2's besides with its scores capped at 3 and its logits at 1, Ministral's sliding and
+    full layers) runs on the fused forward,
     and EqSpec with a perturbed draft of its own family gives each prompt the model's own greedy output (transformers
     building its own sliding-window mask), in int8 and int4."""
     target = quantize_model(BUILDERS[kind](seed=5, **STACKABLE).float(), width=width)

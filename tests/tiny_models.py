@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     Glm4Config,
@@ -32,6 +34,8 @@ from transformers import (
     GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MinistralConfig,
+    MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Olmo2Config,
@@ -118,6 +122,17 @@ def build_mistral(seed: int = 0, **overrides) -> MistralForCausalLM:
     return _finish(MistralForCausalLM(cfg))
 
 
+def build_ministral(seed: int = 0, **overrides) -> MinistralForCausalLM:
+    """Ministral whose layers mix sliding attention (window 4, the first of each pair) and full attention."""
+    kw = _common_config_kwargs(**overrides)
+    layers = kw["num_hidden_layers"]
+    cfg = MinistralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=4,
+                          layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                          **kw)
+    torch.manual_seed(seed)
+    return _finish(MinistralForCausalLM(cfg))
+
+
 def build_smollm3(seed: int = 0, **overrides) -> SmolLM3ForCausalLM:
     """SmolLM3 with its second layer of two without a rotary embedding (NoPE)."""
     kw = _common_config_kwargs(**overrides)
@@ -195,6 +210,28 @@ def build_gemma3(seed: int = 0, **overrides) -> Gemma3ForCausalLM:
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.normal_(0.0, 0.3)
+    return _finish(model)
+
+
+def build_gemma2(seed: int = 0, **overrides) -> Gemma2ForCausalLM:
+    """Gemma 2 with every departure from a Llama's switched on, and soft-caps that bite: the scores capped at 3
+    (q and k weights drawn large, so that many exceed it) and the logits at 1 (the tied output layer's weights drawn
+    large); a sliding layer (window 4) then a full one, ``query_pre_attn_scalar`` away from the head size, norms scaling
+    by ``1 + w`` with ``w`` drawn away from 0, GELU with tanh, the embedding scaled by ``sqrt(hidden_size)``."""
+    kw = _common_config_kwargs(**{"tie_word_embeddings": True, **overrides})
+    layers = kw["num_hidden_layers"]
+    cfg = Gemma2Config(
+        head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=4, query_pre_attn_scalar=20,
+        attn_logit_softcapping=3.0, final_logit_softcapping=1.0,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)], **kw)
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("norm.weight", "q_proj.weight", "k_proj.weight")):
+                parameter.normal_(0.0, 0.3)
+            elif name.endswith("embed_tokens.weight"):
+                parameter.normal_(0.0, 0.1)
     return _finish(model)
 
 

@@ -4,10 +4,11 @@ how they enter a transformers model: an attention implementation registered by n
 is given, and the swap of a model's layers for their own.
 
 An attention *kernel* here takes ``query`` ``[B, H, q, D]``, ``key``/``value`` ``[B, Hk, L, D]`` (``H`` a multiple of
-``Hk``), ``visible`` boolean ``[B, 1, q, L]`` (True: the query sees the key) and the softmax's ``scaling``, and returns
-``[B, q, H, D]``, as transformers' attention functions do; :func:`register_attention` wraps it in the function
-signature transformers calls. Each mode's ``model.py`` (``int8/model.py``, ``invariant/model.py``) says which of a
-model's layers it swaps for its own.
+``Hk``), ``visible`` boolean ``[B, 1, q, L]`` (True: the query sees the key), the softmax's ``scaling`` and the
+scores' ``softcap`` (None: not capped; Gemma 2's ``attn_logit_softcapping``, which transformers passes as
+``softcap``), and returns ``[B, q, H, D]``, as transformers' attention functions do; :func:`register_attention` wraps
+it in the function signature transformers calls. Each mode's ``model.py`` (``int8/model.py``,
+``invariant/model.py``) says which of a model's layers it swaps for its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None], torch.Tensor]
 
 
 def visible_or_causal(
@@ -52,7 +53,8 @@ def mask_function(*args: Any, **kwargs: Any):
 
 def attention_function(kernel: AttentionKernel) -> Callable[..., tuple[torch.Tensor, None]]:
     """``kernel`` as the attention function transformers calls (its ``AttentionInterface`` signature):
-    ``attention_mask`` boolean ``[B, 1, q, L]`` or None (causal), no attention weights returned."""
+    ``attention_mask`` boolean ``[B, 1, q, L]`` or None (causal), ``softcap`` (None: no soft-capping), no attention
+    weights returned."""
 
     def attention(
         module: Any,
@@ -62,10 +64,11 @@ def attention_function(kernel: AttentionKernel) -> Callable[..., tuple[torch.Ten
         attention_mask: torch.Tensor | None,
         scaling: float,
         dropout: float = 0.0,
+        softcap: float | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         visible = visible_or_causal(attention_mask, query.shape[0], query.shape[2], key.shape[2], query.device)
-        return kernel(query, key, value, visible, scaling), None
+        return kernel(query, key, value, visible, scaling, softcap), None
 
     return attention
 

@@ -103,6 +103,30 @@ def one_window(config: Any) -> str | None:
     return None
 
 
+def layer_types(config: Any) -> list[str]:
+    """The type of each of ``config``'s layers (transformers' ``layer_types``; empty where it names none)."""
+    return list((getattr(config, "layer_types", None) or [])[: config.num_hidden_layers])
+
+
+def typed_plan(config: Any, **fields: Any) -> Plan:
+    """The :class:`Plan` (with ``fields``) of ``config`` whose ``layer_types`` may name :data:`SLIDING` layers
+    (:attr:`Plan.sliding`, over ``sliding_window``) beside :data:`FULL` ones."""
+    sliding = tuple(kind == SLIDING for kind in layer_types(config))
+    if not any(sliding):
+        return Plan(**fields)
+    window = getattr(config, "sliding_window", None)
+    return Plan(window=int(window) if window else None, sliding=sliding, **fields)
+
+
+def two_kinds(config: Any) -> str | None:
+    """Why ``config`` cannot run here (a phrase after "the model"), where a layer's type is neither :data:`FULL`
+    nor :data:`SLIDING`; else None."""
+    kinds = set(layer_types(config))
+    if not kinds <= {FULL, SLIDING}:
+        return f"has layer types {sorted(kinds)}; batchspec runs {FULL!r} and {SLIDING!r} layers only"
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """One family: its ``model_type`` names, why one of its configs is refused (:func:`full_attention` unless it

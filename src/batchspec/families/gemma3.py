@@ -15,39 +15,28 @@ config:
   sliding layers' masks hide those they no longer see, as Mistral's), so realignment and the prefix cache need
   nothing of their own.
 
-Refused: logit soft-capping (``attn_logit_softcapping``, ``final_logit_softcapping``; Gemma 2's), bidirectional
-attention, and layer types other than these two."""
+Gemma 2's logit soft-capping (``attn_logit_softcapping``, ``final_logit_softcapping``) runs here too where a config
+sets it (see :mod:`batchspec.families.gemma2`). Refused: bidirectional attention, and layer types other than these
+two."""
 
 from typing import Any
 
-from batchspec.families.base import FULL, SLIDING, Family, Norms, Plan
+from batchspec.families.base import Family, Norms, Plan, two_kinds, typed_plan
 
 NORMS = Norms(before="input_layernorm", after="pre_feedforward_layernorm", attention_out="post_attention_layernorm",
               mlp_out="post_feedforward_layernorm")
 
 
-def _layer_types(config: Any) -> list[str]:
-    return list(config.layer_types[: config.num_hidden_layers])
+def plan(config: Any) -> Plan:
+    """Gemma's plan: four norms a layer scaling by ``1 + w``, sliding and full layers as ``layer_types`` says."""
+    return typed_plan(config, norms=NORMS, norm_offset=1.0)
 
 
-def _plan(config: Any) -> Plan:
-    sliding = tuple(kind == SLIDING for kind in _layer_types(config))
-    window = getattr(config, "sliding_window", None)
-    if not any(sliding):
-        return Plan(norms=NORMS, norm_offset=1.0)
-    return Plan(window=int(window) if window else None, sliding=sliding, norms=NORMS, norm_offset=1.0)
-
-
-def _refuse(config: Any) -> str | None:
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            return f"sets {name}={getattr(config, name)}; batchspec does not soft-cap logits"
+def refuse(config: Any) -> str | None:
+    """Why a Gemma config cannot run here: bidirectional attention, or a layer type neither full nor sliding."""
     if getattr(config, "use_bidirectional_attention", False):
         return "uses bidirectional attention; batchspec decodes causal models only"
-    kinds = set(_layer_types(config))
-    if not kinds <= {FULL, SLIDING}:
-        return f"has layer types {sorted(kinds)}; batchspec runs {FULL!r} and {SLIDING!r} layers only"
-    return None
+    return two_kinds(config)
 
 
-FAMILY = Family("gemma3", ("gemma3_text",), plan=_plan, refuse=_refuse)
+FAMILY = Family("gemma3", ("gemma3_text",), plan=plan, refuse=refuse)

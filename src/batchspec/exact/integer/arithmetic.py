@@ -20,7 +20,7 @@ and which path a value takes depends on its offset in the tensor, so on the batc
 of a tensor and of the same tensor shifted by one to 39 elements differ in 147 of 39 million values on an AVX-512
 CPU), and on the instruction set torch dispatches to (its AVX2 and AVX-512 SiLU agree, its scalar one does not). So
 :func:`exp2_nonpositive` builds ``2**t`` from kind-1 operations, :func:`exact_silu` and :func:`exact_gelu_tanh` build
-the MLP's activations on it, and
+the MLP's activations on it, :func:`exact_softcap` Gemma 2's soft-capping of scores and logits, and
 :func:`row_sum` sums a float row in an order fixed by its length. The native kernels
 (:mod:`batchspec.exact.integer.native`) compute each of these with the same operations in the same order, so every build
 and the torch path give one set of bits.
@@ -153,6 +153,20 @@ def exact_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in functions:
         raise ValueError(f"the exact model computes the activations {sorted(functions)}, not {name!r}")
     return functions[name]
+
+
+def exact_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft-capping ``cap * tanh(x / cap)`` from kind-1 operations and :func:`exp2_nonpositive`, so each
+    value depends on its argument alone, on every CPU: ``z = x / cap``, ``e = 2**((|z| * 2) * -log2 e)``
+    (``exp(-2|z|)``, never an overflow), ``tanh(|z|) = (1 - e) / (1 + e)`` given ``z``'s sign, times ``cap``, each
+    operation rounded once in ``x``'s dtype (``cap`` rounded to it). The native kernels' ``softcap_value``
+    (``csrc/scalar.h``) is the same operations, so the fused attention's capped scores are these bits. A NaN stays
+    NaN; an infinity gives ``+-cap``.
+
+    Example: ``cap = 2``, ``x = 1`` gives ``z = 0.5``, ``e = 0.3679``, ``2 * 0.4621 = 0.9242``."""
+    z = x / cap
+    e = exp2_nonpositive(z.abs().mul_(2.0).mul_(-LOG2E))
+    return torch.copysign((1.0 - e) / (e + 1.0), z).mul_(cap)
 
 
 def _sigmoid(z: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ float64. For one query ``q`` over its visible keys ``j``:
 
 * ``dot[j] = Q . K[j]`` is an integer below 2**37 (``|Q|, |K| <= 32767``, head size <= 128): the float64 product
   is exact in any order. ``score[j] = (dot[j] * sq) * sk[j] * scaling``, elementwise.
+* With a soft-cap ``c`` (Gemma 2's), ``score[j] = c tanh(score[j] / c)``
+  (:func:`~batchspec.exact.integer.arithmetic.exact_softcap`, elementwise).
 * ``e[j] = exp(score[j] - max score)`` by :func:`~batchspec.exact.integer.arithmetic.exp2_nonpositive` (in float32,
   the scores in units of log2), 0 where masked.
 * The softmax-weighted sum ``sum_j e[j] sv[j] V[j] / sum_j e[j]`` is taken over integers: ``a[j] = e[j] sv[j]`` is
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from batchspec.exact.integer import native
-from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exp2_nonpositive, quantize_rows
+from batchspec.exact.integer.arithmetic import EXP2_COEFFICIENTS, exact_softcap, exp2_nonpositive, quantize_rows
 from batchspec.exact.integer.native import SCALE_BITS, packed_width
 from batchspec.exact.swap import register_attention
 
@@ -55,11 +57,14 @@ QUERY_CHUNK = 64  # queries per block: bounds the scores' memory and skips keys 
 
 
 def exact_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The attention kernel of :data:`NAME` (see :mod:`batchspec.exact.swap`): ``query`` ``[B, H, q, D]``,
     ``key``/``value`` ``[B, Hk, L, W]`` packed as :func:`pack` stores them, or raw ``[B, Hk, L, D]`` (``H`` a
-    multiple of ``Hk``), ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``.
+    multiple of ``Hk``), ``visible`` boolean ``[B, 1, q, L]``, the scores soft-capped at ``softcap`` where it is
+    set (Gemma 2's ``attn_logit_softcapping``: :func:`~batchspec.exact.integer.arithmetic.exact_softcap`, after the
+    scaling and before the softmax); returns ``[B, q, H, D]``.
 
     Queries go in blocks of :data:`QUERY_CHUNK`, each over the keys it can see: to batchspec's native kernel where
     the CPU runs it and the cache is packed, else to torch's batched float64 products (the same bits)."""
@@ -73,7 +78,7 @@ def exact_attention(
         parts = [(query, key, value, visible)] if queries <= QUERY_CHUNK else [  # one block sees every key
             (query[:, :, block], key[:, :, seen], value[:, :, seen], visible[:, :, block, seen])
             for block, seen in blocks]
-        out = [native.attention(*part, scaling, QKV_LEVELS, EXP2_COEFFICIENTS) for part in parts]
+        out = [native.attention(*part, scaling, QKV_LEVELS, EXP2_COEFFICIENTS, softcap) for part in parts]
         if all(part is not None for part in out):
             return out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [B, q, H, D]
         _say_once(f"batchspec: exact attention over heads of {size} values runs in torch (the native kernel takes "
@@ -81,7 +86,7 @@ def exact_attention(
     k, k_scale = _unpacked(key, size)  # [B, Hk, L, D], [B, Hk, L, 1]
     v, v_scale = _unpacked(value, size)
     out = [_attend(query[:, :, block], k[:, :, seen], k_scale[:, :, seen], v[:, :, seen], v_scale[:, :, seen],
-                   visible[:, :, block, seen], scaling) for block, seen in blocks]
+                   visible[:, :, block, seen], scaling, softcap) for block, seen in blocks]
     out = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [B, H, q, D]
     return out.transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)  # [B, q, H, D]
 
@@ -167,12 +172,13 @@ def pack_on_update(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     return args, kwargs
 
 
-def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Tensor:
+def _attend(query, k, k_scale, v, v_scale, visible, scaling: float, softcap: float | None) -> torch.Tensor:
     """One block of queries: ``query`` ``[B, H, c, D]``, ``visible`` ``[B, 1, c, L]`` -> ``[B, H, c, D]`` float64.
 
     Scores are kept in float32 and in units of log2 (the softmax's own ``exp`` becomes ``2**t``); the sums over
-    keys are the exact integer products of the module docstring. A query that sees a score that is not finite or a
-    value whose scale is NaN is NaN (the module docstring).
+    keys are the exact integer products of the module docstring; with ``softcap`` the scores are capped at it (in
+    log2 units, at ``softcap / ln 2``) once their rows are marked broken. A query that sees a score that is not
+    finite or a value whose scale is NaN is NaN (the module docstring).
     """
     batch, heads, count, size = query.shape
     kv_heads, keys = k.shape[1], k.shape[2]
@@ -187,6 +193,8 @@ def _attend(query, k, k_scale, v, v_scale, visible, scaling: float) -> torch.Ten
     usable = v_scale.isfinite()  # [B, Hk, 1, L]
     broken = (~scores.isfinite()).logical_or_(~usable).logical_and_(~hidden).any(-1, keepdim=True)  # [B, Hk, G*c, 1]
     v_scale = torch.where(usable, v_scale, 0.0)  # a value it does not see weighs 0 whatever its scale (e = 0 there)
+    if softcap:
+        scores = exact_softcap(scores, softcap / math.log(2.0))  # [B, Hk, G*c, L]
     scores.masked_fill_(hidden, float("-inf"))
     top = scores.amax(-1, keepdim=True)  # [B, Hk, G*c, 1]
     top = top.nan_to_num_(neginf=0.0)  # a query that sees no key: -inf -> 0

@@ -66,8 +66,8 @@ class _Layer:
     """One decoder layer's modules: its norms by where they sit, the attention's products and (Qwen3, OLMo 2) query and
     key norms, the MLP's; q, k and v, and gate and up, each stacked as one product where they can be
     (:class:`Int8Stack`); its family's residual multiplier, whether it rotates its queries and keys, its MLP's
-    activation (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code) and whether it is a sliding layer
-    (:attr:`~batchspec.families.Plan.sliding`)."""
+    activation (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code), whether it is a sliding layer
+    (:attr:`~batchspec.families.Plan.sliding`) and its scores' soft-cap (0: none)."""
 
     norms: dict[str, ExactRMSNorm | None]  # by Norms' places: before, after, attention_out, mlp_out
     qkv: list[IntLinear] | Stack
@@ -81,6 +81,7 @@ class _Layer:
     rotary: bool
     activation: int
     sliding: bool
+    softcap: float
 
 
 @dataclass(frozen=True)
@@ -274,10 +275,11 @@ class IntegerForward:
         x = (x.clone() if rows.index is None else x).contiguous()
         made = plan.buffers(self.widths, x.shape[0], batch, seq, QUERY_CHUNK, rows.index is not None)
         sliding, typed = self.recipe.sliding or (), bool(self.rotary.layer_types)  # typed: a table per layer kind
-        if not all(sliding) or not sliding:  # a layer reads the full layers' table (a model's only one, untyped)
-            made["cos"], made["sin"] = self.rotary(embedded, positions, *([FULL] if typed else []))  # [B, S, D] each
+        full, windowed = ((FULL,), (SLIDING,)) if typed else ((), ())  # untyped: every layer's the model's only one
+        if not all(sliding) or not sliding:  # a layer reads the full layers' table
+            made["cos"], made["sin"] = self.rotary(embedded, positions, *full)  # [B, S, D] each
         if any(sliding):  # the sliding layers' table and mask
-            made["cos_sliding"], made["sin_sliding"] = self.rotary(embedded, positions, SLIDING)  # [B, S, D] each
+            made["cos_sliding"], made["sin_sliding"] = self.rotary(embedded, positions, *windowed)  # [B, S, D] each
             visible = visible.contiguous()  # the windowed mask is laid out as it: the same strides serve both
             made["windowed"] = sliding_visible(visible, self.recipe.window)  # [B, 1, S, end]
         made = {name: tensor.contiguous() for name, tensor in made.items()}
@@ -351,7 +353,9 @@ def _native(linear: torch.nn.Module) -> bool:
 def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool, sliding: bool) -> _Layer:
     """The parts of a decoder layer :func:`_laid_out` accepts, its q, k, v and gate, up stacked where they can be;
     its norms where its family's plan puts them, the plan's residual multiplier, whether it rotates its queries and
-    keys, its MLP's activation and whether it is a sliding layer."""
+    keys, its MLP's activation, whether it is a sliding layer, and the soft-cap of its scores where the attention
+    module holds one (Gemma 2's ``attn_logit_softcapping``, which it passes transformers' attention as
+    ``softcap``)."""
     attention, mlp = module.self_attn, module.mlp
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
@@ -359,7 +363,8 @@ def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool, sliding: bool) -
              for place, name in dataclasses.asdict(recipe.norms).items()}
     return _Layer(norms, _stacked(qkv), attention.o_proj, getattr(attention, "q_norm", None),
                   getattr(attention, "k_norm", None), _stacked(gate_up), mlp.down_proj, float(attention.scaling),
-                  recipe.residual_multiplier, rotary, ACTIVATIONS[mlp.activation], sliding)
+                  recipe.residual_multiplier, rotary, ACTIVATIONS[mlp.activation], sliding,
+                  float(getattr(attention, "attn_logit_softcapping", None) or 0.0))
 
 
 def _stacked(layers: list[IntLinear]) -> list[IntLinear] | Stack:

@@ -17,7 +17,10 @@ instead (:mod:`~batchspec.exact.integer.int4`). Then it swaps, in place:
   first, before the smoothing folds its scales into them, each holding ``1 + weight`` as its weight;
 * the rotary embedding for :class:`~batchspec.exact.integer.rotary.RotaryTable` (frequencies, cos and sin correctly
   rounded, computed once per position, then looked up; one table per layer type where the model has them);
-* the attention implementation for :data:`~batchspec.exact.integer.attention.NAME`.
+* the attention implementation for :data:`~batchspec.exact.integer.attention.NAME` (which soft-caps the scores
+  exactly where the attention module passes a ``softcap``: Gemma 2's);
+* a final logit soft-cap (Gemma 2's ``final_logit_softcapping``) moves from transformers' forward to the output
+  layer's outputs, exactly (:func:`_cap_logits`).
 
 Phi-3's and GLM-4's fused projections are split first (:func:`split_fused`), so that every step after sees a Llama's
 q, k, v and gate, up layers.
@@ -40,7 +43,7 @@ import torch
 
 from batchspec.config import QUANTIZE, check_option
 from batchspec.exact.integer import attention, native
-from batchspec.exact.integer.arithmetic import ACTIVATIONS, row_sum, sqrt_rounded
+from batchspec.exact.integer.arithmetic import ACTIVATIONS, exact_softcap, row_sum, sqrt_rounded
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import (
     Int4Linear,
@@ -249,7 +252,21 @@ def quantize_model(model: Any, tokenizer: Any | None = None, width: str = "int8"
         give_back_freed_memory()  # the layer's widened weights, so that the heap does not grow layer by layer
     _swap(model, make, compute, head=True)
     _share_inputs(model)
+    _cap_logits(model)
     return model
+
+
+def _cap_logits(model: Any) -> None:
+    """Gemma 2's ``final_logit_softcapping`` taken over from transformers' forward, which soft-caps the logits with
+    ``torch.tanh`` (whose bits depend on where a value sits in the tensor): the config's cap is cleared and the output
+    layer's own outputs capped by :func:`~batchspec.exact.integer.arithmetic.exact_softcap` (a forward hook), so
+    transformers' forward of the integer model and the fused forward (which calls the same output layer) give the
+    same bits."""
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is None:
+        return
+    model.config.final_logit_softcapping = None
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: exact_softcap(out, float(cap)))
 
 
 def split_fused(model: Any) -> None:

@@ -473,12 +473,13 @@ def exp2_nonpositive_(t: torch.Tensor, coefficients: tuple[float, ...]) -> torch
 
 def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float, levels: int,
-    coefficients: tuple[float, ...],
+    coefficients: tuple[float, ...], softcap: float | None = None,
 ) -> torch.Tensor | None:
     """:func:`~batchspec.exact.integer.attention.exact_attention`, bit for bit, for float32 ``query`` ``[B, H, Q,
     D]``, the
     int16 cache's ``key``/``value`` ``[B, Hk, L, W]`` as :func:`pack_kv` stores them (tokens contiguous),
-    ``visible`` bool ``[B, 1, Q, L]``, the queries' 15-bit ``levels`` and ``2**t``'s ``coefficients``:
+    ``visible`` bool ``[B, 1, Q, L]``, the queries' 15-bit ``levels``, ``2**t``'s ``coefficients`` and the scores'
+    ``softcap`` (None: not capped):
     ``[B, Q, H, D]`` float32; None where the tensors are not laid out so or heads are larger than
     :data:`MAX_HEAD_SIZE` (the caller then runs torch's path)."""
     batch, heads, queries, size = query.shape
@@ -496,7 +497,8 @@ def attention(
     failed = _library().attention(
         query.data_ptr(), key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
         value.stride(1), width, visible.data_ptr(), vb, vq, vl, batch, heads, kv_heads, queries, length, size,
-        scaling / math.log(2.0), levels, float_table(coefficients), out.data_ptr(), torch.get_num_threads(),
+        scaling / math.log(2.0), softcap / math.log(2.0) if softcap else 0.0, levels, float_table(coefficients),
+        out.data_ptr(), torch.get_num_threads(),
     )
     if failed:
         raise MemoryError(f"the native attention found no memory for {queries} queries over {length} keys")
@@ -667,7 +669,7 @@ def _signatures() -> dict[str, list]:
                         pointer, pointer, pointer, pointer, pointer, i64, f32, threads],
         "exp2_nonpositive": [pointer, i64, pointer, threads],
         "attention": [pointer, pointer, i64, i64, pointer, i64, i64, i64, pointer, i64, i64, i64, i64, i64, i64, i64,
-                      i64, i64, ctypes.c_double, f32, pointer, pointer, threads],
+                      i64, i64, ctypes.c_double, f32, f32, pointer, pointer, threads],
         "decoder": [pointer, pointer, i64],
         "half_to_float": [pointer, i64, pointer],
         "layout": [i64, pointer, pointer, pointer],

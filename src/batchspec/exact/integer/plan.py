@@ -39,9 +39,9 @@ class Layer(ctypes.Structure):
     _fields_ = [("before", _pointer), ("after", _pointer), ("attention_out", _pointer), ("mlp_out", _pointer),
                 ("q_norm", _pointer), ("k_norm", _pointer), ("eps_before", _double), ("eps_after", _double),
                 ("eps_attention_out", _double), ("eps_mlp_out", _double), ("eps_q", _double), ("eps_k", _double),
-                ("factor", _double), ("residual", _double), ("rotary", _i64), ("whole", _i64), ("qkv_count", _i64),
-                ("gate_up_count", _i64), ("activation", _i64), ("sliding", _i64), ("qkv", Product * 3),
-                ("o", Product), ("gate_up", Product * 2), ("down", Product)]
+                ("factor", _double), ("residual", _double), ("softcap", _double), ("rotary", _i64), ("whole", _i64),
+                ("qkv_count", _i64), ("gate_up_count", _i64), ("activation", _i64), ("sliding", _i64),
+                ("qkv", Product * 3), ("o", Product), ("gate_up", Product * 2), ("down", Product)]
 
 
 _BUFFERS = ("x", "h", "normed", "q", "k", "v", "qs", "ks", "vs", "query", "block_query", "attended", "block_out",
@@ -116,16 +116,18 @@ def _address(t: torch.Tensor | None) -> int | None:
 def layer(norms: dict[str, torch.nn.Module | None], qkv: list[IntLinear] | Int8Stack | Int4Stack, o: IntLinear,
           q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None,
           gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear, scaling: float, residual: float,
-          rotary: bool, activation: int, sliding: bool) -> Layer:
+          rotary: bool, activation: int, sliding: bool, softcap: float = 0.0) -> Layer:
     """One decoder layer's ``layer_t``: its RMSNorms (``ExactRMSNorm``: ``weight``, ``eps``) by where they sit
     (``before``, ``after``, ``attention_out``, ``mlp_out``: see ``decoder.h``; a norm left out or None is not there),
     its products (q, k and v, and gate and up, each one stacked product or a product per layer), its query and key
     norms (over each head, or over the whole projection where their weight is that wide), the attention's
     ``scaling``, the multiplier of its outputs on their way into the residual stream, whether it rotates its
     queries and keys, its MLP's ``activation`` (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code) and
-    whether it is ``sliding`` (attends over the windowed mask and rotates by the sliding layers' table)."""
+    whether it is ``sliding`` (attends over the windowed mask and rotates by the sliding layers' table), and the
+    ``softcap`` of its attention's scores (0: none; ``layer_t`` holds it in units of log2, over ln 2)."""
     qkv_products, gate_up_products = _products(qkv), _products(gate_up)
-    made = Layer(factor=scaling / math.log(2.0), residual=residual, rotary=int(rotary), activation=activation,
+    made = Layer(factor=scaling / math.log(2.0), residual=residual, softcap=softcap / math.log(2.0),
+                 rotary=int(rotary), activation=activation,
                  sliding=int(sliding), qkv_count=len(qkv_products),
                  gate_up_count=len(gate_up_products), o=product([o]), down=product([down]))
     for name, norm in norms.items():

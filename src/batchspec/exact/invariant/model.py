@@ -44,11 +44,16 @@ class InvariantRMSNorm(RMSNormSwap):
 
 
 def invariant_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The attention kernel of :data:`NAME` (see :mod:`batchspec.exact.swap`): ``query`` ``[B, H, q, D]``,
-    ``key``/``value`` ``[B, Hk, L, D]``, ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``."""
+    ``key``/``value`` ``[B, Hk, L, D]``, ``visible`` boolean ``[B, 1, q, L]``; returns ``[B, q, H, D]``. Scores are
+    not soft-capped here: a ``softcap`` is refused."""
     from batchspec.exact.invariant.kernels import attention
+
+    if softcap is not None:
+        raise ValueError(f"the batch-invariant attention does not soft-cap scores (softcap={softcap})")
 
     return attention(query, key.contiguous(), value.contiguous(), visible, scaling)
 

@@ -415,6 +415,7 @@ static void attend_group(group_t g, const float *query, const int16_t *k, const 
     int values_broken = any_nonfinite(s.v_scale, g.keys);
     quantize_queries(g, query, s.hi, s.lo, factor);
     scores(g, s.hi, s.lo, factor, k, visible, s.score, broken);
+    softcap_scores(g, s.score);
     for (int64_t r = 0; r < g.padded; r++) {
         int16_t *wh = s.wh + r * stride, *wl = s.wl + r * stride;
         if (r < g.rows) {

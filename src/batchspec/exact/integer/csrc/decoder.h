@@ -41,14 +41,15 @@ typedef struct {
  * MLP's input), attention_out and mlp_out (their outputs, before the residual sum: OLMo 2's). q_norm, k_norm: RMSNorm
  * weights over each head (whole 0) or over the whole projection (whole 1, OLMo 2's), or NULL. factor: the attention's
  * scaling / ln 2. residual: what the attention's and the MLP's outputs are multiplied by before they join the
- * residual stream (1: nothing; Granite's residual_multiplier). rotary: 0 where the layer takes its queries and keys
+ * residual stream (1: nothing; Granite's residual_multiplier). softcap: the attention's scores soft-capped at it, in
+ * units of log2 (the cap / ln 2; Gemma 2's attn_logit_softcapping), or 0: not capped. rotary: 0 where the layer takes its queries and keys
  * unrotated (SmolLM3's NoPE layers), else 1. activation: the MLP's (scalar.h's ACTIVATION_SILU or
  * ACTIVATION_GELU_TANH).
  * sliding: 1 where the layer attends over decoder_t's `windowed` mask and rotates by `cos_sliding`, `sin_sliding`
  * (Gemma 3's sliding-window layers), 0 where it reads `visible`, `cos` and `sin`. */
 typedef struct {
     const float *before, *after, *attention_out, *mlp_out, *q_norm, *k_norm;
-    double eps_before, eps_after, eps_attention_out, eps_mlp_out, eps_q, eps_k, factor, residual;
+    double eps_before, eps_after, eps_attention_out, eps_mlp_out, eps_q, eps_k, factor, residual, softcap;
     int64_t rotary, whole, qkv_count, gate_up_count, activation, sliding;
     product_t qkv[3], o, gate_up[2], down;
 } layer_t;
@@ -97,7 +98,7 @@ static const layout_t LAYOUT[] = {
     SIZE_OF(layer_t), AT(layer_t, before), AT(layer_t, after), AT(layer_t, attention_out), AT(layer_t, mlp_out),
     AT(layer_t, q_norm), AT(layer_t, k_norm), AT(layer_t, eps_before), AT(layer_t, eps_after),
     AT(layer_t, eps_attention_out), AT(layer_t, eps_mlp_out), AT(layer_t, eps_q), AT(layer_t, eps_k),
-    AT(layer_t, factor), AT(layer_t, residual), AT(layer_t, rotary), AT(layer_t, whole), AT(layer_t, qkv_count), AT(layer_t, gate_up_count),
+    AT(layer_t, factor), AT(layer_t, residual), AT(layer_t, softcap), AT(layer_t, rotary), AT(layer_t, whole), AT(layer_t, qkv_count), AT(layer_t, gate_up_count),
     AT(layer_t, activation), AT(layer_t, sliding), AT(layer_t, qkv), AT(layer_t, o), AT(layer_t, gate_up),
     AT(layer_t, down),
     SIZE_OF(decoder_t), AT(decoder_t, n), AT(decoder_t, batch), AT(decoder_t, seq), AT(decoder_t, hidden),
@@ -219,7 +220,8 @@ static int attend(const decoder_t *f, const layer_t *l, const int16_t *keys, con
     if (seq <= f->chunk)
         return batchspec_attention(f->query, keys, f->s_batch, f->s_head, values, f->s_batch, f->s_head, f->width,
                                    visible, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, seq, f->end, size,
-                                   l->factor, (float)f->levels, f->coefficients, f->attended, (int)f->threads);
+                                   l->factor, (float)l->softcap, (float)f->levels, f->coefficients, f->attended,
+                                   (int)f->threads);
     for (int64_t s0 = 0; s0 < seq; s0 += f->chunk) {
         int64_t count = seq - s0 < f->chunk ? seq - s0 : f->chunk;
         int64_t seen = f->end - seq + (s0 + f->chunk < seq ? s0 + f->chunk : seq);
@@ -228,7 +230,7 @@ static int attend(const decoder_t *f, const layer_t *l, const int16_t *keys, con
                    (size_t)(count * size) * sizeof(float));
         if (batchspec_attention(f->block_query, keys, f->s_batch, f->s_head, values, f->s_batch, f->s_head, f->width,
                                 visible + s0 * f->vq, f->vb, f->vq, f->vl, f->batch, heads, f->kv_heads, count,
-                                seen, size, l->factor, (float)f->levels, f->coefficients, f->block_out,
+                                seen, size, l->factor, (float)l->softcap, (float)f->levels, f->coefficients, f->block_out,
                                 (int)f->threads))
             return 1;
         for (int64_t b = 0; b < f->batch; b++)

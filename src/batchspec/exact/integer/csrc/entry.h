@@ -303,7 +303,7 @@ static span_t seen_span(const uint8_t *visible, int64_t vq, int64_t vl, int64_t 
 
 /* The exact attention (batchspec_attention), as attention.py's _attend computes it: each query quantized to 15
  * bits; dot[j] = q . K[j] (an exact integer, so in any order); the score (float)((dot * (sq * scaling / ln 2)) *
- * sk[j]), -inf where hidden; e[j] = 2**(score - max) (0 where hidden); a[j] = e[j] * sv[j];
+ * sk[j]), -inf where hidden, soft-capped where softcap is not 0 (scalar.h's softcap_scores); e[j] = 2**(score - max) (0 where hidden); a[j] = e[j] * sv[j];
  * W[j] = rint(a[j] / max a * 2**20), E[j] = rint(e[j] * 2**20); out = (double)(sum_j W[j] V[j]) * max a /
  * max(sum_j E[j], 1), exact integer sums again, rounded to float32 at the end. A query that sees a key whose score is
  * not finite (the key or the query holds an inf or a NaN, so its scale is NaN; or the score overflows float32) or a
@@ -325,8 +325,8 @@ static span_t seen_span(const uint8_t *visible, int64_t vq, int64_t vl, int64_t 
 int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch, int64_t k_head,
                         const int16_t *values, int64_t v_batch, int64_t v_head, int64_t width,
                         const uint8_t *visible, int64_t vb, int64_t vq, int64_t vl, int64_t batch, int64_t heads,
-                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float levels,
-                        const float *c, float *out, int threads) {
+                        int64_t kv_heads, int64_t queries, int64_t length, int64_t size, double factor, float softcap,
+                        float levels, const float *c, float *out, int threads) {
     int64_t group = heads / kv_heads, rows = group * queries;
     int64_t padded = (rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, columns = length > 0 ? length : 1;
     int64_t lanes = (size + 31) / 32 * 32;
@@ -378,7 +378,7 @@ int batchspec_attention(const float *query, const int16_t *keys, int64_t k_batch
             }
             int64_t seen_rows = group * p.queries;
             group_t g = {p.queries, seen_rows, (seen_rows + PASS_ROWS - 1) / PASS_ROWS * PASS_ROWS, p.keys, size,
-                         lanes, width, vl, vq, factor, levels, c};
+                         lanes, width, vl, vq, factor, levels, softcap, c};
             attend_group(g, q, keys + b * k_batch + hk * k_head + p.first * width,
                          values + b * v_batch + hk * v_head + p.first * width, visible + b * vb + p.first * vl, s, o,
                          size, heads * size);

@@ -114,6 +114,14 @@ static inline float gelu_tanh_value(float x, const float *c) {
     return x * sigmoid_value(z, c);
 }
 
+/* Soft-capping as arithmetic.py's exact_softcap computes it: z = x / cap, e = 2**((|z| * 2) * -log2 e), then
+ * (1 - e) / (1 + e) given z's sign, times cap (tanh(z) * cap). */
+static inline float softcap_value(float x, float cap, const float *c) {
+    float z = x / cap;
+    float e = exp2_nonpositive((fabsf(z) * 2.0f) * -LOG2E, c);
+    return copysignf((1.0f - e) / (e + 1.0f), z) * cap;
+}
+
 /* the MLP's activation of x: ACTIVATION_SILU or ACTIVATION_GELU_TANH */
 static inline float activation_value(float x, const float *c, int64_t activation) {
     return activation == ACTIVATION_GELU_TANH ? gelu_tanh_value(x, c) : silu_value(x, c);
@@ -346,7 +354,7 @@ static inline int64_t super_block_bytes(int64_t count, int64_t subs) {
 typedef struct {
     int64_t queries, rows, padded, keys, size, lanes, width, visible_stride, visible_row;
     double factor; /* scaling / ln 2 */
-    float levels;
+    float levels, softcap; /* softcap: the scores' soft-cap in units of log2 (the cap / ln 2), or 0: none */
     const float *c;
 } group_t;
 
@@ -401,6 +409,14 @@ static inline int row_broken(group_t g, int score_broken, int values_broken, con
     for (int64_t j = 0; j < g.keys; j++)
         if (seen[j * g.visible_stride] && magnitude_bits(v_scale[j]) >= NONFINITE) return 1;
     return 0;
+}
+
+/* Each score a row sees (not -inf) soft-capped (softcap_value, attention.py's _attend), where g.softcap is set:
+ * after the scores are written and their rows marked broken, before the softmax. */
+static inline void softcap_scores(group_t g, float *score) {
+    if (g.softcap == 0.0f) return;
+    for (int64_t i = 0; i < g.rows * g.keys; i++)
+        if (score[i] != -INFINITY) score[i] = softcap_value(score[i], g.softcap, g.c);
 }
 
 /* Query row r's 15-bit integers q split as q = 256 * hi + lo with lo in [0, 255] and hi in [-128, 127], each as
@@ -512,6 +528,7 @@ static inline void plain_attend_group(group_t g, const float *query, const int16
     int values_broken = any_nonfinite(s.v_scale, g.keys);
     quantize_queries(g, query, s.hi, s.lo, factor);
     plain_scores(g, s.hi, s.lo, factor, k, visible, s.score, broken);
+    softcap_scores(g, s.score);
     for (int64_t r = 0; r < g.rows; r++) {
         double scale, denominator, *sum = s.sum + r * g.lanes;
         const uint8_t *seen = visible + (r % g.queries) * g.visible_row;
