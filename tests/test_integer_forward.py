@@ -40,7 +40,7 @@ from batchspec.families import sliding_visible
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3", "gemma2",
-         "ministral")
+         "ministral", "qwen3_moe", "olmoe", "mixtral")
 # widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
@@ -50,6 +50,8 @@ BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, 
             "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2, "phi3": tiny_models.build_phi3,
             "glm4": tiny_models.build_glm4, "gemma3": tiny_models.build_gemma3,
             "gemma2": tiny_models.build_gemma2, "ministral": tiny_models.build_ministral,
+            "qwen3_moe": tiny_models.build_qwen3_moe, "olmoe": tiny_models.build_olmoe,
+            "mixtral": tiny_models.build_mixtral,
             "mistral-window": lambda seed, **kw: tiny_models.build_mistral(seed, sliding_window=7, **kw),
             "phi3-window": lambda seed, **kw: tiny_models.build_phi3(seed, sliding_window=7, **kw)}
 
@@ -384,7 +386,7 @@ def test_the_sliding_layers_mask_is_the_windowed_one_of_each_rows_own_columns():
 
 
 @pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window", "phi3", "phi3-window", "glm4",
-                                  "gemma3", "gemma2", "ministral"])
+                                  "gemma3", "gemma2", "ministral", "qwen3_moe", "olmoe", "mixtral"])
 @pytest.mark.parametrize("width", ["int8", "int4"])
 def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, reference):
     """A family whose layers depart from a Llama's (batchspec.families: SmolLM3's layers without a rotary embedding,
@@ -392,7 +394,8 @@ def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, refere
     window of 7 over prompts of up to 24 tokens, Phi-3's fused projections, partial rotary and LongRoPE's short
     factors, GLM-4's four norms, biases and partial rotary over pairs, Gemma 3's sliding and full layers, window 4,
     GELU and 1 + w norms, Gemma 2's besides with its scores capped at 3 and its logits at 1, Ministral's sliding and
-    full layers) runs on the fused forward,
+    full layers; Qwen3-MoE's, OLMoE's and Mixtral's mixtures of experts, a dense layer among Qwen3-MoE's, Mixtral's
+    window of 7) runs on the fused forward,
     and EqSpec with a perturbed draft of its own family gives each prompt the model's own greedy output (transformers
     building its own sliding-window mask), in int8 and int4."""
     target = quantize_model(BUILDERS[kind](seed=5, **STACKABLE).float(), width=width)

@@ -47,6 +47,7 @@ from batchspec.exact.integer.linear import (
     QuantizedMLP,
 )
 from batchspec.exact.integer.model import ExactRMSNorm
+from batchspec.exact.integer.moe import SparseMoE
 from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.families import FULL, SLIDING, Norms, Plan, plan_of, sliding_visible
 from batchspec.memory import give_back_freed_memory
@@ -75,13 +76,14 @@ class _Layer:
     q_norm: ExactRMSNorm | None
     k_norm: ExactRMSNorm | None
     gate_up: list[IntLinear] | Stack
-    down: IntLinear
+    down: IntLinear | None
     scaling: float
     residual: float
     rotary: bool
     activation: int
     sliding: bool
     softcap: float
+    mixture: plan.Mixture | None  # a mixture of experts' layer: its MLP (gate_up empty, down None)
 
 
 @dataclass(frozen=True)
@@ -331,11 +333,22 @@ def _laid_out(module: torch.nn.Module, norms: Norms) -> bool:
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     layer_norms = [getattr(module, name) for name in named]
     layer_norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
-    if not isinstance(module.mlp, QuantizedMLP):
-        return False
-    linears += [module.mlp.gate_proj, module.mlp.up_proj, module.mlp.down_proj]
-    return (all(_native(linear) for linear in linears) and hasattr(attention, "scaling")
+    linears += _mlp_linears(module.mlp, norms)
+    return (None not in linears and all(_native(linear) for linear in linears) and hasattr(attention, "scaling")
             and all(isinstance(norm, ExactRMSNorm) for norm in layer_norms))
+
+
+def _mlp_linears(mlp: torch.nn.Module, norms: Norms) -> list[IntLinear | None]:
+    """The integer layers of a decoder layer's MLP: a ``QuantizedMLP``'s three, or a mixture of experts' router and
+    its experts' (where its input is normed before it and its output is not: the layout ``decoder.h``'s ``mixture``
+    runs, with at most ``plan.MAX_EXPERTS`` experts); ``[None]`` where the MLP is neither."""
+    if isinstance(mlp, QuantizedMLP):
+        return [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    mixed = isinstance(mlp, SparseMoE) and len(mlp.experts) <= plan.MAX_EXPERTS
+    if not mixed or norms.after is None or norms.mlp_out is not None:
+        return [None]
+    experts = [_mlp_linears(expert, norms) if isinstance(expert, QuantizedMLP) else [None] for expert in mlp.experts]
+    return [mlp.gate, *(linear for linears in experts for linear in linears)]
 
 
 def _passes_through(module: torch.nn.Module) -> bool:
@@ -358,13 +371,18 @@ def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool, sliding: bool) -
     ``softcap``)."""
     attention, mlp = module.self_attn, module.mlp
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
-    gate_up = [mlp.gate_proj, mlp.up_proj]
     norms = {place: None if name is None else getattr(module, name)
              for place, name in dataclasses.asdict(recipe.norms).items()}
+    if isinstance(mlp, SparseMoE):
+        experts = [(_stacked([e.gate_proj, e.up_proj]), e.down_proj) for e in mlp.experts]
+        mixture = plan.Mixture(mlp.gate, experts, mlp.top_k, mlp.normalize)
+        gate_up, down, activation = [], None, mlp.experts[0].activation
+    else:
+        mixture, gate_up, down, activation = None, _stacked([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, mlp.activation
     return _Layer(norms, _stacked(qkv), attention.o_proj, getattr(attention, "q_norm", None),
-                  getattr(attention, "k_norm", None), _stacked(gate_up), mlp.down_proj, float(attention.scaling),
-                  recipe.residual_multiplier, rotary, ACTIVATIONS[mlp.activation], sliding,
-                  float(getattr(attention, "attn_logit_softcapping", None) or 0.0))
+                  getattr(attention, "k_norm", None), gate_up, down, float(attention.scaling),
+                  recipe.residual_multiplier, rotary, ACTIVATIONS[activation], sliding,
+                  float(getattr(attention, "attn_logit_softcapping", None) or 0.0), mixture)
 
 
 def _stacked(layers: list[IntLinear]) -> list[IntLinear] | Stack:
