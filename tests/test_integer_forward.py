@@ -420,3 +420,14 @@ def test_batchspec_through_it_equals_the_models_own_generate(method, proposer, v
                          num_draft_tokens=3, check_invariants=True, draft_vocabulary=vocabulary)
     assert integer_forward(target) is not None and integer_forward(draft) is not None
     assert result.sequences == [reference(target, prompt, 16, None) for prompt in prompts]
+
+
+@pytest.mark.parametrize("width", ["int8", "int4"])
+def test_a_routers_ties_go_to_the_lower_experts_on_both_forwards(width):
+    """Qwen3-MoE with its first layer's router weight zero: every expert's probability is the same, so each row's
+    two experts are 0 and 1 (the lower indices), on the fused forward and transformers' alike, bit for bit."""
+    float_model = tiny_models.build_qwen3_moe(seed=3, hidden_size=64).float()
+    float_model.model.layers[0].mlp.gate.weight.zero_()
+    model = quantize_model(float_model, width=width)
+    _same_as_transformers(model, torch.tensor([0, 3]), [9, 10, 13], seed=2)
+    assert model.model.layers[0].mlp.touched.tolist() == [True, True] + [False] * 4
