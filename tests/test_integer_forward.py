@@ -35,6 +35,7 @@ from batchspec.exact.integer.forward import UNREACHED, IntegerForward, integer_f
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import Int4Stack, Int8Stack, gated, quantize_gated
 from batchspec.exact.integer.model import exact_rms_norm
+from batchspec.exact.integer.moe import forward_bytes
 from batchspec.families import sliding_visible
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
@@ -431,3 +432,24 @@ def test_a_routers_ties_go_to_the_lower_experts_on_both_forwards(width):
     model = quantize_model(float_model, width=width)
     _same_as_transformers(model, torch.tensor([0, 3]), [9, 10, 13], seed=2)
     assert model.model.layers[0].mlp.touched.tolist() == [True, True] + [False] * 4
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
+def test_the_fused_forward_records_the_experts_it_ran_as_transformers_does(kind, models):
+    """After a fused forward of a prefill and of a 4-token verification, each sparse block's ``touched`` is the
+    experts transformers' forward of the same tokens ran, and :func:`forward_bytes` counts the same bytes."""
+    model = models[kind, False]
+    blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "touched")]
+    forward, ours, theirs = IntegerForward.of(model), BatchKVCache.for_model(model), BatchKVCache.for_model(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for start, stop in ((0, 5), (5, 9)):
+            keys, queries = torch.arange(stop), torch.arange(start, stop)
+            visible = (keys[None, :] <= queries[:, None])[None, None].expand(2, 1, -1, -1)
+            positions = queries[None].expand(2, -1)
+            forward.logits(ids[:, start:stop], positions, visible, ours, stop - start)
+            fused, read = [block.touched.clone() for block in blocks], forward_bytes(model)
+            model(ids[:, start:stop], attention_mask=as_mask(model, visible), position_ids=positions,
+                  **{cache_keyword(model): theirs}, use_cache=True)
+            assert [block.touched.tolist() for block in blocks] == [ran.tolist() for ran in fused]
+            assert forward_bytes(model) == read

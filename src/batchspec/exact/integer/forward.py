@@ -14,6 +14,10 @@ the layers::
     gate, up = one product of quantize(RMSNorm(x))
     x = x + down(quantize(act(gate) * up))             # quantize_gated: exact_silu (or GELU), never written out
 
+A mixture of experts' layer (:mod:`batchspec.exact.integer.moe`) runs its router, each row's experts and their sum by
+rank in place of the last two lines (``decoder.h``'s ``mixture``), and marks the experts it ran in each block's
+``touched``, as transformers' forward of the block does.
+
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
 value of the other positions is computed by the operation transformers' forward of the integer model runs for it,
@@ -68,7 +72,8 @@ class _Layer:
     key norms, the MLP's; q, k and v, and gate and up, each stacked as one product where they can be
     (:class:`Int8Stack`); its family's residual multiplier, whether it rotates its queries and keys, its MLP's
     activation (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code), whether it is a sliding layer
-    (:attr:`~batchspec.families.Plan.sliding`) and its scores' soft-cap (0: none)."""
+    (:attr:`~batchspec.families.Plan.sliding`), its scores' soft-cap (0: none) and, in place of gate, up and down,
+    its mixture of experts where it has one."""
 
     norms: dict[str, ExactRMSNorm | None]  # by Norms' places: before, after, attention_out, mlp_out
     qkv: list[IntLinear] | Stack
@@ -206,6 +211,7 @@ class IntegerForward:
         self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size  # layers: the plans' owners
         plan.check_layout(native.layout())
         made = [plan.layer(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}) for layer in layers]
+        self.mixtures = [m.mlp if isinstance(m.mlp, SparseMoE) else None for m in decoder.layers]
         self.plans = (plan.Layer * len(made))(*made)  # the layers' layer_t structs, laid out once
         self.widths = plan.Widths.of(made, decoder.norm.weight.shape[0], heads, kv_heads, size)
 
@@ -285,9 +291,14 @@ class IntegerForward:
             visible = visible.contiguous()  # the windowed mask is laid out as it: the same strides serve both
             made["windowed"] = sliding_visible(visible, self.recipe.window)  # [B, 1, S, end]
         made = {name: tensor.contiguous() for name, tensor in made.items()}
+        touched = torch.zeros(len(self.mixtures), self.widths.experts, dtype=torch.uint8)  # [layers, E]
         call = self._call(x, rows, visible, store, start, end, made)
+        call.touched, call.most_experts = touched.data_ptr(), self.widths.experts
         native.decoder(call, self.plans)
         cache.length = end
+        for mixture, ran in zip(self.mixtures, touched, strict=True):
+            if mixture is not None:  # the experts it ran, as transformers' forward of it records them
+                mixture.touched.copy_(ran[: len(mixture.experts)].bool())
         return x
 
     def _call(self, x: torch.Tensor, rows: _Rows, visible: torch.Tensor, store: torch.Tensor, start: int, end: int,

@@ -76,6 +76,7 @@ class Decoder(ctypes.Structure):
                  ("s_batch", _i64), ("s_head", _i64), ("s_token", _i64), ("levels", _double),
                  ("coefficients", _pointer)]
     _fields_ += [(name, _pointer) for name in _BUFFERS]
+    _fields_ += [("touched", _pointer), ("most_experts", _i64)]
 
 
 MIRRORS = (Product, Expert, Layer, Decoder)

@@ -103,6 +103,8 @@ typedef struct {
     float *routed, *grouped, *expert_out; /* a mixture of experts': [n, hidden] each (normed, an expert's rows, its out) */
     float *ranked, *logits, *weights;  /* [n, top_k, hidden], [n, experts], [n, top_k] */
     int64_t *chosen, *members;         /* [n, top_k] experts by rank; [n] an expert's rows as row * top_k + rank */
+    uint8_t *touched;                  /* [layers, most_experts]: 1 where the layer's expert ran on a row */
+    int64_t most_experts;
 } decoder_t;
 
 /* the typedefs' layout: a size (field "") then every field's offset, for plan.check_layout */
@@ -133,7 +135,8 @@ static const layout_t LAYOUT[] = {
     AT(decoder_t, block_out), AT(decoder_t, gathered), AT(decoder_t, gate), AT(decoder_t, up), AT(decoder_t, codes8),
     AT(decoder_t, scale8), AT(decoder_t, codes4), AT(decoder_t, xs), AT(decoder_t, sums4), AT(decoder_t, routed),
     AT(decoder_t, grouped), AT(decoder_t, expert_out), AT(decoder_t, ranked), AT(decoder_t, logits),
-    AT(decoder_t, weights), AT(decoder_t, chosen), AT(decoder_t, members),
+    AT(decoder_t, weights), AT(decoder_t, chosen), AT(decoder_t, members), AT(decoder_t, touched),
+    AT(decoder_t, most_experts),
 };
 #undef SIZE_OF
 #undef AT
@@ -312,12 +315,13 @@ static void route_row(const float *logits, int64_t count, int64_t top_k, int64_t
 }
 
 /* expert e's gate, up and down on the rows that chose it (their normed rows gathered), each output row into its
- * place in f->ranked (row * top_k + rank) */
-static void run_expert(const decoder_t *f, const layer_t *l, int64_t e) {
+ * place in f->ranked (row * top_k + rank); `touched` marks it where it ran */
+static void run_expert(const decoder_t *f, const layer_t *l, int64_t e, uint8_t *touched) {
     int64_t m = 0, hidden = f->hidden, k = l->top_k;
     for (int64_t i = 0; i < f->n * k; i++)
         if (f->chosen[i] == e) f->members[m++] = i;
     if (m == 0) return;
+    touched[e] = 1;
     for (int64_t j = 0; j < m; j++)
         memcpy(f->grouped + j * hidden, f->routed + f->members[j] / k * hidden, (size_t)hidden * sizeof(float));
     decoder_t g = *f;
@@ -331,8 +335,8 @@ static void run_expert(const decoder_t *f, const layer_t *l, int64_t e) {
         memcpy(f->ranked + f->members[j] * hidden, g.expert_out + j * hidden, (size_t)hidden * sizeof(float));
 }
 
-/* the layer's mixture of experts on f->h into f->x (see the top of this file) */
-static void mixture(const decoder_t *f, const layer_t *l) {
+/* the mixture of experts of layer `layer` (l) on f->h into f->x (see the top of this file) */
+static void mixture(const decoder_t *f, const layer_t *l, int64_t layer) {
     int64_t n = f->n, hidden = f->hidden, k = l->top_k;
     float *logits[1] = {f->logits};
     batchspec_rms_norm(f->h, n, hidden, (float)l->eps_after, l->after, f->routed, (int)f->threads);
@@ -343,7 +347,7 @@ static void mixture(const decoder_t *f, const layer_t *l) {
         route_row(f->logits + i * l->experts, l->experts, k, l->normalize, f->coefficients, f->chosen + i * k,
                   f->weights + i * k);
     fp_leave(saved);
-    for (int64_t e = 0; e < l->experts; e++) run_expert(f, l, e);
+    for (int64_t e = 0; e < l->experts; e++) run_expert(f, l, e, f->touched + layer * f->most_experts);
     saved = fp_enter();
     for (int64_t i = 0; i < n; i++) {
         const float *ranked = f->ranked + i * k * hidden, *w = f->weights + i * k;
@@ -394,7 +398,7 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     quantize_for(f, &l->o, attended, NULL, 0.0f);
     add_product(f, &l->o, f->h, f->x, l->attention_out, l->eps_attention_out, l->residual);
     if (l->experts) {
-        mixture(f, l);
+        mixture(f, l, layer);
         return 0;
     }
     products_of_normed(f, l->gate_up, l->gate_up_count, f->h, l->after, (float)l->eps_after, gate_up);
