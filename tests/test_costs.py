@@ -18,6 +18,7 @@ from batchspec.bench.costs import (
 )
 from batchspec.exact.integer import quantize_model
 from batchspec.exact.integer.linear import Int8Linear
+from batchspec.exact.integer.moe import SparseMoE, split_experts
 from batchspec.model_checks import forward_weights
 
 torch = pytest.importorskip("torch")
@@ -85,6 +86,22 @@ def test_forward_weights_are_the_products_weights_from_the_config():
     assert forward_weights(model) == forward_weights(model, rows + 1) == linears
     assert forward_weights(model, 40) == linears - (rows - 40) * hidden
     assert forward_weights(quantize_model(tiny_models.build_qwen2(seed=3))) == linears
+
+
+def test_a_mixture_of_experts_forward_weights_are_its_routers_and_top_ks_experts():
+    """Qwen3-MoE (its second layer dense) and Mixtral: every linear layer but the experts, and in each sparse layer
+    its router and num_experts_per_tok experts (of the same size), the float model's and the integer one's alike."""
+    for build in (tiny_models.build_qwen3_moe, tiny_models.build_mixtral):
+        model = build(seed=3)
+        split_experts(model, "silu")
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        experts = {id(m) for block in blocks for m in block.experts.modules()}
+        linears = sum(m.weight.numel() for m in model.modules()
+                      if isinstance(m, torch.nn.Linear) and id(m) not in experts)
+        expert = sum(m.weight.numel() for m in blocks[0].experts[0].modules() if isinstance(m, torch.nn.Linear))
+        want = linears + len(blocks) * model.config.num_experts_per_tok * expert
+        assert len(blocks) == (2 if build is tiny_models.build_qwen3_moe else 3)
+        assert forward_weights(model) == want == forward_weights(quantize_model(build(seed=3).float()))
 
 
 def test_a_step_against_its_floor():

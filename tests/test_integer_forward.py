@@ -35,12 +35,13 @@ from batchspec.exact.integer.forward import UNREACHED, IntegerForward, integer_f
 from batchspec.exact.integer.int4 import Int4Weight, from_float
 from batchspec.exact.integer.linear import Int4Stack, Int8Stack, gated, quantize_gated
 from batchspec.exact.integer.model import exact_rms_norm
+from batchspec.exact.integer.moe import forward_bytes
 from batchspec.families import sliding_visible
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="this CPU or machine does not run the native kernels")
 
 KINDS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "olmo2", "phi3", "glm4", "gemma3", "gemma2",
-         "ministral")
+         "ministral", "qwen3_moe", "olmoe", "mixtral")
 # widths that are multiples of the kernel's 64-output panel, so q/k/v and gate/up stack (head size 32, 2 KV heads)
 STACKABLE = {"hidden_size": 128, "intermediate_size": 192}
 
@@ -50,6 +51,8 @@ BUILDERS = {"llama": tiny_models.build_llama, "qwen2": tiny_models.build_qwen2, 
             "granite": tiny_models.build_granite, "olmo2": tiny_models.build_olmo2, "phi3": tiny_models.build_phi3,
             "glm4": tiny_models.build_glm4, "gemma3": tiny_models.build_gemma3,
             "gemma2": tiny_models.build_gemma2, "ministral": tiny_models.build_ministral,
+            "qwen3_moe": tiny_models.build_qwen3_moe, "olmoe": tiny_models.build_olmoe,
+            "mixtral": tiny_models.build_mixtral,
             "mistral-window": lambda seed, **kw: tiny_models.build_mistral(seed, sliding_window=7, **kw),
             "phi3-window": lambda seed, **kw: tiny_models.build_phi3(seed, sliding_window=7, **kw)}
 
@@ -384,7 +387,7 @@ def test_the_sliding_layers_mask_is_the_windowed_one_of_each_rows_own_columns():
 
 
 @pytest.mark.parametrize("kind", ["smollm3", "granite", "olmo2", "mistral-window", "phi3", "phi3-window", "glm4",
-                                  "gemma3", "gemma2", "ministral"])
+                                  "gemma3", "gemma2", "ministral", "qwen3_moe", "olmoe", "mixtral"])
 @pytest.mark.parametrize("width", ["int8", "int4"])
 def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, reference):
     """A family whose layers depart from a Llama's (batchspec.families: SmolLM3's layers without a rotary embedding,
@@ -392,7 +395,8 @@ def test_each_familys_batched_output_is_its_own_generate(kind, width, bs, refere
     window of 7 over prompts of up to 24 tokens, Phi-3's fused projections, partial rotary and LongRoPE's short
     factors, GLM-4's four norms, biases and partial rotary over pairs, Gemma 3's sliding and full layers, window 4,
     GELU and 1 + w norms, Gemma 2's besides with its scores capped at 3 and its logits at 1, Ministral's sliding and
-    full layers) runs on the fused forward,
+    full layers; Qwen3-MoE's, OLMoE's and Mixtral's mixtures of experts, a dense layer among Qwen3-MoE's, Mixtral's
+    window of 7) runs on the fused forward,
     and EqSpec with a perturbed draft of its own family gives each prompt the model's own greedy output (transformers
     building its own sliding-window mask), in int8 and int4."""
     target = quantize_model(BUILDERS[kind](seed=5, **STACKABLE).float(), width=width)
@@ -417,3 +421,35 @@ def test_batchspec_through_it_equals_the_models_own_generate(method, proposer, v
                          num_draft_tokens=3, check_invariants=True, draft_vocabulary=vocabulary)
     assert integer_forward(target) is not None and integer_forward(draft) is not None
     assert result.sequences == [reference(target, prompt, 16, None) for prompt in prompts]
+
+
+@pytest.mark.parametrize("width", ["int8", "int4"])
+def test_a_routers_ties_go_to_the_lower_experts_on_both_forwards(width):
+    """Qwen3-MoE with its first layer's router weight zero: every expert's probability is the same, so each row's
+    two experts are 0 and 1 (the lower indices), on the fused forward and transformers' alike, bit for bit."""
+    float_model = tiny_models.build_qwen3_moe(seed=3, hidden_size=64).float()
+    float_model.model.layers[0].mlp.gate.weight.zero_()
+    model = quantize_model(float_model, width=width)
+    _same_as_transformers(model, torch.tensor([0, 3]), [9, 10, 13], seed=2)
+    assert model.model.layers[0].mlp.touched.tolist() == [True, True] + [False] * 4
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "mixtral"])
+def test_the_fused_forward_records_the_experts_it_ran_as_transformers_does(kind, models):
+    """After a fused forward of a prefill and of a 4-token verification, each sparse block's ``touched`` is the
+    experts transformers' forward of the same tokens ran, and :func:`forward_bytes` counts the same bytes."""
+    model = models[kind, False]
+    blocks = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "touched")]
+    forward, ours, theirs = IntegerForward.of(model), BatchKVCache.for_model(model), BatchKVCache.for_model(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for start, stop in ((0, 5), (5, 9)):
+            keys, queries = torch.arange(stop), torch.arange(start, stop)
+            visible = (keys[None, :] <= queries[:, None])[None, None].expand(2, 1, -1, -1)
+            positions = queries[None].expand(2, -1)
+            forward.logits(ids[:, start:stop], positions, visible, ours, stop - start)
+            fused, read = [block.touched.clone() for block in blocks], forward_bytes(model)
+            model(ids[:, start:stop], attention_mask=as_mask(model, visible), position_ids=positions,
+                  **{cache_keyword(model): theirs}, use_cache=True)
+            assert [block.touched.tolist() for block in blocks] == [ran.tolist() for ran in fused]
+            assert forward_bytes(model) == read

@@ -38,8 +38,12 @@ from transformers import (
     MinistralForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -47,6 +51,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -233,6 +239,45 @@ def build_gemma2(seed: int = 0, **overrides) -> Gemma2ForCausalLM:
             elif name.endswith("embed_tokens.weight"):
                 parameter.normal_(0.0, 0.1)
     return _finish(model)
+
+
+# a tiny mixture of experts: 6 experts of 32 inner values, 2 per token
+_EXPERTS = {"num_experts_per_tok": 2, "output_router_logits": False}
+
+
+def _moe_kwargs(overrides: dict, layers: int = 3) -> dict:
+    """The common kwargs with three layers and the experts' inner size a third of the MLP's (its dense layers')."""
+    kw = _common_config_kwargs(**{"num_hidden_layers": layers, **overrides})
+    return {**kw, **_EXPERTS, "moe_intermediate_size": kw["intermediate_size"] // 3}
+
+
+def build_qwen3_moe(seed: int = 0, **overrides) -> Qwen3MoeForCausalLM:
+    """Qwen3-MoE with its departures on: 6 experts, top 2 renormalized (``norm_topk_prob``), its second layer of three
+    dense (``mlp_only_layers``)."""
+    kw = _moe_kwargs(overrides)
+    cfg = Qwen3MoeConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], num_experts=6, norm_topk_prob=True,
+                         mlp_only_layers=[1], decoder_sparse_step=1, **kw)
+    torch.manual_seed(seed)
+    return _finish(Qwen3MoeForCausalLM(cfg))
+
+
+def build_olmoe(seed: int = 0, **overrides) -> OlmoeForCausalLM:
+    """OLMoE: 8 experts, top 2 not renormalized (its default), q and k normed over the whole projection."""
+    kw = _moe_kwargs(overrides)
+    kw.pop("moe_intermediate_size")
+    cfg = OlmoeConfig(num_experts=8, **{**kw, "intermediate_size": kw["intermediate_size"] // 3})
+    torch.manual_seed(seed)
+    return _finish(OlmoeForCausalLM(cfg))
+
+
+def build_mixtral(seed: int = 0, **overrides) -> MixtralForCausalLM:
+    """Mixtral: 4 experts, the softmax over the top 2 logits, every layer over a sliding window of 7."""
+    kw = _moe_kwargs(overrides)
+    kw.pop("moe_intermediate_size")
+    cfg = MixtralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], num_local_experts=4,
+                        sliding_window=7, **{**kw, "intermediate_size": kw["intermediate_size"] // 3})
+    torch.manual_seed(seed)
+    return _finish(MixtralForCausalLM(cfg))
 
 
 _BUILDERS = {"llama": build_llama, "qwen2": build_qwen2, "qwen3": build_qwen3, "mistral": build_mistral}

@@ -3,6 +3,8 @@ they were loaded; :mod:`batchspec.models` is loading only)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from batchspec.families import SUPPORTED_MODEL_TYPES, family_of
@@ -57,13 +59,30 @@ def check_pair(target: torch.nn.Module, draft: torch.nn.Module | None) -> None:
 
 def forward_weights(model: torch.nn.Module, vocabulary: int = 0) -> int:
     """Weights a one-token forward of ``model`` multiplies by, from its config: every layer's q, k, v, o and gated MLP
-    products and the output layer (over its first ``vocabulary`` rows where that is smaller; 0: all of them), not the
-    embedding it looks one row up in. Two models of one quantization read bytes in this ratio: the draft-length
-    planner's prior for a draft's cost against its target's, before the draft has run."""
+    products (a mixture of experts' router and the ``num_experts_per_tok`` experts one token reads) and the output
+    layer (over its first ``vocabulary`` rows where that is smaller; 0: all of them), not the embedding it looks one
+    row up in. Two models of one quantization read bytes in this ratio: the draft-length planner's prior for a
+    draft's cost against its target's, before the draft has run (a verification of several tokens reads the union
+    of their experts: more, which the prior does not count)."""
     config = model.config.get_text_config()
     hidden, layers = config.hidden_size, config.num_hidden_layers
     size = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     attention = 2 * hidden * config.num_attention_heads * size + 2 * hidden * kv_heads * size
     outputs = vocab_size(model) if not vocabulary else min(vocabulary, vocab_size(model))
-    return layers * (attention + 3 * hidden * config.intermediate_size) + outputs * hidden
+    mlps = sum(_mlp_weights(config, layer) for layer in range(layers))
+    return layers * attention + mlps + outputs * hidden
+
+
+def _mlp_weights(config: Any, layer: int) -> int:
+    """The weights a token's forward multiplies by in layer ``layer``'s MLP: a gated MLP's, or a mixture of experts'
+    router and ``num_experts_per_tok`` experts (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step`` keep
+    some layers dense)."""
+    hidden = config.hidden_size
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = layer in (getattr(config, "mlp_only_layers", None) or ()) or (layer + 1) % step != 0
+    if not experts or dense:
+        return 3 * hidden * config.intermediate_size
+    inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return hidden * experts + config.num_experts_per_tok * 3 * hidden * inner

@@ -12,11 +12,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchspec.families import gemma2, gemma3, glm4, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
+from batchspec.families import (
+    gemma2,
+    gemma3,
+    glm4,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from batchspec.families.base import FULL, SLIDING, Family, Norms, Plan, sliding_visible
 
 FAMILIES: tuple[Family, ...] = tuple(
-    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2, phi3, glm4, gemma2, gemma3)
+    module.FAMILY for module in (llama, mistral, qwen2, qwen3, smollm3, granite, olmo2, phi3, glm4, gemma2, gemma3,
+                                 qwen3_moe, olmoe, mixtral)
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(kind for family in FAMILIES for kind in family.model_types)
 

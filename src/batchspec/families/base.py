@@ -108,6 +108,12 @@ def layer_types(config: Any) -> list[str]:
     return list((getattr(config, "layer_types", None) or [])[: config.num_hidden_layers])
 
 
+def window_plan(config: Any) -> Plan:
+    """The :class:`Plan` of ``config`` whose every layer attends over its ``sliding_window`` where it sets one."""
+    window = getattr(config, "sliding_window", None)
+    return Plan(window=int(window) if window else None)
+
+
 def typed_plan(config: Any, **fields: Any) -> Plan:
     """The :class:`Plan` (with ``fields``) of ``config`` whose ``layer_types`` may name :data:`SLIDING` layers
     (:attr:`Plan.sliding`, over ``sliding_window``) beside :data:`FULL` ones."""

@@ -18,12 +18,7 @@ Phi-3 (its fused tensors' blocks are not read, ``models/gguf_weights.py``: load 
 
 from typing import Any
 
-from batchspec.families.base import Family, Plan, one_window
-
-
-def _plan(config: Any) -> Plan:
-    window = getattr(config, "sliding_window", None)
-    return Plan(window=int(window) if window else None)
+from batchspec.families.base import Family, one_window, window_plan
 
 
 def _context(config: Any) -> int | None:
@@ -33,4 +28,4 @@ def _context(config: Any) -> int | None:
     return int(rope.get("original_max_position_embeddings") or config.original_max_position_embeddings)
 
 
-FAMILY = Family("phi3", ("phi3",), plan=_plan, refuse=one_window, context=_context)
+FAMILY = Family("phi3", ("phi3",), plan=window_plan, refuse=one_window, context=_context)

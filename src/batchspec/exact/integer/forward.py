@@ -14,6 +14,10 @@ the layers::
     gate, up = one product of quantize(RMSNorm(x))
     x = x + down(quantize(act(gate) * up))             # quantize_gated: exact_silu (or GELU), never written out
 
+A mixture of experts' layer (:mod:`batchspec.exact.integer.moe`) runs its router, each row's experts and their sum by
+rank in place of the last two lines (``decoder.h``'s ``mixture``), and marks the experts it ran in each block's
+``touched``, as transformers' forward of the block does.
+
 Padding (a position that sees no key) is left out of every product, norm and quantization (:class:`_Rows`): only the
 attention sees the ``[B, S]`` layout, the padding's keys and values written as zeros, which no query sees. Every
 value of the other positions is computed by the operation transformers' forward of the integer model runs for it,
@@ -47,6 +51,7 @@ from batchspec.exact.integer.linear import (
     QuantizedMLP,
 )
 from batchspec.exact.integer.model import ExactRMSNorm
+from batchspec.exact.integer.moe import SparseMoE
 from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.families import FULL, SLIDING, Norms, Plan, plan_of, sliding_visible
 from batchspec.memory import give_back_freed_memory
@@ -67,7 +72,8 @@ class _Layer:
     key norms, the MLP's; q, k and v, and gate and up, each stacked as one product where they can be
     (:class:`Int8Stack`); its family's residual multiplier, whether it rotates its queries and keys, its MLP's
     activation (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code), whether it is a sliding layer
-    (:attr:`~batchspec.families.Plan.sliding`) and its scores' soft-cap (0: none)."""
+    (:attr:`~batchspec.families.Plan.sliding`), its scores' soft-cap (0: none) and, in place of gate, up and down,
+    its mixture of experts where it has one."""
 
     norms: dict[str, ExactRMSNorm | None]  # by Norms' places: before, after, attention_out, mlp_out
     qkv: list[IntLinear] | Stack
@@ -75,13 +81,14 @@ class _Layer:
     q_norm: ExactRMSNorm | None
     k_norm: ExactRMSNorm | None
     gate_up: list[IntLinear] | Stack
-    down: IntLinear
+    down: IntLinear | None
     scaling: float
     residual: float
     rotary: bool
     activation: int
     sliding: bool
     softcap: float
+    mixture: plan.Mixture | None  # a mixture of experts' layer: its MLP (gate_up empty, down None)
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,7 @@ class IntegerForward:
         self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size  # layers: the plans' owners
         plan.check_layout(native.layout())
         made = [plan.layer(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}) for layer in layers]
+        self.mixtures = [m.mlp if isinstance(m.mlp, SparseMoE) else None for m in decoder.layers]
         self.plans = (plan.Layer * len(made))(*made)  # the layers' layer_t structs, laid out once
         self.widths = plan.Widths.of(made, decoder.norm.weight.shape[0], heads, kv_heads, size)
 
@@ -283,9 +291,14 @@ class IntegerForward:
             visible = visible.contiguous()  # the windowed mask is laid out as it: the same strides serve both
             made["windowed"] = sliding_visible(visible, self.recipe.window)  # [B, 1, S, end]
         made = {name: tensor.contiguous() for name, tensor in made.items()}
+        touched = torch.zeros(len(self.mixtures), self.widths.experts, dtype=torch.uint8)  # [layers, E]
         call = self._call(x, rows, visible, store, start, end, made)
+        call.touched, call.most_experts = touched.data_ptr(), self.widths.experts
         native.decoder(call, self.plans)
         cache.length = end
+        for mixture, ran in zip(self.mixtures, touched, strict=True):
+            if mixture is not None:  # the experts it ran, as transformers' forward of it records them
+                mixture.touched.copy_(ran[: len(mixture.experts)].bool())
         return x
 
     def _call(self, x: torch.Tensor, rows: _Rows, visible: torch.Tensor, store: torch.Tensor, start: int, end: int,
@@ -331,11 +344,22 @@ def _laid_out(module: torch.nn.Module, norms: Norms) -> bool:
     linears = [getattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     layer_norms = [getattr(module, name) for name in named]
     layer_norms += [getattr(attention, name) for name in ("q_norm", "k_norm") if name in names]
-    if not isinstance(module.mlp, QuantizedMLP):
-        return False
-    linears += [module.mlp.gate_proj, module.mlp.up_proj, module.mlp.down_proj]
-    return (all(_native(linear) for linear in linears) and hasattr(attention, "scaling")
+    linears += _mlp_linears(module.mlp, norms)
+    return (None not in linears and all(_native(linear) for linear in linears) and hasattr(attention, "scaling")
             and all(isinstance(norm, ExactRMSNorm) for norm in layer_norms))
+
+
+def _mlp_linears(mlp: torch.nn.Module, norms: Norms) -> list[IntLinear | None]:
+    """The integer layers of a decoder layer's MLP: a ``QuantizedMLP``'s three, or a mixture of experts' router and
+    its experts' (where its input is normed before it and its output is not: the layout ``decoder.h``'s ``mixture``
+    runs, with at most ``plan.MAX_EXPERTS`` experts); ``[None]`` where the MLP is neither."""
+    if isinstance(mlp, QuantizedMLP):
+        return [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    mixed = isinstance(mlp, SparseMoE) and len(mlp.experts) <= plan.MAX_EXPERTS
+    if not mixed or norms.after is None or norms.mlp_out is not None:
+        return [None]
+    experts = [_mlp_linears(expert, norms) if isinstance(expert, QuantizedMLP) else [None] for expert in mlp.experts]
+    return [mlp.gate, *(linear for linears in experts for linear in linears)]
 
 
 def _passes_through(module: torch.nn.Module) -> bool:
@@ -358,13 +382,18 @@ def _layer(module: torch.nn.Module, recipe: Plan, rotary: bool, sliding: bool) -
     ``softcap``)."""
     attention, mlp = module.self_attn, module.mlp
     qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
-    gate_up = [mlp.gate_proj, mlp.up_proj]
     norms = {place: None if name is None else getattr(module, name)
              for place, name in dataclasses.asdict(recipe.norms).items()}
+    if isinstance(mlp, SparseMoE):
+        experts = [(_stacked([e.gate_proj, e.up_proj]), e.down_proj) for e in mlp.experts]
+        mixture = plan.Mixture(mlp.gate, experts, mlp.top_k, mlp.normalize)
+        gate_up, down, activation = [], None, mlp.experts[0].activation
+    else:
+        mixture, gate_up, down, activation = None, _stacked([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, mlp.activation
     return _Layer(norms, _stacked(qkv), attention.o_proj, getattr(attention, "q_norm", None),
-                  getattr(attention, "k_norm", None), _stacked(gate_up), mlp.down_proj, float(attention.scaling),
-                  recipe.residual_multiplier, rotary, ACTIVATIONS[mlp.activation], sliding,
-                  float(getattr(attention, "attn_logit_softcapping", None) or 0.0))
+                  getattr(attention, "k_norm", None), gate_up, down, float(attention.scaling),
+                  recipe.residual_multiplier, rotary, ACTIVATIONS[activation], sliding,
+                  float(getattr(attention, "attn_logit_softcapping", None) or 0.0), mixture)
 
 
 def _stacked(layers: list[IntLinear]) -> list[IntLinear] | Stack:

@@ -23,7 +23,8 @@ instead (:mod:`~batchspec.exact.integer.int4`). Then it swaps, in place:
   layer's outputs, exactly (:func:`_cap_logits`).
 
 Phi-3's and GLM-4's fused projections are split first (:func:`split_fused`), so that every step after sees a Llama's
-q, k, v and gate, up layers.
+q, k, v and gate, up layers; a mixture of experts' block is laid out as a router and experts of a Llama's layers
+(:mod:`~batchspec.exact.integer.moe`), each expert then swapped for a ``QuantizedMLP``.
 
 The token embedding keeps its values: a lookup copies a row (of a bfloat16 table widened, :class:`ExactEmbedding`, or
 of a GGUF file's own blocks expanded, where the model came from one). What is left between these modules is elementwise
@@ -52,6 +53,7 @@ from batchspec.exact.integer.linear import (
     QuantizedMLP,
     SharedQuantization,
 )
+from batchspec.exact.integer.moe import Expert, SparseMoE, split_experts
 from batchspec.exact.integer.rotary import RotaryTable
 from batchspec.exact.integer.smoothing import calibration_ids, calibration_peaks, decoder_layers, smooth_layer
 from batchspec.exact.swap import RMSNormSwap, is_rms_norm, swap_layers
@@ -275,7 +277,11 @@ def split_fused(model: Any) -> None:
     whose q, k and v are one (``qkv_proj``: Phi-3's) gets them as ``q_proj``, ``k_proj`` and ``v_proj`` of its rows,
     its ``qkv_proj`` then their outputs side by side (:class:`JoinedProjection`). Every output keeps its channel's
     weights, so the integer model made from the layers split has the bits of one made from the fused weights; the
-    smoothing, the swap and the fused forward see a Llama's layers."""
+    smoothing, the swap and the fused forward see a Llama's layers. A mixture of experts' block (3-D expert weights:
+    Qwen3-MoE's, OLMoE's, Mixtral's) becomes a :class:`~batchspec.exact.integer.moe.SparseMoE`, its router and each
+    expert linear layers of views of those weights (:func:`~batchspec.exact.integer.moe.split_experts`), which the
+    swap then quantizes one expert at a time."""
+    split_experts(model, mlp_activation(model.config))
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(getattr(child, "gate_up_proj", None), torch.nn.Linear):
@@ -491,10 +497,11 @@ def _replacement(name: str, child: torch.nn.Module, positions: int, dtype: torch
         return None
     if part == "lm_head" and not head:
         return None
-    if part == "mlp":
+    if isinstance(child, SparseMoE):
+        return None
+    if isinstance(child, Expert) or part == "mlp":
         linears = (make(f"{name}.{p}", getattr(child, p)) for p in ("gate_proj", "up_proj", "down_proj"))
-        config = getattr(child, "config", None)
-        return QuantizedMLP(*linears, activation=mlp_activation(config) if config is not None else "silu")
+        return QuantizedMLP(*linears, activation=_activation_of(child))
     if isinstance(child, torch.nn.Linear):
         return make(name, child)
     if is_rms_norm(child):
@@ -502,6 +509,14 @@ def _replacement(name: str, child: torch.nn.Module, positions: int, dtype: torch
     if part == "rotary_emb" and positions:
         return RotaryTable(child, positions, dtype)
     return None
+
+
+def _activation_of(mlp: torch.nn.Module) -> str:
+    """The activation (transformers' name) of a gated MLP: an expert's own, else its config's (SiLU without one)."""
+    if isinstance(mlp, Expert):
+        return mlp.activation
+    config = getattr(mlp, "config", None)
+    return mlp_activation(config) if config is not None else "silu"
 
 
 def quantization(model: Any) -> str:

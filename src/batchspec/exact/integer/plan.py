@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,8 +31,20 @@ class Product(ctypes.Structure):
                 ("bias", _pointer), ("groups", _i64), ("panel_bytes", _i64), ("subs", _i64), ("block", _i64)]
 
 
+MAX_EXPERTS = 256  # decoder.h's: the experts a layer's mixture may have
+
+
+class Expert(ctypes.Structure):
+    """``expert_t``: one expert's gate and up (one or two products) and down."""
+
+    _c_name_ = "expert_t"
+
+    _fields_ = [("gate_up_count", _i64), ("gate_up", Product * 2), ("down", Product)]
+
+
 class Layer(ctypes.Structure):
-    """``layer_t``: one decoder layer's norms, products and attention scaling."""
+    """``layer_t``: one decoder layer's norms, products and attention scaling; a mixture of experts' router, top k
+    and experts (``expert``: the address of an :class:`Expert` array, held by the layer's :class:`Mixture`)."""
 
     _c_name_ = "layer_t"
 
@@ -41,11 +53,13 @@ class Layer(ctypes.Structure):
                 ("eps_attention_out", _double), ("eps_mlp_out", _double), ("eps_q", _double), ("eps_k", _double),
                 ("factor", _double), ("residual", _double), ("softcap", _double), ("rotary", _i64), ("whole", _i64),
                 ("qkv_count", _i64), ("gate_up_count", _i64), ("activation", _i64), ("sliding", _i64),
-                ("qkv", Product * 3), ("o", Product), ("gate_up", Product * 2), ("down", Product)]
+                ("qkv", Product * 3), ("o", Product), ("gate_up", Product * 2), ("down", Product),
+                ("experts", _i64), ("top_k", _i64), ("normalize", _i64), ("router", Product), ("expert", _pointer)]
 
 
 _BUFFERS = ("x", "h", "normed", "q", "k", "v", "qs", "ks", "vs", "query", "block_query", "attended", "block_out",
-            "gathered", "gate", "up", "codes8", "scale8", "codes4", "xs", "sums4")
+            "gathered", "gate", "up", "codes8", "scale8", "codes4", "xs", "sums4", "routed", "grouped", "expert_out",
+            "ranked", "logits", "weights", "chosen", "members")
 
 
 class Decoder(ctypes.Structure):
@@ -62,9 +76,10 @@ class Decoder(ctypes.Structure):
                  ("s_batch", _i64), ("s_head", _i64), ("s_token", _i64), ("levels", _double),
                  ("coefficients", _pointer)]
     _fields_ += [(name, _pointer) for name in _BUFFERS]
+    _fields_ += [("touched", _pointer), ("most_experts", _i64)]
 
 
-MIRRORS = (Product, Layer, Decoder)
+MIRRORS = (Product, Expert, Layer, Decoder)
 
 
 def check_layout(native: dict[tuple[str, str], int], mirrors: tuple[type[ctypes.Structure], ...] = MIRRORS) -> None:
@@ -113,10 +128,34 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+@dataclass(frozen=True)
+class Mixture:
+    """A mixture of experts' layers (:class:`~batchspec.exact.integer.moe.SparseMoE`'s, swapped): its ``router``,
+    each expert's gate and up (stacked where they can be) and down, ``top_k`` and ``normalize``; ``table`` the
+    experts' ``expert_t`` array, laid out once (the layers it points at live as long as this)."""
+
+    router: IntLinear
+    experts: list[tuple[list[IntLinear] | Int8Stack | Int4Stack, IntLinear]]
+    top_k: int
+    normalize: bool
+    table: ctypes.Array = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.experts) <= MAX_EXPERTS:
+            raise ValueError(f"a mixture of {len(self.experts)} experts; the fused forward takes 1 to {MAX_EXPERTS}")
+        made = []
+        for gate_up, down in self.experts:
+            products = _products(gate_up)
+            expert = Expert(gate_up_count=len(products), down=product([down]))
+            expert.gate_up[: len(products)] = products
+            made.append(expert)
+        object.__setattr__(self, "table", (Expert * len(made))(*made))
+
+
 def layer(norms: dict[str, torch.nn.Module | None], qkv: list[IntLinear] | Int8Stack | Int4Stack, o: IntLinear,
           q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None,
-          gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear, scaling: float, residual: float,
-          rotary: bool, activation: int, sliding: bool, softcap: float = 0.0) -> Layer:
+          gate_up: list[IntLinear] | Int8Stack | Int4Stack, down: IntLinear | None, scaling: float, residual: float,
+          rotary: bool, activation: int, sliding: bool, softcap: float = 0.0, mixture: Mixture | None = None) -> Layer:
     """One decoder layer's ``layer_t``: its RMSNorms (``ExactRMSNorm``: ``weight``, ``eps``) by where they sit
     (``before``, ``after``, ``attention_out``, ``mlp_out``: see ``decoder.h``; a norm left out or None is not there),
     its products (q, k and v, and gate and up, each one stacked product or a product per layer), its query and key
@@ -124,12 +163,13 @@ def layer(norms: dict[str, torch.nn.Module | None], qkv: list[IntLinear] | Int8S
     ``scaling``, the multiplier of its outputs on their way into the residual stream, whether it rotates its
     queries and keys, its MLP's ``activation`` (:data:`~batchspec.exact.integer.arithmetic.ACTIVATIONS`' code) and
     whether it is ``sliding`` (attends over the windowed mask and rotates by the sliding layers' table), and the
-    ``softcap`` of its attention's scores (0: none; ``layer_t`` holds it in units of log2, over ln 2)."""
+    ``softcap`` of its attention's scores (0: none; ``layer_t`` holds it in units of log2, over ln 2). With a
+    ``mixture`` the layer's MLP is that mixture of experts (``gate_up`` empty, ``down`` None)."""
     qkv_products, gate_up_products = _products(qkv), _products(gate_up)
     made = Layer(factor=scaling / math.log(2.0), residual=residual, softcap=softcap / math.log(2.0),
-                 rotary=int(rotary), activation=activation,
-                 sliding=int(sliding), qkv_count=len(qkv_products),
-                 gate_up_count=len(gate_up_products), o=product([o]), down=product([down]))
+                 rotary=int(rotary), activation=activation, sliding=int(sliding), qkv_count=len(qkv_products),
+                 gate_up_count=len(gate_up_products), o=product([o]),
+                 down=Product() if down is None else product([down]))
     for name, norm in norms.items():
         if norm is not None:
             setattr(made, name, norm.weight.data_ptr())
@@ -140,7 +180,15 @@ def layer(norms: dict[str, torch.nn.Module | None], qkv: list[IntLinear] | Int8S
         made.whole = int(q_norm.weight.numel() == _query_width(qkv))
     made.qkv[: len(qkv_products)] = qkv_products
     made.gate_up[: len(gate_up_products)] = gate_up_products
+    if mixture is not None:
+        made.experts, made.top_k, made.normalize = len(mixture.experts), mixture.top_k, int(mixture.normalize)
+        made.router, made.expert = product([mixture.router]), ctypes.addressof(mixture.table)
     return made
+
+
+def experts_of(made: Layer) -> ctypes.Array:
+    """The ``expert_t`` structs of layer ``made``'s mixture (empty where it has none)."""
+    return (Expert * made.experts).from_address(made.expert) if made.experts else (Expert * 0)()
 
 
 def _query_width(qkv: list[IntLinear] | Int8Stack | Int4Stack) -> int:
@@ -155,8 +203,9 @@ def _products(layers: list[IntLinear] | Int8Stack | Int4Stack) -> list[Product]:
 @dataclass(frozen=True)
 class Widths:
     """What sizes one forward's buffers need, read once from the model: the hidden size, the heads, the MLP's
-    inner size, the widest activations each product form takes (int8 codes; int4 codes, scales and sums), and
-    whether a layer's products read its norm's output in more than one form (it is then written out once)."""
+    inner size (an expert's too), the widest activations each product form takes (int8 codes; int4 codes, scales and
+    sums), whether a layer's products read its norm's output in more than one form (it is then written out once),
+    and the most experts and experts a row chooses of any layer's mixture (0: none has one)."""
 
     hidden: int
     heads: int
@@ -168,19 +217,25 @@ class Widths:
     blocks4: int
     counted4: int
     normed: bool
+    experts: int
+    top_k: int
 
     @classmethod
     def of(cls, layers: list[Layer], hidden: int, heads: int, kv_heads: int, size: int) -> Widths:
-        products = [p for made in layers for p in (*made.qkv[: made.qkv_count], made.o,
-                                                    *made.gate_up[: made.gate_up_count], made.down)]
-        int8 = [p for p in products if p.bits == 8] or [Product(groups=0)]
-        int4 = [p for p in products if p.bits == 4] or [Product(inner=0, block=1)]
+        experts = [expert for made in layers for expert in experts_of(made)]
         groups = [made.qkv[: made.qkv_count] for made in layers] + [made.gate_up[: made.gate_up_count]
                                                                       for made in layers]
-        return cls(hidden, heads, kv_heads, size, layers[0].down.inner, max(4 * p.groups for p in int8),
+        products = [p for made in layers for p in (*made.qkv[: made.qkv_count], made.o,
+                                                    *made.gate_up[: made.gate_up_count], made.down, made.router)]
+        products += [p for expert in experts for p in (*expert.gate_up[: expert.gate_up_count], expert.down)]
+        int8 = [p for p in products if p.bits == 8] or [Product(groups=0)]
+        int4 = [p for p in products if p.bits == 4] or [Product(inner=0, block=1)]
+        downs = [made.down for made in layers] + [expert.down for expert in experts]
+        return cls(hidden, heads, kv_heads, size, max(p.inner for p in downs), max(4 * p.groups for p in int8),
                    max(32 * -(-p.inner // 32) for p in int4), max(-(-p.inner // p.block) for p in int4),
                    max(-(-p.inner // 32) + -(-p.inner // 32) % 2 for p in int4),
-                   any(len({_form(p) for p in group}) > 1 for group in groups))
+                   any(len({_form(p) for p in group}) > 1 for group in groups),
+                   max(made.experts for made in layers), max(made.top_k for made in layers))
 
 
 def _form(p: Product) -> tuple[int, int]:
@@ -205,6 +260,11 @@ def buffers(widths: Widths, n: int, batch: int, seq: int, chunk: int, spread: bo
         "codes4": torch.empty(n, widths.padded4, dtype=torch.int8), "xs": torch.empty(n, widths.blocks4),
         "sums4": torch.empty(n, widths.counted4, dtype=torch.int16),
     }
+    mixed, top_k = n if widths.experts else 0, widths.top_k
+    made.update(routed=torch.empty(mixed, widths.hidden), grouped=torch.empty(mixed, widths.hidden),
+                expert_out=torch.empty(mixed, widths.hidden), ranked=torch.empty(mixed, top_k, widths.hidden),
+                logits=torch.empty(mixed, widths.experts), weights=torch.empty(mixed, top_k),
+                chosen=torch.empty(mixed, top_k, dtype=torch.int64), members=torch.empty(mixed, dtype=torch.int64))
     spread_rows = rows if spread else 0  # zeros at the padding, which no row written later changes
     made.update(qs=torch.zeros(spread_rows, wq), ks=torch.zeros(spread_rows, wk), vs=torch.zeros(spread_rows, wk),
                 gathered=torch.empty(n if spread else 0, wq))

@@ -83,8 +83,8 @@ def calibration_peaks(model: Any, ids: list[int]) -> dict[torch.nn.Module, dict[
     hooks = []
     for layer in decoder_layers(model):
         peaks[layer] = {}
-        readers = (layer.self_attn.q_proj, layer.mlp, layer.mlp.down_proj)
-        for name, reader in zip(INPUTS, readers, strict=True):
+        readers = [layer.self_attn.q_proj, *((layer.mlp, layer.mlp.down_proj) if _dense(layer) else ())]
+        for name, reader in zip(INPUTS, readers, strict=False):  # a mixture of experts': the attention's alone
             hooks.append(reader.register_forward_pre_hook(_recorder(peaks[layer], name)))
     try:
         with torch.no_grad():
@@ -100,12 +100,20 @@ def smooth_layer(layer: torch.nn.Module, peak: dict[str, torch.Tensor],
     """Smooth one decoder layer of a float model in place with its :func:`calibration_peaks` (``peak``): its
     attention's and MLP's inputs, folded into the norms before them (``input_layernorm``, and the norm named ``after``:
     its family's :attr:`~batchspec.families.Norms.after`, Gemma's ``pre_feedforward_layernorm``), and its down
-    projection's, folded into the up projection's rows."""
+    projection's, folded into the up projection's rows. A mixture of experts' MLP (no ``down_proj`` of its own) is
+    left as it is: its attention alone is smoothed."""
     attn, mlp = layer.self_attn, layer.mlp
     with torch.no_grad():
         _fold(peak["attention"], [attn.q_proj, attn.k_proj, attn.v_proj], _divide_norm(layer.input_layernorm))
+        if not _dense(layer):
+            return
         _fold(peak["mlp"], [mlp.gate_proj, mlp.up_proj], _divide_norm(getattr(layer, after)))
         _fold(peak["down"], [mlp.down_proj], _divide_rows(mlp.up_proj))
+
+
+def _dense(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s MLP is one gated MLP (a Llama's), not a mixture of experts."""
+    return hasattr(layer.mlp, "down_proj")
 
 
 def _recorder(peaks: dict[str, torch.Tensor], name: str) -> Callable:

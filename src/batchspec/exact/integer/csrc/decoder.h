@@ -13,7 +13,10 @@
  *   gate, up = the products of RMSNorm(h)'s activations
  *   x = h + down(quantize(act(gate) * up)) (normed, times it too)      batchspec_quantize_gated(_blocks)
  *
- * act is SiLU or GELU with tanh (the layer's `activation`). A sliding layer (Gemma 3's local layers) reads the
+ * act is SiLU or GELU with tanh (the layer's `activation`). A mixture of experts' layer (`experts` > 0: Qwen3-MoE's,
+ * OLMoE's, Mixtral's) runs moe.py's SparseMoE in place of the MLP: the router's product of RMSNorm(h)'s activations,
+ * each row's top_k experts by route_row (exact softmax, ties to the lower expert), each expert's gate, up and down on
+ * the rows that chose it, gathered, and x = h + each row's outputs weighted and summed by rank (moe.py's combine). A sliding layer (Gemma 3's local layers) reads the
  * windowed mask and the sliding layers' rotary table in place of the others'.
  *
  * Every field is 8 bytes wide (pointers, int64_t, double). plan.py's ctypes structs mirror these typedefs; LAYOUT
@@ -47,11 +50,23 @@ typedef struct {
  * ACTIVATION_GELU_TANH).
  * sliding: 1 where the layer attends over decoder_t's `windowed` mask and rotates by `cos_sliding`, `sin_sliding`
  * (Gemma 3's sliding-window layers), 0 where it reads `visible`, `cos` and `sin`. */
+/* One expert of a mixture of experts: its gate and up (1 or 2 products, as layer_t's gate_up) and its down. */
+typedef struct {
+    int64_t gate_up_count;
+    product_t gate_up[2], down;
+} expert_t;
+
+/* experts: the number of a mixture of experts' experts (0: the layer's MLP is gate_up and down), each in `expert`,
+ * its router the product `router` (outputs: one logit per expert), top_k of them per row, their weights divided by
+ * their sum where normalize is 1. */
 typedef struct {
     const float *before, *after, *attention_out, *mlp_out, *q_norm, *k_norm;
     double eps_before, eps_after, eps_attention_out, eps_mlp_out, eps_q, eps_k, factor, residual, softcap;
     int64_t rotary, whole, qkv_count, gate_up_count, activation, sliding;
     product_t qkv[3], o, gate_up[2], down;
+    int64_t experts, top_k, normalize;
+    product_t router;
+    const expert_t *expert;
 } layer_t;
 
 /* One forward's shapes, inputs and buffers (shared by every layer, which run one after another). n rows are read
@@ -85,6 +100,11 @@ typedef struct {
     int8_t *codes4;                    /* int4 activations: codes [n, padded], scales [n, blocks], sums [n, counted] */
     float *xs;
     int16_t *sums4;
+    float *routed, *grouped, *expert_out; /* a mixture of experts': [n, hidden] each (normed, an expert's rows, its out) */
+    float *ranked, *logits, *weights;  /* [n, top_k, hidden], [n, experts], [n, top_k] */
+    int64_t *chosen, *members;         /* [n, top_k] experts by rank; [n] an expert's rows as row * top_k + rank */
+    uint8_t *touched;                  /* [layers, most_experts]: 1 where the layer's expert ran on a row */
+    int64_t most_experts;
 } decoder_t;
 
 /* the typedefs' layout: a size (field "") then every field's offset, for plan.check_layout */
@@ -100,7 +120,8 @@ static const layout_t LAYOUT[] = {
     AT(layer_t, eps_attention_out), AT(layer_t, eps_mlp_out), AT(layer_t, eps_q), AT(layer_t, eps_k),
     AT(layer_t, factor), AT(layer_t, residual), AT(layer_t, softcap), AT(layer_t, rotary), AT(layer_t, whole), AT(layer_t, qkv_count), AT(layer_t, gate_up_count),
     AT(layer_t, activation), AT(layer_t, sliding), AT(layer_t, qkv), AT(layer_t, o), AT(layer_t, gate_up),
-    AT(layer_t, down),
+    AT(layer_t, down), AT(layer_t, experts), AT(layer_t, top_k), AT(layer_t, normalize), AT(layer_t, router),
+    AT(layer_t, expert), SIZE_OF(expert_t), AT(expert_t, gate_up_count), AT(expert_t, gate_up), AT(expert_t, down),
     SIZE_OF(decoder_t), AT(decoder_t, n), AT(decoder_t, batch), AT(decoder_t, seq), AT(decoder_t, hidden),
     AT(decoder_t, heads), AT(decoder_t, kv_heads), AT(decoder_t, size), AT(decoder_t, width), AT(decoder_t, start),
     AT(decoder_t, end), AT(decoder_t, chunk), AT(decoder_t, threads), AT(decoder_t, index), AT(decoder_t, cos),
@@ -112,7 +133,10 @@ static const layout_t LAYOUT[] = {
     AT(decoder_t, normed), AT(decoder_t, q), AT(decoder_t, k), AT(decoder_t, v), AT(decoder_t, qs), AT(decoder_t, ks),
     AT(decoder_t, vs), AT(decoder_t, query), AT(decoder_t, block_query), AT(decoder_t, attended),
     AT(decoder_t, block_out), AT(decoder_t, gathered), AT(decoder_t, gate), AT(decoder_t, up), AT(decoder_t, codes8),
-    AT(decoder_t, scale8), AT(decoder_t, codes4), AT(decoder_t, xs), AT(decoder_t, sums4),
+    AT(decoder_t, scale8), AT(decoder_t, codes4), AT(decoder_t, xs), AT(decoder_t, sums4), AT(decoder_t, routed),
+    AT(decoder_t, grouped), AT(decoder_t, expert_out), AT(decoder_t, ranked), AT(decoder_t, logits),
+    AT(decoder_t, weights), AT(decoder_t, chosen), AT(decoder_t, members), AT(decoder_t, touched),
+    AT(decoder_t, most_experts),
 };
 #undef SIZE_OF
 #undef AT
@@ -240,6 +264,103 @@ static int attend(const decoder_t *f, const layer_t *l, const int16_t *keys, con
     return 0;
 }
 
+/* quantize(act(gate) * up) as down reads it, from f->gate and f->up (f->n rows) */
+static void gated_down(const decoder_t *f, const product_t *down, int64_t activation) {
+    int threads = (int)f->threads;
+    int64_t ffn = down->inner, nsub = sub_blocks(ffn);
+    if (down->bits == 8)
+        batchspec_quantize_gated(f->gate, f->up, f->n, ffn, 4 * down->groups, f->codes8, f->scale8, f->coefficients,
+                                 activation, threads);
+    else
+        batchspec_quantize_gated_blocks(f->gate, f->up, f->n, ffn, down->block, 32 * nsub, f->codes4, f->xs,
+                                        block_scales(down), f->sums4, counted_sums(ffn), f->coefficients, activation,
+                                        threads);
+}
+
+/* x[0 .. width) summed as arithmetic.py's row_sum: padded with zeros to a power of two, halved elementwise; x is
+ * overwritten (it holds at least that power of two) */
+static float tree_sum(float *x, int64_t width) {
+    int64_t span = 1;
+    while (span < width) span *= 2;
+    for (int64_t i = width; i < span; i++) x[i] = 0.0f;
+    for (span /= 2; span >= 1; span /= 2)
+        for (int64_t i = 0; i < span; i++) x[i] = x[i] + x[i + span];
+    return x[0];
+}
+
+#define MAX_EXPERTS 256 /* plan.py's: the experts a layer may have */
+
+/* moe.py's route for one row of `count` router logits (count <= MAX_EXPERTS): the softmax (exact exp, tree_sum),
+ * the top_k by a selection that keeps the lower index on a tie (a stable descending sort's first k), their weights
+ * divided by their tree_sum where normalize */
+static void route_row(const float *logits, int64_t count, int64_t top_k, int64_t normalize, const float *c,
+                      int64_t *chosen, float *weights) {
+    float p[MAX_EXPERTS], sums[MAX_EXPERTS], top = logits[0];
+    unsigned char taken[MAX_EXPERTS] = {0};
+    for (int64_t e = 1; e < count; e++) top = larger(top, logits[e]);
+    for (int64_t e = 0; e < count; e++) p[e] = exp2_nonpositive((logits[e] - top) * LOG2E, c);
+    memcpy(sums, p, (size_t)count * sizeof(float));
+    float total = tree_sum(sums, count);
+    for (int64_t e = 0; e < count; e++) p[e] = p[e] / total;
+    for (int64_t r = 0; r < top_k; r++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < count; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        taken[best] = 1;
+        chosen[r] = best, weights[r] = sums[r] = p[best];
+    }
+    if (!normalize) return;
+    float kept = tree_sum(sums, top_k);
+    for (int64_t r = 0; r < top_k; r++) weights[r] = weights[r] / kept;
+}
+
+/* expert e's gate, up and down on the rows that chose it (their normed rows gathered), each output row into its
+ * place in f->ranked (row * top_k + rank); `touched` marks it where it ran */
+static void run_expert(const decoder_t *f, const layer_t *l, int64_t e, uint8_t *touched) {
+    int64_t m = 0, hidden = f->hidden, k = l->top_k;
+    for (int64_t i = 0; i < f->n * k; i++)
+        if (f->chosen[i] == e) f->members[m++] = i;
+    if (m == 0) return;
+    touched[e] = 1;
+    for (int64_t j = 0; j < m; j++)
+        memcpy(f->grouped + j * hidden, f->routed + f->members[j] / k * hidden, (size_t)hidden * sizeof(float));
+    decoder_t g = *f;
+    g.n = m;
+    const expert_t *x = &l->expert[e];
+    float *gate_up[2] = {g.gate, g.up}, *out[1] = {g.expert_out};
+    products_of_normed(&g, x->gate_up, x->gate_up_count, g.grouped, NULL, 0.0f, gate_up);
+    gated_down(&g, &x->down, l->activation);
+    product_for(&g, &x->down, out, NULL);
+    for (int64_t j = 0; j < m; j++)
+        memcpy(f->ranked + f->members[j] * hidden, g.expert_out + j * hidden, (size_t)hidden * sizeof(float));
+}
+
+/* the mixture of experts of layer `layer` (l) on f->h into f->x (see the top of this file) */
+static void mixture(const decoder_t *f, const layer_t *l, int64_t layer) {
+    int64_t n = f->n, hidden = f->hidden, k = l->top_k;
+    float *logits[1] = {f->logits};
+    batchspec_rms_norm(f->h, n, hidden, (float)l->eps_after, l->after, f->routed, (int)f->threads);
+    quantize_for(f, &l->router, f->routed, NULL, 0.0f);
+    product_for(f, &l->router, logits, NULL);
+    unsigned saved = fp_enter();
+    for (int64_t i = 0; i < n; i++)
+        route_row(f->logits + i * l->experts, l->experts, k, l->normalize, f->coefficients, f->chosen + i * k,
+                  f->weights + i * k);
+    fp_leave(saved);
+    for (int64_t e = 0; e < l->experts; e++) run_expert(f, l, e, f->touched + layer * f->most_experts);
+    saved = fp_enter();
+    for (int64_t i = 0; i < n; i++) {
+        const float *ranked = f->ranked + i * k * hidden, *w = f->weights + i * k;
+        float *x = f->x + i * hidden;
+        for (int64_t c = 0; c < hidden; c++) {
+            float sum = ranked[c] * w[0];
+            for (int64_t r = 1; r < k; r++) sum = sum + ranked[r * hidden + c] * w[r];
+            x[c] = f->h[i * hidden + c] + sum;
+        }
+    }
+    fp_leave(saved);
+}
+
 /* one layer on f->x (see the top of this file); 1 where scratch memory ran out */
 static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     int threads = (int)f->threads;
@@ -276,17 +397,13 @@ static int decoder_layer(const decoder_t *f, const layer_t *l, int64_t layer) {
     }
     quantize_for(f, &l->o, attended, NULL, 0.0f);
     add_product(f, &l->o, f->h, f->x, l->attention_out, l->eps_attention_out, l->residual);
+    if (l->experts) {
+        mixture(f, l, layer);
+        return 0;
+    }
     products_of_normed(f, l->gate_up, l->gate_up_count, f->h, l->after, (float)l->eps_after, gate_up);
-    const product_t *down = &l->down;
-    int64_t ffn = down->inner, nsub = sub_blocks(ffn);
-    if (down->bits == 8)
-        batchspec_quantize_gated(f->gate, f->up, f->n, ffn, 4 * down->groups, f->codes8, f->scale8, f->coefficients,
-                                 l->activation, threads);
-    else
-        batchspec_quantize_gated_blocks(f->gate, f->up, f->n, ffn, down->block, 32 * nsub, f->codes4, f->xs,
-                                        block_scales(down), f->sums4, counted_sums(ffn), f->coefficients,
-                                        l->activation, threads);
-    add_product(f, down, f->x, f->h, l->mlp_out, l->eps_mlp_out, l->residual);
+    gated_down(f, &l->down, l->activation);
+    add_product(f, &l->down, f->x, f->h, l->mlp_out, l->eps_mlp_out, l->residual);
     return 0;
 }
 
