@@ -402,7 +402,8 @@ class ModelOptions:
         AUTO, check=named(Quantize), choices=Quantize,
         help="auto (default): on the CPU in float32 where batchspec's native kernels run (x86-64 with AVX2), int4 "
         "on the avx2 build for models read from GGUF files that hold 4-bit weights (the presets: the model as "
-        "published), int8 otherwise (on the VNNI builds int8 reads prompts and verifies drafts faster); none elsewhere (see docs/integer.md). int8: int8 weights and per-token int8 activations with "
+        "published), int8 otherwise (on the VNNI builds int8 reads prompts and verifies drafts faster); none "
+        "elsewhere (see docs/integer.md). int8: int8 weights and per-token int8 activations with "
         "integer-exact attention: each row's logits are bit-identical whatever the batch, so output equals the "
         "quantized model's own decoding exactly; CPU only. int4: the same with 4-bit weights (a GGUF file's own "
         "Q4_0/Q4_1/Q4_K blocks, its other tensors int8) and int8 activations per block of 256: half the bytes a "
