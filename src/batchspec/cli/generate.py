@@ -66,10 +66,10 @@ def generate_command(
     output: OutputOption = None,
 ) -> None:
     """Generate for a prompt set: greedy by default, and then every output is the target's own greedy output:
-    exactly on the CPU's default integer forward (--quantize auto: int4 for the presets' GGUF files, int8 for
-    others; each row's logits the same bits whatever the batch) and in float32 (--quantize none), up to near-ties
-    (the two best tokens within a few rounding steps) in bfloat16 or float16; with --temperature > 0 outputs are
-    samples from the target's own distribution.
+    exactly on the CPU's default integer forward (--quantize auto: int8 on the VNNI builds, int4 for 4-bit GGUF
+    files such as the presets' on the avx2 build; each row's logits the same bits whatever the batch) and in float32
+    (--quantize none), up to near-ties (the two best tokens within a few rounding steps) in bfloat16 or float16;
+    with --temperature > 0 outputs are samples from the target's own distribution.
 
     Without --preset, --target or --draft the default preset is used; the first use of a preset
     downloads and converts it (see `batchspec fetch`). Shows a progress bar while generating, then the

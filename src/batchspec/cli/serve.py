@@ -119,8 +119,9 @@ def serve_command(
 
     Requests that arrive while others decode join the running batch between rounds; with temperature 0 every
     answer is the target's own greedy output for that prompt alone: exactly on the CPU's default integer forward
-    (--quantize auto: int4 for the presets' GGUF files, int8 for others) and in float32 (--quantize none), up to
-    near-ties (the two best tokens within a few rounding steps) in bfloat16 or float16.
+    (--quantize auto: int8 on the VNNI builds, int4 for 4-bit GGUF files such as the presets' on the avx2 build)
+    and in float32 (--quantize none), up to near-ties (the two best tokens within a few rounding steps) in bfloat16
+    or float16.
     SIGTERM or Ctrl-C gives the requests in flight --shutdown-timeout seconds to finish, then exits.
     """
     from batchspec.server import create_app, serve_forever
