@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import platform
@@ -298,6 +299,17 @@ def test_row_sum_order_is_a_pairwise_tree():
     assert (a + b) + c == 0.0
 
 
+def _alone_as_batched(function, rows: torch.Tensor) -> torch.Tensor:
+    """``function`` of ``rows`` ``[N, W]`` (on this CPU's native build), having asserted that each row alone gives
+    the same bits, and that torch's path (no native build) does too."""
+    batched = function(rows.clone())
+    alone = torch.cat([function(row[None].clone()) for row in rows])
+    with native.using("none"):
+        torch_path = function(rows.clone())
+    assert torch.equal(batched, alone) and torch.equal(batched, torch_path), rows.shape
+    return batched
+
+
 def test_exact_silu_gives_a_row_the_same_values_alone_and_in_a_batch():
     """torch's own SiLU gives a value of a row whose start moves in a batch a different last bit about one time in
     eight (vector path or scalar tail); the exact SiLU gives every one of 4,000 rows the values it gets alone, in C and
@@ -305,11 +317,7 @@ def test_exact_silu_gives_a_row_the_same_values_alone_and_in_a_batch():
     torch.manual_seed(0)
     for width in (50, 128):
         rows = torch.randn(4000, width) * 4
-        batched = exact_silu(rows.clone())
-        alone = torch.cat([exact_silu(row[None].clone()) for row in rows])
-        with native.using("none"):
-            torch_path = exact_silu(rows.clone())
-        assert torch.equal(batched, alone) and torch.equal(batched, torch_path), width
+        batched = _alone_as_batched(exact_silu, rows)
         assert torch.allclose(batched, torch.nn.functional.silu(rows), rtol=4e-6, atol=1e-7)
     assert exact_silu(torch.tensor([0.0, -1.0, 1.0])).tolist() == pytest.approx([0.0, -0.268941, 0.731059], abs=1e-6)
 
@@ -321,11 +329,7 @@ def test_exact_gelu_tanh_gives_a_row_the_same_values_alone_and_in_a_batch():
     torch.manual_seed(0)
     for width in (50, 128):
         rows = torch.randn(4000, width) * 4
-        batched = exact_gelu_tanh(rows.clone())
-        alone = torch.cat([exact_gelu_tanh(row[None].clone()) for row in rows])
-        with native.using("none"):
-            torch_path = exact_gelu_tanh(rows.clone())
-        assert torch.equal(batched, alone) and torch.equal(batched, torch_path), width
+        batched = _alone_as_batched(exact_gelu_tanh, rows)
         exact = torch.nn.functional.gelu(rows.double(), approximate="tanh")
         near = rows > -2
         assert torch.allclose(batched[near].double(), exact[near], rtol=16 * 2.0**-24, atol=0.0)
@@ -341,11 +345,7 @@ def test_exact_softcap_gives_a_row_the_same_values_alone_and_in_a_batch():
     torch.manual_seed(0)
     for width, cap in ((50, 1.0), (128, 30.0)):
         rows = torch.randn(4000, width) * 2 * cap
-        batched = exact_softcap(rows.clone(), cap)
-        alone = torch.cat([exact_softcap(row[None].clone(), cap) for row in rows])
-        with native.using("none"):
-            torch_path = exact_softcap(rows.clone(), cap)
-        assert torch.equal(batched, alone) and torch.equal(batched, torch_path), width
+        batched = _alone_as_batched(functools.partial(exact_softcap, cap=cap), rows)
         exact = torch.tanh(rows.double() / cap) * cap
         assert torch.allclose(batched.double(), exact, rtol=0.0, atol=4 * cap * 2.0**-24)
         assert bool((batched.abs() <= cap).all())

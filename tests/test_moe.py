@@ -11,7 +11,7 @@ import torch
 
 from batchspec.exact.integer import quantize_model
 from batchspec.exact.integer.linear import QuantizedMLP
-from batchspec.exact.integer.moe import SparseMoE, forward_bytes, route, split_experts, weight_bytes
+from batchspec.exact.integer.moe import SparseMoE, forward_bytes, product_bytes, route, split_experts
 from batchspec.model_checks import check_model
 
 
@@ -72,12 +72,12 @@ def test_a_forward_reads_the_union_of_its_rows_experts(width):
         many, ran_many = forward_bytes(model), [moe.touched.clone() for moe in moes]
     assert all(int(ran.sum()) == 2 for ran in ran_one)
     assert all(bool((a <= b).all()) for a, b in zip(ran_one, ran_many, strict=True))
-    expert_bytes = sum(weight_bytes(m) for m in moes[0].experts[0].modules())
+    expert_bytes = sum(product_bytes(m) for m in moes[0].experts[0].modules())
     assert expert_bytes > 0
     assert many - one == expert_bytes * sum(int(b.sum() - a.sum()) for a, b in zip(ran_one, ran_many, strict=True))
     for moe in moes:
         moe.touched.fill_(True)
-    assert forward_bytes(model) == sum(weight_bytes(m) for m in model.modules())
+    assert forward_bytes(model) == sum(product_bytes(m) for m in model.modules())
     assert all(isinstance(expert, QuantizedMLP) for moe in moes for expert in moe.experts)
 
 

@@ -211,9 +211,9 @@ class IntegerForward:
         self.layers, self.heads, self.kv_heads, self.size = layers, heads, kv_heads, size  # layers: the plans' owners
         plan.check_layout(native.layout())
         made = [plan.layer(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}) for layer in layers]
-        self.mixtures = [m.mlp if isinstance(m.mlp, SparseMoE) else None for m in decoder.layers]
         self.plans = (plan.Layer * len(made))(*made)  # the layers' layer_t structs, laid out once
         self.widths = plan.Widths.of(made, decoder.norm.weight.shape[0], heads, kv_heads, size)
+        self.touched = _touched([m.mlp for m in decoder.layers], self.widths.experts)
 
     @classmethod
     def of(cls, model: Any) -> IntegerForward | None:
@@ -291,14 +291,11 @@ class IntegerForward:
             visible = visible.contiguous()  # the windowed mask is laid out as it: the same strides serve both
             made["windowed"] = sliding_visible(visible, self.recipe.window)  # [B, 1, S, end]
         made = {name: tensor.contiguous() for name, tensor in made.items()}
-        touched = torch.zeros(len(self.mixtures), self.widths.experts, dtype=torch.uint8)  # [layers, E]
         call = self._call(x, rows, visible, store, start, end, made)
-        call.touched, call.most_experts = touched.data_ptr(), self.widths.experts
+        if self.touched is not None:  # the decoder marks the experts each mixture runs, as transformers' forward does
+            call.touched, call.most_experts = self.touched.zero_().data_ptr(), self.widths.experts
         native.decoder(call, self.plans)
         cache.length = end
-        for mixture, ran in zip(self.mixtures, touched, strict=True):
-            if mixture is not None:  # the experts it ran, as transformers' forward of it records them
-                mixture.touched.copy_(ran[: len(mixture.experts)].bool())
         return x
 
     def _call(self, x: torch.Tensor, rows: _Rows, visible: torch.Tensor, store: torch.Tensor, start: int, end: int,
@@ -360,6 +357,19 @@ def _mlp_linears(mlp: torch.nn.Module, norms: Norms) -> list[IntLinear | None]:
         return [None]
     experts = [_mlp_linears(expert, norms) if isinstance(expert, QuantizedMLP) else [None] for expert in mlp.experts]
     return [mlp.gate, *(linear for linears in experts for linear in linears)]
+
+
+def _touched(mlps: list[torch.nn.Module], experts: int) -> torch.Tensor | None:
+    """The flags ``[layers, experts]`` (bool) the decoder sets where a layer's expert ran, laid out once, each
+    mixture's :attr:`~batchspec.exact.integer.moe.SparseMoE.touched` made a view of its layer's row (so a forward
+    marks them in place, with no copy per layer); None where no layer is a mixture."""
+    if not any(isinstance(mlp, SparseMoE) for mlp in mlps):
+        return None
+    touched = torch.zeros(len(mlps), experts, dtype=torch.bool)  # [layers, E]: the decoder writes 0 or 1 bytes
+    for row, mlp in zip(touched, mlps, strict=True):
+        if isinstance(mlp, SparseMoE):
+            mlp.touched = row[: len(mlp.experts)]
+    return touched
 
 
 def _passes_through(module: torch.nn.Module) -> bool:

@@ -61,7 +61,7 @@ class SparseMoE(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, H]
         rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
         weights, chosen = route(self.gate(rows), self.top_k, self.normalize)  # [N, k] each
-        self.touched = torch.zeros_like(self.touched).index_fill_(0, chosen.flatten(), True)
+        self.touched.zero_().index_fill_(0, chosen.flatten(), True)  # in place: it may view the fused forward's flags
         ranked = rows.new_zeros(rows.shape[0], self.top_k, rows.shape[1])  # [N, k, H]: expert outputs by rank
         for expert in self.touched.nonzero().flatten().tolist():
             token, rank = (chosen == expert).nonzero(as_tuple=True)  # [n] each
@@ -131,16 +131,16 @@ def _linear(weight: torch.Tensor) -> torch.nn.Linear:
 
 
 def forward_bytes(model: Any) -> int:
-    """The bytes of integer weights ``model``'s last forward read (:func:`weight_bytes`): every integer layer's but
+    """The bytes of integer weights ``model``'s last forward read (:func:`product_bytes`): every integer layer's but
     those of the experts no row of it chose (each :class:`SparseMoE` runs the union of its rows' experts,
     :attr:`SparseMoE.touched`)."""
     idle = {id(layer) for block in model.modules() if isinstance(block, SparseMoE)
             for expert, ran in zip(block.experts, block.touched.tolist(), strict=True) if not ran
             for layer in expert.modules()}
-    return sum(weight_bytes(m) for m in model.modules() if id(m) not in idle)
+    return sum(product_bytes(m) for m in model.modules() if id(m) not in idle)
 
 
-def weight_bytes(layer: torch.nn.Module) -> int:
+def product_bytes(layer: torch.nn.Module) -> int:
     """Bytes a product of integer layer ``layer`` reads of its weight (0 for any other module)."""
     if isinstance(layer, Int8Linear):
         return layer.weight.nbytes()
