@@ -10,9 +10,11 @@ Each stream is the arithmetic of the many-row (prompt-reading) micro-kernel of `
 written as inline assembly so the compiler can neither fold, hoist nor spill it: the same instructions at the same
 register width, the kernel's accumulators as independent chains (chained within a row as the kernel chains them), and
 each memory operand (the weight's loads, the codes' broadcasts, the int4 weight's scales, mins, ``d``, ``dmin``)
-replaced by a register already holding a value. A load or broadcast from L1 runs on the load ports, beside the vector
-ALUs these instructions occupy, so it takes no ALU slot; a stream without them is what the kernel's arithmetic can do
-at best on these cores, its ceiling once its data comes for free:
+replaced by a register already holding a value. A load or a broadcast from memory runs on the load ports (on Zen 4
+and recent Intel cores a broadcast from memory is a load alone), beside the vector ALUs these instructions occupy, so
+a stream without them is what the kernel's arithmetic can do at best on these cores: its ceiling once its data comes
+for free. (The one exception: the avx2 build's int4 stream reloads one register a super-block, GCC's choice with 16
+registers.)
 
 * ``avx512vnni`` ``int8`` (``avx512.c``, ``panel_rows``): a step is 24 ``vpdpbusd`` zmm (4 weight vectors of 64
   outputs by 6 rows), 24 independent accumulators. ``vpdpbusd_zmm_12`` is docs/integer.md's ceiling, twelve
@@ -46,9 +48,12 @@ fused forward runs for a prefill) on the 1.5B target's shapes (Qwen2.5-1.5B: hid
 v stacked as ``(1536, 256, 256)`` outputs, gate and up as ``(8960, 8960)``, o ``1536 -> 1536``, down
 ``8960 -> 1536``), random weights (int4: ``int4.from_float``'s Q4_K grid, super-blocks of 256) and activations quantized
 as the forward quantizes them, at ``--rows`` rows (default 240 and 1,200: a short prompt and a long one), each weight
-in enough copies (up to 8) that a pass reads at least 64 MB, so it comes from memory as in a forward over 28 layers.
+in enough copies (up to 32) that a pass over them reads at least 64 MB, twice a 32 MB L3: each call's weight comes
+from memory, as in a forward over 28 layers. A product's calls are ``--repeats`` passes over its copies.
 Each product is timed alone, best and median of its calls; ``layer`` is the four products together (their operations
-over their summed times). Each build runs in its own process with ``BATCHSPEC_CPU_ISA`` set (native.py reads it once).
+over their summed times). Measure on an idle host: a product call lasts milliseconds and its best can fall in a quiet
+moment that a stream's run of ``--seconds`` cannot, so on a shared host a fraction can even pass 1. Each build runs in
+its own process with ``BATCHSPEC_CPU_ISA`` set (native.py reads it once).
 
 Output: JSON on stdout (or ``--out FILE``, the table then in ``FILE`` with ``.md``), and a markdown table on stderr
 with each build's layer rate, its fraction of the build's own stream (``of_stream``) and of ``vpdpbusd_zmm_12``
@@ -77,7 +82,7 @@ REFERENCE = ("avx512vnni", "vpdpbusd_zmm_12")  # docs/integer.md's ceiling
 SHAPES = (("qkv", 1536, (1536, 256, 256)), ("o", 1536, (1536,)), ("gate_up", 1536, (8960, 8960)),
           ("down", 8960, (1536,)))
 STREAM_BYTES = 64e6  # a pass over a shape's copies reads at least this much (twice this host's 32 MB L3)
-MAX_COPIES = 8
+MAX_COPIES = 32
 
 
 def log(message: str) -> None:
@@ -257,9 +262,12 @@ def main(arguments: argparse.Namespace) -> None:
 
     host = native.host_isas()
     builds = arguments.builds or list(host)
-    unknown = [b for b in builds if b not in host]
-    if unknown:
-        raise SystemExit(f"this CPU does not run {', '.join(unknown)} (it runs {', '.join(host)})")
+    skipped = [b for b in builds if b not in host]
+    if skipped:  # e.g. avxvnni on a CPU with neither AVX-VNNI nor AVX-512 VNNI
+        log(f"skipped: this CPU does not run {', '.join(skipped)} (it runs {', '.join(host)})")
+    builds = [b for b in builds if b in host]
+    if not builds:
+        raise SystemExit("none of the builds asked for runs on this CPU")
     results = {}
     for build in builds:
         log(f"{build}: streams and products ({arguments.threads} threads)")
@@ -277,7 +285,7 @@ def main(arguments: argparse.Namespace) -> None:
         "host": {"cpu": host_cpu(), "machine": platform.machine(), "threads": arguments.threads,
                  "builds_this_cpu_runs": list(host), "load_average": list(os.getloadavg())},
         "counted": "2 operations per multiply-add of an activation code by a weight (vpdpbusd zmm: 128, ymm: 64)",
-        "rows": arguments.rows, "repeats": arguments.repeats,
+        "rows": arguments.rows, "repeats": arguments.repeats, "skipped": skipped,
         "vpdpbusd_peak_TOP_per_s": reference,
         "builds": summarize(results, reference),
     }
