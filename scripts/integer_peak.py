@@ -49,7 +49,8 @@ v stacked as ``(1536, 256, 256)`` outputs, gate and up as ``(8960, 8960)``, o ``
 ``8960 -> 1536``), random weights (int4: ``int4.from_float``'s Q4_K grid, super-blocks of 256) and activations quantized
 as the forward quantizes them, at ``--rows`` rows (default 240 and 1,200: a short prompt and a long one), each weight
 in enough copies (up to 32) that a pass over them reads at least 64 MB, twice a 32 MB L3: each call's weight comes
-from memory, as in a forward over 28 layers. A product's calls are ``--repeats`` passes over its copies.
+from memory, as in a forward over 28 layers. A product's calls are ``--repeats`` passes over its copies (or
+as many calls as fit in 10 s, at least ``--repeats``).
 Each product is timed alone, best and median of its calls; ``layer`` is the four products together (their operations
 over their summed times). Measure on an idle host: a product call lasts milliseconds and its best can fall in a quiet
 moment that a stream's run of ``--seconds`` cannot, so on a shared host a fraction can even pass 1. Each build runs in
@@ -83,6 +84,7 @@ SHAPES = (("qkv", 1536, (1536, 256, 256)), ("o", 1536, (1536,)), ("gate_up", 153
           ("down", 8960, (1536,)))
 STREAM_BYTES = 64e6  # a pass over a shape's copies reads at least this much (twice this host's 32 MB L3)
 MAX_COPIES = 32
+CELL_SECONDS = 10.0  # a product's calls stop past this once it has had --repeats (the portable build's are long)
 
 
 def log(message: str) -> None:
@@ -164,11 +166,11 @@ def product_cells(width: str, rows: int, repeats: int, generator) -> list[dict]:
                               for _ in range(copies - 1)]
         call(weights[0])  # warm: the library loaded, the pages touched
         times = []
-        for _ in range(repeats):
-            for w in weights:
-                started = time.perf_counter()
-                call(w)
-                times.append(time.perf_counter() - started)
+        while len(times) < repeats * copies and (len(times) < repeats or sum(times) < CELL_SECONDS):
+            w = weights[len(times) % copies]
+            started = time.perf_counter()
+            call(w)
+            times.append(time.perf_counter() - started)
         ops = 2 * rows * outputs * inner
         best, median = min(times), statistics.median(times)
         cells.append({"width": width, "rows": rows, "shape": name, "inputs": inner, "outputs": list(widths),
