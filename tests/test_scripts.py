@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,23 @@ def test_a_script_that_imports_a_name_batchspec_lost_is_caught(tmp_path):
     script.write_text("from batchspec.int8 import Int8Forward\nfrom batchspec.memory import no_such_name\nimport os\n")
     found = [name for module, names in imports(script) for name in unresolved(script, module, names)]
     assert found == ["batchspec.int8", "batchspec.memory.no_such_name"]
+
+
+def test_integer_peak_streams_build_and_run():
+    """scripts/integer_peak.py's microbenchmark (scripts/integer_peak.c) builds with each SIMD x86 build's compiler
+    and flags this CPU runs and runs every stream a few iterations on two threads; no timing is checked."""
+    from batchspec.exact.integer import native
+
+    spec = importlib.util.spec_from_file_location("integer_peak", ROOT / "scripts" / "integer_peak.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    builds = [build for build in native.host_isas() if build in module.MACROS]
+    if not builds or shutil.which(native._build_plan(builds[0])[0]) is None:
+        pytest.skip("no SIMD x86 build or no C compiler here")
+    for build in builds:
+        with tempfile.TemporaryDirectory() as directory:
+            library, _ = module.build_streams(build, directory)
+            names = [library.peak_name(i).decode() for i in range(library.peak_count())]
+            assert {"int8", "int4"} <= set(names)
+            for i in range(library.peak_count()):
+                assert library.peak_ops(i) > 0 and library.peak_run(i, 10, 2) >= 0.0
