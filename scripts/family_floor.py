@@ -2,7 +2,7 @@
 read bandwidth measured beside it (issue 77).
 
     python scripts/family_floor.py [--families llama,qwen3_moe] [--quantize int8,int4] [--out floor.json]
-        [--layers 16] [--vocab 64000] [--context 200] [--repeats 9] [--window 128] [--dtype bfloat16]
+        [--layers 16] [--vocab 64000] [--context 200] [--repeats 9] [--window 128] [--dtype bfloat16] [--threads N]
 
 For each family × width: a random-weight model (:func:`batchspec.bench.shapes.random_model`: seeded N(0, 0.02)
 matrices, no transformers initialization) of the shape below with the family's departures on
@@ -29,9 +29,13 @@ Mixtral's all) attend over ``--window`` keys, 128 by default so that they see fe
 
 The float model is built in ``--dtype`` (bfloat16 by default, as checkpoints are held: a mixture's 2.6B parameters
 would be 10.6 GB in float32; quantization widens a layer at a time) and freed before the next one. Seen on a shared
-2-vCPU host: a dense family takes ~1-2 minutes (most of it the int8 calibration and the 200-token prefill) and
-peaks at ~4 GB resident, a mixture ~3-4 minutes and ~8 GB. Progress on stderr; a markdown table on stdout; one JSON
-record per family × width in ``--out``.
+2-vCPU host (load 5-10), int8: Llama 2.5 minutes (build 15 s, quantization 110 s, measuring 27 s), peak 3.2 GB
+resident; Qwen3-MoE 5 minutes (24 s, 220 s, 56 s), peak 7.8 GB (``peak_rss_gb``: the process's peak so far).
+Progress on stderr; a markdown table on stdout; one JSON record per family × width in ``--out``.
+
+Run it alone on the host: the kernels' threads wait for each other at every layer, so on a host whose other work
+takes the cores a step of two threads takes many times its floor (seen on a loaded 2-vCPU host: 176-400 ms for a
+two-layer model whose step takes 9 ms with ``--threads 1``).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from batchspec.exact.integer import forward_in_use, quantize_model
 from batchspec.exact.integer.moe import SparseMoE, forward_bytes
 from batchspec.exact.integer.native import packed_width
 from batchspec.families import plan_of
-from batchspec.memory import give_back_freed_memory
+from batchspec.memory import give_back_freed_memory, keep_freed_memory, returned_when_freed
 
 HIDDEN, HEADS, KV_HEADS, HEAD, MLP = 2048, 16, 4, 128, 5632
 EXPERTS, TOP_K = 8, 2
@@ -138,12 +142,13 @@ def one(family: str, width: str, args: argparse.Namespace) -> dict:
     """Build, quantize and measure one family at one width; every model freed before returning."""
     started = time.perf_counter()
     config = family_config(family, **shape(family, args.layers, args.vocab, args.window))
-    model = random_model(config, seed=SEED, dtype=getattr(torch, args.dtype))
-    total, active = parameters(model)
-    built = time.perf_counter()
-    quantize_model(model, width=width)
-    gc.collect()
-    give_back_freed_memory()
+    with returned_when_freed():  # as a model's load is (batchspec.models.loading), then memory kept as after it
+        model = random_model(config, seed=SEED, dtype=getattr(torch, args.dtype))
+        total, active = parameters(model)
+        built = time.perf_counter()
+        quantize_model(model, width=width)
+        gc.collect()
+    keep_freed_memory()
     quantized = time.perf_counter()
     record = {"family": family, "width": width, "params": total, "active_params": active, "layers": args.layers,
               "vocab": args.vocab, "context": args.context, "repeats": args.repeats, "dtype": args.dtype,
@@ -180,6 +185,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9, help="timed steps (their median)")
     parser.add_argument("--window", type=int, default=128, help="the sliding layers' window")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the float model's")
+    parser.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads; 0: torch's own")
     args = parser.parse_args(argv)
     args.families, args.quantize = args.families.split(","), args.quantize.split(",")
     unknown = [f for f in args.families if f not in FAMILY_NAMES] + [w for w in args.quantize if w not in
@@ -191,6 +197,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     records = []
     plan = [(family, width) for family in args.families for width in args.quantize]
     for family, width in (bar := tqdm(plan, file=sys.stderr, unit="model")):
