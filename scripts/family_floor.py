@@ -69,7 +69,8 @@ def shape(family: str, layers: int, vocab: int, window: int) -> dict:
     """The keyword arguments of ``family``'s ~1B config (module docstring) with ``layers`` layers, a vocabulary of
     ``vocab`` and sliding layers over ``window`` keys."""
     kw = dict(vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
-              num_key_value_heads=KV_HEADS, head_dim=HEAD, intermediate_size=MLP, max_position_embeddings=4096)
+              num_key_value_heads=KV_HEADS, head_dim=HEAD, intermediate_size=MLP, max_position_embeddings=4096,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)  # no family's own ids, past the vocabulary
     if family in ("ministral", "gemma2", "gemma3", "mixtral"):
         kw["sliding_window"] = window
     if family in ("gemma2", "gemma3"):
