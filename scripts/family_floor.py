@@ -29,13 +29,15 @@ Mixtral's all) attend over ``--window`` keys, 128 by default so that they see fe
 
 The float model is built in ``--dtype`` (bfloat16 by default, as checkpoints are held: a mixture's 2.6B parameters
 would be 10.6 GB in float32; quantization widens a layer at a time) and freed before the next one. Seen on a shared
-2-vCPU host (load 5-10), int8: Llama 2.5 minutes (build 15 s, quantization 110 s, measuring 27 s), peak 3.2 GB
-resident; Qwen3-MoE 5 minutes (24 s, 220 s, 56 s), peak 7.8 GB (``peak_rss_gb``: the process's peak so far).
+2-vCPU host, int8, ``--threads 1``: Llama 50 s (build 11 s, quantization 33 s, measuring 6 s), peak 3.2 GB resident;
+Qwen3-MoE 93 s (20 s, 66 s, 7 s), peak 7.5 GB (``peak_rss_gb``: the process's peak so far); with two threads on that
+host under a load of 5-10, 2.5 and 5 minutes, and 7.8 GB.
 Progress on stderr; a markdown table on stdout; one JSON record per family × width in ``--out``.
 
 Run it alone on the host: the kernels' threads wait for each other at every layer, so on a host whose other work
 takes the cores a step of two threads takes many times its floor (seen on a loaded 2-vCPU host: 176-400 ms for a
-two-layer model whose step takes 9 ms with ``--threads 1``).
+two-layer model whose step takes 9 ms with ``--threads 1``). ``read_bandwidth`` reads with as many threads as the
+step runs on; one thread's sum read below what one thread's step did there (the ratios came out 0.8-0.85).
 """
 
 from __future__ import annotations
@@ -197,6 +199,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Measure every family × width asked for, one after another, writing ``--out`` after each."""
     args = arguments(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
