@@ -24,38 +24,25 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import (
-    Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    Glm4Config,
     Glm4ForCausalLM,
-    GraniteConfig,
     GraniteForCausalLM,
-    LlamaConfig,
     LlamaForCausalLM,
-    MinistralConfig,
     MinistralForCausalLM,
-    MistralConfig,
     MistralForCausalLM,
-    MixtralConfig,
     MixtralForCausalLM,
-    Olmo2Config,
     Olmo2ForCausalLM,
-    OlmoeConfig,
     OlmoeForCausalLM,
-    Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
-    Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
     Qwen3ForCausalLM,
-    Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
-    SmolLM3Config,
     SmolLM3ForCausalLM,
 )
+
+from batchspec.bench.shapes import family_config, model_class
 
 VOCAB_SIZE = 96
 MAX_POSITIONS = 512
@@ -99,94 +86,63 @@ def _finish(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def build_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    cfg = LlamaConfig(**_common_config_kwargs(**overrides))
+def _built(family: str, seed: int, kw: dict) -> PreTrainedModel:
+    """A model of ``family_config(family, **kw)`` drawn by transformers' own initialization after ``seed``."""
+    cfg = family_config(family, **kw)
     torch.manual_seed(seed)
-    return _finish(LlamaForCausalLM(cfg))
+    return model_class(family)(cfg)
+
+
+def build_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    return _finish(_built("llama", seed, _common_config_kwargs(**overrides)))
 
 
 def build_qwen2(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(**_common_config_kwargs(**overrides))
-    assert not cfg.use_sliding_window
-    torch.manual_seed(seed)
-    return _finish(Qwen2ForCausalLM(cfg))
+    return _finish(_built("qwen2", seed, _common_config_kwargs(**overrides)))
 
 
 def build_qwen3(seed: int = 0, **overrides) -> Qwen3ForCausalLM:
-    kw = _common_config_kwargs(**overrides)
-    cfg = Qwen3Config(head_dim=kw["hidden_size"] // kw["num_attention_heads"], **kw)
-    assert not cfg.use_sliding_window and set(cfg.layer_types) == {"full_attention"}
-    torch.manual_seed(seed)
-    return _finish(Qwen3ForCausalLM(cfg))
+    return _finish(_built("qwen3", seed, _common_config_kwargs(**overrides)))
 
 
 def build_mistral(seed: int = 0, **overrides) -> MistralForCausalLM:
     """Mistral with full attention, unless ``sliding_window`` is given."""
-    kw = _common_config_kwargs(**{"sliding_window": None, **overrides})
-    cfg = MistralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], **kw)
-    torch.manual_seed(seed)
-    return _finish(MistralForCausalLM(cfg))
+    return _finish(_built("mistral", seed, _common_config_kwargs(**overrides)))
 
 
 def build_ministral(seed: int = 0, **overrides) -> MinistralForCausalLM:
     """Ministral whose layers mix sliding attention (window 4, the first of each pair) and full attention."""
-    kw = _common_config_kwargs(**overrides)
-    layers = kw["num_hidden_layers"]
-    cfg = MinistralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=4,
-                          layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-                          **kw)
-    torch.manual_seed(seed)
-    return _finish(MinistralForCausalLM(cfg))
+    return _finish(_built("ministral", seed, _common_config_kwargs(**overrides)))
 
 
 def build_smollm3(seed: int = 0, **overrides) -> SmolLM3ForCausalLM:
     """SmolLM3 with its second layer of two without a rotary embedding (NoPE)."""
-    kw = _common_config_kwargs(**overrides)
-    cfg = SmolLM3Config(no_rope_layers=[1, 0] + [1] * (kw["num_hidden_layers"] - 2), **kw)
-    assert not cfg.use_sliding_window
-    torch.manual_seed(seed)
-    return _finish(SmolLM3ForCausalLM(cfg))
+    return _finish(_built("smollm3", seed, _common_config_kwargs(**overrides)))
 
 
 def build_granite(seed: int = 0, **overrides) -> GraniteForCausalLM:
     """Granite with each of its four multipliers away from 1."""
-    cfg = GraniteConfig(embedding_multiplier=3.0, residual_multiplier=0.37, attention_multiplier=0.21,
-                        logits_scaling=2.5, **_common_config_kwargs(**overrides))
-    torch.manual_seed(seed)
-    return _finish(GraniteForCausalLM(cfg))
+    return _finish(_built("granite", seed, _common_config_kwargs(**overrides)))
 
 
 def build_olmo2(seed: int = 0, **overrides) -> Olmo2ForCausalLM:
     """OLMo 2: norms on the attention's and the MLP's outputs, none before them, q and k normed whole."""
-    torch.manual_seed(seed)
-    return _finish(Olmo2ForCausalLM(Olmo2Config(**_common_config_kwargs(**overrides))))
+    return _finish(_built("olmo2", seed, _common_config_kwargs(**overrides)))
 
 
 def build_phi3(seed: int = 0, **overrides) -> Phi3ForCausalLM:
     """Phi-3 as Phi-4-mini is: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.75 of each head where
     that many values pair up, else half), LongRoPE with short and long factors away from 1 (its attention factor from
-    max_position_embeddings over an original_max_position_embeddings of half of it) and a tied output layer."""
-    kw = {"tie_word_embeddings": True, **_common_config_kwargs(**overrides)}
-    head = kw["hidden_size"] // kw["num_attention_heads"]
-    factor = 0.75 if int(head * 0.75) % 2 == 0 else 0.5
-    pairs = range(int(head * factor) // 2)
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": factor,
-            "short_factor": [1.0 + 0.05 * i for i in pairs], "long_factor": [1.5 + 0.4 * i for i in pairs],
-            "original_max_position_embeddings": kw["max_position_embeddings"] // 2}
-    cfg = Phi3Config(rope_parameters=rope, original_max_position_embeddings=kw["max_position_embeddings"] // 2, **kw)
-    torch.manual_seed(seed)
-    return _finish(Phi3ForCausalLM(cfg))
+    max_position_embeddings over an original_max_position_embeddings of half of it). Its output layer is untied
+    (the common keyword arguments' ``tie_word_embeddings=False`` replaces the family's tied one)."""
+    return _finish(_built("phi3", seed, _common_config_kwargs(**overrides)))
 
 
 def build_glm4(seed: int = 0, **overrides) -> Glm4ForCausalLM:
     """GLM-4: four norms a layer (two on the attention's and the MLP's outputs), q, k and v with a bias, a fused
     gate_up_proj and half of each head turned over adjacent pairs. The norms' weights and the biases are drawn away
     from their initial ones and zeros; no EOS."""
-    kw = _common_config_kwargs(**overrides)
-    cfg = Glm4Config(head_dim=kw["hidden_size"] // kw["num_attention_heads"], attention_bias=True, **kw)
-    cfg.eos_token_id = None  # its class puts GLM-4's own ids, past this vocabulary, in place of None
-    torch.manual_seed(seed)
-    model = Glm4ForCausalLM(cfg)
+    model = _built("glm4", seed, _common_config_kwargs(**overrides))
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -197,21 +153,12 @@ def build_glm4(seed: int = 0, **overrides) -> Glm4ForCausalLM:
     return _finish(model)
 
 
-
 def build_gemma3(seed: int = 0, **overrides) -> Gemma3ForCausalLM:
     """Gemma 3 (text) with every departure from a Llama's switched on: a sliding layer (window 4) then a full one,
     distinct rotary bases for each kind, ``query_pre_attn_scalar`` away from the head size, norms scaling by
     ``1 + w`` with ``w`` drawn away from 0, GELU with tanh, the embedding scaled by ``sqrt(hidden_size)``, tied
     output layer."""
-    kw = _common_config_kwargs(**{"tie_word_embeddings": True, **overrides})
-    layers = kw["num_hidden_layers"]
-    cfg = Gemma3TextConfig(
-        head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=4, query_pre_attn_scalar=20,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}, **kw)
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(cfg)
+    model = _built("gemma3", seed, _common_config_kwargs(**{"tie_word_embeddings": True, **overrides}))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -224,14 +171,7 @@ def build_gemma2(seed: int = 0, **overrides) -> Gemma2ForCausalLM:
     (q and k weights drawn large, so that many exceed it) and the logits at 1 (the tied output layer's weights drawn
     large); a sliding layer (window 4) then a full one, ``query_pre_attn_scalar`` away from the head size, norms scaling
     by ``1 + w`` with ``w`` drawn away from 0, GELU with tanh, the embedding scaled by ``sqrt(hidden_size)``."""
-    kw = _common_config_kwargs(**{"tie_word_embeddings": True, **overrides})
-    layers = kw["num_hidden_layers"]
-    cfg = Gemma2Config(
-        head_dim=kw["hidden_size"] // kw["num_attention_heads"], sliding_window=4, query_pre_attn_scalar=20,
-        attn_logit_softcapping=3.0, final_logit_softcapping=1.0,
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)], **kw)
-    torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(cfg)
+    model = _built("gemma2", seed, _common_config_kwargs(**{"tie_word_embeddings": True, **overrides}))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith(("norm.weight", "q_proj.weight", "k_proj.weight")):
@@ -241,43 +181,30 @@ def build_gemma2(seed: int = 0, **overrides) -> Gemma2ForCausalLM:
     return _finish(model)
 
 
-# a tiny mixture of experts: 6 experts of 32 inner values, 2 per token
-_EXPERTS = {"num_experts_per_tok": 2, "output_router_logits": False}
-
-
 def _moe_kwargs(overrides: dict, layers: int = 3) -> dict:
     """The common kwargs with three layers and the experts' inner size a third of the MLP's (its dense layers')."""
     kw = _common_config_kwargs(**{"num_hidden_layers": layers, **overrides})
-    return {**kw, **_EXPERTS, "moe_intermediate_size": kw["intermediate_size"] // 3}
+    return {**kw, "moe_intermediate_size": kw["intermediate_size"] // 3}
 
 
 def build_qwen3_moe(seed: int = 0, **overrides) -> Qwen3MoeForCausalLM:
     """Qwen3-MoE with its departures on: 6 experts, top 2 renormalized (``norm_topk_prob``), its second layer of three
     dense (``mlp_only_layers``)."""
-    kw = _moe_kwargs(overrides)
-    cfg = Qwen3MoeConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], num_experts=6, norm_topk_prob=True,
-                         mlp_only_layers=[1], decoder_sparse_step=1, **kw)
-    torch.manual_seed(seed)
-    return _finish(Qwen3MoeForCausalLM(cfg))
+    return _finish(_built("qwen3_moe", seed, _moe_kwargs(overrides)))
 
 
 def build_olmoe(seed: int = 0, **overrides) -> OlmoeForCausalLM:
     """OLMoE: 8 experts, top 2 not renormalized (its default), q and k normed over the whole projection."""
     kw = _moe_kwargs(overrides)
     kw.pop("moe_intermediate_size")
-    cfg = OlmoeConfig(num_experts=8, **{**kw, "intermediate_size": kw["intermediate_size"] // 3})
-    torch.manual_seed(seed)
-    return _finish(OlmoeForCausalLM(cfg))
+    return _finish(_built("olmoe", seed, {**kw, "intermediate_size": kw["intermediate_size"] // 3}))
 
 
 def build_mixtral(seed: int = 0, **overrides) -> MixtralForCausalLM:
     """Mixtral: 4 experts, the softmax over the top 2 logits, every layer over a sliding window of 7."""
     kw = _moe_kwargs(overrides)
     kw.pop("moe_intermediate_size")
-    cfg = MixtralConfig(head_dim=kw["hidden_size"] // kw["num_attention_heads"], num_local_experts=4,
-                        sliding_window=7, **{**kw, "intermediate_size": kw["intermediate_size"] // 3})
-    torch.manual_seed(seed)
-    return _finish(MixtralForCausalLM(cfg))
+    return _finish(_built("mixtral", seed, {**kw, "intermediate_size": kw["intermediate_size"] // 3}))
 
 
 _BUILDERS = {"llama": build_llama, "qwen2": build_qwen2, "qwen3": build_qwen3, "mistral": build_mistral}
