@@ -50,7 +50,7 @@ def test_chain_matches_a_brute_force_lookup(text, split, n_range, limits):
     index = NgramIndex(n_min, n_max)
     index.extend(text[:split])  # indexed in two steps, as a row's text grows
     index.chain(4)  # a chain of the shorter text, which the longer one must not reuse
-    index.extend(text)
+    index.extend(text[split:])
     for limit in limits:
         expected, context = [], list(text)
         while len(expected) < limit and (token := brute_force_lookup(context, n_min, n_max)) is not None:
@@ -58,6 +58,35 @@ def test_chain_matches_a_brute_force_lookup(text, split, n_range, limits):
             context.append(token)
         assert index.chain(limit) == expected
     assert index.tokens == text, "a chain must not change the index"
+
+
+def brute_force_ends(text: list[int], n_min: int, n_max: int) -> dict[tuple[int, ...], int]:
+    """Every n-gram of ``text`` with a next token, and the last index of its earliest occurrence, by scanning."""
+    ends: dict[tuple[int, ...], int] = {}
+    for end in range(len(text) - 1):
+        for n in range(n_min, min(n_max, end + 1) + 1):
+            ends.setdefault(tuple(text[end - n + 1 : end + 1]), end)
+    return ends
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    text=st.lists(st.integers(0, 5), min_size=0, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=5),
+    n_range=st.sampled_from([(1, 3), (2, 4), (1, 1), (3, 3), (2, 6)]),
+)
+def test_an_index_extended_piece_by_piece_is_the_one_built_at_once(text, cuts, n_range):
+    """Extended by the tokens a row gained each round (pieces of any length, empty ones too), the index holds what
+    one built from the whole text holds, and what a scan finds; so do their chains."""
+    n_min, n_max = n_range
+    pieces, whole = NgramIndex(n_min, n_max), NgramIndex(n_min, n_max)
+    bounds = [0, *sorted(min(cut, len(text)) for cut in cuts), len(text)]
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=True):
+        pieces.extend(text[start:stop])
+    whole.extend(text)
+    assert pieces.tokens == whole.tokens == text
+    assert pieces.ends == whole.ends == brute_force_ends(text, n_min, n_max)
+    assert pieces.chain(6) == whole.chain(6)
 
 
 def test_the_docstring_example():

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import NamedTuple
 
 from batchspec.config import SpecConfig
@@ -268,31 +269,34 @@ class AdaptiveLength:
         worth = self._worth(rows, fit, [1 + sum(row) for row in gains_of[0]]) if draining else [1.0] * len(rows)
         best, best_rate = [0] * len(rows), 0.0
         for caps, gains in zip(variants, gains_of, strict=True):
+            totals = [list(accumulate(row, initial=0)) for row in gains]  # totals[i][n]: the sum of gains[i][:n]
+            ranked = _ranked(gains, worth) if self.ragged else []
             for k in range(max(caps, default=0) + 1):
                 steps = _draft_steps(k, caps, reach, sampled)
-                lengths, value, extra = self._deal(gains, worth, k, fit, steps)
-                tokens = len(rows) + sum(sum(row[:n]) for row, n in zip(gains, lengths, strict=True))
+                lengths, value, extra = self._deal(totals, ranked, worth, (k, steps), fit)
+                tokens = len(rows) + sum(total[n] for total, n in zip(totals, lengths, strict=True))
                 catch_up = catch_up_s / min(left / tokens, CATCH_UP_ROUNDS) if steps and left else 0.0
                 rate = value / max(fit.predict(extra, steps) + catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = lengths, rate
         return best
 
-    def _deal(self, gains: list[list[float]], worth: list[float], k: int, fit: CostFit,
-              steps: int) -> tuple[list[int], float, int]:
-        """Each row's drafts for a round of longest proposal ``k`` (``gains[i][j]``: the tokens row ``i``'s
-        ``(j+1)``-th draft adds, each worth ``worth[i]``), the worth of the tokens they are expected to give and the
-        extra tokens the verification scores. Ragged: drafts taken in order of worth while each raises the expected
-        rate; else ``min(k, reach)`` for all."""
+    def _deal(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
+              round_: tuple[int, int], fit: CostFit) -> tuple[list[int], float, int]:
+        """Each row's drafts for a round of longest proposal ``k`` and ``steps`` draft forwards (``round_``), the worth
+        of the tokens they are expected to give and the extra tokens the verification scores. ``totals[i][n]``: the
+        tokens row ``i``'s first ``n`` drafts add, each worth ``worth[i]``; ``ranked``: every draft by worth
+        (:func:`_ranked`). Ragged: drafts taken in order of worth while each raises the expected rate; else
+        ``min(k, reach)`` for all."""
+        k, steps = round_
         if not self.ragged:
-            lengths = [min(k, len(row)) for row in gains]
-            value = sum(w * (1 + sum(row[:n])) for row, w, n in zip(gains, worth, lengths, strict=True))
-            return lengths, value, k * len(gains)
+            lengths = [min(k, len(total) - 1) for total in totals]
+            value = sum(w * (1 + total[n]) for total, w, n in zip(totals, worth, lengths, strict=True))
+            return lengths, value, k * len(totals)
         c0, per_token = fit.theta
-        lengths = [0] * len(gains)
+        lengths = [0] * len(totals)
         value, cost = sum(worth), c0 + fit.draft(steps)
-        drafts = ((worth[i] * g, i) for i, row in enumerate(gains) for g in row[:k])
-        for adds, i in sorted(drafts, reverse=True):
+        for adds, i, _ in (draft for draft in ranked if draft[2] < k):
             if adds * cost <= value * per_token:  # the worth only falls from here on: none would raise the rate
                 break
             lengths[i] += 1
@@ -455,6 +459,12 @@ def _gains(cap: int, found: int, shares: Shares, uses_draft_model: bool) -> list
             chance *= shares.model_first if j == found + 1 else shares.model_later
         gains.append(chance)
     return gains
+
+
+def _ranked(gains: list[list[float]], worth: list[float]) -> list[tuple[float, int, int]]:
+    """Every draft ``(worth[i] * gains[i][j], i, j)`` (row ``i``'s ``(j+1)``-th), the most worth first: a round of
+    longest proposal ``k`` deals the ones with ``j < k`` in this order."""
+    return sorted(((worth[i] * g, i, j) for i, row in enumerate(gains) for j, g in enumerate(row)), reverse=True)
 
 
 def _draft_steps(k: int, caps: list[int], reach: Reach, sampled: bool) -> int:

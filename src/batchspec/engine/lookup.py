@@ -19,7 +19,8 @@ of ``qwen2.5-coder`` (replayed on the reference outputs, up to 10 drafts a round
 ``n_max = 5`` needs 62 rounds for 512 tokens, the most recent occurrence with ``n_max = 3`` 80.
 
 :class:`NgramIndex` keeps, per row, the first end of every n-gram whose next token is known, updated as the row's
-text grows (``O(n_max)`` per token), so a lookup is a few dictionary reads whatever the context length.
+text grows (``O(n_max)`` per token, indexing only the tokens it gained), so a lookup is a few dictionary reads
+whatever the context length.
 :func:`lookup_on_device` is the same lookup as tensor code over a batch's token matrix, for drafts the host has not
 read (the hybrid proposer's lookups after a model-drafted token): it scans every row, ``O(n_max * width)``.
 """
@@ -46,11 +47,13 @@ class NgramIndex:
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
     _last: tuple[int, int, list[int]] | None = field(default=None, repr=False)  # text length, limit, its chain
 
-    def extend(self, text: list[int]) -> None:
-        """Index ``text``, the row's whole text so far, of which ``self.tokens`` is a prefix."""
-        for token in text[len(self.tokens) :]:
-            _record(self.ends, self.tokens[-self.n_max :], len(self.tokens) - 1, self.n_min)
-            self.tokens.append(token)
+    def extend(self, new: list[int]) -> None:
+        """Index ``new``, the tokens the row's text gained since it was last indexed (the whole text the first time):
+        every n-gram that ends where the next token is now known."""
+        first = max(len(self.tokens) - 1, 0)  # the end whose next token ``new`` makes known
+        self.tokens.extend(new)
+        for end in range(first, len(self.tokens) - 1):
+            _record(self.ends, tuple(self.tokens[max(end + 1 - self.n_max, 0) : end + 1]), end, self.n_min)
 
     def chain(self, limit: int) -> list[int]:
         """Up to ``limit`` drafts, each looked up with the ones before it appended (see the module docstring). A round
@@ -61,31 +64,42 @@ class NgramIndex:
             return last[2][:limit]
         drafts: list[int] = []
         recent: dict[tuple[int, ...], int] = {}  # n-grams that end inside the drafts
-        tail = self.tokens[-self.n_max :]  # the last n_max tokens of the text and the drafts so far
+        tail = tuple(self.tokens[-self.n_max :])  # the last n_max tokens of the text and the drafts so far
         while len(drafts) < limit and (token := self._next(tail, drafts, recent)) is not None:
             _record(recent, tail, len(self.tokens) + len(drafts) - 1, self.n_min)
             drafts.append(token)
-            tail = (tail + [token])[-self.n_max :]
+            tail = (*tail, token)[-self.n_max :]
         self._last = (len(self.tokens), limit, drafts)
         return drafts[:]
 
-    def _next(self, tail: list[int], drafts: list[int], recent: dict[tuple[int, ...], int]) -> int | None:
+    def _next(self, tail: tuple[int, ...], drafts: list[int], recent: dict[tuple[int, ...], int]) -> int | None:
         """The lookup draft for the position after the text and ``drafts`` (whose last tokens are ``tail``), or None
-        when no suffix of ``n_min .. n_max`` tokens occurred before."""
-        key = tuple(tail)
-        for n in range(min(self.n_max, len(self.tokens) + len(drafts) - 1), self.n_min - 1, -1):
-            end = self.ends.get(key[len(key) - n :], recent.get(key[len(key) - n :]))
-            if end is not None:
-                after = end + 1 - len(self.tokens)
-                return self.tokens[end + 1] if after < 0 else drafts[after]
-        return None
+        when no suffix of ``n_min .. n_max`` tokens occurred before.
+
+        Suffixes are read shortest first, and the reading stops at the first that never occurred: every longer one
+        ends in it, so none of them occurred either. Text that is not being copied (prose, where drafts are rejected)
+        matches a token or two, and its lookup then reads two or three n-grams, not ``n_max``."""
+        end = None
+        for n in range(self.n_min, min(self.n_max, len(self.tokens) + len(drafts) - 1) + 1):
+            suffix = tail[len(tail) - n :]
+            found = self.ends.get(suffix)
+            if found is None:
+                found = recent.get(suffix)
+            if found is None:
+                break
+            end = found
+        if end is None:
+            return None
+        after = end + 1 - len(self.tokens)
+        return self.tokens[end + 1] if after < 0 else drafts[after]
 
 
-def _record(ends: dict, tail: list[int], last: int, n_min: int) -> None:
-    """Note every n-gram ending at index ``last`` of the text (whose next token is about to be known; ``tail``: the
-    text's last tokens, up to ``n_max`` of them), unless it occurred before."""
+def _record(ends: dict[tuple[int, ...], int], tail: tuple[int, ...], end: int, n_min: int) -> None:
+    """Note every n-gram ending at index ``end`` of the text (whose next token is known, or about to be; ``tail``: the
+    text's tokens up to ``end``, ``n_max`` of them or fewer), unless it occurred before: an n-gram keeps its earliest
+    end."""
     for n in range(n_min, len(tail) + 1):
-        ends.setdefault(tuple(tail[len(tail) - n :]), last)
+        ends.setdefault(tail[len(tail) - n :], end)
 
 
 def lookup_on_device(

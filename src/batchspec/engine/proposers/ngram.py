@@ -25,10 +25,13 @@ class NgramProposer:
         self.n_min, self.n_max = n_min, n_max
 
     def index(self, row: Sequence) -> NgramIndex:
-        """The row's index, brought up to date with its text."""
+        """The row's index, brought up to date with its text: only the tokens it gained are read (a row's text, its
+        prompt then its output, only grows)."""
         if row.lookup is None:
             row.lookup = NgramIndex(self.n_min, self.n_max)
-        row.lookup.extend(row.prompt + row.output)
+        indexed = len(row.lookup.tokens)
+        if indexed < len(row.prompt) + len(row.output):
+            row.lookup.extend(row.prompt[indexed:] + row.output[max(indexed - len(row.prompt), 0) :])
         return row.lookup
 
     def chains(self, rows: list[Sequence], limit: int) -> list[list[int]]:
