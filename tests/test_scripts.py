@@ -88,3 +88,18 @@ def test_integer_peak_streams_build_and_run():
             assert {"int8", "int4"} <= set(names)
             for i in range(library.peak_count()):
                 assert library.peak_ops(i) > 0 and library.peak_run(i, 10, 2) >= 0.0
+
+
+def test_draft_agreement_walks_an_answer_round_by_round():
+    """scripts/draft_agreement.py's mean accepted length: a chain of k drafts from position t is accepted for the
+    run of agreements from t (at most k), and the round gains the target's token too. Answer ``[T, T, F, T]``, k = 2:
+    round 1 accepts 2 and gains 3 (positions 0-2), round 2 accepts 1 of the remaining 1 and gains 2: 4 tokens over 2
+    rounds; with k = 1 the rounds gain positions 0-1, 2 and 3: 4 tokens over 3 rounds."""
+    spec = importlib.util.spec_from_file_location("draft_agreement", ROOT / "scripts" / "draft_agreement.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    match = [True, True, False, True]
+    assert module.runs(match) == [2, 1, 0, 1, 0]
+    assert module.accepted_length([match], 2) == 2.0
+    assert module.accepted_length([match], 1) == 4 / 3
+    assert module.accepted_length([[False] * 5], 4) == 1.0

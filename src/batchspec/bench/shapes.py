@@ -114,8 +114,8 @@ def family_config(family: str, **kwargs: Any) -> transformers.PretrainedConfig:
     return config
 
 
-def random_model(config: transformers.PretrainedConfig, seed: int = 0, std: float = 0.02,
-                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def random_model(config: transformers.PretrainedConfig, *, seed: int, dtype: torch.dtype,
+                 std: float = 0.02) -> torch.nn.Module:
     """A model of ``config`` in eval mode, without transformers' initialization (slow at a billion weights): every
     matrix drawn from ``N(0, std**2)`` by a generator seeded with ``seed``, every bias 0 and every other vector (the
     norms') 1."""
