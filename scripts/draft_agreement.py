@@ -135,8 +135,8 @@ def other_tokenizer(path: Path, items, target_tokenizer, ks: list[int]) -> dict:
     for category, prompt, answer in items:
         prompt_text = target_tokenizer.decode(prompt)
         ids = tokenizer.encode(prompt_text + target_tokenizer.decode(answer), add_special_tokens=False)
-        start = len(tokenizer.encode(prompt_text, add_special_tokens=False))
-        start -= ids[:start] != tokenizer.encode(prompt_text, add_special_tokens=False)  # a token across the edge
+        alone = tokenizer.encode(prompt_text, add_special_tokens=False)
+        start = len(alone) if ids[: len(alone)] == alone else len(alone) - 1  # else a token spans the edge
         matches.setdefault(category, []).append(agreement(model, ids[:start], ids[start:]))
         target_tokens, other_tokens = counts.setdefault(category, [0, 0])
         counts[category] = [target_tokens + len(answer), other_tokens + len(ids) - start]

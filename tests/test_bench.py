@@ -244,3 +244,21 @@ def test_runners_show_a_bar_over_prompts(bench_tiny, method, capsys):
     assert method in bar and f"{len(workload.prompts)}/{len(workload.prompts)}" in bar
     bench_runners.runner_for(method)(pair, workload, batch_size)
     assert capsys.readouterr().err == ""
+
+
+def test_random_model_ties_a_tied_output_layer_and_draws_the_same_weights_from_the_same_seed():
+    """``bench.shapes.random_model`` (scripts/family_floor.py's ~1B models): a config with a tied output layer gets
+    one matrix for the embedding and the output, as a checkpoint of that family holds (the step's bytes and the
+    parameter count depend on it); the same seed gives the same weights, another seed others."""
+    from batchspec.bench.shapes import family_config, random_model
+
+    sizes = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96)
+    tied = random_model(family_config("gemma2", **sizes), seed=1, dtype=torch.float32)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    untied = random_model(family_config("llama", **sizes), seed=1, dtype=torch.float32)
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    again = random_model(family_config("llama", **sizes), seed=1, dtype=torch.float32)
+    other = random_model(family_config("llama", **sizes), seed=2, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(untied.parameters(), again.parameters(), strict=True))
+    assert not torch.equal(untied.lm_head.weight, other.lm_head.weight)

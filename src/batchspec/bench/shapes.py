@@ -121,6 +121,7 @@ def random_model(config: transformers.PretrainedConfig, *, seed: int, dtype: tor
     norms') 1."""
     with no_init_weights():
         model = model_class(_family(config))._from_config(config, dtype=dtype)
+    model.tie_weights()  # a tied config's output layer is its embedding (transformers leaves it apart here)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
