@@ -40,16 +40,19 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(rows if rows is not None else embeddings.weight.shape[0])
 
 
-def check_pair(target: torch.nn.Module, draft: torch.nn.Module | None) -> None:
-    """Check each model and that the draft scores the same vocabulary on the same device as the target."""
+def check_pair(target: torch.nn.Module, draft: torch.nn.Module | None, *, same_tokenizer: bool = True) -> None:
+    """Check each model and that the draft is on the target's device and, where it shares the target's tokenizer
+    (``same_tokenizer``; else its drafts reach the target as text: :mod:`batchspec.engine.retokenize`), scores the
+    same vocabulary."""
     check_model(target, "target")
     if draft is None:
         return
     check_model(draft, "draft")
-    if vocab_size(draft) != vocab_size(target):
+    if same_tokenizer and vocab_size(draft) != vocab_size(target):
         raise ValueError(
             f"draft vocabulary ({vocab_size(draft)} tokens) differs from the target's ({vocab_size(target)}); "
-            "target and draft must share a tokenizer"
+            "target and draft must share a tokenizer, or the draft be loaded with its own (batchspec.load_pair "
+            "does: its drafts then reach the target as text)"
         )
     target_device = next(target.parameters()).device
     draft_device = next(draft.parameters()).device

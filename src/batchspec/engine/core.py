@@ -28,7 +28,9 @@ from batchspec.engine.prefix_cache import PrefixCache, prefix_cache_bytes
 from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalPlan, Proposer, point_masses
 from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.engine.proposers.ngram import NgramProposer
+from batchspec.engine.proposers.text import TextDraftProposer
 from batchspec.engine.realign import LEFT_SLACK, assemble, draft_catch_up, layout_columns, plan_layout
+from batchspec.engine.retokenize import bridge_of
 from batchspec.engine.runner import Floats, ModelRunner
 from batchspec.engine.sampling import RoundSampling, RowParams, RowRandom, warp_rows
 from batchspec.engine.shaping import shape, shaped_rows
@@ -55,7 +57,7 @@ class Engine:
         self.eos = frozenset(config.eos_token_ids)
         self.proposer = _proposer(draft, config)
         self.layers = (_num_layers(target), _num_layers(draft) if self.proposer.uses_draft_model else None)
-        drafter = draft if self.proposer.uses_draft_model else None
+        drafter = draft if config.uses_draft_model else None
         ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
         self.slack = LEFT_SLACK if ragged else 0  # padding changes no bit of the fused forward: see realign.py
         share = 0.0 if drafter is None else _draft_share(drafter, target, config, self.runner)
@@ -240,7 +242,7 @@ def build_engine(
     stats and the timer."""
     if config.speculative and config.proposer is None:
         raise ValueError("the proposer is settled at the run's entry (batchspec.run), not left None")
-    check_pair(target, draft if config.uses_draft_model else None)
+    check_pair(target, draft if config.uses_draft_model else None, same_tokenizer=bridge_of(draft) is None)
     if config.uses_draft_model and draft is None:
         raise ValueError(
             f"proposer {config.proposer.value!r} needs a draft model; pass one, or use proposer='ngram' or "
@@ -284,6 +286,9 @@ def _proposer(draft: torch.nn.Module | None, config: SpecConfig) -> Proposer:
     if config.proposer is ProposerKind.NGRAM:
         return lookup
     lookup = lookup if config.proposer is ProposerKind.HYBRID else None
+    bridge = bridge_of(draft)
+    if bridge is not None:
+        return TextDraftProposer(draft, bridge, lookup=lookup, vocabulary=config.draft_vocabulary)
     return DraftModelProposer(draft, lookup=lookup, vocabulary=config.draft_vocabulary)
 
 

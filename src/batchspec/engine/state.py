@@ -28,6 +28,7 @@ from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
 from batchspec.engine.penalties import Penalties
+from batchspec.engine.retokenize import DraftText
 
 if TYPE_CHECKING:
     from batchspec.engine.grammar import Grammar, GrammarState
@@ -69,7 +70,8 @@ class Sequence:
     token at output position ``n`` is a function of the prefix, ``row_seed`` and ``n`` (see
     :mod:`batchspec.engine.sampling`). Rows decoded in one round may each sample differently. ``lookup`` (its
     prompt-lookup index) and ``acceptance`` (its recent acceptance of drafts) are kept by the proposers and the
-    draft-length planner. ``max_new_tokens`` is the row's budget of new tokens (an integer >= 0, checked on
+    draft-length planner, and ``draft_text`` (its text in a draft's own tokens) by a draft of another tokenizer.
+    ``max_new_tokens`` is the row's budget of new tokens (an integer >= 0, checked on
     construction), the one the engine reads.
 
     ``prefix_namespace`` is who may share the row's prompt prefix through the prefix cache
@@ -90,6 +92,7 @@ class Sequence:
     finish_reason: str | None = None
     kv: KVLocation | None = None
     lookup: NgramIndex | None = field(default=None, repr=False)
+    draft_text: DraftText | None = field(default=None, repr=False)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance, repr=False)
     penalties: Penalties = field(default_factory=Penalties)
     grammar: Grammar | None = None

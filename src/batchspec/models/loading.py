@@ -32,6 +32,7 @@ forward supports every one, an asked-for ``"int8"`` or ``"int4"`` is refused unl
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchspec.config import DRAFT_QUANTIZE, DTYPES, KERNELS, check_option, default_cache_dir, setting_default
 from batchspec.devices import resolve_device
+from batchspec.engine.retokenize import TextBridge, bridged
 from batchspec.exact import integer
 from batchspec.exact.integer.forward import integer_forward
 from batchspec.exact.invariant import make_batch_invariant
@@ -53,6 +55,8 @@ from batchspec.models.obtain.catalogue import DEFAULT_PRESET, PRESETS, ROLES, Gg
 from batchspec.models.obtain.gguf import dequantize_gguf, load_dequantized, obtain_gguf
 from batchspec.models.packing import PackedLinear, can_pack, onednn_linear, pack_linears
 from batchspec.models.pair import ModelPair
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -443,29 +447,37 @@ def _load_any(
 _SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 
 
-def check_compatible(target: Any, draft: Any, target_tokenizer: Any, draft_tokenizer: Any) -> None:
-    """Raise ValueError unless target and draft share one vocabulary and tokenizer.
-
-    Compares the output-embedding sizes, the tokenizer lengths, the special token ids and the
-    token-to-id maps.
-    """
+def check_compatible(target: Any, draft: Any, target_tokenizer: Any, draft_tokenizer: Any) -> bool:
+    """Whether target and draft share one tokenizer (its length, special token ids and token-to-id map); ValueError
+    where they do but their output layers score different numbers of tokens. A draft of another tokenizer drafts
+    through text (:mod:`batchspec.engine.retokenize`)."""
+    if _tokenizers_differ(target_tokenizer, draft_tokenizer):
+        return False
     target_rows, draft_rows = vocab_size(target), vocab_size(draft)
     if target_rows != draft_rows:
         raise ValueError(
             f"Target and draft have different vocabulary sizes: target lm_head has {target_rows} rows, "
             f"draft lm_head has {draft_rows}; speculative decoding needs one shared vocabulary"
         )
+    return True
+
+
+def _tokenizers_differ(target_tokenizer: Any, draft_tokenizer: Any) -> bool:
     if len(target_tokenizer) != len(draft_tokenizer):
-        raise ValueError(
-            f"Target and draft tokenizers differ: {len(target_tokenizer)} vs {len(draft_tokenizer)} tokens"
-        )
-    for attribute in _SPECIAL_TOKENS:
-        target_id = getattr(target_tokenizer, attribute, None)
-        draft_id = getattr(draft_tokenizer, attribute, None)
-        if target_id != draft_id:
-            raise ValueError(f"Target and draft tokenizers differ in {attribute}: {target_id} vs {draft_id}")
-    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise ValueError("Target and draft tokenizers map tokens to different ids")
+        return True
+    if any(getattr(target_tokenizer, a, None) != getattr(draft_tokenizer, a, None) for a in _SPECIAL_TOKENS):
+        return True
+    return target_tokenizer.get_vocab() != draft_tokenizer.get_vocab()
+
+
+def _bridge_unless_shared(target: Any, draft: Any, target_tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Mark ``draft`` as a draft of another tokenizer where it is one (:func:`~batchspec.engine.retokenize.bridged`),
+    and say so."""
+    if check_compatible(target, draft, target_tokenizer, draft_tokenizer):
+        return
+    bridged(draft, TextBridge.of(target_tokenizer, draft_tokenizer))
+    logger.info("the draft's tokenizer is not the target's: its drafts reach the target as text (exact all the same: "
+                "the target verifies every token)")
 
 
 def _pair_specs(preset: str | None, target: str | None, draft: str | None) -> tuple[str | None, str, str]:
@@ -519,7 +531,7 @@ def load_specified_pair(
     (target_model, target_tokenizer), (draft_model, draft_tokenizer) = load_specs(
         [target, draft], settings, cache_dir=cache_dir, progress=progress, roles=ROLES
     )
-    check_compatible(target_model, draft_model, target_tokenizer, draft_tokenizer)
+    _bridge_unless_shared(target_model, draft_model, target_tokenizer, draft_tokenizer)
     uses_preset = target == f"{preset}:target" and draft == f"{preset}:draft"
     name = preset if uses_preset else f"{target} + {draft}"
     return ModelPair.loaded(target_model, draft_model, target_tokenizer, name, settings.dtype, settings.device,
