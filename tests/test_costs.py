@@ -6,6 +6,7 @@ import json
 
 import pytest
 import tiny_models
+from fabricated import tiny_tokenizer
 from helpers import run_cli
 
 from batchspec.bench.costs import (
@@ -223,3 +224,21 @@ def test_measured_costs_keep_the_experts_each_forward_ran():
     assert floors[0].weight_bytes == costs[0].bytes_read < every
     dense = tiny_models.build_llama(seed=3)
     assert union_reads(measure_forward_costs(dense, dense, (1,), (1,), context=2, repeats=1), dense, 1e9) == []
+
+
+def test_costs_command_reports_a_mixtures_forwards_against_their_union(tmp_path):
+    """An int8 OLMoE target (its own draft): costs.json and the table hold every target width against the experts
+    it ran; a one-token step of one row ran its top 2 of 8 in each block, the union expected of one token."""
+    for name in ("target", "draft"):
+        tiny_models.build_olmoe(seed=2, hidden_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=2).to(
+            torch.bfloat16).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    models = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--quantize", "int8"]
+    result = run_cli("costs", *models, "--batch-sizes", "1,2", "--draft-lengths", "3", "--context", "8",
+                     "--repeats", "1", "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    reads = json.loads((tmp_path / "out" / "costs.json").read_text())["union_reads"]
+    assert [(r["batch_size"], r["new_tokens"]) for r in reads] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert reads[0]["experts_run"] == 2.0 == pytest.approx(reads[0]["expected_union"])
+    assert all(2.0 <= r["experts_run"] <= 8.0 and r["bytes_read"] > 0 for r in reads)
+    assert "| experts run | expected union |" in result.stdout and "| 2 | 4 | " in result.stdout
