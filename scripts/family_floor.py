@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from batchspec.bench.costs import read_bandwidth, time_forward, weight_bytes
+from batchspec.bench.costs import idle_expert_bytes, read_bandwidth, time_forward, weight_bytes
 from batchspec.bench.shapes import FAMILY_NAMES, MIXTURES, family_config, random_model
 from batchspec.exact.integer import forward_in_use, quantize_model
-from batchspec.exact.integer.moe import SparseMoE, forward_bytes
+from batchspec.exact.integer.moe import forward_bytes
 from batchspec.exact.integer.native import packed_width
 from batchspec.families import plan_of
 from batchspec.memory import give_back_freed_memory, keep_freed_memory, returned_when_freed
@@ -111,12 +111,6 @@ def kv_bytes(model: torch.nn.Module, context: int) -> int:
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     keys = sum(seen if slides else context + 1 for slides in sliding)
     return keys * 2 * config.num_key_value_heads * packed_width(head) * 2
-
-
-def idle_expert_bytes(model: torch.nn.Module) -> int:
-    """``weight_bytes`` of the experts no row of the last forward chose (0 for a dense model)."""
-    return sum(weight_bytes(expert) for block in model.modules() if isinstance(block, SparseMoE)
-               for expert, ran in zip(block.experts, block.touched.tolist(), strict=True) if not ran)
 
 
 def bandwidth() -> float:

@@ -6,20 +6,25 @@ import json
 
 import pytest
 import tiny_models
+from fabricated import tiny_tokenizer
 from helpers import run_cli
 
 from batchspec.bench.costs import (
     ForwardCost,
     measure_forward_costs,
     read_bandwidth,
+    read_bytes,
     speculation_costs,
     step_floors,
+    union_reads,
     weight_bytes,
 )
+from batchspec.engine import BatchKVCache, BatchState, ModelRunner
 from batchspec.exact.integer import quantize_model
+from batchspec.exact.integer.forward import integer_forward
 from batchspec.exact.integer.linear import Int8Linear
 from batchspec.exact.integer.moe import SparseMoE, split_experts
-from batchspec.model_checks import forward_weights
+from batchspec.model_checks import forward_weights, mixture_of
 
 torch = pytest.importorskip("torch")
 
@@ -102,6 +107,10 @@ def test_a_mixture_of_experts_forward_weights_are_its_routers_and_top_ks_experts
         want = linears + len(blocks) * model.config.num_experts_per_tok * expert
         assert len(blocks) == (2 if build is tiny_models.build_qwen3_moe else 3)
         assert forward_weights(model) == want == forward_weights(quantize_model(build(seed=3).float()))
+        mixture = mixture_of(model)
+        assert (mixture.experts, mixture.top_k) == (len(blocks[0].experts), model.config.num_experts_per_tok)
+        assert mixture.share == len(blocks) * model.config.num_experts_per_tok * expert / want
+    assert mixture_of(tiny_models.build_qwen2(seed=3)) is None
 
 
 def test_a_step_against_its_floor():
@@ -147,3 +156,89 @@ def test_costs_command_writes_json_and_table(tiny_dirs, tmp_path):  # noqa: F811
     assert "| read GB/s | x floor |" in result.stdout
     bad = run_cli("costs", *models, "--draft-lengths", "3,x", "-o", str(tmp_path))
     assert bad.exit_code == 1 and "--draft-lengths must be comma-separated integers" in bad.output
+
+
+def _hand_routed_olmoe() -> torch.nn.Module:
+    """OLMoE (8 experts, top 2, three sparse layers) in int8, routed by hand: layer 0's attention adds nothing (its
+    o_proj zero), token ``t``'s embedding is 1 at dimension ``t % 8`` and 0 elsewhere, and layer 0's router gives
+    expert ``e`` dimension ``e``: token ``t`` runs expert ``t % 8`` and, of the others' equal logits, the lowest (0,
+    or 1 beside 0). Every later router is zero: every token runs experts 0 and 1 there."""
+    model = tiny_models.build_olmoe(seed=2, hidden_size=64).float()
+    layers, table = model.model.layers, model.model.embed_tokens.weight  # table: [V, H]
+    with torch.no_grad():
+        table.zero_()
+        table[torch.arange(table.shape[0]), torch.arange(table.shape[0]) % 8] = 1.0
+        layers[0].self_attn.o_proj.weight.zero_()
+        for layer in layers:
+            layer.mlp.gate.weight.zero_()
+        layers[0].mlp.gate.weight[:, :8] = 4 * torch.eye(8)  # [E, H]
+    return quantize_model(model)
+
+
+def _by_hand(tokens: list[int]) -> tuple[int, ...]:
+    """The experts each of :func:`_hand_routed_olmoe`'s blocks runs for ``tokens``."""
+    first = {t % 8 for t in tokens} | {1 if t % 8 == 0 else 0 for t in tokens}
+    return len(first), 2, 2
+
+
+@torch.inference_mode()
+def test_the_union_reported_is_the_experts_a_hand_routed_forward_touched():
+    """A verification-shaped forward (2 rows of 3 tokens after 4 cached ones) of the hand-routed model, through the
+    runner (the fused forward where the native kernels run): each block ran the experts its tokens chose, and
+    union_reads reports them, the bytes they make and the union uniform routing of 6 tokens would give."""
+    model = _hand_routed_olmoe()
+    ids = torch.tensor([[40, 41, 42, 43, 3, 11, 5], [44, 45, 46, 47, 8, 9, 10]])  # [B, C + n]: 4 cached, 3 new
+    runner, cache = ModelRunner(torch.device("cpu")), BatchKVCache.for_model(model)
+    batch = BatchState.dense(ids, cache)
+    runner.read(model, batch, cache, ids[:, :4])
+    runner.logits(model, batch, cache, ids[:, 4:], keep=3)
+    ran, read = read_bytes(model)
+    assert ran == _by_hand([3, 11, 5, 8, 9, 10]) == (5, 2, 2)  # layer 0: {3, 5, 0, 1, 2}
+    fused = integer_forward(model)
+    if fused is not None:  # the blocks' flags are views of the fused forward's
+        assert fused.touched.sum(-1).tolist() == list(ran)
+    blocks = [layer.mlp for layer in model.model.layers]
+    expert = weight_bytes(blocks[0].experts[0])
+    assert read == weight_bytes(model) - (3 * 8 - sum(ran)) * expert
+    (report,) = union_reads([ForwardCost("target", 2, 3, 4, 0.01, ran, read)], model, 1e9)
+    assert report.experts_run == 3.0 and report.bytes_read == read
+    assert report.expected_union == pytest.approx(8 * (1 - 0.75**6))
+    assert report.expected_bytes == weight_bytes(model) - round(3 * (8 - report.expected_union) * expert)
+    assert report.floor_s == pytest.approx(read / 1e9) and report.over_floor == pytest.approx(0.01 * 1e9 / read)
+
+
+def test_measured_costs_keep_the_experts_each_forward_ran():
+    """measure_forward_costs on the hand-routed mixture: every forward keeps the experts its blocks ran and their
+    bytes; one token of one row runs its top 2 in every block (the union expected of one token), and the one-token
+    step's floor is those bytes, not every expert's. A dense model's costs report no union."""
+    model = _hand_routed_olmoe()
+    costs = measure_forward_costs(model, model, (1, 2), (3,), context=4, repeats=1)
+    every, expert = weight_bytes(model), weight_bytes(model.model.layers[0].mlp.experts[0])
+    for cost in costs:
+        assert len(cost.experts) == 3 and cost.experts[1:] == (2, 2) and 2 <= cost.experts[0] <= 8
+        assert cost.bytes_read == every - (3 * 8 - sum(cost.experts)) * expert
+    reads = union_reads(costs, model, 1e9)
+    assert [(r.batch_size, r.new_tokens) for r in reads] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert reads[0].experts_run == 2.0 == pytest.approx(reads[0].expected_union)
+    floors = step_floors(costs, {"target": every, "draft": every}, 1e9)
+    assert floors[0].weight_bytes == costs[0].bytes_read < every
+    dense = tiny_models.build_llama(seed=3)
+    assert union_reads(measure_forward_costs(dense, dense, (1,), (1,), context=2, repeats=1), dense, 1e9) == []
+
+
+def test_costs_command_reports_a_mixtures_forwards_against_their_union(tmp_path):
+    """An int8 OLMoE target (its own draft): costs.json and the table hold every target width against the experts
+    it ran; a one-token step of one row ran its top 2 of 8 in each block, the union expected of one token."""
+    for name in ("target", "draft"):
+        tiny_models.build_olmoe(seed=2, hidden_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=2).to(
+            torch.bfloat16).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    models = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--quantize", "int8"]
+    result = run_cli("costs", *models, "--batch-sizes", "1,2", "--draft-lengths", "3", "--context", "8",
+                     "--repeats", "1", "-o", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    reads = json.loads((tmp_path / "out" / "costs.json").read_text())["union_reads"]
+    assert [(r["batch_size"], r["new_tokens"]) for r in reads] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert reads[0]["experts_run"] == 2.0 == pytest.approx(reads[0]["expected_union"])
+    assert all(2.0 <= r["experts_run"] <= 8.0 and r["bytes_read"] > 0 for r in reads)
+    assert "| experts run | expected union |" in result.stdout and "| 2 | 4 | " in result.stdout

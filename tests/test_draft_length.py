@@ -11,12 +11,16 @@ from __future__ import annotations
 import random
 
 import pytest
+import tiny_models
+from helpers import engine_for
 
+from batchspec.config import SpecConfig
 from batchspec.engine import draft_length
-from batchspec.engine.draft_length import AdaptiveLength, Reach, RoundRecord
+from batchspec.engine.draft_length import KNEE_TOKENS, AdaptiveLength, Reach, RoundRecord, prior_slope
 from batchspec.engine.prefill import FIRST_AUTO_CHUNK, MIN_AUTO_CHUNK, ChunkBudget, length_groups
 from batchspec.engine.schedulers.batches import Batches
 from batchspec.engine.state import KVLocation, Sequence
+from batchspec.model_checks import Mixture, mixture_of
 
 
 def accepted_chain(rng: random.Random, chances: list[float]) -> int:
@@ -334,3 +338,60 @@ def test_a_draining_batch_whose_rows_all_accept_still_drafts_for_all():
     valued by how much sooner they end the batch they do (0.79 of plain steps' time, as while rows are replaced)."""
     plain = 4 * 64 * 0.3 * (0.5 + 8 / 16)
     assert makespan([0.9] * 8, draining=True) <= 0.85 * plain
+
+
+def _union(experts: int, top_k: int, tokens: int) -> float:
+    """Experts ``tokens`` tokens routed uniformly and independently, ``top_k`` each, run on average."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
+def test_a_mixtures_extra_token_is_priced_by_the_union_of_its_experts(rows):
+    """The prior per extra token of a mixture (8 experts, top 2, the experts 0.65 of a one-token forward's weights):
+    the dense slope plus the chord of the expected experts' bytes, from a plain step's B tokens to the widest
+    verification's B (1 + max_k), over a plain step's bytes; the planner's fits start from it. It shrinks toward
+    the dense slope as the B tokens of a plain step run every expert already; a dense target's is the dense slope."""
+    mixture, max_k = Mixture(8, 2, 0.65), 8
+    assert mixture.union(1) == pytest.approx(2.0) and mixture.union(4) == pytest.approx(_union(8, 2, 4))
+    assert mixture.weights(1) == pytest.approx(1.0) and mixture.weights(4) == pytest.approx(2.127, abs=1e-3)
+    weights = [1 - 0.65 + 0.65 * _union(8, 2, n) / 2 for n in (rows, rows * (1 + max_k))]
+    dense = 1 / max(rows, KNEE_TOKENS)
+    want = dense + (weights[1] - weights[0]) / (rows * max_k * weights[0])
+    assert prior_slope(rows, max_k, mixture) == pytest.approx(want, rel=1e-12)
+    assert AdaptiveLength(max_k, 0.0, ragged=True, mixture=mixture)._fit(rows).slope == prior_slope(rows, max_k,
+                                                                                                    mixture)
+    assert prior_slope(rows, max_k, mixture) > dense
+    assert prior_slope(rows + 1, max_k, mixture) - 1 / max(rows + 1, KNEE_TOKENS) < want - dense
+    assert prior_slope(rows, max_k, None) == dense == AdaptiveLength(max_k, 0.0)._fit(rows).slope
+    draft_share = AdaptiveLength(max_k, 0.3, mixture=mixture)._fit(rows).draft_share  # a dense draft of 0.3
+    assert draft_share == pytest.approx(0.3 / weights[0]) and AdaptiveLength(max_k, 0.3)._fit(rows).draft_share == 0.3
+    if rows == 1:
+        assert want == pytest.approx(0.28, abs=0.005)  # prior_slope's example
+    if rows == 40:
+        assert want - dense < 1e-3
+
+
+def test_before_any_round_a_mixture_drafts_fewer_lookups_than_a_dense_target(monkeypatch):
+    """B = 1, ten lookups at a first prior of 0.2 (the ones after it too): priced as a dense target's (an extra token
+    1/16 of a plain step), drafts pay (one: 1.2 / 1.0625 = 1.13 plain steps' rate); priced by the union of a
+    mixture's experts (8, top 2, 0.65 of the weights: 0.25 a token), none do (one: 1.2 / 1.25 = 0.96)."""
+    monkeypatch.setitem(draft_length.FIRST_PRIOR, "lookup", 0.2)
+    rows = [Sequence(0, [1, 2, 3], 100)]
+    reach = Reach([10], uses_draft_model=False, first=[7])
+    dense = AdaptiveLength(10, 0.0).lengths(rows, reach, False)
+    mixed = AdaptiveLength(10, 0.0, mixture=Mixture(8, 2, 0.65)).lengths(rows, reach, False)
+    assert dense[0] > mixed[0] == 0
+
+
+@pytest.mark.parametrize("build", [tiny_models.build_llama, tiny_models.build_qwen3_moe, tiny_models.build_mixtral])
+def test_the_engine_prices_a_target_by_its_experts_once(build):
+    """The engine's planner holds the target's mixture (None for a dense one, whose fits start from the dense slope
+    bit for bit) and prices every batch size's extra token from it."""
+    target = build(seed=3).float()
+    engine = engine_for(target, None, SpecConfig(proposer="ngram", num_draft_tokens="auto"))
+    planner, mixture = engine.planner, mixture_of(target)
+    assert planner.mixture == mixture
+    assert (mixture is None) == (build is tiny_models.build_llama)
+    for rows in (1, 5, 20):
+        slope = planner._fit(rows).slope
+        assert slope == (1 / max(rows, KNEE_TOKENS) if mixture is None else prior_slope(rows, planner.max_k, mixture))

@@ -3,6 +3,7 @@ they were loaded; :mod:`batchspec.models` is loading only)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,8 +66,8 @@ def forward_weights(model: torch.nn.Module, vocabulary: int = 0) -> int:
     products (a mixture of experts' router and the ``num_experts_per_tok`` experts one token reads) and the output
     layer (over its first ``vocabulary`` rows where that is smaller; 0: all of them), not the embedding it looks one
     row up in. Two models of one quantization read bytes in this ratio: the draft-length planner's prior for a
-    draft's cost against its target's, before the draft has run (a verification of several tokens reads the union
-    of their experts: more, which the prior does not count)."""
+    draft's cost against its target's, before the draft has run. A verification of several tokens reads the union
+    of their experts, more: :class:`Mixture` prices that growth."""
     config = model.config.get_text_config()
     hidden, layers = config.hidden_size, config.num_hidden_layers
     size = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
@@ -77,15 +78,67 @@ def forward_weights(model: torch.nn.Module, vocabulary: int = 0) -> int:
     return layers * attention + mlps + outputs * hidden
 
 
+@dataclass(frozen=True)
+class Mixture:
+    """A target's mixtures of experts as the bytes of its forwards see them: ``experts`` in each sparse block,
+    ``top_k`` of them read by each token, and ``share``, the experts' part of the weights a one-token forward
+    multiplies by (:func:`forward_weights`; the rest is attention, routers, dense layers and the output layer).
+
+    A forward of ``n`` tokens runs, in each sparse block, the union of the experts its tokens chose. Under independent
+    uniform routing each expert is missed by a token with chance ``1 - k/E``, so the union holds
+    ``E (1 - (1 - k/E)^n)`` experts on average (:meth:`union`): ``k`` at one token, all ``E`` as ``n`` grows. Every
+    sparse block's experts being of one size, the forward reads ``1 - share + share * union(n) / k`` times a
+    one-token forward's weights (:meth:`weights`). Example: 8 experts, top 2, ``share`` 0.65: one token reads 2
+    experts a block, four 5.47 of them, so the four read 0.35 + 0.65 * 5.47 / 2 = 2.13 times the one's bytes (a dense
+    model's four read the same bytes as its one). Real routers are not uniform (some experts are popular, and
+    neighbouring tokens agree), so the union measured is at most this, never more than ``E`` or fewer than ``k``.
+    """
+
+    experts: int
+    top_k: int
+    share: float
+
+    def union(self, tokens: int) -> float:
+        """Experts a sparse block of a forward of ``tokens`` tokens is expected to run."""
+        return self.experts * (1 - (1 - self.top_k / self.experts) ** tokens)
+
+    def weights(self, tokens: int) -> float:
+        """The weights a forward of ``tokens`` tokens is expected to read, over a one-token forward's."""
+        return 1 - self.share + self.share * self.union(tokens) / self.top_k
+
+
+def mixture_of(model: torch.nn.Module) -> Mixture | None:
+    """``model``'s :class:`Mixture`, from its config; None for a dense model (no layer a sparse block)."""
+    config = model.config.get_text_config()
+    sparse = [layer for layer in range(config.num_hidden_layers) if not _dense(config, layer)]
+    if not sparse:
+        return None
+    share = len(sparse) * _expert_weights(config) / forward_weights(model)
+    return Mixture(_experts(config), config.num_experts_per_tok, share)
+
+
+def _experts(config: Any) -> int:
+    """Experts in each of ``config``'s sparse blocks (0: a dense model)."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+
+
+def _dense(config: Any, layer: int) -> bool:
+    """Whether layer ``layer``'s MLP is a gated MLP, not a mixture of experts (every layer of a dense model;
+    Qwen3-MoE's ``mlp_only_layers`` and those ``decoder_sparse_step`` skips)."""
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return not _experts(config) or layer in (getattr(config, "mlp_only_layers", None) or ()) or (layer + 1) % step != 0
+
+
 def _mlp_weights(config: Any, layer: int) -> int:
     """The weights a token's forward multiplies by in layer ``layer``'s MLP: a gated MLP's, or a mixture of experts'
-    router and ``num_experts_per_tok`` experts (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step`` keep
-    some layers dense)."""
+    router and ``num_experts_per_tok`` experts."""
     hidden = config.hidden_size
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
-    step = getattr(config, "decoder_sparse_step", None) or 1
-    dense = layer in (getattr(config, "mlp_only_layers", None) or ()) or (layer + 1) % step != 0
-    if not experts or dense:
+    if _dense(config, layer):
         return 3 * hidden * config.intermediate_size
+    return hidden * _experts(config) + _expert_weights(config)
+
+
+def _expert_weights(config: Any) -> int:
+    """The weights of the ``num_experts_per_tok`` experts a token reads in a sparse layer (every one alike)."""
     inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    return hidden * experts + config.num_experts_per_tok * 3 * hidden * inner
+    return config.num_experts_per_tok * 3 * config.hidden_size * inner

@@ -18,6 +18,13 @@ the speedup is 5.5 * 0.40 / 1.70 = 1.29.
 Against the limit: a one-token step reads every weight it multiplies by once (:func:`weight_bytes`), so it cannot
 take less than those bytes over the device's read bandwidth (:func:`read_bandwidth`, measured). Example: 1.58 GB of
 int8 weights at 50 GB/s is a 31.6 ms floor; a step of 76 ms reads them at 20.8 GB/s, 2.4x the floor.
+
+A mixture of experts' forward reads, of each sparse block's experts, only the union its tokens chose: a one-token
+step ``top_k`` of them, a verification of ``B (k + 1)`` tokens more. Each timed forward keeps the experts it ran
+(:attr:`ForwardCost.experts`, each block's ``touched`` flags after it, which the fused forward writes) and the bytes
+they make (:attr:`ForwardCost.bytes_read`), and :func:`union_reads` sets every width of the target against the union
+expected of as many tokens (:class:`~batchspec.model_checks.Mixture`, which the draft-length planner's prior
+follows) and against its floor, those bytes over the read bandwidth.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import torch
 
 from batchspec.config import DEFAULT_DRAFT_VOCABULARY
 from batchspec.engine import BatchKVCache, BatchState, ModelRunner
+from batchspec.exact.integer.moe import SparseMoE
 from batchspec.exact.integer.product import PackedWeight
+from batchspec.model_checks import mixture_of
 from batchspec.models.packing import PackedLinear
 
 DEFAULT_CONTEXT = 128  # cached columns before the timed tokens
@@ -38,13 +47,17 @@ DEFAULT_REPEATS = 3  # timed forwards per cost (their median)
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """Median seconds of one forward of ``new_tokens`` tokens per row over ``batch_size`` rows."""
+    """Median seconds of one forward of ``new_tokens`` tokens per row over ``batch_size`` rows; ``experts``: per sparse
+    block, the experts it ran (none for a dense model), and ``bytes_read``, :func:`weight_bytes` less the experts it
+    did not run (:func:`read_bytes`; 0 where not counted)."""
 
     model: str
     batch_size: int
     new_tokens: int
     context: int
     seconds: float
+    experts: tuple[int, ...] = ()
+    bytes_read: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,25 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def sparse_blocks(model: torch.nn.Module) -> list[SparseMoE]:
+    """``model``'s mixtures of experts, in layer order (none for a dense model)."""
+    return [block for block in model.modules() if isinstance(block, SparseMoE)]
+
+
+def idle_expert_bytes(model: torch.nn.Module) -> int:
+    """``weight_bytes`` of the experts no row of the last forward chose (0 for a dense model)."""
+    return sum(weight_bytes(expert) for block in sparse_blocks(model)
+               for expert, ran in zip(block.experts, block.touched.tolist(), strict=True) if not ran)
+
+
+def read_bytes(model: torch.nn.Module) -> tuple[tuple[int, ...], int]:
+    """What ``model``'s last forward read: the experts each sparse block ran (its ``touched``, a view of
+    :attr:`~batchspec.exact.integer.forward.IntegerForward.touched` where the fused forward ran it) and the bytes,
+    :func:`weight_bytes` less the experts it did not run."""
+    ran = tuple(int(block.touched.sum()) for block in sparse_blocks(model))
+    return ran, weight_bytes(model) - idle_expert_bytes(model)
+
+
 @torch.inference_mode()
 def read_bandwidth(device: torch.device | str, size: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes per second at which ``device`` reads a ``size``-byte float32 buffer it cannot cache (a sum over it,
@@ -140,11 +172,11 @@ class StepFloor:
 
 
 def step_floors(costs: list[ForwardCost], weights: dict[str, int], bandwidth: float) -> list[StepFloor]:
-    """Each one-token step of ``costs`` (``c_t(B, 1)``, ``c_d(B, 1)``) against ``weights[model]`` bytes read at
-    ``bandwidth`` bytes/s."""
+    """Each one-token step of ``costs`` (``c_t(B, 1)``, ``c_d(B, 1)``) against the bytes it read (``bytes_read``: a
+    mixture's step reads only the experts it ran; where not counted, ``weights[model]``) at ``bandwidth`` bytes/s."""
     floors = []
     for cost in (c for c in costs if c.new_tokens == 1):
-        size = weights[cost.model]
+        size = cost.bytes_read or weights[cost.model]
         floor = size / bandwidth
         floors.append(StepFloor(cost.model, cost.batch_size, cost.seconds, size, bandwidth, floor,
                                 size / cost.seconds, cost.seconds / floor))
@@ -193,11 +225,55 @@ def measure_forward_costs(
         raise ValueError("need batch sizes and draft lengths, and every one of them, context and repeats >= 1")
     widths = sorted({1, *(k + 1 for k in draft_lengths)})
     plan = [("target", target, n, 0) for n in widths] + [("draft", draft, 1, draft_vocabulary)]
-    return [
-        ForwardCost(name, b, n, context, time_forward(model, b, n, context, repeats, vocabulary))
-        for b in batch_sizes
-        for name, model, n, vocabulary in plan
-    ]
+    costs = []
+    for b in batch_sizes:
+        for name, model, n, vocabulary in plan:
+            seconds = time_forward(model, b, n, context, repeats, vocabulary)
+            costs.append(ForwardCost(name, b, n, context, seconds, *read_bytes(model)))
+    return costs
+
+
+@dataclass(frozen=True)
+class UnionRead:
+    """One target forward of a mixture of experts (``B`` rows of ``new_tokens`` tokens each) against the union of
+    experts its tokens touched.
+
+    Attributes:
+        experts_run: the experts a sparse block ran, the mean over the blocks (``top_k`` at one token).
+        expected_union: the experts ``B * new_tokens`` uniformly routed tokens run in a block on average
+            (:meth:`~batchspec.model_checks.Mixture.union`).
+        bytes_read: :func:`weight_bytes` less the experts the forward did not run; expected_bytes: less those the
+            expected union leaves out.
+        floor_s: ``bytes_read / bandwidth``; over_floor: ``seconds / floor_s``.
+    """
+
+    batch_size: int
+    new_tokens: int
+    seconds: float
+    experts_run: float
+    expected_union: float
+    bytes_read: int
+    expected_bytes: int
+    bandwidth: float
+    floor_s: float
+    over_floor: float
+
+
+def union_reads(costs: list[ForwardCost], target: torch.nn.Module, bandwidth: float) -> list[UnionRead]:
+    """Every target forward of ``costs`` (measured on ``target``) against the experts it touched and its floor at
+    ``bandwidth`` bytes/s; none for a dense target."""
+    mixture, blocks = mixture_of(target), sparse_blocks(target)
+    if mixture is None or not blocks:
+        return []
+    every, expert = weight_bytes(target), weight_bytes(blocks[0].experts[0])  # every expert of one size
+    reads = []
+    for cost in (c for c in costs if c.model == "target" and c.experts):
+        expected = mixture.union(cost.batch_size * cost.new_tokens)
+        expected_bytes = every - round(len(blocks) * (mixture.experts - expected) * expert)
+        floor = cost.bytes_read / bandwidth
+        reads.append(UnionRead(cost.batch_size, cost.new_tokens, cost.seconds, sum(cost.experts) / len(blocks),
+                               expected, cost.bytes_read, expected_bytes, bandwidth, floor, cost.seconds / floor))
+    return reads
 
 
 def speculation_costs(costs: list[ForwardCost], mean_accepted_length: float | None = None) -> list[SpeculationCost]:

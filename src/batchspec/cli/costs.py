@@ -15,10 +15,12 @@ from batchspec.bench.costs import (
     ForwardCost,
     SpeculationCost,
     StepFloor,
+    UnionRead,
     measure_forward_costs,
     read_bandwidth,
     speculation_costs,
     step_floors,
+    union_reads,
     weight_bytes,
 )
 from batchspec.cli.bench import (
@@ -43,10 +45,11 @@ DraftLengthsOption = Annotated[
 
 def costs_report(
     loaded: ModelPair, context: int, costs: list[ForwardCost], summary: list[SpeculationCost], floors: list[StepFloor],
-    draft_vocabulary: int,
+    draft_vocabulary: int, reads: list[UnionRead],
 ) -> dict[str, object]:
     """What ``costs.json`` holds: the models and how they compute, the threads, the context, the draft's vocabulary,
-    the costs and each one-token step against the floor its weights' bytes set."""
+    the costs, each one-token step against the floor its weights' bytes set and, for a mixture-of-experts target,
+    each of its forwards against the union of experts it touched (``union_reads``, empty for a dense target)."""
     return {
         "model": loaded.name,
         "dtype": loaded.dtype,
@@ -59,6 +62,7 @@ def costs_report(
         "forward_costs": [c.__dict__ for c in costs],
         "speculation": [s.to_dict() for s in summary],
         "step_floors": [f.__dict__ for f in floors],
+        "union_reads": [r.__dict__ for r in reads],
     }
 
 
@@ -101,9 +105,11 @@ def costs_command(
                                       draft_vocabulary=draft_vocabulary)
         summary = speculation_costs(costs, mean_accepted_length)
         weights = {"target": weight_bytes(loaded.target), "draft": weight_bytes(loaded.draft)}
-        floors = step_floors(costs, weights, read_bandwidth(next(loaded.target.parameters()).device))
+        bandwidth = read_bandwidth(next(loaded.target.parameters()).device)
+        floors = step_floors(costs, weights, bandwidth)
+        reads = union_reads(costs, loaded.target, bandwidth)
     output.mkdir(parents=True, exist_ok=True)
-    report = costs_report(loaded, context, costs, summary, floors, draft_vocabulary)
+    report = costs_report(loaded, context, costs, summary, floors, draft_vocabulary, reads)
     (output / "costs.json").write_text(json.dumps(report, indent=2) + "\n")
     typer.echo(f"{loaded.name} ({loaded.precision}, {torch.get_num_threads()} threads), {context} cached columns, "
                f"the draft over {draft_vocabulary or 'all'} token ids")
@@ -117,6 +123,8 @@ def costs_command(
             f"{s.draft_step_s:.3f} | {s.round_s:.3f} | {s.break_even_accepted_length:.2f} | {speedup} | {needed} |"
         )
     echo_floors(floors)
+    if reads:
+        echo_unions(reads)
     typer.echo(f"Wrote {Path(output) / 'costs.json'}", err=True)
 
 
@@ -131,3 +139,17 @@ def echo_floors(floors: list[StepFloor]) -> None:
             f"{f.achieved / 1e9:.1f} | {f.over_floor:.2f} |"
         )
 
+
+def echo_unions(reads: list[UnionRead]) -> None:
+    """A mixture-of-experts target's forwards against the experts they touched: the union a sparse block ran (the
+    mean over the blocks) beside the one uniform routing of as many tokens gives, the bytes those experts make, and
+    the forward against those bytes over the read bandwidth."""
+    typer.echo("Target forwards against the experts their tokens touched (experts a block, mean over the blocks):")
+    typer.echo("| B | tokens/row | experts run | expected union | GB read | GB expected | floor s | step s | x floor |")
+    typer.echo("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in reads:
+        typer.echo(
+            f"| {r.batch_size} | {r.new_tokens} | {r.experts_run:.2f} | {r.expected_union:.2f} | "
+            f"{r.bytes_read / 1e9:.3f} | {r.expected_bytes / 1e9:.3f} | {r.floor_s:.4f} | {r.seconds:.4f} | "
+            f"{r.over_floor:.2f} |"
+        )

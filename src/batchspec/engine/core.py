@@ -36,7 +36,7 @@ from batchspec.engine.sampling import RoundSampling, RowParams, RowRandom, warp_
 from batchspec.engine.shaping import shape, shaped_rows
 from batchspec.engine.state import BatchState, KVLocation, Sequence
 from batchspec.engine.verifier import Verdict, verify_greedy, verify_sampling
-from batchspec.model_checks import check_pair, forward_weights
+from batchspec.model_checks import check_pair, forward_weights, mixture_of
 
 
 class Engine:
@@ -61,7 +61,7 @@ class Engine:
         ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
         self.slack = LEFT_SLACK if ragged else 0  # padding changes no bit of the fused forward: see realign.py
         share = 0.0 if drafter is None else _draft_share(drafter, target, config, self.runner)
-        self.planner = planner_for(config, share, ragged=ragged)
+        self.planner = planner_for(config, share, ragged=ragged, mixture=mixture_of(target))
         self.chunks = ChunkBudget(config.prefill_chunk)
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None

@@ -27,11 +27,14 @@ as one share, a draft model's later drafts are overrated and the planner drafts 
 the fitted plain step ``c_0``: an extra token costs ``c_0 / max(B, KNEE_TOKENS)`` (a forward costs about the same for up
 to ``KNEE_TOKENS`` tokens, when reading the weights dominates, and grows in proportion to the tokens beyond: on 2 CPU
 cores ``c_t(1, 6) = 1.05 c_t(1, 1)`` but ``c_t(8, 6) = 3.5 c_t(8, 1)``), so a width no round has tested yet is priced
-from the measured plain step. ``c_d`` is
+from the measured plain step. A mixture-of-experts target's extra token costs more: it may route to experts no
+other token of the forward chose, whose bytes the forward then reads too (:func:`prior_slope`). ``c_d`` is
 the draft forwards' own measured seconds (a running mean), and until the draft has run at that batch size, the
-draft's share of the weights a forward multiplies by, times ``c_0``. ``r`` is the measured realignment at the start of
-the rounds that follow a round with drafts (a running mean, 0 where none was needed: one row, or rows that gained
-alike); it is left out of the round's own seconds, which would otherwise book it on whatever that next round proposed.
+draft's share of the weights a forward multiplies by, times ``c_0`` (a mixture's plain step of ``B`` rows reads the
+union of their experts: the share of that, :meth:`AdaptiveLength._fit`). ``r`` is the measured realignment at the
+start of the rounds that follow a round with drafts (a running mean, 0 where none was needed: one row, or rows that
+gained alike); it is left out of the round's own seconds, which would otherwise book it on whatever that next round
+proposed.
 
 A draft model that has been idle lags: rows that joined or gained lookup tokens while it did not run hold columns
 its cache lacks, and its first forward must read them all (on long prompts, many seconds). That catch-up is priced
@@ -70,6 +73,7 @@ from typing import NamedTuple
 from batchspec.config import SpecConfig
 from batchspec.engine.acceptance import RowAcceptance
 from batchspec.engine.state import FINISH_LENGTH
+from batchspec.model_checks import Mixture
 
 # a source's first draft before any was tested, by source: measured on SpecBench and HumanEval (int8, the preset pair),
 # a row's first lookup draft was accepted 0.17-0.46 of the time, the draft model's first 0.69-0.88
@@ -240,8 +244,9 @@ class FixedLength:
 class AdaptiveLength:
     """Chooses each round's ``K`` for the highest expected tokens per second (see the module docstring)."""
 
-    def __init__(self, max_k: int, draft_ratio: float, *, ragged: bool = False) -> None:
+    def __init__(self, max_k: int, draft_ratio: float, *, ragged: bool = False, mixture: Mixture | None = None) -> None:
         self.max_k = max_k
+        self.mixture = mixture  # the target's experts (None: dense), for the cost prior of an extra token
         self.ragged = ragged  # the verification scores each row's own drafts only (see the module docstring)
         self.proposed = 0  # the rows of the last round, where it had drafts (else 0)
         self.limit = max_k
@@ -405,22 +410,50 @@ class AdaptiveLength:
         return first, mine.later.estimate(engine.later.estimate(first, ENGINE_PRIOR_WEIGHT), PRIOR_WEIGHT)
 
     def _fit(self, rows: int) -> CostFit:
-        """The cost fit of ``rows`` rows, started from the nearest batch size's plain step."""
+        """The cost fit of ``rows`` rows, started from the nearest batch size's plain step. A mixture's plain step of
+        ``B`` rows reads the union of their experts, ``weights(B)`` of a one-token forward's weights, while a dense
+        draft reads its own once whatever ``B``: its share of the step is ``draft_ratio / weights(B)``."""
         if rows not in self.fits:
             start = self.fits[min(self.fits, key=lambda b: abs(b - rows))].theta[0] if self.fits else None
-            self.fits[rows] = CostFit(1 / max(rows, KNEE_TOKENS), self.draft_ratio, start)  # c_0 per extra token
+            slope = prior_slope(rows, self.max_k, self.mixture)  # c_0 per extra token
+            share = self.draft_ratio if self.mixture is None else self.draft_ratio / self.mixture.weights(rows)
+            self.fits[rows] = CostFit(slope, share, start)
         return self.fits[rows]
 
 
-def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool) -> FixedLength | AdaptiveLength:
+def prior_slope(rows: int, max_k: int, mixture: Mixture | None) -> float:
+    """The cost fit's prior for an extra verified token at ``rows`` rows, in plain steps ``c_0``.
+
+    Dense: ``1 / max(B, KNEE_TOKENS)`` (the module docstring): the weights are read once whatever the tokens, and a
+    token adds its arithmetic. A mixture of experts adds the bytes of the experts its extra tokens bring into the
+    union (:class:`~batchspec.model_checks.Mixture`): a plain step's ``B`` tokens read ``weights(B)`` of a one-token
+    forward's weights, a verification of ``x`` more ``weights(B + x)``, so the extra tokens cost
+    ``(weights(B + x) - weights(B)) / weights(B)`` plain steps beyond their arithmetic. The union grows ever slower
+    (concave), so a linear price is a chord; it is taken to the widest verification the planner may choose
+    (``x = B max_k``): below it the chord prices a round low, above it no round goes. A round priced low is run,
+    and its measured seconds teach the fit its slope; one priced high is never run at that batch size, and its
+    price would never be corrected. At ``B = 1``, 8 experts, top 2 and the experts 0.65 of the weights, ``max_k``
+    8: ``1/16 + (2.75 - 1) / 8 = 0.28`` (a dense target's 0.0625); once ``B`` tokens already run every expert, the
+    dense slope alone."""
+    dense = 1 / max(rows, KNEE_TOKENS)
+    if mixture is None:
+        return dense
+    widest = rows * max(max_k, 1)
+    now = mixture.weights(rows)
+    return dense + (mixture.weights(rows + widest) - now) / (widest * now)
+
+
+def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool,
+                mixture: Mixture | None = None) -> FixedLength | AdaptiveLength:
     """The draft-length policy of ``config``: no drafts without speculation, a fixed ``num_draft_tokens``, or (``auto``)
     the adaptive planner, whose cost prior is ``draft_share``, the weights a draft forward multiplies by over a target
-    forward's (0 for prompt lookup), and which deals drafts out per row where the verification is ``ragged``."""
+    forward's (0 for prompt lookup), and ``mixture``, the target's experts (None: dense, see :func:`prior_slope`);
+    it deals drafts out per row where the verification is ``ragged``."""
     if not config.speculative:
         return FixedLength(0)
     if not config.adaptive:
         return FixedLength(config.num_draft_tokens)
-    return AdaptiveLength(config.max_draft_tokens, draft_share, ragged=ragged)
+    return AdaptiveLength(config.max_draft_tokens, draft_share, ragged=ragged, mixture=mixture)
 
 
 def _drain_worth(rows, fit: CostFit, rates: list[float]) -> list[float]:

@@ -6,9 +6,10 @@ renormalized to sum 1 where ``norm_topk_prob``, no shared expert. The layers ``m
 each row's expert outputs summed by rank), in transformers' forward of the integer model and in the fused forward
 alike (``csrc/decoder.h``'s ``mixture``: each expert on the rows that chose it). A forward reads the experts its
 tokens chose, the union over them: a verification of ``k + 1`` tokens reads more than a one-token step
-(:func:`~batchspec.exact.integer.moe.forward_bytes` counts them; the draft-length planner's prior for a draft's
-cost, :func:`~batchspec.model_checks.forward_weights`, counts one token's ``num_experts_per_tok`` experts, not a
-verification's union)."""
+(:func:`~batchspec.exact.integer.moe.forward_bytes` counts them; the draft-length planner's prior for an extra
+verified token follows the union expected of uniformly routed tokens,
+:func:`~batchspec.engine.draft_length.prior_slope`, and ``batchspec costs`` reports each forward against the union
+it touched, :func:`~batchspec.bench.costs.union_reads`)."""
 
 from batchspec.families.base import Family
 
