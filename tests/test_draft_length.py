@@ -35,7 +35,7 @@ def speedup(batch: int, chance: float | list[float], slope: float, *, reach: int
             model_chance: float | tuple[float, float] | None = None,
             lookup_rows: int | None = None, draft_cost: float = 0.0, draft_ratio: float = 0.0,
             rounds: int = 400, c0: float = 0.3, seed: int = 0, ragged: bool = False,
-            realign: float = 0.0) -> float:
+            realign: float = 0.0, per_row: bool = False, told_per_row: bool | None = None) -> float:
     """Tokens per second of the planner in the simulated world, over those of plain steps.
 
     ``lookup_rows`` rows (default all) find ``reach`` lookup drafts accepted with ``chance`` (or row ``i``'s with
@@ -43,7 +43,9 @@ def speedup(batch: int, chance: float | list[float], slope: float, *, reach: int
     pair: its first draft's, then the others'), for ``draft_cost * c0`` seconds a forward while the planner's prior
     takes a forward for ``draft_ratio * c0``. A round costs ``c0 (1 + slope K)``, or, ``ragged`` (each row scored
     over its own drafts), ``c0 (1 + slope sum(n) / B)``; the round after one whose rows gained unequally first
-    realigns them for ``realign * c0``."""
+    realigns them for ``realign * c0``. ``per_row``: the draft model runs one row at a time (a draft of another
+    tokenizer), each row's forward for ``draft_cost * c0``; the planner is told so unless ``told_per_row`` is False."""
+    told = per_row if told_per_row is None else told_per_row
     model = model_chance is not None
     model_first, model_later = model_chance if isinstance(model_chance, tuple) else (model_chance, model_chance)
     chances = chance if isinstance(chance, list) else [chance] * batch
@@ -54,9 +56,11 @@ def speedup(batch: int, chance: float | list[float], slope: float, *, reach: int
     tokens = seconds = moving = 0.0
     for _ in range(rounds):
         first = [7 if n else None for n in lookups]
-        lengths = planner.lengths(rows, Reach(lookups, uses_draft_model=model, first=first), False)
+        lengths = planner.lengths(rows, Reach(lookups, uses_draft_model=model, first=first, per_row=told), False)
         k = max(lengths)
         forwards = k if any(n > looked for n, looked in zip(lengths, lookups, strict=True)) else 0
+        if per_row:
+            forwards = sum(max(0, n - looked) for n, looked in zip(lengths, lookups, strict=True))
         accepted = [accepted_chain(rng, [p if j < looked else model_first if j == looked else model_later
                                      for j in range(n)])
                     for n, looked, p in zip(lengths, lookups, chances, strict=True)]
@@ -105,6 +109,26 @@ def test_the_realignment_that_unequal_gains_cost_is_priced(chance):
     of them (a draft costs 1/16 of a step), but rows then gain unequally and the next round realigns them for half a
     step. Measured and priced, speculation stays close to plain steps; unpriced, it ran at 0.74-0.91x of them."""
     assert speedup(8, chance, slope=0.5, reach=5, ragged=True, realign=0.5) >= 0.97
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_a_draft_that_runs_row_by_row_is_priced_by_its_rows(batch):
+    """A draft of another tokenizer runs one row at a time, each row's forward at a tenth of a plain step of the
+    batch, its drafts accepted 90% then 70% of the time. At B = 4 and 8 (an extra column at 1/8 and 1/16 of a step)
+    priced by the rows that draft, it stays at plain steps' pace or above; at B = 8, priced as one forward for the
+    batch, the planner drafts for every row and loses (0.82x)."""
+    world = dict(slope=0.5, reach=0, model_chance=(0.9, 0.7), draft_cost=0.1, draft_ratio=0.1, ragged=True,
+                 per_row=True)
+    assert speedup(batch, 0.0, **world) >= 0.99
+    if batch == 8:
+        assert speedup(batch, 0.0, **world, told_per_row=False) < 0.9
+
+
+def test_a_draft_that_runs_row_by_row_pays_at_b1():
+    """B = 1, a draft forward at 0.11 of the target's (SmolLM2-135M for the 1.5B target), its drafts accepted 80%
+    then 65% of the time: about 1.6x plain steps."""
+    assert speedup(1, 0.0, slope=0.02, reach=0, model_chance=(0.8, 0.65), draft_cost=0.11, draft_ratio=0.11,
+                   ragged=True, per_row=True) >= 1.5
 
 
 def test_where_a_draft_model_cannot_pay_plain_steps_keep_the_pace():

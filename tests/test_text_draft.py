@@ -105,3 +105,18 @@ def test_the_continuation_is_the_text_the_drafts_add(text_pair):
     drafted = bridge.draft.encode("tea time", add_special_tokens=False)
     assert state.continuation(bridge, drafted) == "tea time"
     assert bridge.to_target("tea time") == bridge.target.encode("tea time", add_special_tokens=False)
+
+
+def test_seeded_sampling_with_a_draft_of_another_tokenizer_does_not_depend_on_the_batch_or_k(text_pair):
+    """A seeded row draws the same tokens whatever the batch and draft length (``SpecConfig.seed``): its drafts are
+    its lookups, a function of its text, never the draft's text cut at the round's length."""
+    target, draft, bridge, prompts = text_pair
+    prompts = [prompt + prompt for prompt in prompts]  # repeats: lookups find matches
+    options = dict(max_new_tokens=16, temperature=0.9, seed=7, eos_token_id=[])
+    alone = batchspec.generate(target, bridged(copy.deepcopy(draft), bridge), prompts, batch_size=1,
+                               num_draft_tokens=3, **options)
+    assert alone.stats.draft_tokens_proposed > 0
+    for batch_size, k in [(4, 2), (3, "auto")]:
+        batched = batchspec.generate(target, bridged(copy.deepcopy(draft), bridge), prompts, batch_size=batch_size,
+                                     num_draft_tokens=k, **options)
+        assert batched.sequences == alone.sequences

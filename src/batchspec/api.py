@@ -25,6 +25,7 @@ from batchspec.engine import (
     drive,
     make_scheduler,
 )
+from batchspec.engine.retokenize import bridge_of
 from batchspec.families import context_limit
 from batchspec.model_checks import vocab_size
 from batchspec.run import RunConfig, build_run, resolve_loaded
@@ -147,7 +148,7 @@ def generate_with(
     sampling = sampling or SamplingParams()
     engine = build_run(run, target, draft)
     token_prompts = _encode_prompts(prompts, tokenizer, vocab_size(target))
-    _check_context([target, draft], token_prompts, max_new_tokens)
+    _check_context([target, None if bridge_of(draft) else draft], token_prompts, max_new_tokens)
     seeds = derive_row_seeds(seed, len(token_prompts))
     requests = [
         GenerationParams(prompt=p, max_tokens=max_new_tokens, sampling=sampling, penalties=penalties or Penalties(),

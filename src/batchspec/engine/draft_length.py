@@ -178,12 +178,15 @@ class Reach:
         uses_draft_model: a draft model proposes the positions after the lookups (draft and hybrid proposers).
         first: per row, its first lookup draft (None: none), checked for free when the row proposes nothing.
         lag: per row, columns before its pending token that the draft model's cache lacks (None: none).
+        per_row: the draft model runs one row at a time (a draft of another tokenizer: each row's text has its own
+            length in the draft's tokens), so each row's drafts past its lookups cost forwards of their own.
     """
 
     lookups: list[int]
     uses_draft_model: bool
     first: list[int | None] | None = None
     lag: list[int] | None = None
+    per_row: bool = False
 
     def available(self, row: int, cap: int) -> int:
         """Drafts row ``row`` can propose within ``cap``."""
@@ -277,8 +280,9 @@ class AdaptiveLength:
             totals = [list(accumulate(row, initial=0)) for row in gains]  # totals[i][n]: the sum of gains[i][:n]
             ranked = _ranked(gains, worth) if self.ragged else []
             for k in range(max(caps, default=0) + 1):
-                steps = _draft_steps(k, caps, reach, sampled)
-                lengths, value, extra = self._deal(totals, ranked, worth, (k, steps), fit)
+                deal = self._deal_rows if reach.per_row else self._deal
+                lengths, value, extra, steps = deal(totals, ranked, worth, (k, _draft_steps(k, caps, reach, sampled)),
+                                                    fit, reach.lookups)
                 tokens = len(rows) + sum(total[n] for total, n in zip(totals, lengths, strict=True))
                 catch_up = catch_up_s / min(left / tokens, CATCH_UP_ROUNDS) if steps and left else 0.0
                 rate = value / max(fit.predict(extra, steps) + catch_up, 1e-6)
@@ -287,17 +291,17 @@ class AdaptiveLength:
         return best
 
     def _deal(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
-              round_: tuple[int, int], fit: CostFit) -> tuple[list[int], float, int]:
+              round_: tuple[int, int], fit: CostFit, found: list[int]) -> tuple[list[int], float, int, int]:
         """Each row's drafts for a round of longest proposal ``k`` and ``steps`` draft forwards (``round_``), the worth
-        of the tokens they are expected to give and the extra tokens the verification scores. ``totals[i][n]``: the
-        tokens row ``i``'s first ``n`` drafts add, each worth ``worth[i]``; ``ranked``: every draft by worth
-        (:func:`_ranked`). Ragged: drafts taken in order of worth while each raises the expected rate; else
-        ``min(k, reach)`` for all."""
+        of the tokens they are expected to give, the extra tokens the verification scores and the draft forwards.
+        ``totals[i][n]``: the tokens row ``i``'s first ``n`` drafts add, each worth ``worth[i]``; ``ranked``: every
+        draft by worth (:func:`_ranked`). Ragged: drafts taken in order of worth while each raises the expected rate;
+        else ``min(k, reach)`` for all. (``found``, the rows' lookups, matters only to :meth:`_deal_rows`.)"""
         k, steps = round_
         if not self.ragged:
             lengths = [min(k, len(total) - 1) for total in totals]
             value = sum(w * (1 + total[n]) for total, w, n in zip(totals, worth, lengths, strict=True))
-            return lengths, value, k * len(totals)
+            return lengths, value, k * len(totals), steps
         c0, per_token = fit.theta
         lengths = [0] * len(totals)
         value, cost = sum(worth), c0 + fit.draft(steps)
@@ -306,7 +310,31 @@ class AdaptiveLength:
                 break
             lengths[i] += 1
             value, cost = value + adds, cost + per_token
-        return lengths, value, sum(lengths)
+        return lengths, value, sum(lengths), steps
+
+    def _deal_rows(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
+                   round_: tuple[int, int], fit: CostFit, found: list[int]) -> tuple[list[int], float, int, int]:
+        """:meth:`_deal` for a draft model that runs one row at a time (:attr:`Reach.per_row`): a row's draft past
+        its ``found`` lookups costs a draft forward of its own besides its verification, so the drafts are priced one
+        by one, and the forwards returned are the rows' (ragged: a draft is taken while it raises the expected rate,
+        after the row's drafts before it; else ``min(k, reach)`` for all)."""
+        k, _ = round_
+        if not self.ragged:
+            lengths, value, extra, _ = self._deal(totals, ranked, worth, (k, 0), fit, found)
+            return lengths, value, extra, sum(max(0, n - f) for n, f in zip(lengths, found, strict=True))
+        c0, per_token = fit.theta
+        each = fit.draft(1)
+        lengths, forwards = [0] * len(totals), 0
+        value, cost = sum(worth), c0
+        for adds, i, j in (draft for draft in ranked if draft[2] < k):
+            modelled = j >= found[i]
+            price = per_token + each * modelled
+            if lengths[i] != j or adds * cost <= value * price:
+                continue
+            lengths[i] += 1
+            forwards += modelled
+            value, cost = value + adds, cost + price
+        return lengths, value, sum(lengths), forwards
 
     def _worth(self, rows, fit: CostFit, rates: list[float]) -> list[float]:
         """What a token of each row is worth to a batch that drains: :func:`_drain_worth` where rows run to their

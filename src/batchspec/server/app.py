@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from batchspec.engine import make_scheduler
+from batchspec.engine.retokenize import bridge_of
 from batchspec.families import positions_of
 from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
@@ -101,8 +102,9 @@ def build_state(models: ModelPair, config: ServerConfig, run: RunConfig | None =
 
 def context_length(target: Any, draft: Any | None) -> int:
     """Positions both models can attend over: the smaller of their :func:`~batchspec.families.positions_of`
-    (``max_position_embeddings``, or fewer where a family bounds them)."""
-    models = [m for m in (target, draft) if m is not None]
+    (``max_position_embeddings``, or fewer where a family bounds them); the target's alone where the draft is of
+    another tokenizer (it counts its own tokens, and drafts nothing for a row past its positions)."""
+    models = [m for m in (target, draft) if m is not None and bridge_of(m) is None]
     return min(positions_of(m.config.get_text_config()) for m in models)
 
 

@@ -17,7 +17,7 @@ from batchspec.engine.runner import ModelRunner, cache_keyword
 from batchspec.engine.sampling import RoundSampling
 from batchspec.engine.state import BatchState, Sequence, visible_keys
 from batchspec.exact.integer.forward import integer_forward
-from batchspec.families import attention_window
+from batchspec.families import attention_window, positions_of
 
 
 class TextDraftProposer:
@@ -28,9 +28,13 @@ class TextDraftProposer:
     (``uses_draft_model`` is False for the engine; its :class:`Reach` tells the planner that a draft model drafts,
     and how much of each row's text it lacks).
 
-    Its drafts are point masses (a sampling row accepts a draft ``d`` with the target's ``p(d)``, as a lookup's): the
-    draft's distribution is over other tokens than the target's. The draft runs row by row: one row's forward at a
-    time, each over its own cache (the rows' texts have their own lengths in the draft's tokens).
+    Rows that sample propose their lookups only, as prompt lookup does (with the hybrid proposer; nothing without it):
+    a lookup's drafts at a position are a function of the row's text before it, so a seeded row draws the same tokens
+    whatever the batch and the draft length (``SpecConfig.seed``), which the draft's text, cut at another length,
+    would not give; the draft's distribution is over other tokens than the target's, so its drafts could only be
+    point masses anyway. The draft runs row by row: one row's forward at a time, each over its own cache (the rows'
+    texts have their own lengths in the draft's tokens); its forwards are counted row by row, as the planner prices
+    them (:attr:`Reach.per_row`).
     """
 
     uses_draft_model = False
@@ -41,12 +45,13 @@ class TextDraftProposer:
         self.vocabulary = vocabulary  # the draft proposes among its first token ids only (SpecConfig.draft_vocabulary)
         self.window = attention_window(model.config)
         self.device = next(model.parameters()).device
+        self.positions = positions_of(model.config.get_text_config())  # the draft's, in its own tokens
 
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         lag = [row.content_len - 1 - (row.draft_text.synced if row.draft_text else 0) for row in rows]
         if self.lookup is None:
-            return Reach(lookups=[0] * len(rows), uses_draft_model=True, lag=lag)
-        return replace(self.lookup.reach(rows, limit), uses_draft_model=True, lag=lag)
+            return Reach(lookups=[0] * len(rows), uses_draft_model=True, lag=lag, per_row=True)
+        return replace(self.lookup.reach(rows, limit), uses_draft_model=True, lag=lag, per_row=True)
 
     def plan(self, rows: list[Sequence], lengths: list[int]) -> ProposalPlan:
         """Nothing to stage: the drafts are made on the host when the round proposes."""
@@ -56,20 +61,28 @@ class TextDraftProposer:
         self, batch: BatchState, plan: ProposalPlan, sampling: RoundSampling | None, runner: ModelRunner
     ) -> Proposal:
         lengths = plan.host.lengths
+        sampled = set(() if sampling is None else sampling.rows)
         k = max(lengths, default=0)
-        chains = self.lookup.chains(batch.rows, k) if self.lookup is not None and k else [[]] * batch.size
-        drafts, forwards, width = [], 0, 0
-        for row, n, chain in zip(batch.rows, lengths, chains, strict=True):
+        lookups = self.lookup is not None and (k or sampled)
+        chains = self.lookup.chains(batch.rows, k + 1) if lookups else [[]] * batch.size
+        drafts, bonus, forwards, width = [], [], 0, 0
+        for i, (row, n, chain) in enumerate(zip(batch.rows, lengths, chains, strict=True)):
+            if i in sampled:  # lookups only, and the next one for the bonus position, as prompt lookup proposes
+                drafts.append(chain[:n])
+                bonus.append(chain[n : n + 1])
+                continue
             drafted, steps, read = self._row(row, n, chain[:n])
             drafts.append(drafted)
-            forwards, width = max(forwards, steps), max(width, read)
+            bonus.append([])
+            forwards, width = forwards + steps, max(width, read)
         found = [len(d) for d in drafts]
         longest = max(found, default=0)
-        matrix = [d + [0] * (longest + 1 - len(d)) for d in drafts]  # [B, k+1]
+        matrix = [d + b + [0] * (longest + 1 - len(d) - len(b)) for d, b in zip(drafts, bonus, strict=True)]
         tokens = torch.tensor(matrix, dtype=torch.long, device=batch.device)  # [B, k+1]
         counts = torch.tensor(found, dtype=torch.long, device=batch.device)  # [B]
-        return Proposal(tokens, counts, ProposalHost(lengths=found), draft_fed=None, draft_forwards=forwards,
-                        draft_width=width)
+        drafted_bonus = torch.tensor([bool(b) for b in bonus], device=batch.device) if sampled else None  # [B]
+        return Proposal(tokens, counts, ProposalHost(lengths=found), bonus_drafted=drafted_bonus,
+                        draft_forwards=forwards, draft_width=width)
 
     def _row(self, row: Sequence, n: int, chain: list[int]) -> tuple[list[int], int, int]:
         """Row ``row``'s drafts (at most ``n``: ``chain``, then the draft model's), the draft forwards it ran and the
@@ -81,6 +94,8 @@ class TextDraftProposer:
         state = row.draft_text
         feed = state.sync(self.bridge, Window.of(row.prompt, row.output, state.commit[0]), chain)
         width, steps = len(feed), n - len(chain)
+        if len(state.ids) + steps > self.positions:  # past the draft's positions: the target goes on alone
+            return chain, 0, 0
         drafted = []
         for _ in range(steps):
             token = self._next(state.cache, feed)
