@@ -11,6 +11,7 @@ import pytest
 from fabricated import FakeDequantizer, FakeFetcher, make_wheel, save_tiny_model, split_source, tiny_tokenizer
 
 from batchspec.config import Method, ProposerKind, default_cache_dir
+from batchspec.engine import bridge_of
 from batchspec.models import ModelPair, loading
 from batchspec.models.choice import ModelChoice
 from batchspec.models.obtain import cached_preset, catalogue, obtain_preset, wheels
@@ -321,7 +322,7 @@ def test_vocab_mismatch_is_rejected(tmp_path):
         loading.load_pair(target=str(tmp_path / "a"), draft=str(tmp_path / "b"))
 
 
-def test_tokenizer_mismatch_is_rejected(tmp_path):
+def test_a_draft_of_another_tokenizer_drafts_through_text(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     other = tiny_tokenizer()
@@ -331,8 +332,9 @@ def test_tokenizer_mismatch_is_rejected(tmp_path):
     )
     save_tiny_model(tmp_path / "a")
     save_tiny_model(tmp_path / "b", tokenizer=swapped)
-    with pytest.raises(ValueError, match="differ in eos_token_id: 2 vs 3"):
-        loading.load_pair(target=str(tmp_path / "a"), draft=str(tmp_path / "b"))
+    pair = loading.load_pair(target=str(tmp_path / "a"), draft=str(tmp_path / "b"))
+    assert bridge_of(pair.draft) is not None and bridge_of(pair.draft).draft.eos_token_id == 3
+    assert bridge_of(loading.load_pair(target=str(tmp_path / "a"), draft=str(tmp_path / "a")).draft) is None
 
 
 def test_load_pair_custom_names_and_dtype(tmp_path):

@@ -20,12 +20,12 @@ from batchspec.engine import (
     Penalties,
     Sequence,
     TokenLogprob,
+    bridge_of,
     check_budget,
     derive_row_seeds,
     drive,
     make_scheduler,
 )
-from batchspec.engine.retokenize import bridge_of
 from batchspec.families import context_limit
 from batchspec.model_checks import vocab_size
 from batchspec.run import RunConfig, build_run, resolve_loaded

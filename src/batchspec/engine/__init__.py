@@ -5,6 +5,7 @@
   CUDA graphs of the decode forwards.
 - ``prefill``: new prompts read apart from the rows that already have KV.
 - ``proposers``, ``lookup``: the draft model and prompt lookup fill each row's draft (the n-gram index).
+- ``retokenize``: a draft of another tokenizer's text in its own tokens (TextBridge, bridged, bridge_of).
 - ``verifier``, ``sampling``: greedy verification and speculative sampling; per-row warping and random numbers.
 - ``exactmath``: the exp, log and fixed-order sums under the probabilities and the logprobs, the same bits on
   every CPU instruction set and thread count.
@@ -33,6 +34,7 @@ from batchspec.engine.logprobs import MAX_TOP, TokenLogprob
 from batchspec.engine.metrics import STAGES, GenerationStats
 from batchspec.engine.penalties import MAX_BIAS, Penalties
 from batchspec.engine.request import GenerationParams
+from batchspec.engine.retokenize import TextBridge, bridge_of, bridged
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sampling import derive_row_seeds
 from batchspec.engine.schedulers import Scheduler, make_scheduler
@@ -42,6 +44,7 @@ from batchspec.engine.state import FINISH_LENGTH, BatchState, Sequence, check_bu
 __all__ = [
     "FINISH_LENGTH", "MAX_BIAS", "MAX_TOP", "STAGES", "BatchKVCache", "BatchState", "Engine", "GenerationParams",
     "GenerationStats", "Grammar", "GrammarCompiler", "GrammarError", "GraphMode", "InvariantError", "ModelRunner",
-    "Offline", "Penalties", "Scheduler", "Sequence", "TokenLogprob", "build_engine", "check_budget",
-    "derive_row_seeds", "drive", "make_scheduler", "resolve_special_ids", "runner_graphs",
+    "Offline", "Penalties", "Scheduler", "Sequence", "TextBridge", "TokenLogprob", "bridge_of", "bridged",
+    "build_engine", "check_budget", "derive_row_seeds", "drive", "make_scheduler", "resolve_special_ids",
+    "runner_graphs",
 ]

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from batchspec.config import DRAFT_QUANTIZE, DTYPES, KERNELS, check_option, default_cache_dir, setting_default
 from batchspec.devices import resolve_device
-from batchspec.engine.retokenize import TextBridge, bridged
+from batchspec.engine import TextBridge, bridged
 from batchspec.exact import integer
 from batchspec.exact.integer.forward import integer_forward
 from batchspec.exact.invariant import make_batch_invariant

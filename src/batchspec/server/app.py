@@ -25,8 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchspec.engine import make_scheduler
-from batchspec.engine.retokenize import bridge_of
+from batchspec.engine import bridge_of, make_scheduler
 from batchspec.families import positions_of
 from batchspec.model_checks import vocab_size
 from batchspec.models.pair import ModelPair
