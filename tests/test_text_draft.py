@@ -16,14 +16,18 @@ import itertools
 import pytest
 import tiny_models
 import torch
+from helpers import cached_or_skip
 from serving import CHAT_TEMPLATE, byte_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import batchspec
+from batchspec.engine import bridge_of
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.retokenize import HOLD, DraftText, TextBridge, Window, bridged
 from batchspec.exact.integer import quantize_model
+from batchspec.exact.integer.forward import forward_in_use
+from batchspec.models import load_pair
 
 MERGED = "jqxz"  # every pair of these (rare) characters is one token of the draft's: a text with them splits otherwise
 
@@ -120,3 +124,22 @@ def test_seeded_sampling_with_a_draft_of_another_tokenizer_does_not_depend_on_th
         batched = batchspec.generate(target, bridged(copy.deepcopy(draft), bridge), prompts, batch_size=batch_size,
                                      num_draft_tokens=k, **options)
         assert batched.sequences == alone.sequences
+
+
+@pytest.mark.parametrize(("proposer", "k"), [("draft", 3), ("hybrid", "auto")])
+def test_smollm2_drafts_for_gemma3_through_text(reference, proposer, k):
+    """Two real models of two tokenizers (Gemma 3 270M's 262k tokens, SmolLM2-135M's 49k), both int8 on the fused
+    forward: the draft's text is handed over and the output is Gemma's own greedy output, prompt by prompt."""
+    cached_or_skip("gemma3")
+    cached_or_skip("smollm2")
+    pair = load_pair(target="gemma3:target", draft="smollm2:target", quantize="int8", progress=False)
+    assert bridge_of(pair.draft) is not None and forward_in_use(pair.draft) == "fused"
+    texts = ("def fibonacci(n):\n", "The capital of France is", "Once upon a time, in a small village,")
+    prompts = [pair.tokenizer.encode(text) for text in texts]
+    eos = pair.target.generation_config.eos_token_id
+    expected = [reference(pair.target, ids, 20, eos) for ids in prompts]
+    result = batchspec.generate(pair.target, pair.draft, prompts, proposer=proposer, num_draft_tokens=k,
+                                batch_size=2, max_new_tokens=20, check_invariants=True)
+    assert result.sequences == expected
+    if proposer == "draft":
+        assert result.stats.draft_tokens_accepted > 0

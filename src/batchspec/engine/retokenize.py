@@ -158,12 +158,16 @@ class DraftText:
 
     def _advance(self, bridge: TextBridge, text: Window, tail: str, ends: dict[int, int]) -> None:
         """Move the commit point up to :data:`HOLD` target tokens behind ``text``'s end, to the latest target token
-        that ends where a draft token of ``tail`` (the text after the commit point) ends."""
+        that ends where a draft token of ``tail`` (the text after the commit point) ends, and whose text the draft's
+        tokens before it decode to (a tokenizer may trim spaces off a token's offsets)."""
         at, held = self.commit
         for end in range(text.end - HOLD, max(at, text.end - 2 * HOLD), -1):
             piece = bridge.target_text(text.tokens, at - text.offset, end - text.offset)
-            if piece and len(piece) in ends and tail.startswith(piece):
-                self.commit = (end, held + ends[len(piece)])
+            if not piece or len(piece) not in ends or not tail.startswith(piece):
+                continue
+            tokens = held + ends[len(piece)]
+            if bridge.draft_text(self.ids[:tokens], held) == piece:
+                self.commit = (end, tokens)
                 return
 
     def fed(self, tokens: list[int]) -> None:
