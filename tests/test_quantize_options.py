@@ -152,7 +152,7 @@ def test_load_pair_and_load_models_quantize_both_models(tiny_dirs):
     forward = "fused" if native.available() else "transformers' (no native kernels: none)"
     assert pair.build == build and pair.precision == f"float32, int8 exact on {build}, {forward} forward"
     assert pair.served() == {"device": "cpu", "dtype": "float32", "quantize": "int8", "build": build,
-                             "forward": forward, "draft_quantize": "int8"}
+                             "forward": forward, "draft_quantize": "int8", "draft_tokenizer": "the target's"}
     alone = load_chosen(ModelChoice(target=target, quantize="int8"), Method.AUTOREGRESSIVE, progress=False)
     assert alone.draft is None and alone.quantize == "int8" and quantization(alone.target) == "int8"
     plain = loading.load_pair(target=target, draft=draft, progress=False, quantize="none")

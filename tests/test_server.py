@@ -382,7 +382,8 @@ def test_models_health_and_metrics(eqspec_server):
     assert [m["id"] for m in models_["data"]] == ["tiny"]
     assert models_["data"][0]["max_model_len"] == tiny_models.MAX_POSITIONS
     assert models_["data"][0]["batchspec"] == {"device": "cpu", "dtype": "float64", "quantize": "none", "build": "none",
-                                                "forward": "transformers'", "draft_quantize": "none"}
+                                                "forward": "transformers'", "draft_quantize": "none",
+                                                "draft_tokenizer": "the target's"}
     assert httpx.get(f"{eqspec_server.url}/health").json()["status"] == "ok"
     client(eqspec_server).completions.create(model="tiny", prompt="w10 w12", max_tokens=8)
     text = httpx.get(f"{eqspec_server.url}/metrics").text

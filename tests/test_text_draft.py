@@ -134,6 +134,8 @@ def test_smollm2_drafts_for_gemma3_through_text(reference, proposer, k):
     cached_or_skip("smollm2")
     pair = load_pair(target="gemma3:target", draft="smollm2:target", quantize="int8", progress=False)
     assert bridge_of(pair.draft) is not None and forward_in_use(pair.draft) == "fused"
+    assert pair.precision.endswith("fused forward, the draft through text")
+    assert pair.served()["draft_tokenizer"] == "its own, through text"
     texts = ("def fibonacci(n):\n", "The capital of France is", "Once upon a time, in a small village,")
     prompts = [pair.tokenizer.encode(text) for text in texts]
     eos = pair.target.generation_config.eos_token_id

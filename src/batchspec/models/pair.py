@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from batchspec.devices import device_name
+from batchspec.engine import bridge_of
 from batchspec.exact.integer import check_quantize, forward_in_use, native, quantization
 from batchspec.exact.invariant import batch_invariant as is_batch_invariant
 from batchspec.models.packing import kernels_in_use
@@ -21,7 +22,8 @@ class ModelPair:
         target: the model whose greedy output is reproduced.
         draft: the draft model, or None when only the target was loaded (methods or proposers that need a
             draft model then cannot run).
-        tokenizer: the target's tokenizer (the draft shares it).
+        tokenizer: the target's tokenizer (the draft shares it, or carries its own: a draft of another tokenizer,
+            :func:`~batchspec.engine.bridge_of`).
         name: what reports and the served ``/v1/models`` list call the pair.
         dtype: the name of the dtype both were loaded in (``"float32"``, ``"bfloat16"``, ...), resolved: never
             ``"auto"`` (see :func:`batchspec.models.resolve_dtype`).
@@ -34,6 +36,8 @@ class ModelPair:
         draft_quantize: what the load made of the draft (``"int4"``, ``"int8"``, ``"none"``; no draft: ``"none"``).
         build: the native build the integer forward runs on (:func:`batchspec.exact.integer.native.isa`), ``torch``
             without one, ``none`` for models that are not integer.
+        through_text: the draft is of another tokenizer and drafts through text (:mod:`batchspec.engine`'s
+            ``bridge_of``).
     """
 
     target: Any
@@ -48,6 +52,7 @@ class ModelPair:
     build: str = "none"
     forward: str = "transformers'"
     draft_quantize: str = "none"
+    through_text: bool = False
 
     @classmethod
     def loaded(cls, target: Any, draft: Any | None, tokenizer: Any, name: str, dtype: str, device: torch.device,
@@ -61,12 +66,14 @@ class ModelPair:
         if draft is not None and forward_in_use(draft) != forward:
             forward = f"{forward}; the draft's {forward_in_use(draft)}"
         return cls(target, draft, tokenizer, name, dtype, seconds, device_name(device), quantize,
-                   is_batch_invariant(target), build, forward, "none" if draft is None else quantization(draft))
+                   is_batch_invariant(target), build, forward, "none" if draft is None else quantization(draft),
+                   bridge_of(draft) is not None)
 
     def served(self) -> dict[str, str]:
         """What ``/v1/models`` says of how the pair runs: device, dtype, quantize mode, native build and forward."""
         return {"device": self.device, "dtype": self.dtype, "quantize": self.quantize, "build": self.build,
-                "forward": self.forward, "draft_quantize": self.draft_quantize}
+                "forward": self.forward, "draft_quantize": self.draft_quantize,
+                "draft_tokenizer": "its own, through text" if self.through_text else "the target's"}
 
     @property
     def precision(self) -> str:
@@ -79,7 +86,8 @@ class ModelPair:
             return f"{self.dtype}{', batch-invariant' if self.batch_invariant else ''} on {self.device}"
         if self.quantize != "none":
             draft = f", the draft {self.draft_quantize}" if self.draft_quantize not in ("none", self.quantize) else ""
-            return f"{self.dtype}, {self.quantize} exact on {self.build}{draft}, {self.forward} forward"
+            text = ", the draft through text" if self.through_text else ""
+            return f"{self.dtype}, {self.quantize} exact on {self.build}{draft}, {self.forward} forward{text}"
         return f"{self.dtype}, {kernels_in_use(self.target)} kernels"
 
     def __post_init__(self) -> None:
