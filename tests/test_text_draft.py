@@ -16,13 +16,14 @@ import itertools
 import pytest
 import tiny_models
 import torch
-from helpers import cached_or_skip
+from helpers import cached_or_skip, engine_for
 from serving import CHAT_TEMPLATE, byte_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import batchspec
-from batchspec.engine import bridge_of
+from batchspec.config import SpecConfig
+from batchspec.engine import Offline, Sequence, bridge_of, drive, make_scheduler
 from batchspec.engine.kv_cache import BatchKVCache
 from batchspec.engine.retokenize import HOLD, DraftText, TextBridge, Window, bridged
 from batchspec.exact.integer import quantize_model
@@ -145,3 +146,26 @@ def test_smollm2_drafts_for_gemma3_through_text(reference, proposer, k):
     assert result.sequences == expected
     if proposer == "draft":
         assert result.stats.draft_tokens_accepted > 0
+
+
+def test_a_finished_row_lets_go_of_its_draft_text(text_pair):
+    """A row keeps its text in the draft's tokens and the draft's KV cache of it while it decodes, and lets go of them
+    when it finishes: they are the draft's KV of a whole prompt."""
+    target, draft, bridge, prompts = text_pair
+    config = SpecConfig(batch_size=2, num_draft_tokens=3, proposer="draft", eos_token_ids=())
+    engine = engine_for(target, bridged(copy.deepcopy(draft), bridge), config)
+    rows = [Sequence(i, prompt, budget) for i, (prompt, budget) in enumerate(zip(prompts, [2, 9, 5, 12], strict=True))]
+    scheduler = make_scheduler(engine.config)
+    for row in rows:
+        scheduler.add(row)
+    held = []
+
+    class Watch(Offline):
+        def ran(self, ran: list[Sequence], finished: list[Sequence]) -> None:
+            held.append((sum(row.draft_text is not None for row in ran), [row.draft_text for row in finished]))
+
+    with torch.inference_mode():
+        drive(engine, scheduler, Watch(lambda done: None))
+    assert max(holding for holding, _ in held) > 0
+    assert all(text is None for _, texts in held for text in texts)
+    assert all(row.finished and row.draft_text is None for row in rows)

@@ -153,14 +153,15 @@ class Sequence:
         if self.finish_reason is None and self.remaining == 0:
             self.finish_reason = FINISH_LENGTH
         if self.finished:
-            self.kv = None
+            self.kv, self.draft_text = None, None
         return len(kept)
 
     def retire(self, reason: str) -> None:
         """Finish now, before EOS or budget (a stop string was met, the client left, the round failed), and
-        release the KV; the storage is freed once no row references it."""
+        release the KV (and a draft of another tokenizer's, :attr:`draft_text`); the storage is freed once no row
+        references it."""
         self.finish_reason = reason
-        self.kv = None
+        self.kv, self.draft_text = None, None
 
     def check_location(self) -> None:
         """Raise :class:`~batchspec.engine.errors.InvariantError` unless the row's KV location matches its tokens and
