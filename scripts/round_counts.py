@@ -169,6 +169,11 @@ def _report(rounds: list[Round], gaps: list[tuple[float, int, int]], show: int) 
             print(f"{seconds:5.3f}  {i:5d}  {r.rows:4d}  {r.target_read:11d}  {r.draft_read:10d}  {r.draft_catch_up:8d}"
                   f"  {r.draft_width:11d}"
                   f"  {r.first_forward:13d}  {r.forwards:8d}  {r.k:d}  {r.seconds:.3f}")
+    print("longest rounds:")
+    for i in sorted(range(len(rounds)), key=lambda i: -rounds[i].seconds)[:show]:
+        r = rounds[i]
+        print(f"  round {i}: {r.seconds:.3f} s, {r.rows} rows, target read {r.target_read},"
+              f" catch-up {r.draft_catch_up}, first forward {r.draft_width} x {r.rows}, {r.forwards} forwards, k {r.k}")
     decoding = [r for r in rounds if r.rows]
     p99 = gaps[max(0, len(gaps) // 100 - 1)][0] if gaps else 0.0
     p50 = gaps[len(gaps) // 2][0] if gaps else 0.0
@@ -182,6 +187,7 @@ def _report(rounds: list[Round], gaps: list[tuple[float, int, int]], show: int) 
         "rounds_draft_read_over_64": sum(r.draft_read > 64 for r in decoding),
         "rounds_catch_up_over_64": sum(r.draft_catch_up > 64 for r in decoding),
         "rounds_first_forward_over_64": sum(r.first_forward > 64 for r in decoding),
+        "draft_rounds": sum(r.forwards > 0 for r in decoding),
         "draft_read_total": sum(r.draft_read for r in rounds),
         "draft_catch_up_total": sum(r.draft_catch_up for r in rounds),
         "target_read_total": sum(r.target_read for r in rounds),
