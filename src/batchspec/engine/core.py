@@ -23,7 +23,7 @@ from batchspec.engine.graphs import GraphMode, check_graphed, graph_mode
 from batchspec.engine.kv_cache import Slab
 from batchspec.engine.logprobs import MAX_TOP, TokenLogprob, scored, unpacked
 from batchspec.engine.metrics import GenerationStats, StageTimer
-from batchspec.engine.prefill import ChunkBudget, Reader, catch_up, length_groups, prompt_logprobs
+from batchspec.engine.prefill import ChunkBudget, Reader, Reading, catch_up, length_groups, prompt_logprobs
 from batchspec.engine.prefix_cache import PrefixCache, prefix_cache_bytes
 from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalPlan, Proposer, point_masses
 from batchspec.engine.proposers.draft import DraftModelProposer
@@ -70,6 +70,7 @@ class Engine:
         """One round over ``rows`` (unfinished, at most ``batch_size``): read what prompts it may, then decode
         the rows that are ready. Finished rows release their KV. ``draining``: no row takes the place of one that
         finishes before the batch ends (:attr:`~batchspec.engine.schedulers.Scheduler.draining`)."""
+        self.chunks.begin()
         ready = self.prefill(rows)
         if ready:
             self.decode(ready, draining=draining)
@@ -79,8 +80,9 @@ class Engine:
         reach = self.proposer.reach(rows, self.planner.limit)
         sampled = any(not row.sampling.greedy for row in rows)
         lengths = self.planner.lengths(rows, reach, sampled, draining=draining)
-        if self.proposer.uses_draft_model and _model_drafts(lengths, reach, rows):
-            self.sync_draft(rows)
+        drafts = self.proposer.uses_draft_model and _model_drafts(lengths, reach, rows)
+        if drafts and not self.sync_draft(rows):  # a row still catches up (every row greedy): lookups only this round
+            lengths = [min(n, found) for n, found in zip(lengths, reach.lookups, strict=True)]
         started = time.perf_counter()
         with self.timer.stage("realign"):
             batch, sampling, plan = self.stage_round(rows, lengths)
@@ -152,14 +154,30 @@ class Engine:
             for row in rows:
                 self.prefixes.keep(row)
 
-    def sync_draft(self, rows: list[Sequence]) -> None:
+    def sync_draft(self, rows: list[Sequence]) -> bool:
         """Before the draft runs: rows whose draft lags so far that the others would re-read much (they joined
-        while the draft was idle) read what they lack, apart (see :func:`~batchspec.engine.realign.draft_catch_up`)."""
-        lagging = draft_catch_up(rows)
-        if lagging:
-            self._catch_up([rows[i] for i in lagging], [Reader(self.draft, is_draft=True)], None)
+        while the draft was idle) read what they lack, apart (see :func:`~batchspec.engine.realign.draft_catch_up`).
 
-    def _catch_up(self, rows: list[Sequence], readers: list[Reader], limit: int | None) -> None:
+        Where a row has streamed tokens already, a whole prompt read here would be one long gap for every stream. A
+        round then reads at most the draft's share of its budget (:meth:`ChunkBudget.catch_up_limit`) for each row
+        that catches up; and rows lacking more than that share spread over the round's rows (or than a round
+        re-reads) catch up too, since the draft's first forward reads what every row lacks for all of them. Where no
+        row has streamed yet, their first token waits anyway, as for prompts, and they read all at once; so do rows
+        of a round where a row samples, whose tokens need the draft every round (a seeded row's bonus position is
+        drawn against the draft's ``q``: a round without it would draw other tokens). Returns whether the draft may
+        run this round: False while a row lags (it would attend to columns it never read) or lacks more than that."""
+        streaming = any(row.output for row in rows) and all(row.sampling.greedy for row in rows)
+        share = self.chunks.catch_up_limit(len(rows)) if streaming else None
+        far = None if share is None else max(share, self.planner.limit + 1)
+        lagging = draft_catch_up(rows, far=far)
+        if not lagging:
+            return True
+        limit = None if far is None else self.chunks.catch_up_limit(len(lagging))
+        reading = self._catch_up([rows[i] for i in lagging], [Reader(self.draft, is_draft=True)], limit)
+        self.chunks.caught_up(reading.tokens.get(True, 0), reading.seconds.get(True, 0.0))
+        return limit is None or not draft_catch_up(rows, far=far)
+
+    def _catch_up(self, rows: list[Sequence], readers: list[Reader], limit: int | None) -> Reading:
         read = dict(limit=limit, filler=self.config.pad_token_id, layers=self.layers)
         with self.timer.stage("prefill"):
             reading = catch_up(rows, readers, self.runner, **read)
@@ -167,6 +185,7 @@ class Engine:
         self.stats.recomputed_columns += reading.recomputed
         for draft, tokens in reading.tokens.items():
             self.planner.read(tokens, reading.seconds[draft], draft=draft)
+        return reading
 
     def stage_round(
         self, rows: list[Sequence], lengths: list[int]

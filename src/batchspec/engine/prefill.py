@@ -16,7 +16,12 @@ their own and read first:
   by the target, with logits (:func:`prompt_logprobs`), before it joins the batch;
 * **draft catch-up** — before the draft runs, rows whose draft cache lags further than the batch's slack (they
   joined while the draft was idle) read the missing columns, and so do rows that lag only once those have caught
-  up (:func:`~batchspec.engine.realign.draft_catch_up`).
+  up (:func:`~batchspec.engine.realign.draft_catch_up`). Like a prompt, at most ``limit`` columns per round (the
+  draft's share of the round's :class:`ChunkBudget`), where every row is greedy: until every row has caught up, the
+  rows decode without the draft model (its forward feeds the same columns for every row, so it cannot run while one
+  lags), and a joining row's whole prompt never lands in one round of the running streams. So do rows whose draft
+  lacks more than its share of the round (a draft idle for long), which its first forward would otherwise read for
+  every row at once. A round where a row samples needs the draft (see ``Engine.sync_draft``) and catches up whole.
 
 Both feed columns up to, not including, each row's pending token, through the decoder only (no logits).
 
@@ -57,22 +62,42 @@ class ChunkBudget:
     seconds a plain step and a read prompt token take. A plain step, not the round: a round whose drafts make it
     longer would otherwise read a longer chunk too, and the gap its rows' clients wait would grow twice.
 
-    Example: plain steps of 0.06 s and 2.5 ms per prompt token read: one new row reads 24 columns per round;
-    two new rows read 12 each.
+    The draft's catch-up (a row that joined while the draft was idle: :meth:`~batchspec.engine.core.Engine.sync_draft`)
+    draws on the same round's budget, at the draft's own seconds a column, less what the round's prompt reading
+    took already (:meth:`begin` starts a round): a round that decodes rows reads at most about one plain step's worth,
+    whoever reads it.
+
+    Example: plain steps of 0.06 s and 2.5 ms per prompt token: one new row reads 24 columns per round;
+    two new rows read 12 each. A draft at 0.5 ms a column then catches a row up by 120 columns, or by 60 in a round
+    whose prompt chunk took 0.03 s.
     """
 
     def __init__(self, setting: int | str | None) -> None:
         self.setting = setting
         self.round_s: float | None = None
         self.token_s: float | None = None
+        self.draft_token_s: float | None = None
+        self.spent = 0.0  # seconds this round has read so far
 
     def limit(self, rows: int) -> int | None:
-        """Columns ``rows`` new rows may read this round (None: all)."""
+        """Columns ``rows`` new rows may read this round (None: all). A round reads its prompt chunk first."""
+        return self._columns(rows, self.token_s, self.round_s)
+
+    def catch_up_limit(self, rows: int) -> int | None:
+        """Columns the draft may read for each of ``rows`` rows it catches up this round (None: all): what is left of
+        the round's budget once its prompt chunk was read."""
+        return self._columns(rows, self.draft_token_s, None if self.round_s is None else self.round_s - self.spent)
+
+    def _columns(self, rows: int, token_s: float | None, seconds: float | None) -> int | None:
         if self.setting != AUTO:
             return self.setting
-        if self.round_s is None or self.token_s is None:
+        if seconds is None or token_s is None:
             return FIRST_AUTO_CHUNK
-        return max(MIN_AUTO_CHUNK, round(self.round_s / (self.token_s * rows)))
+        return max(MIN_AUTO_CHUNK, round(seconds / (token_s * rows)))
+
+    def begin(self) -> None:
+        """A round starts: nothing read in it yet."""
+        self.spent = 0.0
 
     def decoded(self, seconds: float) -> None:
         """A plain decode step takes about ``seconds`` (the draft-length planner's estimate after each round)."""
@@ -80,8 +105,15 @@ class ChunkBudget:
 
     def read(self, tokens: int, seconds: float) -> None:
         """Reading ``tokens`` prompt tokens (over all rows and models) took ``seconds``."""
+        self.spent += seconds
         if tokens > 0:
             self.token_s = _mix(self.token_s, seconds / tokens)
+
+    def caught_up(self, tokens: int, seconds: float) -> None:
+        """The draft's catch-up read ``tokens`` columns (over all rows) in ``seconds``."""
+        self.spent += seconds
+        if tokens > 0:
+            self.draft_token_s = _mix(self.draft_token_s, seconds / tokens)
 
 
 def _mix(estimate: float | None, value: float) -> float:

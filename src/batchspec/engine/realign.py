@@ -198,12 +198,15 @@ def _draft_length(pad: list[int], draft: list[int], slack: int | None) -> int:
     return min(next(length for length in ends if _reread(pad, draft, length) <= budget), held)
 
 
-def draft_catch_up(rows: list[Sequence], *, draft_slack: int = DRAFT_SLACK) -> tuple[int, ...]:
+def draft_catch_up(rows: list[Sequence], *, draft_slack: int = DRAFT_SLACK, far: int | None = None) -> tuple[int, ...]:
     """The rows whose draft must read what it lacks before the draft runs, so that none of ``rows`` lags then.
 
     A row that catches up holds every column but its pending one, which can raise the columns the batch keeps
     (:func:`_draft_length`) past what another row holds: that row lags in turn. So rows are added until the layout
-    of the caught-up rows has no lagging row.
+    of the caught-up rows has no lagging row. With ``far``, a row whose draft lacks more than ``far`` columns before
+    its pending token catches up too, though it does not lag: the draft's first forward reads what the rows lack
+    for all of them at once, so rows that all lack much (the draft was idle, or never read their prompts: the batch
+    then keeps no draft column and no row lags) would make it read their whole lag in one round.
 
     Example, slack 1, rows of content ``[10, 10, 4]`` (pad ``[0, 0, 6]``) holding ``[9, 3, 0]`` draft columns: the
     batch keeps 6 columns (keeping 3 would make row 0 re-read 6 of them), so row 1 lags. Caught up, it holds 9;
@@ -212,7 +215,10 @@ def draft_catch_up(rows: list[Sequence], *, draft_slack: int = DRAFT_SLACK) -> t
     """
     content, pad = _padding(rows)
     held = _draft_held(rows)
-    chosen: set[int] = set()
+    lacking = [c - 1 - h for c, h in zip(content, held, strict=True)]
+    chosen = set() if far is None else {i for i, lack in enumerate(lacking) if lack > far}
+    for i in chosen:
+        held[i] = content[i] - 1
     while lagging := _lagging(pad, held, _draft_length(pad, held, draft_slack)):
         for i in lagging:
             held[i] = content[i] - 1
