@@ -61,7 +61,8 @@ class Engine:
         ragged = self.runner.ragged(target)  # the verification scores each row's own drafts only
         self.slack = LEFT_SLACK if ragged else 0  # padding changes no bit of the fused forward: see realign.py
         share = 0.0 if drafter is None else _draft_share(drafter, target, config, self.runner)
-        self.planner = planner_for(config, share, ragged=ragged, mixture=mixture_of(target))
+        self.planner = planner_for(config, share, ragged=ragged, mixture=mixture_of(target),
+                                   model_prior=self.proposer.model_prior)
         self.chunks = ChunkBudget(config.prefill_chunk)
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None

@@ -247,8 +247,10 @@ class FixedLength:
 class AdaptiveLength:
     """Chooses each round's ``K`` for the highest expected tokens per second (see the module docstring)."""
 
-    def __init__(self, max_k: int, draft_ratio: float, *, ragged: bool = False, mixture: Mixture | None = None) -> None:
+    def __init__(self, max_k: int, draft_ratio: float, *, ragged: bool = False, mixture: Mixture | None = None,
+                 model_prior: float | None = None) -> None:
         self.max_k = max_k
+        self.first_prior = FIRST_PRIOR if model_prior is None else {**FIRST_PRIOR, "model": model_prior}
         self.mixture = mixture  # the target's experts (None: dense), for the cost prior of an extra token
         self.ragged = ragged  # the verification scores each row's own drafts only (see the module docstring)
         self.proposed = 0  # the rows of the last round, where it had drafts (else 0)
@@ -434,7 +436,7 @@ class AdaptiveLength:
 
     def _source_shares(self, row, source: str) -> tuple[float, float]:
         engine, mine = getattr(self.engine, source), getattr(row.acceptance, source)
-        first = mine.first.estimate(engine.first.estimate(FIRST_PRIOR[source], ENGINE_PRIOR_WEIGHT), PRIOR_WEIGHT)
+        first = mine.first.estimate(engine.first.estimate(self.first_prior[source], ENGINE_PRIOR_WEIGHT), PRIOR_WEIGHT)
         return first, mine.later.estimate(engine.later.estimate(first, ENGINE_PRIOR_WEIGHT), PRIOR_WEIGHT)
 
     def _fit(self, rows: int) -> CostFit:
@@ -471,17 +473,18 @@ def prior_slope(rows: int, max_k: int, mixture: Mixture | None) -> float:
     return dense + (mixture.weights(rows + widest) - now) / (widest * now)
 
 
-def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool,
-                mixture: Mixture | None = None) -> FixedLength | AdaptiveLength:
+def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool, mixture: Mixture | None = None,
+                model_prior: float | None = None) -> FixedLength | AdaptiveLength:
     """The draft-length policy of ``config``: no drafts without speculation, a fixed ``num_draft_tokens``, or (``auto``)
     the adaptive planner, whose cost prior is ``draft_share``, the weights a draft forward multiplies by over a target
     forward's (0 for prompt lookup), and ``mixture``, the target's experts (None: dense, see :func:`prior_slope`);
-    it deals drafts out per row where the verification is ``ragged``."""
+    it deals drafts out per row where the verification is ``ragged``. ``model_prior``: the draft model's first draft's
+    chance before any was tested, where its proposer knows it better than :data:`FIRST_PRIOR` (None: that)."""
     if not config.speculative:
         return FixedLength(0)
     if not config.adaptive:
         return FixedLength(config.num_draft_tokens)
-    return AdaptiveLength(config.max_draft_tokens, draft_share, ragged=ragged, mixture=mixture)
+    return AdaptiveLength(config.max_draft_tokens, draft_share, ragged=ragged, mixture=mixture, model_prior=model_prior)
 
 
 def _drain_worth(rows, fit: CostFit, rates: list[float]) -> list[float]:

@@ -115,6 +115,7 @@ def point_masses(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 
 class Proposer(Protocol):
     uses_draft_model: bool
+    model_prior: float | None  # its draft model's first draft's chance before any was tested (None: the planner's)
 
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         """How far each row could draft this round (up to ``limit``); cheap, used to choose the lengths."""
@@ -141,6 +142,7 @@ class NoDraftProposer:
     """Proposes nothing: every round is one plain step of the target (the autoregressive method)."""
 
     uses_draft_model = False
+    model_prior = None
 
     def reach(self, rows: list[Sequence], limit: int) -> Reach:
         return Reach(lookups=[0] * len(rows), uses_draft_model=False)

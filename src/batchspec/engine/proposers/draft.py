@@ -39,6 +39,7 @@ class DraftModelProposer:
     """
 
     uses_draft_model = True
+    model_prior = None  # the planner's (draft_length.FIRST_PRIOR: measured with the preset's pair)
 
     def __init__(self, model: torch.nn.Module, lookup: NgramProposer | None = None, vocabulary: int = 0) -> None:
         self.model = model

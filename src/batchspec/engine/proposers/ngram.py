@@ -18,6 +18,7 @@ class NgramProposer:
     draft for their bonus position when the lookup after their last draft finds one."""
 
     uses_draft_model = False
+    model_prior = None
 
     def __init__(self, n_min: int = DEFAULT_MIN_NGRAM, n_max: int = DEFAULT_MAX_NGRAM) -> None:
         if not 1 <= n_min <= n_max:

@@ -19,6 +19,10 @@ from batchspec.engine.state import BatchState, Sequence, visible_keys
 from batchspec.exact.integer.forward import integer_forward
 from batchspec.families import attention_window, positions_of
 
+# its first draft's chance before any was tested: SmolLM2-135M's first target token through the text agreed with the
+# qwen2.5-coder target's 55-60% of the time (3 SpecBench answers each of coding and writing, int8)
+FIRST_PRIOR = 0.55
+
 
 class TextDraftProposer:
     """Drafts ``lengths[i]`` target tokens for row ``i``: its lookup chain where that is long enough (the hybrid
@@ -38,6 +42,7 @@ class TextDraftProposer:
     """
 
     uses_draft_model = False
+    model_prior = FIRST_PRIOR
 
     def __init__(self, model: torch.nn.Module, bridge: TextBridge, lookup: NgramProposer | None = None,
                  vocabulary: int = 0) -> None:
