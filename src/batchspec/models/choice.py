@@ -51,7 +51,7 @@ class ModelChoice(ModelOptions):
     draft: str | None = option(
         None, metavar="MODEL",
         help="Draft model, given like --target: of the target's tokenizer, or of another (its drafts then reach the "
-        "target as text, e.g. --draft smollm2:target for the qwen2.5-coder preset; the output is the same).",
+        "target as text, e.g. --preset qwen2.5-coder --draft smollm2:target; the output is the same).",
     )
 
     @property
