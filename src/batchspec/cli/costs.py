@@ -122,6 +122,9 @@ def costs_command(
             f"| {s.batch_size} | {s.num_draft_tokens} | {s.target_step_s:.3f} | {s.verify_s:.3f} | "
             f"{s.draft_step_s:.3f} | {s.round_s:.3f} | {s.break_even_accepted_length:.2f} | {speedup} | {needed} |"
         )
+    if loaded.through_text:
+        typer.echo("The draft is of another tokenizer and drafts a row at a time: at B rows its drafts cost B of its "
+                   "B = 1 forwards, not the batched c_d(B,1) above.")
     echo_floors(floors)
     if reads:
         echo_unions(reads)
