@@ -144,7 +144,8 @@ def load_models(
     (download + conversion); ``seconds`` counts that too, and quantizing.
 
     Afterwards the process keeps freed memory for reuse (:func:`batchspec.memory.keep_freed_memory`). Raises
-    ValueError before any generation when target and draft do not share one tokenizer.
+    ValueError before any generation when a draft of the target's tokenizer scores another number of tokens (a draft
+    of another tokenizer drafts through text).
     """
     started = time.perf_counter()
     for name in presets_used(choice, method, proposer):

@@ -38,7 +38,9 @@ class TextDraftProposer:
     would not give; the draft's distribution is over other tokens than the target's, so its drafts could only be
     point masses anyway. The draft runs row by row: one row's forward at a time, each over its own cache (the rows'
     texts have their own lengths in the draft's tokens); its forwards are counted row by row, as the planner prices
-    them (:attr:`Reach.per_row`).
+    them (:attr:`Reach.per_row`). Each drafted token is read back to the host, where its text is made: free on the
+    CPU, which it is built for; on a GPU a synchronisation a draft step and row (a batched draft over the rows' own
+    caches would remove both the loop and the reads).
     """
 
     uses_draft_model = False
