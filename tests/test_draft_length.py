@@ -36,7 +36,7 @@ def speedup(batch: int, chance: float | list[float], slope: float, *, reach: int
             lookup_rows: int | None = None, draft_cost: float = 0.0, draft_ratio: float = 0.0,
             rounds: int = 400, c0: float = 0.3, seed: int = 0, ragged: bool = False,
             realign: float = 0.0, per_row: bool = False, told_per_row: bool | None = None,
-            model_prior: float | None = None) -> float:
+            model_prior: float | None = None, margin: float = 1.0, hidden: float = 0.0) -> float:
     """Tokens per second of the planner in the simulated world, over those of plain steps.
 
     ``lookup_rows`` rows (default all) find ``reach`` lookup drafts accepted with ``chance`` (or row ``i``'s with
@@ -45,12 +45,15 @@ def speedup(batch: int, chance: float | list[float], slope: float, *, reach: int
     takes a forward for ``draft_ratio * c0``. A round costs ``c0 (1 + slope K)``, or, ``ragged`` (each row scored
     over its own drafts), ``c0 (1 + slope sum(n) / B)``; the round after one whose rows gained unequally first
     realigns them for ``realign * c0``. ``per_row``: the draft model runs one row at a time (a draft of another
-    tokenizer), each row's forward for ``draft_cost * c0``; the planner is told so unless ``told_per_row`` is False."""
+    tokenizer), each row's forward for ``draft_cost * c0``; the planner is told so unless ``told_per_row`` is False.
+    ``margin``: the planner's :class:`~batchspec.engine.draft_length.CostFit` margin at several rows (1: this world's
+    prices are the ones it fits); ``hidden``: seconds (in ``c0``) a round with drafts costs that its record does not
+    show."""
     told = per_row if told_per_row is None else told_per_row
     model = model_chance is not None
     model_first, model_later = model_chance if isinstance(model_chance, tuple) else (model_chance, model_chance)
     chances = chance if isinstance(chance, list) else [chance] * batch
-    planner = AdaptiveLength(max_k=10, draft_ratio=draft_ratio, ragged=ragged, model_prior=model_prior)
+    planner = AdaptiveLength(max_k=10, draft_ratio=draft_ratio, ragged=ragged, model_prior=model_prior, margin=margin)
     rows = [Sequence(i, [1, 2, 3], 10**9) for i in range(batch)]
     lookups = [reach if i < (batch if lookup_rows is None else lookup_rows) else 0 for i in range(batch)]
     rng = random.Random(seed)
@@ -72,7 +75,7 @@ def speedup(batch: int, chance: float | list[float], slope: float, *, reach: int
         looked = [[j < n for j in range(k + 1)] for n in lookups]
         planner.observe(rows, RoundRecord(lengths, accepted, looked, shadow, k, forwards, cost, drafting, moving))
         tokens += sum(a + 1 for a in accepted)
-        seconds += cost + moving
+        seconds += cost + moving + hidden * c0 * (sum(lengths) > 0)
         moving = realign * c0 if len(set(accepted)) > 1 else 0.0
     return (tokens / seconds) / (batch / c0)
 
@@ -297,7 +300,7 @@ def makespan(chances: list[float], *, draining: bool, batches: int = 4, budget: 
     ``chances[i]``, and is scored over its own drafts. A round over the ``B`` rows still running costs
     ``c0 (1/2 + (B + sum n) / 16)``: at B = 8 on 2 CPU cores half of a plain step reads the weights and each column
     scored costs a sixteenth of it."""
-    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True, margin=1.0)  # this world's prices are exact
     rng = random.Random(seed)
     seconds = 0.0
     for _ in range(batches):
@@ -431,3 +434,56 @@ def test_the_engine_prices_a_target_by_its_experts_once(build):
     for rows in (1, 5, 20):
         slope = planner._fit(rows).slope
         assert slope == (1 / max(rows, KNEE_TOKENS) if mixture is None else prior_slope(rows, planner.max_k, mixture))
+
+
+@pytest.mark.parametrize("chance", [0.3, 0.4])
+def test_several_rows_draft_only_where_drafting_pays_by_the_margin(chance):
+    """B = 8, ragged, lookups accepted 30-40% of the time, each extra column at 0.3 of a plain step over the rows
+    (break-even at 30%), and every round with drafts costing a tenth of a plain step more than its record shows
+    (what rows that gain unequally cost later: KV gathers, prompts read in more chunks). Priced at its fitted seconds
+    the planner drafts for gains that the unseen cost eats (0.97-0.98x); at the margin it keeps plain's pace."""
+    world = dict(slope=0.3, reach=5, ragged=True, hidden=0.1, realign=0.02)
+    assert speedup(8, chance, margin=1.0, **world) < 0.985
+    assert speedup(8, chance, margin=draft_length.UNEQUAL_MARGIN, **world) >= 0.99
+
+
+def test_the_margin_leaves_drafts_that_pay_well_and_one_row_alone():
+    """Drafts accepted half of the time at a fifth of a plain step a column still pay at B = 8 with the margin
+    (about 1.12x); one row has no other rows to leave unequal, and its drafts are priced at their fitted seconds."""
+    assert speedup(8, 0.5, slope=0.2, reach=5, ragged=True, hidden=0.05, margin=draft_length.UNEQUAL_MARGIN) >= 1.08
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
+    assert planner._fit(1).margin == 1.0
+    assert planner._fit(4).margin == draft_length.UNEQUAL_MARGIN > 1.0
+
+
+def test_a_sources_trust_is_what_its_drafts_gave_of_what_they_were_expected_to():
+    """Drafts expected to give 10 tokens gave 6: the source's gains are scaled by (6 + 2) / (10 + 2) (two expected
+    tokens taken as borne out); never above 1 where drafts gave more; fading back toward 1 while none is proposed."""
+    trust = draft_length.Trust()
+    assert trust.factor == 1.0
+    trust.observe(10.0, 6)
+    assert trust.factor == pytest.approx(8 / 12)
+    before = trust.factor
+    trust.fade(0.5)
+    assert before < trust.factor < 1.0
+    better = draft_length.Trust()
+    better.observe(2.0, 5)
+    assert better.factor == 1.0
+
+
+def test_overrated_drafts_lose_the_planners_trust_and_are_proposed_less():
+    """Rows whose lookups look good (a first lookup checked for free is always right) but whose proposed drafts
+    are never accepted: the planner's expected tokens of its proposals are not borne out, and its trust in lookups
+    falls, and it proposes less."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
+    rows = [Sequence(i, [1, 2, 3], 10**9) for i in range(4)]
+    reach = Reach([5] * 4, uses_draft_model=False, first=[7] * 4)
+    proposed = []
+    for _ in range(60):
+        lengths = planner.lengths(rows, reach, False)
+        proposed.append(sum(lengths))
+        shadow = [None if n else True for n in lengths]
+        looked = [[True] * (max(lengths) + 1) for _ in rows]
+        planner.observe(rows, RoundRecord(lengths, [0] * 4, looked, shadow, max(lengths), 0, 0.3))
+    assert planner.trust["lookup"].factor < 0.5
+    assert sum(proposed[-20:]) < 0.75 * sum(proposed[:20])

@@ -59,6 +59,12 @@ sooner they end the batch (:meth:`AdaptiveLength._worth`): rows that hold the ba
 not at all. Where rows end at EOS instead of their budget, any of them may turn out the longest, and the tokens
 are weighed alike again, by the share of finished rows that ran to their budget.
 
+Two corrections keep a round from drafting where it would pay by a little, and lose: each source's expected gains
+are scaled by how far its proposed drafts gave what they were expected to (:class:`Trust`: drafts proposed because
+their shares were high are overrated), and at several rows what drafting adds to a round is priced at
+:data:`UNEQUAL_MARGIN` times its fitted seconds (:class:`CostFit`: rows that gain unequally cost later what no
+round's seconds show).
+
 Example: B = 1, ``a = 0.8`` and cost = 0.25 + 0.05 x + 0.09 s: K = 0 gives 1 / 0.25 = 4.0 tokens/s; K = 3 with a
 draft model gives (1 + .8 + .64 + .51) / 0.67 = 4.4; K = 3 with lookups only (s = 0) gives 2.95 / 0.40 = 7.4.
 """
@@ -90,6 +96,9 @@ READ_DECAY = 0.5  # weight of the earlier prompt-reading timings in their runnin
 CATCH_UP_ROUNDS = 16  # rounds of drafts a draft model's catch-up is spread over, at most
 REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with drafts in their running mean
 RIDGE = 0.5
+UNEQUAL_MARGIN = 1.5  # what drafting adds to a round of several rows is priced at, over its fitted seconds: see CostFit
+TRUST_DECAY = 0.95  # weight of a source's earlier rounds of drafts in its Trust
+TRUST_PRIOR = 2.0  # expected tokens taken as borne out in a source's Trust: a few rejections do not halve it
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
 PRIOR_BUDGET_SHARE = 0.5  # the share of rows taken to run to their budget before any has finished
 LAST_ROUNDS = 2.0  # rounds ahead of a draining batch's slowest row over which a row's chance to finish last falls by e
@@ -105,6 +114,13 @@ class CostFit:
     is never negative), and ``draft_s``, the measured seconds of one draft forward (``draft_share * c_0`` until the
     draft has run).
 
+    ``margin``: what drafting adds to a round (its verified tokens, draft forwards, realignment and catch-up) is
+    priced at that many times its fitted seconds when the planner chooses. 1 for one row; for several,
+    :data:`UNEQUAL_MARGIN`: rows that gain unequally cost what no round's seconds show (KV gathers the rounds after,
+    rows that finish in another order and read the next prompts in more chunks), and a round that was to pay by a
+    little lost (SpecBench at B = 4, int8, the preset pair, writing: 17 drafted rounds of 128 cost 2% of the time
+    with 7 tokens gained; with nothing proposed the same run kept plain's pace).
+
     The fit is plain float arithmetic (a 2 x 2 system), solved once per observed round and kept: the planner
     prices every candidate of every round from it, so it must cost the host next to nothing.
     """
@@ -112,6 +128,7 @@ class CostFit:
     slope: float
     draft_share: float
     start: float | None = None
+    margin: float = 1.0
     draft_s: float | None = None
     realign_s: float = 0.0
     gram: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed sums of 1, K, K^2
@@ -146,8 +163,10 @@ class CostFit:
         return c0, max(c_v, 0.0)
 
     def predict(self, x: int, steps: int) -> float:
+        """A round's seconds with ``x`` extra tokens verified and ``steps`` draft forwards, what drafting adds to a
+        plain step priced at :attr:`margin` times its fitted seconds."""
         c0, slope = self.theta
-        return c0 + slope * x + self.draft(steps) + (self.realign_s if x else 0.0)
+        return c0 + self.margin * (slope * x + self.draft(steps) + (self.realign_s if x else 0.0))
 
     def realigned(self, seconds: float) -> None:
         """The realignment after a round with drafts took ``seconds``."""
@@ -157,6 +176,34 @@ class CostFit:
         """Seconds of ``steps`` draft forwards."""
         each = self.draft_share * self.theta[0] if self.draft_s is None else self.draft_s
         return each * steps
+
+
+@dataclass
+class Trust:
+    """How far a source's drafts gave the tokens the planner expected of them: ``factor``, the decayed tokens
+    accepted over the decayed tokens expected (at the shares the planner planned with), at most 1, with
+    :data:`TRUST_PRIOR` expected tokens taken as borne out. The planner scales the source's expected gains by it.
+
+    The shares are unbiased estimates of a row's acceptance, but the drafts a round proposes are the ones whose
+    shares were high: chosen for being high, they are overrated (on SpecBench at B = 4, int8, the preset pair: the
+    proposed drafts were expected to give 1.3-1.4x the tokens they gave), and a draft that was to pay by a little
+    loses. Where a source's drafts give what they were expected to, its factor stays near 1."""
+
+    expected: float = 0.0
+    accepted: float = 0.0
+
+    @property
+    def factor(self) -> float:
+        return min(1.0, (self.accepted + TRUST_PRIOR) / (self.expected + TRUST_PRIOR))
+
+    def observe(self, expected: float, accepted: int) -> None:
+        self.expected = TRUST_DECAY * self.expected + expected
+        self.accepted = TRUST_DECAY * self.accepted + accepted
+
+    def fade(self, decay: float) -> None:
+        """No draft of the source was proposed: what was measured counts less (the factor drifts toward 1)."""
+        self.expected *= decay
+        self.accepted *= decay
 
 
 class Shares(NamedTuple):
@@ -248,8 +295,9 @@ class AdaptiveLength:
     """Chooses each round's ``K`` for the highest expected tokens per second (see the module docstring)."""
 
     def __init__(self, max_k: int, draft_ratio: float, *, ragged: bool = False, mixture: Mixture | None = None,
-                 model_prior: float | None = None) -> None:
+                 model_prior: float | None = None, margin: float = UNEQUAL_MARGIN) -> None:
         self.max_k = max_k
+        self.margin = margin  # the price of what drafting adds to a round of several rows (CostFit.margin)
         self.first_prior = FIRST_PRIOR if model_prior is None else {**FIRST_PRIOR, "model": model_prior}
         self.mixture = mixture  # the target's experts (None: dense), for the cost prior of an extra token
         self.ragged = ragged  # the verification scores each row's own drafts only (see the module docstring)
@@ -261,6 +309,8 @@ class AdaptiveLength:
         self.fits: dict[int, CostFit] = {}
         self.read_s: dict[bool, float] = {}  # seconds per prompt column read, by the draft (True) or the target
         self.finished = (0, 0)  # rows that finished at their budget, rows that finished
+        self.trust = {"lookup": Trust(), "model": Trust()}  # how far each source's expected tokens were borne out
+        self.expected: list[list[float]] | None = None  # the last plan's gains per row, before trust
 
     def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False) -> list[int]:
         """Each row's drafts this round; ``draining``: no row takes the place of one that finishes before the batch
@@ -273,8 +323,12 @@ class AdaptiveLength:
         fit = self._fit(len(rows))
         catch_up_s = self._catch_up_s(reach)
         left = sum(row.remaining for row in rows)
-        gains_of = [[_gains(cap, found, row_shares, reach.uses_draft_model)
-                     for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)] for caps in variants]
+        raw = [[_gains(cap, found, row_shares, reach.uses_draft_model)
+                for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)] for caps in variants]
+        self.expected = raw[0]  # what each row's drafts were expected to give: see _calibrate
+        trust = (self.trust["lookup"].factor, self.trust["model"].factor)
+        gains_of = [[_trusted(row, found, trust) for row, found in zip(gains, reach.lookups, strict=True)]
+                    for gains in raw]
         # a row's rate where the batch drains: the tokens it gains where it drafts all it can
         worth = self._worth(rows, fit, [1 + sum(row) for row in gains_of[0]]) if draining else [1.0] * len(rows)
         best, best_rate = [0] * len(rows), 0.0
@@ -286,7 +340,7 @@ class AdaptiveLength:
                 lengths, value, extra, steps = deal(totals, ranked, worth, (k, _draft_steps(k, caps, reach, sampled)),
                                                     fit, reach.lookups)
                 tokens = len(rows) + sum(total[n] for total, n in zip(totals, lengths, strict=True))
-                catch_up = catch_up_s / min(left / tokens, CATCH_UP_ROUNDS) if steps and left else 0.0
+                catch_up = fit.margin * catch_up_s / min(left / tokens, CATCH_UP_ROUNDS) if steps and left else 0.0
                 rate = value / max(fit.predict(extra, steps) + catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = lengths, rate
@@ -305,8 +359,9 @@ class AdaptiveLength:
             value = sum(w * (1 + total[n]) for total, w, n in zip(totals, worth, lengths, strict=True))
             return lengths, value, k * len(totals), steps
         c0, per_token = fit.theta
+        per_token *= fit.margin
         lengths = [0] * len(totals)
-        value, cost = sum(worth), c0 + fit.draft(steps)
+        value, cost = sum(worth), c0 + fit.margin * fit.draft(steps)
         for adds, i, _ in (draft for draft in ranked if draft[2] < k):
             if adds * cost <= value * per_token:  # the worth only falls from here on: none would raise the rate
                 break
@@ -325,7 +380,7 @@ class AdaptiveLength:
             lengths, value, extra, _ = self._deal(totals, ranked, worth, (k, 0), fit, found)
             return lengths, value, extra, sum(max(0, n - f) for n, f in zip(lengths, found, strict=True))
         c0, per_token = fit.theta
-        each = fit.draft(1)
+        per_token, each = fit.margin * per_token, fit.margin * fit.draft(1)
         lengths, forwards = [0] * len(totals), 0
         value, cost = sum(worth), c0
         for adds, i, j in (draft for draft in ranked if draft[2] < k):
@@ -354,12 +409,33 @@ class AdaptiveLength:
         self.finished = (self.finished[0] + sum(row.finish_reason == FINISH_LENGTH for row in ended),
                          self.finished[1] + len(ended))
         self._count(rows, record)
+        self._calibrate(record)
         fit = self._fit(len(rows))
         if self.proposed == len(rows):  # the round before had drafts, over as many rows
             fit.realigned(record.realign_seconds)
         scored = sum(record.lengths) if self.ragged else len(record.lengths) * record.k  # extra tokens verified
         self.proposed = len(rows) if scored else 0
         fit.observe(scored, self._draft_steps_read(rows, record, fit), record.seconds, record.draft_seconds)
+
+    def _calibrate(self, record: RoundRecord) -> None:
+        """Each source's drafts of the round: the tokens the planner expected of them (at the rows' shares as it
+        planned, :attr:`expected`) against the ones the target accepted, into that source's :class:`Trust`; a
+        source that proposed nothing fades toward full trust."""
+        gains = self.expected if self.expected is not None else []
+        if len(gains) != len(record.lengths):  # no plan of these rows: nothing to compare
+            gains = [[] for _ in record.lengths]
+        tally = {"lookup": [0.0, 0], "model": [0.0, 0]}
+        for row_gains, n, a, chained in zip(gains, record.lengths, record.accepted, record.chained, strict=True):
+            for j in range(min(n, len(row_gains))):
+                source = tally["lookup" if chained[j] else "model"]
+                source[0] += row_gains[j]
+                source[1] += int(j < a)
+        for source, (expected, accepted) in tally.items():
+            if expected:
+                self.trust[source].observe(expected, accepted)
+            else:
+                self.trust[source].fade(IDLE_DECAY)
+        self.expected = None
 
     def _count(self, rows, record: RoundRecord) -> None:
         """Each row's tested drafts, by source and place, into its counts and the engine's; a count that no draft
@@ -447,7 +523,7 @@ class AdaptiveLength:
             start = self.fits[min(self.fits, key=lambda b: abs(b - rows))].theta[0] if self.fits else None
             slope = prior_slope(rows, self.max_k, self.mixture)  # c_0 per extra token
             share = self.draft_ratio if self.mixture is None else self.draft_ratio / self.mixture.weights(rows)
-            self.fits[rows] = CostFit(slope, share, start)
+            self.fits[rows] = CostFit(slope, share, start, margin=1.0 if rows == 1 else self.margin)
         return self.fits[rows]
 
 
@@ -523,6 +599,12 @@ def _gains(cap: int, found: int, shares: Shares, uses_draft_model: bool) -> list
             chance *= shares.model_first if j == found + 1 else shares.model_later
         gains.append(chance)
     return gains
+
+
+def _trusted(gains: list[float], found: int, trust: tuple[float, float]) -> list[float]:
+    """A row's :func:`_gains`, each scaled by its source's :attr:`Trust.factor` (``trust``: the lookups', the
+    draft model's; its first ``found`` drafts are lookups)."""
+    return [gain * trust[j >= found] for j, gain in enumerate(gains)]
 
 
 def _ranked(gains: list[list[float]], worth: list[float]) -> list[tuple[float, int, int]]:
