@@ -487,3 +487,26 @@ def test_overrated_drafts_lose_the_planners_trust_and_are_proposed_less():
         planner.observe(rows, RoundRecord(lengths, [0] * 4, looked, shadow, max(lengths), 0, 0.3))
     assert planner.trust["lookup"].factor < 0.5
     assert sum(proposed[-20:]) < 0.75 * sum(proposed[:20])
+
+
+def test_a_capped_round_drafts_no_further_than_its_seconds_allow():
+    """B = 8, every row's 10 lookups accepted 90% of the time: uncapped, the planner verifies most of them (a wide
+    round, three plain steps long on 2 CPU cores); capped at the seconds a streamed round may take (the server's:
+    :meth:`~batchspec.engine.prefill.ChunkBudget.round_cap`), its round's fitted seconds stay within the cap, and
+    it still drafts where the cap leaves room."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
+    rows = [Sequence(i, [1, 2, 3], 10**9) for i in range(8)]
+    reach = Reach([10] * 8, uses_draft_model=False, first=[7] * 8)
+    for n in range(12):  # rounds of every width up to 8 extra tokens a row, at c0 (1 + x / 16), all accepted
+        lengths = [n % 9] * 8
+        looked = [[True] * (max(lengths) + 1) for _ in rows]
+        seconds = 0.1 * (1 + sum(lengths) / 16)
+        planner.observe(rows, RoundRecord(lengths, lengths, looked, [None] * 8, max(lengths), 0, seconds))
+    fit = planner._fit(8)
+    free = planner.lengths(rows, reach, False)
+    cap = 1.5 * fit.theta[0]
+    capped = planner.lengths(rows, reach, False, cap=cap)
+    assert fit.seconds(sum(free), 0) > cap
+    assert 0 < sum(capped) < sum(free)
+    assert fit.seconds(sum(capped), 0) <= cap
+    assert planner.lengths(rows, reach, False, cap=fit.theta[0]) == [0] * 8

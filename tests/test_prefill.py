@@ -49,7 +49,7 @@ class AlwaysDrafts:
         self.planner, self.idle = planner, idle
         planner.drafting = False
 
-    def __call__(self, rows, reach, sampled: bool, *, draining: bool = False) -> list[int]:
+    def __call__(self, rows, reach, sampled: bool, *, draining: bool = False, cap: float | None = None) -> list[int]:
         self.idle -= 1
         k = 0 if self.idle >= 0 else 2
         return [reach.available(i, min(k, row.remaining - 1)) for i, row in enumerate(rows)]
@@ -150,3 +150,24 @@ def test_rows_lacking_more_than_far_catch_up_though_none_lags():
     rows = [Sequence(0, list(range(10)), 8), Sequence(1, [1, 2, 3], 8)]
     assert draft_catch_up(rows) == ()
     assert draft_catch_up(rows, far=5) == (0,)
+
+
+def test_a_streamed_rounds_seconds_are_capped_at_a_plain_rounds_worst():
+    """A round of plain decoding while prompts stream in takes at most its chunk (about a plain step, auto) and its
+    step: a round may decode for that long less what it read already, never less than a plain step; unset (offline),
+    or before a step was timed, nothing caps it."""
+    assert ChunkBudget(None).round_cap() is None
+    budget = ChunkBudget("auto")
+    assert budget.round_cap() is None
+    budget.decoded(0.1)
+    budget.begin()
+    assert budget.round_cap() == pytest.approx(0.2)
+    budget.read(10, 0.06)
+    assert budget.round_cap() == pytest.approx(0.14)
+    budget.read(10, 0.2)
+    assert budget.round_cap() == pytest.approx(0.1)
+    fixed = ChunkBudget(50)
+    fixed.decoded(0.1)
+    fixed.read(10, 0.01)  # a prompt column read in a millisecond: a chunk of 50 takes 0.05 s
+    fixed.begin()
+    assert fixed.round_cap() == pytest.approx(0.15)

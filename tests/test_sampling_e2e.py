@@ -399,7 +399,7 @@ class DrawnLengths:
         self.observe(rows, record)
         self.planner.drafting = self.draw(st.booleans())
 
-    def __call__(self, rows, reach, sampled: bool, *, draining: bool = False) -> list[int]:
+    def __call__(self, rows, reach, sampled: bool, *, draining: bool = False, cap: float | None = None) -> list[int]:
         limits = [min(self.planner.max_k, row.remaining - 1) for row in rows]
         k = self.draw(st.integers(0, max(limits, default=0)))
         if reach.uses_draft_model and any(reach.lookups) and self.draw(st.booleans()):

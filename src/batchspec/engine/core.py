@@ -80,7 +80,7 @@ class Engine:
         """One round: plan on the host, propose and verify on the device, and read the verdict back once."""
         reach = self.proposer.reach(rows, self.planner.limit)
         sampled = any(not row.sampling.greedy for row in rows)
-        lengths = self.planner.lengths(rows, reach, sampled, draining=draining)
+        lengths = self.planner.lengths(rows, reach, sampled, draining=draining, cap=self.chunks.round_cap())
         drafts = self.proposer.uses_draft_model and _model_drafts(lengths, reach, rows)
         if drafts and not self.sync_draft(rows):  # a row still catches up (every row greedy): lookups only this round
             lengths = [min(n, found) for n, found in zip(lengths, reach.lookups, strict=True)]

@@ -163,10 +163,14 @@ class CostFit:
         return c0, max(c_v, 0.0)
 
     def predict(self, x: int, steps: int) -> float:
-        """A round's seconds with ``x`` extra tokens verified and ``steps`` draft forwards, what drafting adds to a
-        plain step priced at :attr:`margin` times its fitted seconds."""
+        """:meth:`seconds`, what drafting adds to a plain step priced at :attr:`margin` times its fitted seconds."""
+        c0 = self.theta[0]
+        return c0 + self.margin * (self.seconds(x, steps) - c0)
+
+    def seconds(self, x: int, steps: int) -> float:
+        """A round's fitted seconds with ``x`` extra tokens verified and ``steps`` draft forwards."""
         c0, slope = self.theta
-        return c0 + self.margin * (slope * x + self.draft(steps) + (self.realign_s if x else 0.0))
+        return c0 + slope * x + self.draft(steps) + (self.realign_s if x else 0.0)
 
     def realigned(self, seconds: float) -> None:
         """The realignment after a round with drafts took ``seconds``."""
@@ -277,7 +281,8 @@ class FixedLength:
         self.limit = k
         self.drafting = k > 0
 
-    def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False) -> list[int]:
+    def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False,
+                cap: float | None = None) -> list[int]:
         return [reach.available(i, min(self.k, row.remaining - 1)) for i, row in enumerate(rows)]
 
     def observe(self, rows, record: RoundRecord) -> None:
@@ -312,9 +317,14 @@ class AdaptiveLength:
         self.trust = {"lookup": Trust(), "model": Trust()}  # how far each source's expected tokens were borne out
         self.expected: list[list[float]] | None = None  # the last plan's gains per row, before trust
 
-    def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False) -> list[int]:
+    def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False,
+                cap: float | None = None) -> list[int]:
         """Each row's drafts this round; ``draining``: no row takes the place of one that finishes before the batch
-        ends (see :meth:`_worth`)."""
+        ends (see :meth:`_worth`); ``cap``: the seconds the round may take at most (streams waiting on it: the
+        server's rounds, :meth:`~batchspec.engine.prefill.ChunkBudget.round_cap`), None for none. A round longer
+        than a plain one would make its rows' clients wait longer for their next tokens than plain decoding ever
+        makes them wait: on SpecBench's served chats at 8 clients, the longest gaps were rounds verifying 10 lookups
+        for each of 8 rows, three plain steps long."""
         limits = [min(self.max_k, row.remaining - 1) for row in rows]
         variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
         if reach.uses_draft_model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
@@ -332,24 +342,29 @@ class AdaptiveLength:
         # a row's rate where the batch drains: the tokens it gains where it drafts all it can
         worth = self._worth(rows, fit, [1 + sum(row) for row in gains_of[0]]) if draining else [1.0] * len(rows)
         best, best_rate = [0] * len(rows), 0.0
+        limit = math.inf if cap is None else cap
         for caps, gains in zip(variants, gains_of, strict=True):
             totals = [list(accumulate(row, initial=0)) for row in gains]  # totals[i][n]: the sum of gains[i][:n]
             ranked = _ranked(gains, worth) if self.ragged else []
             for k in range(max(caps, default=0) + 1):
                 deal = self._deal_rows if reach.per_row else self._deal
                 lengths, value, extra, steps = deal(totals, ranked, worth, (k, _draft_steps(k, caps, reach, sampled)),
-                                                    fit, reach.lookups)
+                                                    fit, reach.lookups, limit)
                 tokens = len(rows) + sum(total[n] for total, n in zip(totals, lengths, strict=True))
-                catch_up = fit.margin * catch_up_s / min(left / tokens, CATCH_UP_ROUNDS) if steps and left else 0.0
-                rate = value / max(fit.predict(extra, steps) + catch_up, 1e-6)
+                catch_up = catch_up_s / min(left / tokens, CATCH_UP_ROUNDS) if steps and left else 0.0
+                if extra and fit.seconds(extra, steps) + catch_up > limit:
+                    continue
+                rate = value / max(fit.predict(extra, steps) + fit.margin * catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = lengths, rate
         return best
 
     def _deal(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
-              round_: tuple[int, int], fit: CostFit, found: list[int]) -> tuple[list[int], float, int, int]:
+              round_: tuple[int, int], fit: CostFit, found: list[int],
+              limit: float = math.inf) -> tuple[list[int], float, int, int]:
         """Each row's drafts for a round of longest proposal ``k`` and ``steps`` draft forwards (``round_``), the worth
-        of the tokens they are expected to give, the extra tokens the verification scores and the draft forwards.
+        of the tokens they are expected to give, the extra tokens the verification scores and the draft forwards;
+        ragged, no draft is dealt past the round's fitted seconds ``limit``.
         ``totals[i][n]``: the tokens row ``i``'s first ``n`` drafts add, each worth ``worth[i]``; ``ranked``: every
         draft by worth (:func:`_ranked`). Ragged: drafts taken in order of worth while each raises the expected rate;
         else ``min(k, reach)`` for all. (``found``, the rows' lookups, matters only to :meth:`_deal_rows`.)"""
@@ -358,19 +373,21 @@ class AdaptiveLength:
             lengths = [min(k, len(total) - 1) for total in totals]
             value = sum(w * (1 + total[n]) for total, w, n in zip(totals, worth, lengths, strict=True))
             return lengths, value, k * len(totals), steps
-        c0, per_token = fit.theta
-        per_token *= fit.margin
+        c0, fitted = fit.theta
+        per_token = fit.margin * fitted
         lengths = [0] * len(totals)
         value, cost = sum(worth), c0 + fit.margin * fit.draft(steps)
+        seconds = fit.seconds(0, steps) + fit.realign_s
         for adds, i, _ in (draft for draft in ranked if draft[2] < k):
-            if adds * cost <= value * per_token:  # the worth only falls from here on: none would raise the rate
+            if adds * cost <= value * per_token or seconds + fitted > limit:  # the worth only falls from here on
                 break
             lengths[i] += 1
-            value, cost = value + adds, cost + per_token
+            value, cost, seconds = value + adds, cost + per_token, seconds + fitted
         return lengths, value, sum(lengths), steps
 
     def _deal_rows(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
-                   round_: tuple[int, int], fit: CostFit, found: list[int]) -> tuple[list[int], float, int, int]:
+                   round_: tuple[int, int], fit: CostFit, found: list[int],
+                   limit: float = math.inf) -> tuple[list[int], float, int, int]:
         """:meth:`_deal` for a draft model that runs one row at a time (:attr:`Reach.per_row`): a row's draft past
         its ``found`` lookups costs a draft forward of its own besides its verification, so the drafts are priced one
         by one, and the forwards returned are the rows' (ragged: a draft is taken while it raises the expected rate,
@@ -379,18 +396,17 @@ class AdaptiveLength:
         if not self.ragged:
             lengths, value, extra, _ = self._deal(totals, ranked, worth, (k, 0), fit, found)
             return lengths, value, extra, sum(max(0, n - f) for n, f in zip(lengths, found, strict=True))
-        c0, per_token = fit.theta
-        per_token, each = fit.margin * per_token, fit.margin * fit.draft(1)
+        c0, fitted = fit.theta
         lengths, forwards = [0] * len(totals), 0
-        value, cost = sum(worth), c0
+        value, cost, seconds = sum(worth), c0, c0 + fit.realign_s
         for adds, i, j in (draft for draft in ranked if draft[2] < k):
             modelled = j >= found[i]
-            price = per_token + each * modelled
-            if lengths[i] != j or adds * cost <= value * price:
+            took = fitted + fit.draft(1) * modelled
+            if lengths[i] != j or adds * cost <= value * fit.margin * took or seconds + took > limit:
                 continue
             lengths[i] += 1
             forwards += modelled
-            value, cost = value + adds, cost + price
+            value, cost, seconds = value + adds, cost + fit.margin * took, seconds + took
         return lengths, value, sum(lengths), forwards
 
     def _worth(self, rows, fit: CostFit, rates: list[float]) -> list[float]:

@@ -95,6 +95,16 @@ class ChunkBudget:
             return FIRST_AUTO_CHUNK
         return max(MIN_AUTO_CHUNK, round(seconds / (token_s * rows)))
 
+    def round_cap(self) -> float | None:
+        """Seconds this round's decoding may take (None: no bound; the setting unset, or no plain step measured yet):
+        what a round of plain decoding takes at worst, its prompt chunk and its step, less what this round read
+        already; never less than a plain step. A round that drafts within it makes no stream wait longer than
+        plain decoding's chunked rounds do."""
+        if self.setting is None or self.round_s is None:
+            return None
+        chunk = self.round_s if self.setting == AUTO or self.token_s is None else self.setting * self.token_s
+        return max(self.round_s, self.round_s + chunk - self.spent)
+
     def begin(self) -> None:
         """A round starts: nothing read in it yet."""
         self.spent = 0.0
