@@ -68,6 +68,9 @@ def main() -> int:
                 _write(args.output, cells, clients)
     differing = _differing(answers)
     (args.output / "answers_differ.json").write_text(json.dumps(differing, indent=1))
+    texts = {f"{name} x{n} repeat {repeat}": texts
+             for n, runs in answers.items() for (name, repeat), texts in runs.items()}
+    (args.output / "answers.json").write_text(json.dumps(texts, indent=1))
     print((args.output / "serve.md").read_text())
     if differing:
         print(f"specbench_serve: {len(differing)} answers differ between servers or loads", file=sys.stderr)
