@@ -168,7 +168,7 @@ def test_matches_reference(target, proposer, draft, k, method, batch_size, repea
     refs = [reference(bundle.target, p, 21, bundle.eos_id) for p in prompts]
     check.result_matches(result, prompts, refs, 21, bundle.eos_id)
     assert result.stats.recomputed_columns == 0
-    if repeating and proposer != "draft":
+    if repeating and proposer != "draft" and k != "auto":  # auto proposes only where the host's timings make it pay
         assert result.stats.draft_tokens_proposed > 0, "lookups found nothing in repeating prompts"
 
 
