@@ -437,9 +437,8 @@ class AdaptiveLength:
         """Each source's drafts of the round: the tokens the planner expected of them (at the rows' shares as it
         planned, :attr:`expected`) against the ones the target accepted, into that source's :class:`Trust`; a
         source that proposed nothing fades toward full trust."""
-        gains = self.expected if self.expected is not None else []
-        if len(gains) != len(record.lengths):  # no plan of these rows: nothing to compare
-            gains = [[] for _ in record.lengths]
+        planned = self.expected is not None and len(self.expected) == len(record.lengths)
+        gains = self.expected if planned else [[]] * len(record.lengths)  # no plan of these rows: nothing to compare
         tally = {"lookup": [0.0, 0], "model": [0.0, 0]}
         for row_gains, n, a, chained in zip(gains, record.lengths, record.accepted, record.chained, strict=True):
             for j in range(min(n, len(row_gains))):
