@@ -6,8 +6,8 @@ The int8 forward is batch-invariant by construction because it only uses three k
    IEEE 754 fixes: the vector lanes and the scalar tail of a kernel, every instruction set and every thread split
    agree on them whatever the tensor's shape or where a value sits in it. torch's float32 ``sqrt`` is not one of them
    on the CPU (it differed from the correctly rounded root in 15,509 of 100,000 random float32 values on an AVX-512
-   Zen 4, through a vector library that picks its code by CPU), so :func:`sqrt_rounded` takes float64's root and
-   rounds it, which is the correctly rounded float32 root.
+   Zen 4, through a vector library that picks its code by CPU), so :func:`sqrt_rounded` corrects a root to the
+   nearest float32 by exact comparisons of squares.
 2. **Sums of integers held exactly**: the int8 product accumulates in int32 (:mod:`batchspec.exact.integer.product`),
    and
    float64 holds every integer below 2**53 exactly, so a matrix product of integer-valued float64 tensors whose
@@ -177,7 +177,28 @@ def _sigmoid(z: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt_rounded(x: torch.Tensor) -> torch.Tensor:
-    """The correctly rounded square root of float32 ``x`` (of float64 ``x``: torch's root): float64's root of a
-    float32 value, rounded to float32, is the float32 root correctly rounded, even where float64's is off by an ulp
-    (the exact root is at least 2**-50 of its size from any float32 rounding boundary; float64's ulp is 2**-52)."""
-    return x.double().sqrt_().to(x.dtype) if x.dtype == torch.float32 else x.sqrt()
+    """The correctly rounded square root of float32 ``x`` (of float64 ``x``: torch's root), whatever the accuracy of
+    the root it starts from: torch's float64 root (a vector library's, whose first call in a process can be far off
+    on one thread: :func:`~batchspec.exact.integer.rotary.correctly_rounded`), one Newton step in float64, rounded to
+    float32 ``r``, then :func:`_towards_root` twice. Zero, infinity, NaN and negative ``x`` keep IEEE's root."""
+    if x.dtype != torch.float32:
+        return x.sqrt()
+    wide = x.double()  # [...]
+    guess = wide.sqrt()
+    inside = (wide > 0) & (wide < math.inf)  # [...]
+    root = torch.where(inside, (guess + wide / guess) * 0.5, guess).float()  # [...]: within a step of the root
+    for _ in range(2):
+        root = torch.where(inside, _towards_root(root, wide), root)
+    return root
+
+
+def _towards_root(root: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """Positive float32 ``root`` moved one step up where the midpoint to the float32 above it is still below the
+    exact root of ``wide`` (its square below ``wide``), one step down where the midpoint below is above it. Exact: a
+    float32 has 24 bits, a midpoint between two 25 and its square 50, held exactly in float64; that square never equals
+    a float32 ``wide`` (an odd 25-bit integer's square has at least 49 bits), so the nearest float32 never ties."""
+    up, down = (torch.nextafter(root, torch.tensor(limit)) for limit in (math.inf, -math.inf))  # [...] each
+    above = (root.double() + up.double()) * 0.5  # [...]
+    below = (root.double() + down.double()) * 0.5
+    moved = torch.where(above * above < wide, up, root)
+    return torch.where(below * below > wide, down, moved)
