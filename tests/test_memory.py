@@ -152,6 +152,16 @@ def test_the_heap_watch_gives_back_free_memory_beyond_its_bound():
     assert watch.check() and not watch.check()
 
 
+def test_available_memory_counts_what_the_system_can_reclaim(tmp_path, monkeypatch):
+    """The prefix cache's ``auto`` budget reads MemAvailable, not the free pages alone (a host whose page cache fills
+    its memory has few free pages and much available); without a meminfo it falls back to the free pages."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          300000 kB\nMemAvailable:   20000000 kB\n")
+    assert memory.available_bytes(str(meminfo)) == 20000000 * 1024
+    monkeypatch.setattr(memory.os, "sysconf", {"SC_AVPHYS_PAGES": 75000, "SC_PAGE_SIZE": 4096}.__getitem__)
+    assert memory.available_bytes(str(tmp_path / "absent")) == 75000 * 4096
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_1"])
 def test_a_ggufs_own_embedding_rows_look_up_the_loaded_tables_values(kind):
     """A table held as a GGUF file's blocks gives, for every id, the row of the table loaded from that file (gguf's

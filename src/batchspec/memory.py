@@ -15,6 +15,7 @@ import ctypes.util
 import functools
 import math
 import mmap
+import os
 import resource
 import sys
 from collections.abc import Iterator
@@ -113,6 +114,20 @@ def resident_bytes() -> int | None:
             return int(statm.read().split()[1]) * resource.getpagesize()
     except (OSError, IndexError, ValueError):
         return None
+
+
+def available_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """The memory the system could give this process now without swapping: Linux's ``MemAvailable`` (free memory
+    plus the page cache and other memory it can reclaim), else the free pages alone (``SC_AVPHYS_PAGES``: on a host
+    whose page cache fills its memory, a small part of what is available)."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @functools.cache

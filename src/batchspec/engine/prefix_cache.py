@@ -30,7 +30,6 @@ reads only its 9th token (the 10th is pending: no row holds its pending token's 
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ import torch
 from batchspec.config import AUTO
 from batchspec.engine.kv_cache import BatchKVCache, Slab
 from batchspec.engine.state import KVLocation, Sequence
+from batchspec.memory import available_bytes
 
 BLOCK = 16
 AUTO_SHARE = 0.25  # of the device's free memory, for "auto"
@@ -180,13 +180,11 @@ def worth_waiting(keys: list[int], leader: list[int], start: int, prompt: int) -
 
 def prefix_cache_bytes(setting: int | str, device: torch.device) -> int:
     """The prefix cache's budget in bytes: ``setting``, or for ``"auto"`` :data:`AUTO_SHARE` of the device's free
-    memory now (the models are loaded), at most :data:`AUTO_MAX`."""
+    memory now (the models are loaded; on the CPU what the system could give, :func:`available_bytes`), at most
+    :data:`AUTO_MAX`."""
     if setting != AUTO:
         return int(setting)
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_bytes()
     return min(AUTO_MAX, int(free * AUTO_SHARE))
 
 
