@@ -42,8 +42,12 @@ def _bytes(tensor: torch.Tensor) -> bytes:
 
 
 def one_load(preset: str, quantize: str) -> dict[str, str]:
-    from batchspec.models import load_pair
+    """The hashes of the preset's models (the pair where it has a draft, else its target alone), loaded here."""
+    from batchspec.models import load_model, load_pair
+    from batchspec.models.loading import PRESETS
 
+    if "draft" not in PRESETS[preset].roles:
+        return {"target": model_hash(load_model(f"{preset}:target", quantize=quantize, progress=False)[0])}
     pair = load_pair(preset=preset, quantize=quantize, progress=False)
     return {"target": model_hash(pair.target), "draft": model_hash(pair.draft)}
 
