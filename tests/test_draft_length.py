@@ -116,16 +116,64 @@ def test_the_realignment_that_unequal_gains_cost_is_priced(chance):
 
 
 @pytest.mark.parametrize("batch", [4, 8])
-def test_a_draft_that_runs_row_by_row_is_priced_by_its_rows(batch):
+def test_a_draft_that_runs_row_by_row_is_priced_by_its_rows(batch, monkeypatch):
     """A draft of another tokenizer runs one row at a time, each row's forward at a tenth of a plain step of the
     batch, its drafts accepted 90% then 70% of the time. At B = 4 and 8 (an extra column at 1/8 and 1/16 of a step)
     priced by the rows that draft, it stays at plain steps' pace or above; at B = 8, priced as one forward for the
-    batch, the planner drafts for every row and loses (0.82x)."""
+    batch (and no ledger to stop it), the planner drafts for every row and loses (0.82x)."""
     world = dict(slope=0.5, reach=0, model_chance=(0.9, 0.7), draft_cost=0.1, draft_ratio=0.1, ragged=True,
                  per_row=True)
     assert speedup(batch, 0.0, **world) >= 0.99
     if batch == 8:
+        monkeypatch.setattr(draft_length, "LEDGER_SHARE", 1e9)  # a loss never pauses drafting
         assert speedup(batch, 0.0, **world, told_per_row=False) < 0.9
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_the_ledger_stops_drafts_that_lose_whatever_the_planner_expected_of_them(batch, monkeypatch):
+    """The same world, the planner told the draft runs once for the batch: it expects every row's drafts to pay, and
+    they lose (B = 8: 0.82x without the ledger). The ledger measures what the drafted rounds earned and pauses
+    drafting while they lost more than LEDGER_SHARE of the time: within 3% of plain steps over 400 rounds (the first
+    round that loses is the planner's to price: the ledger bounds what follows it)."""
+    world = dict(slope=0.5, reach=0, model_chance=(0.9, 0.7), draft_cost=0.1, draft_ratio=0.1, ragged=True,
+                 per_row=True, told_per_row=False)
+    assert min(speedup(batch, 0.0, **world, seed=seed) for seed in range(3)) >= 0.96
+    if batch == 8:
+        monkeypatch.setattr(draft_length, "LEDGER_SHARE", 1e9)
+        assert speedup(batch, 0.0, **world) < 0.9
+
+
+def test_the_ledger_keeps_drafts_that_pay_and_leaves_one_row_alone():
+    """Rounds that draft and earn keep the balance above the line (lookups accepted 70% of the time at B = 8 still
+    pay about 1.3x); one row's rounds are never booked (a lone row's drafts are priced at their seconds, as the
+    margin leaves them); a balance below the line pauses drafting at several rows, not at one."""
+    assert speedup(8, 0.7, slope=0.3, reach=5, ragged=True) >= 1.2
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
+    row = Sequence(0, [1, 2, 3], 10**9)
+    for _ in range(5):
+        planner.observe([row], RoundRecord([3], [3], [[True] * 4], [None], 3, 0, 0.5))
+    assert planner.ledger == draft_length.Ledger()
+    planner.ledger.observe(1.0, -1.0)
+    rows = [Sequence(i, [1, 2, 3], 10**9) for i in range(4)]
+    reach = Reach([5] * 4, uses_draft_model=False, first=[7] * 4)
+    assert planner.lengths(rows, reach, False) == [0] * 4
+    assert planner.lengths([row], Reach([5], uses_draft_model=False, first=[7]), False)[0] > 0
+
+
+def test_a_ledger_pauses_below_its_line_and_its_loss_fades():
+    """Earned -1 s in a round of 1 s: below the line (-LEDGER_SHARE of the seconds); then rounds that earn nothing
+    fade the loss until drafting is tried again."""
+    ledger = draft_length.Ledger()
+    assert ledger.paying
+    ledger.observe(1.0, -1.0)
+    assert not ledger.paying
+    rounds = 0
+    while not ledger.paying:
+        ledger.observe(1.0, 0.0)
+        rounds += 1
+    assert 50 < rounds < 500
+    ledger.observe(1.0, 0.004)
+    assert ledger.paying
 
 
 def test_a_proposer_that_knows_its_drafts_first_chance_does_not_probe_at_a_loss():
@@ -232,6 +280,37 @@ def test_an_idle_draft_pays_its_catch_up_before_it_drafts(lag, budget, drafts):
     planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
     lengths = planner.lengths([row], Reach([0], uses_draft_model=True, lag=[lag]), False)
     assert (lengths[0] > 0) == drafts, lengths
+
+
+def _ended(planner: AdaptiveLength, lengths: list[int], reason: str) -> None:
+    """Rows of these ``lengths`` finish (``reason``) in one observed round of one row each."""
+    for length in lengths:
+        row = Sequence(0, [1, 2, 3], 2000)
+        row.output.extend([5] * length)
+        row.finish_reason = reason
+        planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
+        planner.decoded += length - 1  # the tokens it gained before this round
+
+
+def test_a_draft_does_not_catch_up_a_row_that_ends_as_its_like_did():
+    """B = 1, the draft 1 ms a column (a tenth of the target's 10 ms), a row of 40 tokens with 1,960 left whose
+    draft lacks 1,999 columns: with its budget ahead it catches up (the previous test); where six rows ended at EOS
+    after 20-45 tokens the row is expected to end within a few tokens, and the catch-up is not paid. Rows that ran
+    to their budget leave the budget as the horizon."""
+    for reason, drafts in (("eos", False), ("length", True)):
+        planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
+        planner.read(1000, 10.0, draft=False)
+        _ended(planner, [20, 25, 30, 35, 40, 45], reason)
+        row = Sequence(0, [1] * 2000, 2000)
+        row.output.extend([5] * 40)
+        lengths = planner.lengths([row], Reach([0], uses_draft_model=True, lag=[1999]), False)
+        assert (lengths[0] > 0) == drafts, (reason, lengths)
+    assert planner._expected_left([row]) == row.remaining
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
+    _ended(planner, [20, 25, 30, 35, 40, 45], "eos")
+    assert planner._expected_left([row]) < 16
+    row.output[:] = [5] * 10
+    assert planner._expected_left([row]) > planner._expected_left([Sequence(0, [1], 2000, output=[5] * 40)])
 
 
 def test_a_catch_up_is_spread_over_a_few_rounds_however_long_the_answer(monkeypatch):
@@ -510,3 +589,37 @@ def test_a_capped_round_drafts_no_further_than_its_seconds_allow():
     assert 0 < sum(capped) < sum(free)
     assert fit.seconds(sum(capped), 0) <= cap
     assert planner.lengths(rows, reach, False, cap=fit.theta[0]) == [0] * 8
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_round_the_planner_calls_idle_is_one_its_full_pricing_leaves_plain(seed, monkeypatch):
+    """The bound that spares pricing every option (``AdaptiveLength._idle``) says no draft can pay only where the full
+    pricing proposes nothing: random rows, lookups, draft models, widths, acceptance and timings, round after round."""
+    rng = random.Random(seed)
+    batch = rng.choice([2, 4, 8])
+    planner = AdaptiveLength(max_k=rng.choice([3, 10]), draft_ratio=rng.choice([0.0, 0.1, 0.3]),
+                             ragged=rng.random() < 0.5, margin=rng.choice([1.0, draft_length.UNEQUAL_MARGIN]))
+    rows = [Sequence(i, [1, 2, 3], rng.choice([2, 64, 10**6])) for i in range(batch)]
+    model = rng.random() < 0.5
+    chance = rng.random()
+    idle_rounds = busy_rounds = 0
+    for _ in range(120):
+        lookups = [rng.choice([0, 0, 1, 3, 8]) for _ in rows]
+        reach = Reach(lookups, uses_draft_model=model, first=[7 if n else None for n in lookups])
+        fit = planner._fit(batch)
+        idle = planner._idle(rows, reach, fit)
+        monkeypatch.setattr(AdaptiveLength, "_idle", lambda self, *args: False)
+        lengths = planner.lengths(rows, reach, False)
+        monkeypatch.undo()
+        if idle:
+            assert lengths == [0] * batch
+        idle_rounds += idle
+        busy_rounds += any(lengths)
+        k = max(lengths)
+        accepted = [accepted_chain(rng, [chance] * n) for n in lengths]
+        looked = [[j < n for j in range(k + 1)] for n in lookups]
+        seconds = 0.1 * (1 + rng.uniform(0.02, 0.5) * sum(lengths) / batch) * rng.uniform(0.9, 1.1)
+        shadow = [None if n or not found else rng.random() < chance for n, found in zip(lengths, lookups, strict=True)]
+        planner.observe(rows, RoundRecord(lengths, accepted, looked, shadow, k, k if model else 0, seconds,
+                                          0.01 * k if model else 0.0))
+    assert idle_rounds > 0 and busy_rounds > 0  # both kinds of round were checked

@@ -63,7 +63,8 @@ Two corrections keep a round from drafting where it would pay by a little, and l
 are scaled by how far its proposed drafts gave what they were expected to (:class:`Trust`: drafts proposed because
 their shares were high are overrated), and at several rows what drafting adds to a round is priced at
 :data:`UNEQUAL_MARGIN` times its fitted seconds (:class:`CostFit`: rows that gain unequally cost later what no
-round's seconds show).
+round's seconds show). And at several rows a :class:`Ledger` keeps what drafting has earned, measured: where its
+recent rounds lost more than a small share of the time, the next rounds propose nothing until the loss has faded.
 
 Example: B = 1, ``a = 0.8`` and cost = 0.25 + 0.05 x + 0.09 s: K = 0 gives 1 / 0.25 = 4.0 tokens/s; K = 3 with a
 draft model gives (1 + .8 + .64 + .51) / 0.67 = 4.4; K = 3 with lookups only (s = 0) gives 2.95 / 0.40 = 7.4.
@@ -72,6 +73,7 @@ draft model gives (1 + .8 + .64 + .51) / 0.67 = 4.4; K = 3 with lookups only (s 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import NamedTuple
@@ -99,7 +101,11 @@ RIDGE = 0.5
 UNEQUAL_MARGIN = 1.5  # what drafting adds to a round of several rows is priced at, over its fitted seconds: see CostFit
 TRUST_DECAY = 0.95  # weight of a source's earlier rounds of drafts in its Trust
 TRUST_PRIOR = 2.0  # expected tokens taken as borne out in a source's Trust: a few rejections do not halve it
+LEDGER_DECAY = 0.98  # weight of the earlier rounds in the Ledger, per round of several rows: about 50 rounds remembered
+LEDGER_SHARE = 0.005  # the share of its rounds' seconds that drafting at several rows may have lost before it pauses
 KNEE_TOKENS = 16  # tokens a target forward takes for about the price of one
+ENDED_KEPT = 64  # finished rows whose lengths tell how long rows go on (:meth:`AdaptiveLength._expected_left`)
+TAIL_PRIOR_TOKENS = 4.0  # tokens at the chance over all tokens in the chance that a token past a length ends a row
 PRIOR_BUDGET_SHARE = 0.5  # the share of rows taken to run to their budget before any has finished
 LAST_ROUNDS = 2.0  # rounds ahead of a draining batch's slowest row over which a row's chance to finish last falls by e
 _PLACES = (("lookup", "first"), ("lookup", "later"), ("model", "first"), ("model", "later"))  # see Shares
@@ -210,6 +216,33 @@ class Trust:
         self.accepted *= decay
 
 
+@dataclass
+class Ledger:
+    """What drafting at several rows has earned, measured round by round: ``balance``, the decayed seconds its rounds'
+    accepted tokens saved (each at what a token of its row is worth to the plain step, as the round's plan weighed it)
+    less the seconds drafting added (a round's measured seconds over the fitted plain step, and the realignment the
+    next round needed; a draft's catch-up, which the planner prices as an investment over the rounds after it, left
+    out), and ``seconds``, the decayed seconds of all its rounds. While the balance is below :data:`LEDGER_SHARE` of
+    those seconds, rounds of several rows propose nothing (:attr:`paying`); the loss fades by :data:`LEDGER_DECAY` a
+    round, and drafting is tried again.
+
+    Trust and the margin price what drafts are expected to give; the ledger bounds what they lost. On SpecBench at
+    B = 4 (int8, the preset pair, writing) 15-20 rounds of 128 verified lookups accepted 30-40% of the time, each
+    expected to pay by a little: together they cost 1-3% of the run."""
+
+    balance: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def paying(self) -> bool:
+        return self.balance >= -LEDGER_SHARE * self.seconds
+
+    def observe(self, seconds: float, earned: float) -> None:
+        """A round of ``seconds``, in which drafting earned ``earned`` seconds (negative: it lost them)."""
+        self.balance = LEDGER_DECAY * self.balance + earned
+        self.seconds = LEDGER_DECAY * self.seconds + seconds
+
+
 class Shares(NamedTuple):
     """A row's chances that a draft is accepted once the ones before it were, by source and place
     (:class:`~batchspec.engine.acceptance.SourceAcceptance`)."""
@@ -314,8 +347,12 @@ class AdaptiveLength:
         self.fits: dict[int, CostFit] = {}
         self.read_s: dict[bool, float] = {}  # seconds per prompt column read, by the draft (True) or the target
         self.finished = (0, 0)  # rows that finished at their budget, rows that finished
+        self.decoded = 0  # tokens the rows gained, over all rounds
+        self.ended: deque[tuple[int, bool]] = deque(maxlen=ENDED_KEPT)  # the last rows that finished: tokens, at EOS
         self.trust = {"lookup": Trust(), "model": Trust()}  # how far each source's expected tokens were borne out
         self.expected: list[list[float]] | None = None  # the last plan's gains per row, before trust
+        self.ledger = Ledger()  # what drafting at several rows earned: see Ledger
+        self.worth: list[float] = []  # the last plan's worth of a token per row (its ledger's prices)
 
     def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False,
                 cap: float | None = None) -> list[int]:
@@ -325,14 +362,20 @@ class AdaptiveLength:
         than a plain one would make its rows' clients wait longer for their next tokens than plain decoding ever
         makes them wait: on SpecBench's served chats at 8 clients, the longest gaps were rounds verifying 10 lookups
         for each of 8 rows, three plain steps long."""
+        if len(rows) > 1 and not self.ledger.paying:
+            self.expected, self.worth = None, []
+            return [0] * len(rows)
+        fit = self._fit(len(rows))
+        if not (sampled or draining) and self._idle(rows, reach, fit):
+            self.expected, self.worth = None, []
+            return [0] * len(rows)
         limits = [min(self.max_k, row.remaining - 1) for row in rows]
         variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
         if reach.uses_draft_model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
             variants.append([min(limit, found) for limit, found in zip(limits, reach.lookups, strict=True)])
         shares = [self._shares(row) for row in rows]
-        fit = self._fit(len(rows))
         catch_up_s = self._catch_up_s(reach)
-        left = sum(row.remaining for row in rows)
+        left = self._expected_left(rows) if catch_up_s else 0.0
         raw = [[_gains(cap, found, row_shares, reach.uses_draft_model)
                 for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)] for caps in variants]
         self.expected = raw[0]  # what each row's drafts were expected to give: see _calibrate
@@ -341,6 +384,7 @@ class AdaptiveLength:
                     for gains in raw]
         # a row's rate where the batch drains: the tokens it gains where it drafts all it can
         worth = self._worth(rows, fit, [1 + sum(row) for row in gains_of[0]]) if draining else [1.0] * len(rows)
+        self.worth = worth
         best, best_rate = [0] * len(rows), 0.0
         limit = math.inf if cap is None else cap
         for caps, gains in zip(variants, gains_of, strict=True):
@@ -358,6 +402,21 @@ class AdaptiveLength:
                 if rate > best_rate * (1 + 1e-6):
                     best, best_rate = lengths, rate
         return best
+
+    def _idle(self, rows, reach: Reach, fit: CostFit) -> bool:
+        """Whether no draft can pay this round, by a bound that spares pricing every option (each row's token worth
+        the same: not draining). A round whose verification scores ``x`` extra tokens gives at most ``x g`` more, ``g``
+        the best draft's gain (a row's first, at its source's share, times the larger trust: gains only fall along a
+        row), and costs at least ``c_0 + margin c_v x``; it beats a plain step's ``B / c_0`` only if
+        ``g c_0 > B margin c_v``. Where it cannot, :meth:`lengths` would choose nothing: a property test checks it."""
+        best = 0.0
+        for row, found in zip(rows, reach.lookups, strict=True):
+            if row.remaining > 1 and (found or reach.uses_draft_model):
+                shares = self._shares(row)
+                best = max(best, shares.lookup_first if found else shares.model_first)
+        c0, per_token = fit.theta
+        trust = max(self.trust["lookup"].factor, self.trust["model"].factor)
+        return best * trust * c0 <= len(rows) * fit.margin * per_token
 
     def _deal(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
               round_: tuple[int, int], fit: CostFit, found: list[int],
@@ -424,14 +483,32 @@ class AdaptiveLength:
         ended = [row for row in rows if row.finished]
         self.finished = (self.finished[0] + sum(row.finish_reason == FINISH_LENGTH for row in ended),
                          self.finished[1] + len(ended))
+        self.decoded += len(rows) + sum(record.accepted)
+        self.ended.extend((len(row.output), row.finish_reason != FINISH_LENGTH) for row in ended)
         self._count(rows, record)
         self._calibrate(record)
         fit = self._fit(len(rows))
-        if self.proposed == len(rows):  # the round before had drafts, over as many rows
+        after = self.proposed == len(rows)  # the round before had drafts, over as many rows
+        if after:
             fit.realigned(record.realign_seconds)
         scored = sum(record.lengths) if self.ragged else len(record.lengths) * record.k  # extra tokens verified
         self.proposed = len(rows) if scored else 0
-        fit.observe(scored, self._draft_steps_read(rows, record, fit), record.seconds, record.draft_seconds)
+        steps, catch_up = self._draft_steps_read(rows, record, fit)
+        if len(rows) > 1 and fit.start is not None:
+            self._account(record, fit, scored or record.forwards, catch_up, after)
+        fit.observe(scored, steps, record.seconds, record.draft_seconds)
+
+    def _account(self, record: RoundRecord, fit: CostFit, drafted: int, catch_up: float, after: bool) -> None:
+        """A round of several rows into the :class:`Ledger`: where it ``drafted``, the seconds its accepted tokens
+        saved (a token of row ``i`` at ``c_0`` times its share of the plan's worth) less its seconds over the fitted
+        plain step ``c_0`` but its draft's ``catch_up``; ``after`` a round with drafts, less its realignment."""
+        c0 = fit.theta[0]
+        earned = -record.realign_seconds if after else 0.0
+        if drafted:
+            worth = self.worth if len(self.worth) == len(record.accepted) else [1.0] * len(record.accepted)
+            saved = c0 * sum(w * a for w, a in zip(worth, record.accepted, strict=True)) / sum(worth)
+            earned += saved - (record.seconds - c0 - catch_up)
+        self.ledger.observe(record.seconds + record.realign_seconds, earned)
 
     def _calibrate(self, record: RoundRecord) -> None:
         """Each source's drafts of the round: the tokens the planner expected of them (at the rows' shares as it
@@ -476,16 +553,18 @@ class AdaptiveLength:
             if (source, place) not in tested_any:
                 getattr(getattr(self.engine, source), place).fade(IDLE_DECAY)
 
-    def _draft_steps_read(self, rows, record: RoundRecord, fit: CostFit) -> int:
-        """The round's draft forwards that time a draft step: all of them, or none where the first one also caught up
-        (read more columns than a round re-reads: the draft was idle), whose seconds then time the catch-up's columns
-        instead (less the steps' own, at the draft step's price so far). Booked as steps, a catch-up prices every later
-        step at several times its cost, and the draft may never run again."""
+    def _draft_steps_read(self, rows, record: RoundRecord, fit: CostFit) -> tuple[int, float]:
+        """The round's draft forwards that time a draft step, and the seconds of its draft's catch-up: all of them and
+        none, or, where the first one also caught up (read more columns than a round re-reads: the draft was idle),
+        none, its seconds then timing the catch-up's columns instead (less the steps' own, at the draft step's price
+        so far). Booked as steps, a catch-up prices every later step at several times its cost, and the draft may
+        never run again."""
         caught_up = len(rows) * max(0, record.draft_width - 1 - self._steady_lag)
         if not caught_up:
-            return record.forwards
-        self.read(caught_up, record.draft_seconds - fit.draft(record.forwards), draft=True)
-        return 0
+            return record.forwards, 0.0
+        seconds = record.draft_seconds - fit.draft(record.forwards)
+        self.read(caught_up, seconds, draft=True)
+        return 0, seconds
 
     def plain_step_s(self, rows: int, seconds: float) -> float:
         """What a plain step of ``rows`` rows takes: the fitted intercept ``c_0`` of their rounds' cost, or the last
@@ -504,6 +583,28 @@ class AdaptiveLength:
             each = seconds / tokens
             before = self.read_s.get(draft)
             self.read_s[draft] = each if before is None else READ_DECAY * before + (1 - READ_DECAY) * each
+
+    def _expected_left(self, rows) -> float:
+        """The tokens ``rows`` are expected to gain still, over which a draft's catch-up is spread: their budgets,
+        where no row ended at EOS; else, for a row of ``L`` tokens with ``R`` left, ``(1 - (1 - h)^R) / h`` at the
+        chance ``h`` that a token past ``L`` ends a row: the rows that ended at EOS past ``L`` over the tokens rows
+        gained past ``L`` (the last :data:`ENDED_KEPT` finished rows and these), with :data:`TAIL_PRIOR_TOKENS`
+        tokens at the chance over all tokens. On SpecBench's translation (answers of 9-37 tokens for a budget of 64)
+        the draft caught up a batch's last row, 33 tokens long, for drafts its end 4 tokens later never repaid (0.15 s,
+        3% of the run at B = 4 and 8)."""
+        ends = sum(at_eos for _, at_eos in self.ended)
+        if not ends:
+            return float(sum(row.remaining for row in rows))
+        overall = ends / max(self.decoded, ends)
+        lengths = [length for length, _ in self.ended] + [len(row.output) for row in rows]
+        left = 0.0
+        for row in rows:
+            past = len(row.output)
+            tail = sum(at_eos and length > past for length, at_eos in self.ended)
+            gained = sum(max(0, length - past) for length in lengths)
+            chance = (tail + TAIL_PRIOR_TOKENS * overall) / (gained + TAIL_PRIOR_TOKENS)
+            left += (1 - (1 - chance) ** row.remaining) / chance
+        return left
 
     def _catch_up_s(self, reach: Reach) -> float:
         """Seconds the draft model needs to read the columns it lacks beyond the ones every round re-reads."""
