@@ -311,6 +311,8 @@ def test_a_draft_does_not_catch_up_a_row_that_ends_as_its_like_did():
     assert planner._expected_left([row]) < 16
     row.output[:] = [5] * 10
     assert planner._expected_left([row]) > planner._expected_left([Sequence(0, [1], 2000, output=[5] * 40)])
+    beyond = Sequence(0, [1], 2000, output=[5] * 46)  # longer than every finished row: no row was seen to go on
+    assert planner._expected_left([beyond]) <= draft_length.TAIL_PRIOR_TOKENS
 
 
 def test_a_catch_up_is_spread_over_a_few_rounds_however_long_the_answer(monkeypatch):

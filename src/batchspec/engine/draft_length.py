@@ -589,21 +589,23 @@ class AdaptiveLength:
         where no row ended at EOS; else, for a row of ``L`` tokens with ``R`` left, ``(1 - (1 - h)^R) / h`` at the
         chance ``h`` that a token past ``L`` ends a row: the rows that ended at EOS past ``L`` over the tokens rows
         gained past ``L`` (the last :data:`ENDED_KEPT` finished rows and these), with :data:`TAIL_PRIOR_TOKENS`
-        tokens at the chance over all tokens. On SpecBench's translation (answers of 9-37 tokens for a budget of 64)
-        the draft caught up a batch's last row, 33 tokens long, for drafts its end 4 tokens later never repaid (0.15 s,
-        3% of the run at B = 4 and 8)."""
+        tokens at the chance over all tokens; and no more than :data:`TAIL_PRIOR_TOKENS` past the longest finished
+        row (a catch-up is an investment, and no row was seen to go on beyond it). On SpecBench's translation (answers
+        of 9-37 tokens for a budget of 64) the draft caught up a batch's last row, 33 tokens long, for drafts its end 4
+        tokens later never repaid (0.15 s, 3-4% of the run at B = 4 and 8)."""
         ends = sum(at_eos for _, at_eos in self.ended)
         if not ends:
             return float(sum(row.remaining for row in rows))
         overall = ends / max(self.decoded, ends)
         lengths = [length for length, _ in self.ended] + [len(row.output) for row in rows]
+        longest = max(length for length, _ in self.ended)
         left = 0.0
         for row in rows:
             past = len(row.output)
             tail = sum(at_eos and length > past for length, at_eos in self.ended)
             gained = sum(max(0, length - past) for length in lengths)
             chance = (tail + TAIL_PRIOR_TOKENS * overall) / (gained + TAIL_PRIOR_TOKENS)
-            left += (1 - (1 - chance) ** row.remaining) / chance
+            left += min((1 - (1 - chance) ** row.remaining) / chance, max(longest - past, 0) + TAIL_PRIOR_TOKENS)
         return left
 
     def _catch_up_s(self, reach: Reach) -> float:
