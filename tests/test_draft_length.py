@@ -315,6 +315,22 @@ def test_a_draft_does_not_catch_up_a_row_that_ends_as_its_like_did():
     assert planner._expected_left([beyond]) <= draft_length.TAIL_PRIOR_TOKENS
 
 
+def test_the_chance_a_token_ends_a_row_stays_right_past_the_finished_rows_kept():
+    """A long-running engine (the server) keeps the lengths of its last ENDED_KEPT finished rows only, but the chance
+    that a token ends a row over all tokens counts every row that ended and every token, so that it does not fall as
+    tokens keep being counted while the rows kept stay as many. 200 rows ended at EOS after 20 tokens, then one after
+    100: a row of 50 tokens has one kept row that went on past it (50 tokens past), so its chance is
+    (1 + 4 * 201 / 4100) / (50 + 4) and it is expected (1 - (1 - chance)^1950) / chance more tokens."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
+    _ended(planner, [20] * 200 + [100], "eos")
+    assert len(planner.ended) == draft_length.ENDED_KEPT
+    row = Sequence(0, [1, 2, 3], 2000)
+    row.output.extend([5] * 50)
+    tail = draft_length.TAIL_PRIOR_TOKENS
+    chance = (1 + tail * 201 / 4100) / (50 + tail)
+    assert planner._expected_left([row]) == pytest.approx((1 - (1 - chance) ** 1950) / chance)
+
+
 def test_a_catch_up_is_spread_over_a_few_rounds_however_long_the_answer(monkeypatch):
     """A draft that stops soon after its catch-up has paid all of it: a 4,000-column catch-up (4 s) is spread over
     CATCH_UP_ROUNDS rounds (0.25 s each, as much as the plain step), not over the 100,000 tokens the row has left.
