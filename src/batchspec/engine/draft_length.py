@@ -315,6 +315,7 @@ class FixedLength:
         self.k = k
         self.limit = k
         self.drafting = k > 0
+        self.planned_s: float | None = None  # no round's seconds are fitted here
 
     def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False,
                 cap: float | None = None) -> list[int]:
@@ -355,6 +356,7 @@ class AdaptiveLength:
         self.expected: list[list[float]] | None = None  # the last plan's gains per row, before trust
         self.ledger = Ledger()  # what drafting at several rows earned: see Ledger
         self.worth: list[float] = []  # the last plan's worth of a token per row (its ledger's prices)
+        self.planned_s: float | None = None  # the last plan's fitted seconds (None: it proposed nothing)
 
     def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False,
                 cap: float | None = None) -> list[int]:
@@ -364,6 +366,7 @@ class AdaptiveLength:
         than a plain one would make its rows' clients wait longer for their next tokens than plain decoding ever
         makes them wait: on SpecBench's served chats at 8 clients, the longest gaps were rounds verifying 10 lookups
         for each of 8 rows, three plain steps long."""
+        self.planned_s = None
         if len(rows) > 1 and not self.ledger.paying:
             self.expected, self.worth = None, []
             return [0] * len(rows)
@@ -402,7 +405,7 @@ class AdaptiveLength:
                     continue
                 rate = value / max(fit.predict(extra, steps) + fit.margin * catch_up, 1e-6)
                 if rate > best_rate * (1 + 1e-6):
-                    best, best_rate = lengths, rate
+                    best, best_rate, self.planned_s = lengths, rate, fit.seconds(extra, steps)
         return best
 
     def _idle(self, rows, reach: Reach, fit: CostFit) -> bool:

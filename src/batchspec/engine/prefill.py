@@ -95,6 +95,18 @@ class ChunkBudget:
             return FIRST_AUTO_CHUNK
         return max(MIN_AUTO_CHUNK, round(seconds / (token_s * rows)))
 
+    def spare_columns(self, rows: int, decode_s: float | None) -> int | None:
+        """Columns the draft may read for each of ``rows`` rows this round besides its decoding, planned to take
+        ``decode_s`` (None: a plain step): what :meth:`round_cap` leaves after it, at the draft's seconds a column
+        (None: no cap; a fixed setting: that many columns; before a catch-up was timed, the first chunk's)."""
+        cap = self.round_cap()
+        if cap is None or self.setting != AUTO:
+            return None if cap is None else self.setting
+        if self.draft_token_s is None:
+            return FIRST_AUTO_CHUNK
+        spare = cap - (self.round_s if decode_s is None else decode_s)
+        return max(0, round(spare / (self.draft_token_s * rows)))
+
     def round_cap(self) -> float | None:
         """Seconds this round's decoding may take (None: no bound; the setting unset, or no plain step measured yet):
         what a round of plain decoding takes at worst, its prompt chunk and its step, less what this round read
