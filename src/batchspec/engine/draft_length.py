@@ -356,7 +356,7 @@ class AdaptiveLength:
         self.expected: list[list[float]] | None = None  # the last plan's gains per row, before trust
         self.ledger = Ledger()  # what drafting at several rows earned: see Ledger
         self.worth: list[float] = []  # the last plan's worth of a token per row (its ledger's prices)
-        self.planned_s: float | None = None  # the last plan's fitted seconds (None: it proposed nothing)
+        self.planned_s: float | None = None  # the last plan's fitted seconds (None: a plain round, not priced)
 
     def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False,
                 cap: float | None = None) -> list[int]:
