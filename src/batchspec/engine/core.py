@@ -183,7 +183,7 @@ class Engine:
         if limit is None:
             return True
         spare = self.chunks.spare_columns(len(rows), self.planner.planned_s)  # the cap less what was just read
-        return bool(spare) and not draft_catch_up(rows, far=self._far(rows))
+        return bool(spare) and not draft_catch_up(rows, far=max(spare, self.planner.limit + 1))
 
     def _far(self, rows: list[Sequence]) -> int | None:
         """Columns a row's draft may lack before this round's first draft forward, which reads them: what a round
