@@ -89,8 +89,8 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
 
 
-def loop_of(server):
-    return server.app.state.serving.loop
+def loop_of(server=None, *, app=None):
+    return (app or server.app).state.serving.loop
 
 
 def plain_prompts(n: int, seed: int) -> list[list[int]]:

@@ -436,6 +436,50 @@ def test_serve_command_help_and_errors(tmp_path):
     assert missing.exit_code == 1 and "Error: " in missing.output and "does not exist" in missing.output
 
 
+def test_serve_forever_drives_rounds_on_the_calling_thread_and_sigterm_ends_it(served, monkeypatch):
+    config = ServerConfig.of(batch_size=4, num_draft_tokens=4)
+    app = create_app(served.models, config)
+    loop = loop_of(app=app)
+    drivers: set[str] = set()
+    step = loop.engine.step
+
+    def recorded(rows, **options):
+        drivers.add(threading.current_thread().name)
+        step(rows, **options)
+
+    monkeypatch.setattr(loop.engine, "step", recorded)
+    port, prompt, answers = free_port(), plain_prompts(1, seed=37)[0], []
+
+    def ask_then_terminate() -> None:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: healthy(url), "the server to start")
+            reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": served.words(prompt),
+                               "max_tokens": 12, "return_token_ids": True}, timeout=TIMEOUT_S)
+            answers.append(reply.json()["choices"][0]["token_ids"])
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    asker = threading.Thread(target=ask_then_terminate)
+    asker.start()
+    batchspec.server.serve_forever(app, "127.0.0.1", port, log_level="warning")
+    asker.join(TIMEOUT_S)
+    assert answers == [served.reference(prompt, 12)[0]]
+    assert drivers == {threading.main_thread().name}
+    assert not loop.status().alive
+
+
+def test_serve_forever_on_a_taken_port_raises_and_stops_its_loop(served):
+    app = create_app(served.models, ServerConfig.of(batch_size=2))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"could not start on 127.0.0.1:{port}"):
+            batchspec.server.serve_forever(app, "127.0.0.1", port, log_level="critical")
+    assert not loop_of(app=app).status().alive
+
+
 def test_sigterm_drains_the_request_in_flight_and_exits_0(served_dirs, served):
     port = free_port()
     command = [

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from batchspec.config import DEFAULT_MAX_NEW_TOKENS
 from batchspec.models.pair import ModelPair
 from batchspec.server.app import create_app
-from batchspec.server.hosting import serve_in_thread
+from batchspec.server.hosting import serve_while
 from batchspec.server.settings import ServerConfig, serving_settings
 
 MAX_REQUESTS = 10_000
@@ -163,8 +164,8 @@ def run_online_benchmark(
     for method in methods:
         queue = max_queue if max_queue is not None else workload.requests
         config = ServerConfig(engine=replace(engine, method=method), max_queue=queue)
-        with serve_in_thread(create_app(models, config)) as server:
-            results.append(measure(server.url, models.name, workload, method=method, warmup=warmup))
+        load = partial(measure, model=models.name, workload=workload, method=method, warmup=warmup)
+        results.append(serve_while(create_app(models, config), load))
     return OnlineBenchmarkResult(
         models.name, workload.rate, workload.requests, workload.max_tokens, engine.batch_size, results
     )

@@ -1,5 +1,5 @@
-"""Running the application with uvicorn: in the foreground (``batchspec serve``) or in a background thread
-(tests and the online benchmark).
+"""Running the application with uvicorn: beside the engine loop on the main thread (``batchspec serve``), or in a
+background thread (tests and the online benchmark).
 
 In the foreground, SIGTERM and SIGINT start a graceful shutdown: the listening socket closes, the requests in
 flight get the application's shutdown timeout to finish and are then ended with a 503, the engine loop drains,
@@ -14,17 +14,18 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
 
 from batchspec.config import check_fields, integer, number, option, optional
 from batchspec.server.app import Front
+from batchspec.server.loop import EngineLoop
 from batchspec.server.transport import DEFAULT_HEAD_TIMEOUT_S, DEFAULT_MAX_IDLE, timed_protocol
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ STARTUP_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 120.0
 SHUTDOWN_BACKSTOP_S = 5.0
 DEFAULT_KEEP_ALIVE_S = 5
+
+T = TypeVar("T")
 
 
 def a_file(name: str, value: str) -> str:
@@ -108,23 +111,39 @@ def make_server(app: FastAPI, http: HttpOptions, log_level: str, **where: Any) -
 def serve_forever(
     app: FastAPI, host: str, port: int, *, log_level: str = "info", http: HttpOptions = HttpOptions()
 ) -> None:
-    """Serve ``app`` on ``host:port`` until SIGTERM or SIGINT, then drain and return."""
+    """Serve ``app`` on ``host:port`` until SIGTERM or SIGINT, then drain and return. The calling thread (the one
+    that loaded the models) drives the engine loop; uvicorn runs in a thread beside it."""
     server = make_server(app, http, log_level, host=host, port=port)
-    with _signals_end_quietly():
-        server.run()
+    loop = app.state.serving.loop
+    thread = threading.Thread(target=_serve_then_stop, args=(server, loop), name="batchspec-http", daemon=True)
+    with _signals_to(server):
+        loop.drive(started=thread.start)
+    thread.join()
     if not server.started:
         raise OSError(f"the server could not start on {host}:{port} (see the log above)")
 
 
+def _serve_then_stop(server: uvicorn.Server, loop: EngineLoop, sockets: list[socket.socket] | None = None) -> None:
+    """Run ``server``; when it ends (drained, or never started), the engine loop stops too. uvicorn ends a failed
+    startup (a port taken) with ``sys.exit``, which here ends only this thread: ``server.started`` tells."""
+    try:
+        server.run(sockets=sockets)
+    except SystemExit:
+        logger.debug("uvicorn exited during startup")
+    finally:
+        loop.stop(timeout=0)
+
+
 @contextmanager
-def _signals_end_quietly() -> Iterator[None]:
-    """uvicorn handles SIGTERM/SIGINT while it runs and re-raises them afterwards; with these handlers in
-    place the re-raised signal ends nothing, so a drained server exits normally (status 0)."""
+def _signals_to(server: uvicorn.Server) -> Iterator[None]:
+    """SIGTERM and SIGINT begin ``server``'s graceful shutdown (a second SIGINT forces it), as uvicorn's own
+    handlers do when it runs on the main thread."""
 
-    def drained(signum: int, frame) -> None:
-        logger.info("shut down after %s", signal.Signals(signum).name)
+    def shut_down(signum: int, frame) -> None:
+        logger.info("shutting down after %s", signal.Signals(signum).name)
+        server.handle_exit(signum, frame)
 
-    previous = {sig: signal.signal(sig, drained) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
@@ -153,15 +172,13 @@ class RunningServer:
 def serve_in_thread(
     app: FastAPI, host: str = "127.0.0.1", *, log_level: str = "warning", http: HttpOptions = HttpOptions()
 ) -> Iterator[RunningServer]:
-    """Serve ``app`` on a free port of ``host`` in a daemon thread for the duration of the ``with`` block."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    port = sock.getsockname()[1]
+    """Serve ``app`` on a free port of ``host`` in a daemon thread for the duration of the ``with`` block (its
+    engine loop drives rounds on a thread of its own)."""
+    sock = _free_socket(host)
     server = make_server(app, http, log_level)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="batchspec-http", daemon=True)
     thread.start()
-    running = RunningServer(f"{http.scheme}://{host}:{port}", app, server, thread)
+    running = RunningServer(_url(http, sock), app, server, thread)
     try:
         _wait_started(running)
         yield running
@@ -176,3 +193,55 @@ def _wait_started(running: RunningServer) -> None:
         if not running.thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"the server at {running.url} did not start")
         time.sleep(0.01)
+
+
+def serve_while(
+    app: FastAPI, work: Callable[[str], T], host: str = "127.0.0.1", *, log_level: str = "warning",
+    http: HttpOptions = HttpOptions(),
+) -> T:
+    """``work(url)``, run in a thread while ``app`` is served on a free port of ``host``; meanwhile the calling
+    thread (the one that loaded the models) drives the engine loop, as in :func:`serve_forever`."""
+    sock = _free_socket(host)
+    server = make_server(app, http, log_level)
+    loop: EngineLoop = app.state.serving.loop
+    serving = threading.Thread(target=_serve_then_stop, args=(server, loop, [sock]), name="batchspec-http", daemon=True)
+    running = RunningServer(_url(http, sock), app, server, serving)
+    outcome: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            _wait_started(running)
+            outcome["result"] = work(running.url)
+        except BaseException as error:
+            outcome["error"] = error
+        finally:
+            server.should_exit = True
+
+    worker = threading.Thread(target=client, name="batchspec-client", daemon=True)
+
+    def started() -> None:
+        serving.start()
+        worker.start()
+
+    try:
+        loop.drive(started=started)
+    finally:
+        server.should_exit = True
+        serving.join(SHUTDOWN_TIMEOUT_S)
+        sock.close()
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _free_socket(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+def _url(http: HttpOptions, sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"{http.scheme}://{host}:{port}"
