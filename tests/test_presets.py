@@ -12,6 +12,7 @@ from fabricated import FakeDequantizer, FakeFetcher, make_wheel, save_tiny_model
 
 from batchspec.config import Method, ProposerKind, default_cache_dir
 from batchspec.engine import bridge_of
+from batchspec.engine.runner import cache_keyword
 from batchspec.models import ModelPair, loading
 from batchspec.models.choice import ModelChoice
 from batchspec.models.obtain import cached_preset, catalogue, obtain_preset, wheels
@@ -204,7 +205,7 @@ def test_derived_draft_keeps_chosen_target_layers(tmp_path, preset_store):
     expected = target.lm_head(target.model.norm(hidden))
     torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-4, atol=1e-4)
     prefix = draft(ids[:, :3], use_cache=True)
-    step = draft(ids[:, 3:], past_key_values=prefix.past_key_values, use_cache=True)
+    step = draft(ids[:, 3:], **{cache_keyword(draft): prefix.past_key_values}, use_cache=True)
     torch.testing.assert_close(step.logits[:, -1], expected[:, -1], rtol=1e-4, atol=1e-4)
 
 
