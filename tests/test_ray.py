@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -76,21 +78,39 @@ def cluster():
     ray.shutdown()
 
 
+def recording(function, threads: set[int]):
+    """``function``, noting in ``threads`` every thread that calls it."""
+
+    def recorded(*args, **kwargs):
+        threads.add(threading.get_ident())
+        return function(*args, **kwargs)
+
+    return recorded
+
+
 LARGE = pytest.mark.skipif(not os.environ.get("BATCHSPEC_LARGE_TESTS"),
                            reason="starts a local Ray cluster and its actors (about 60 s); set BATCHSPEC_LARGE_TESTS=1")
 
 
-def test_the_predictor_batch_by_batch_writes_what_one_process_writes(prompts_file):
-    """The predictor as an actor runs it, in this process: batches of 2 and 3 rows with their seeds give the rows,
-    texts and finish reasons of the single-process sampled run, and each batch's stats count its own tokens."""
+def test_the_predictor_batch_by_batch_writes_what_one_process_writes(prompts_file, monkeypatch):
+    """The predictor as an actor runs it, in this process: built on this thread and called from another (as Ray
+    Data calls it), batches of 2 and 3 rows with their seeds give the rows, texts and finish reasons of the
+    single-process sampled run, each batch's stats count its own tokens, and the models generate on the thread that
+    loaded them (one OpenMP pool: see ``BatchspecPredictor.__call__``)."""
     expected = read_rows(single_process(prompts_file, "sampled", *SAMPLING))
     seeds = derive_row_seeds(SEED, len(PROMPTS))
+    threads = {"load": set(), "generate": set()}
+    for name, stage in (("load_run", "load"), ("generate_with", "generate")):
+        monkeypatch.setattr(batchspec.ray, name, recording(getattr(batchspec.ray, name), threads[stage]))
     predictor = BatchspecPredictor(preset="smollm2", dtype="float32", quantize="none", num_threads=1,
                                    batch_size=2, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
     rows = []
-    for start, stop in ((0, 2), (2, 5)):
-        out = predictor({"index": list(range(start, stop)), "prompt": PROMPTS[start:stop], "seed": seeds[start:stop]})
-        rows += [dict(zip(out, values, strict=True)) for values in zip(*out.values(), strict=True)]
+    with ThreadPoolExecutor(1) as ray_data:
+        for start, stop in ((0, 2), (2, 5)):
+            batch = {"index": list(range(start, stop)), "prompt": PROMPTS[start:stop], "seed": seeds[start:stop]}
+            out = ray_data.submit(predictor, batch).result()
+            rows += [dict(zip(out, values, strict=True)) for values in zip(*out.values(), strict=True)]
+    assert len(threads["load"]) == 1 and threads["generate"] == threads["load"]
     assert [list(row["token_ids"]) for row in rows] == [row["token_ids"] for row in expected]
     assert [row["text"] for row in rows] == [row["text"] for row in expected]
     assert [row["finish_reason"] for row in rows] == [row["finish_reason"] for row in expected]
