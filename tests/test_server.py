@@ -448,21 +448,25 @@ def test_serve_forever_drives_rounds_on_the_calling_thread_and_sigterm_ends_it(s
         step(rows, **options)
 
     monkeypatch.setattr(loop.engine, "step", recorded)
-    port, prompt, answers = free_port(), plain_prompts(1, seed=37)[0], []
+    port, prompt, answers, served_out = free_port(), plain_prompts(1, seed=37)[0], [], threading.Event()
 
     def ask_then_terminate() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_until(lambda: healthy(url), "the server to start")
+            wait_until(lambda: served_out.is_set() or healthy(url), "the server to start")
             reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": served.words(prompt),
                                "max_tokens": 12, "return_token_ids": True}, timeout=TIMEOUT_S)
             answers.append(reply.json()["choices"][0]["token_ids"])
         finally:
-            os.kill(os.getpid(), signal.SIGTERM)
+            if not served_out.is_set():  # SIGTERM reaches serve_forever's handler, never pytest's default
+                os.kill(os.getpid(), signal.SIGTERM)
 
     asker = threading.Thread(target=ask_then_terminate)
     asker.start()
-    batchspec.server.serve_forever(app, "127.0.0.1", port, log_level="warning")
+    try:
+        batchspec.server.serve_forever(app, "127.0.0.1", port, log_level="warning")
+    finally:
+        served_out.set()
     asker.join(TIMEOUT_S)
     assert answers == [served.reference(prompt, 12)[0]]
     assert drivers == {threading.main_thread().name}

@@ -1,5 +1,5 @@
-"""Running the application with uvicorn: beside the engine loop on the main thread (``batchspec serve``), or in a
-background thread (tests and the online benchmark).
+"""Running the application with uvicorn: in a thread beside the engine loop, which the calling thread drives
+(``batchspec serve``, the online benchmark), or in a background thread with the loop on a thread of its own (tests).
 
 In the foreground, SIGTERM and SIGINT start a graceful shutdown: the listening socket closes, the requests in
 flight get the application's shutdown timeout to finish and are then ended with a 503, the engine loop drains,

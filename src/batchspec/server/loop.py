@@ -10,8 +10,8 @@ leave at once, and their KV is released. An exception in a round fails the reque
 HTTP runs beside it): torch's OpenMP runtime (libgomp) keeps a pool of workers for each thread that runs parallel
 work, and once two pools hold more threads than the host has CPUs it stops its workers spinning between kernels, so
 every step pays their wake-ups: on 2 vCPUs a round of another thread than the loader's took 69 ms where the loader's
-took 52 (the 1.5B target at B = 1, int8). Servers in a background thread (tests, ``bench --online``) drive them on a
-thread of the loop's own (:meth:`EngineLoop.start`).
+took 52 (the 1.5B target at B = 1, int8); ``bench --online`` does the same. Servers in a background thread (tests)
+drive them on a thread of the loop's own (:meth:`EngineLoop.start`).
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._stopping = False
         self._ids = itertools.count()
-        self._claimed = False
-        self._alive = False
+        self._claimed = False  # a thread drives the rounds, or did: see _claim
         self._done = threading.Event()
 
     def start(self) -> None:
@@ -124,6 +123,11 @@ class EngineLoop:
     def status(self) -> LoopStatus:
         return LoopStatus(queued=len(self._inbox) + self._queued, running=self._running, alive=self._alive)
 
+    @property
+    def _alive(self) -> bool:
+        """Whether a thread drives the rounds now: claimed, and not done."""
+        return self._claimed and not self._done.is_set()
+
     def submit(self, handle: RequestHandle) -> None:
         """Queue ``handle``'s request, one row per choice (each counts against ``max_queue``); raises
         :class:`QueueFull` or :class:`ServerClosing`."""
@@ -146,7 +150,7 @@ class EngineLoop:
         with self._cond:
             if self._claimed:
                 return False
-            self._claimed = self._alive = True
+            self._claimed = True
             return True
 
     def _drive(self) -> None:
@@ -154,7 +158,6 @@ class EngineLoop:
             with torch.inference_mode():
                 drive(self.engine, self.scheduler, self)
         finally:
-            self._alive = False
             self._done.set()
             logger.info("engine loop stopped")
 
