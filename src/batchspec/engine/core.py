@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import replace
+from itertools import accumulate
 
 import torch
 
-from batchspec.config import ProposerKind, SpecConfig
+from batchspec.config import ProposerKind, SamplingParams, SpecConfig
 from batchspec.engine.draft_length import Reach, RoundRecord, planner_for
 from batchspec.engine.graphs import GraphMode, check_graphed, graph_mode
 from batchspec.engine.kv_cache import Slab
@@ -31,12 +32,15 @@ from batchspec.engine.proposers.ngram import NgramProposer
 from batchspec.engine.proposers.text import TextDraftProposer
 from batchspec.engine.realign import LEFT_SLACK, assemble, draft_catch_up, layout_columns, plan_layout
 from batchspec.engine.retokenize import bridge_of
+from batchspec.engine.riding import Ride
 from batchspec.engine.runner import Floats, ModelRunner
 from batchspec.engine.sampling import RoundSampling, RowParams, RowRandom, warp_rows
 from batchspec.engine.shaping import shape, shaped_rows
 from batchspec.engine.state import BatchState, KVLocation, Sequence
 from batchspec.engine.verifier import Verdict, verify_greedy, verify_sampling
 from batchspec.model_checks import check_pair, forward_weights, mixture_of
+
+GREEDY = SamplingParams()  # how a riding row chooses its tokens: by fiat, as a greedy row would be told
 
 
 class Engine:
@@ -64,6 +68,7 @@ class Engine:
         self.planner = planner_for(config, share, ragged=ragged, mixture=mixture_of(target),
                                    model_prior=self.proposer.model_prior)
         self.chunks = ChunkBudget(config.prefill_chunk)
+        self.rides = ragged and config.prefill_chunk is not None  # prompts read inside the rounds: riding.py
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None
 
@@ -77,30 +82,33 @@ class Engine:
             self.decode(ready, draining=draining)
 
     def decode(self, rows: list[Sequence], *, draining: bool = False) -> None:
-        """One round: plan on the host, propose and verify on the device, and read the verdict back once."""
-        reach = self.proposer.reach(rows, self.planner.limit)
-        sampled = any(not row.sampling.greedy for row in rows)
+        """One round: plan on the host, propose and verify on the device, and read the verdict back once. Rows whose
+        prompts are read in the round (:mod:`batchspec.engine.riding`) feed their next prompt tokens instead."""
+        ride = self.ride(rows)
+        reach = ride.closed(self.proposer.reach(rows, self.planner.limit))
+        sampled = any(not row.sampling.greedy for row in rows if row.reading is None)
         lengths = self.planner.lengths(rows, reach, sampled, draining=draining, cap=self.chunks.round_cap())
-        drafts = self.proposer.uses_draft_model and _model_drafts(lengths, reach, rows)
+        drafts = self.proposer.uses_draft_model and _model_drafts(lengths, reach, sampled)
         if drafts and not self.sync_draft(rows):  # a row still catches up (every row greedy): lookups only this round
             lengths = [min(n, found) for n, found in zip(lengths, reach.lookups, strict=True)]
         started = time.perf_counter()
         with self.timer.stage("realign"):
-            batch, sampling, plan = self.stage_round(rows, lengths)
+            batch, sampling, plan, ride = self.stage_round(rows, lengths, ride)
         realigned = time.perf_counter() - started  # what the last round's unequal gains cost (the planner's r)
         with self.timer.stage("draft"):
             drafting = self.runner.mark()
             proposal = self.proposer.propose(batch, plan, sampling, self.runner)
             drafted = self.runner.mark()
         with self.timer.stage("verify"):
-            verdict, scores = self.verify(batch, proposal, sampling)
+            verdict, scores = self.verify(batch, proposal, sampling, ride)
         with self.timer.stage("other"):
-            accepted, gained = self.accept(batch, proposal, verdict, scores)
+            accepted, gained = self.accept(batch, proposal, verdict, scores, ride)
             seconds = time.perf_counter() - started  # right on CUDA too: accept waited for the device
             proposing = self.runner.seconds(drafting, drafted)  # device time of the drafts (events done by now)
-            record = _record(proposal, accepted, gained, reach, sampling, seconds, proposing)
+            record = _record(proposal, accepted, gained, reach, sampling, seconds, proposing, ride.extra)
             self.planner.observe(rows, replace(record, seconds=seconds - realigned, realign_seconds=realigned))
             self.chunks.decoded(self.planner.plain_step_s(len(rows), seconds))
+            self._keep([rows[i] for i in ride.riding if rows[i].reading is None])
         if self.config.check_invariants:
             for row in rows:
                 if not row.finished:
@@ -109,10 +117,18 @@ class Engine:
     def prefill(self, rows: list[Sequence]) -> list[Sequence]:
         """Read the prompts of rows that are not ready (a prompt read in chunks first, at most
         ``config.prefill_chunk`` columns while other rows decode; read whole, rows of similar length together);
-        returns the rows ready to decode, in order. Rows that ask for prompt logprobs get them first."""
+        returns the rows ready to decode, in order. Rows that ask for prompt logprobs get them first.
+
+        On the fused integer forward a prompt read while other rows decode is read inside their rounds instead
+        (:mod:`batchspec.engine.riding`); where no row decodes, what is left of it is read in one round."""
         for row in rows:
             self.score_prompt(row)
+        decoding = any(row.ready and row.reading is None for row in rows)
         unread = self._linked([row for row in rows if not row.ready])
+        if unread and decoding and self.rides:
+            for row in unread:
+                row.reading = _target_cached(row) + 1
+            unread = []
         if unread:
             held = [row for row in unread if row.kv is not None]
             group = held or unread
@@ -128,6 +144,16 @@ class Engine:
             self.chunks.read(sum(_target_cached(row) for row in group) - cached, time.perf_counter() - started)
             self._keep([row for row in unread if row.ready])
         return [row for row in rows if row.ready]
+
+    def ride(self, rows: list[Sequence]) -> Ride:
+        """The prompt columns this round's riding rows feed: together, as many as take about as long as a plain step
+        (:meth:`ChunkBudget.ride_limit`), booked against the round's cap; where no row decodes, all they have left."""
+        riding = sum(row.reading is not None for row in rows)
+        column_s = self.planner.column_s(len(rows))
+        ride = Ride.of(rows, None if riding in (0, len(rows)) else self.chunks.ride_limit(riding, column_s))
+        self.chunks.rode(ride.extra, column_s)
+        self.stats.riding_columns += sum(ride.columns)
+        return ride
 
     def score_prompt(self, row: Sequence) -> None:
         """Fill ``row.prompt_token_logprobs`` (:func:`~batchspec.engine.prefill.prompt_logprobs`) if it asks for
@@ -172,7 +198,7 @@ class Engine:
 
         On SpecBench's served chats at one client, the longest rounds were a catch-up of about 45 columns apart
         followed by a first forward reading as many again (2.7 plain steps and more)."""
-        streaming = any(row.output for row in rows) and all(row.sampling.greedy for row in rows)
+        streaming = any(row.output for row in rows) and all(params.greedy for params in _sampling_of(rows))
         far = self._far(rows) if streaming else None
         lagging = draft_catch_up(rows, far=far)
         if not lagging:
@@ -203,17 +229,18 @@ class Engine:
         return reading
 
     def stage_round(
-        self, rows: list[Sequence], lengths: list[int]
-    ) -> tuple[BatchState, RoundSampling | None, ProposalPlan]:
-        """Plan the round on the host — the layout (see ``realign.py``), the sampling rows, the proposal — and stage
-        all their numbers in the round's one host→device copy; then lay the rows out (reusing their slab when they
-        are in lockstep). Returns the batch, the sampling (None when every row is greedy) and the proposal's plan with
-        its columns staged."""
+        self, rows: list[Sequence], lengths: list[int], ride: Ride
+    ) -> tuple[BatchState, RoundSampling | None, ProposalPlan, Ride]:
+        """Plan the round on the host — the layout (see ``realign.py``), the sampling rows, the proposal, the
+        riding prompt columns — and stage all their numbers in the round's one host→device copy; then lay the rows
+        out (reusing their slab when they are in lockstep). Returns the batch, the sampling (None when every row is
+        greedy), the proposal's plan and the ride, with their columns staged."""
         layout = plan_layout(rows, slack=self.slack)
         plan = self.proposer.plan(rows, lengths)
-        parts = (layout_columns(layout, rows, self.layers), _sampling_columns(rows), plan.columns)
+        parts = (layout_columns(layout, rows, self.layers), _sampling_columns(rows), plan.columns,
+                 ride.host_columns())
         staged = self.runner.stage(*(column for part in parts for column in part))
-        cut = [len(parts[0]), len(parts[0]) + len(parts[1])]
+        cut = list(accumulate(len(part) for part in parts))
         with self.timer.gathering(active=layout.reuse is None):
             batch = assemble(layout, rows, staged[: cut[0]], filler=self.config.pad_token_id, layers=self.layers)
         self.stats.record_layout(
@@ -222,45 +249,55 @@ class Engine:
         )
         if self.config.check_invariants:
             batch.check()
-        return batch, _round_sampling(rows, staged[cut[0] : cut[1]]), plan.staged_as(staged[cut[1] :])
+        sampling = _round_sampling(rows, staged[cut[0] : cut[1]])
+        return batch, sampling, plan.staged_as(staged[cut[1] : cut[2]]), ride.staged_as(staged[cut[2] :])
 
     def verify(
-        self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None
+        self, batch: BatchState, proposal: Proposal, sampling: RoundSampling | None, ride: Ride
     ) -> tuple[Verdict, torch.Tensor | None]:
         """Target forward over the pending token followed by the drafts ``d_1 .. d_k`` (a row's own
         ``d_1 .. d_{lengths[i]}`` only where the forward is ragged: :meth:`ModelRunner.logits`), with the rows' shaping
         (penalties, bias, grammar: :mod:`batchspec.engine.shaping`); greedy acceptance, and for sampling rows
-        speculative sampling against the warped target distribution ``p``. Returns the verdict and, where rows ask
-        for logprobs, their :func:`~batchspec.engine.logprobs.scored` ``[B, (k+1)·(1 + 2·MAX_TOP)]``."""
+        speculative sampling against the warped target distribution ``p``; riding rows keep their prompt tokens
+        (``ride``). Returns the verdict and, where rows ask for logprobs, their
+        :func:`~batchspec.engine.logprobs.scored` ``[B, (k+1)·(1 + 2·MAX_TOP)]``."""
         cache = batch.slab.target
         k = proposal.k
         inputs = torch.cat([batch.tokens[:, cache.length :], proposal.tokens[:, :k]], dim=1)  # [B, 1 + k]
-        fed = proposal.lengths + 1 if k else None  # [B]: a row's drafts past its own length are not scored
-        raw_logits = self.runner.logits(self.target, batch, cache, inputs, keep=k + 1, fed=fed)  # [B, k+1, V]
+        fed = proposal.lengths + 1 if k or ride.riding else None  # [B]: a row's drafts past its own length are not fed
+        raw_logits = self.runner.logits(self.target, batch, cache, ride.inputs(inputs), keep=k + 1,
+                                        fed=None if fed is None else ride.fed(fed),
+                                        scored=None if fed is None else ride.scored(fed))  # [B, k+1, V]
         target_logits = _shaped(batch, proposal, raw_logits)  # [B, k+1, V]
         verdict = verify_greedy(proposal.tokens[:, :k], target_logits, proposal.lengths)
         if sampling is not None:
             verdict = _sampled(verdict, proposal, sampling, target_logits)
-        return verdict, _scores(batch.rows, raw_logits, verdict.tokens)
+        return ride.decided(verdict), _scores(batch.rows, raw_logits, verdict.tokens)
 
     def accept(
-        self, batch: BatchState, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None = None
+        self, batch: BatchState, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None = None,
+        ride: Ride | None = None,
     ) -> tuple[list[int], list[list[int]]]:
         """Read the verdict back (the round's one device→host read, with the logprobs rows asked for), append each
-        row's gained tokens (cut at EOS or budget), advance their grammars and record where its KV now lives.
-        Returns, per row, the drafts accepted and the tokens gained."""
+        row's gained tokens (cut at EOS or budget), advance their grammars and record where its KV now lives; a
+        riding row (``ride``) reads on through its prompt instead. Returns, per row, the drafts accepted and the
+        tokens gained (none for a riding row)."""
         logprobs = () if scores is None else (scores,)
         read = self.runner.fetch(verdict.accepted, verdict.tokens, *logprobs)  # [B][1 + k+1 (+ ...)]: the sync
-        accepted = [values[0] for values in read]
-        gained = [values[1 : values[0] + 2] for values in read]
-        tokens = torch.cat([batch.tokens, verdict.tokens], dim=1)  # [B, L + k + 1]
+        columns = [0] * batch.size if ride is None else ride.columns
+        accepted = [0 if c else values[0] for c, values in zip(columns, read, strict=True)]
+        gained = [[] if c else values[1 : values[0] + 2] for c, values in zip(columns, read, strict=True)]
+        tokens = torch.cat([batch.tokens, verdict.tokens], dim=1)  # [B, L + k + 1] (as wide as a ride)
         slab = Slab(tokens, batch.slab.target, batch.slab.draft, holders=tuple(batch.rows))
         draft_cached = self.proposer.cached_after(batch, proposal, accepted)
-        scored_from = 2 + proposal.k
+        scored_from = 1 + verdict.tokens.shape[1]
         for i, (row, tokens, pad) in enumerate(zip(batch.rows, gained, batch.host.pad, strict=True)):
-            kept = row.append(tokens, self.eos)
-            self.stats.generated_tokens += kept
-            _record_row(row, tokens[:kept], read[i][scored_from:], proposal.k)
+            if columns[i]:  # accepted 0: its draft holds at most the columns it held, and its pending token
+                row.read_on(columns[i])
+            else:
+                kept = row.append(tokens, self.eos)
+                self.stats.generated_tokens += kept
+                _record_row(row, tokens[:kept], read[i][scored_from:], proposal.k)
             if not row.finished:
                 row.kv = KVLocation(slab, i, start=pad, target_cached=row.content_len - 1, draft_cached=draft_cached[i])
         self.stats.record_round(accepted, proposal.host.lengths)
@@ -326,17 +363,24 @@ def _proposer(draft: torch.nn.Module | None, config: SpecConfig) -> Proposer:
     return DraftModelProposer(draft, lookup=lookup, vocabulary=config.draft_vocabulary)
 
 
+def _sampling_of(rows: list[Sequence]) -> list[SamplingParams]:
+    """How each row chooses its tokens this round: a riding row (reading its prompt) chooses none, as a greedy row
+    whose verdict is decided by fiat."""
+    return [row.sampling if row.reading is None else GREEDY for row in rows]
+
+
 def _sampling_columns(rows: list[Sequence]) -> tuple:
     """Host columns of the rows' sampling (none when every row is greedy): seeds, output offsets, top-k, the
     sampling rows, temperatures and top-p."""
-    if all(row.sampling.greedy for row in rows):
+    sampling = _sampling_of(rows)
+    if all(params.greedy for params in sampling):
         return ()
-    columns = RowParams.columns([row.sampling for row in rows])
+    columns = RowParams.columns(sampling)
     return (
         [row.row_seed for row in rows],
         [len(row.output) for row in rows],
         columns["top_k"],
-        [i for i, row in enumerate(rows) if not row.sampling.greedy],
+        [i for i, params in enumerate(sampling) if not params.greedy],
         Floats(columns["temperature"]),
         Floats(columns["top_p"]),
     )
@@ -348,14 +392,16 @@ def _round_sampling(rows: list[Sequence], staged: tuple[torch.Tensor, ...]) -> R
     if not staged:
         return None
     seeds, offsets, top_k, index, temperature, top_p = staged
-    params = RowParams(temperature, top_k, top_p, **RowParams.flags([row.sampling for row in rows]))
-    sampled = tuple(i for i, row in enumerate(rows) if not row.sampling.greedy)
+    sampling = _sampling_of(rows)
+    params = RowParams(temperature, top_k, top_p, **RowParams.flags(sampling))
+    sampled = tuple(i for i, params in enumerate(sampling) if not params.greedy)
     return RoundSampling(params=params, rand=RowRandom(seeds=seeds, offsets=offsets), rows=sampled, index=index)
 
 
 def _shaped(batch: BatchState, proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[B, k+1, V]`` with the shaping of the rows that have some (:mod:`batchspec.engine.shaping`)."""
-    rows = shaped_rows(batch.rows)
+    """``logits`` ``[B, k+1, V]`` with the shaping of the rows that have some (:mod:`batchspec.engine.shaping`) and
+    choose tokens this round (not a riding row's)."""
+    rows = [i for i in shaped_rows(batch.rows) if batch.rows[i].reading is None]
     if not rows:
         return logits
     index = torch.tensor(rows, device=logits.device)  # [r]
@@ -410,8 +456,10 @@ def _record(
     sampling: RoundSampling | None,
     seconds: float,
     proposing: float,
+    riding: int = 0,
 ) -> RoundRecord:
-    """What the planner learns from a round (lookup drafts checked for free in rows that proposed nothing)."""
+    """What the planner learns from a round (lookup drafts checked for free in rows that proposed nothing); riding
+    rows proposed nothing, and ``riding`` prompt columns were verified besides."""
     lengths = proposal.host.lengths
     chained = [[j < found for j in range(proposal.k + 1)] for found in reach.lookups]  # as the planner priced them
     first = reach.first or [None] * len(lengths)
@@ -421,14 +469,13 @@ def _record(
         for n, token, got, plain in zip(lengths, first, gained, greedy, strict=True)
     ]
     return RoundRecord(lengths, accepted, chained, shadow, proposal.k, proposal.draft_forwards, seconds, proposing,
-                       draft_width=proposal.draft_width)
+                       draft_width=proposal.draft_width, riding=riding)
 
 
-def _model_drafts(lengths: list[int], reach: Reach, rows: list[Sequence]) -> bool:
-    """Whether the draft model may run this round: a row drafts past its lookups, or a row samples (its bonus
-    position is drafted)."""
-    sampling = any(not row.sampling.greedy for row in rows)
-    return sampling or any(n > found for n, found in zip(lengths, reach.lookups, strict=True))
+def _model_drafts(lengths: list[int], reach: Reach, sampled: bool) -> bool:
+    """Whether the draft model may run this round: a row drafts past its lookups, or a row samples (``sampled``: its
+    bonus position is drafted)."""
+    return sampled or any(n > found for n, found in zip(lengths, reach.lookups, strict=True))
 
 
 def _target_cached(row: Sequence) -> int:

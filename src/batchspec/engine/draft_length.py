@@ -266,6 +266,7 @@ class Reach:
         lag: per row, columns before its pending token that the draft model's cache lacks (None: none).
         per_row: the draft model runs one row at a time (a draft of another tokenizer: each row's text has its own
             length in the draft's tokens), so each row's drafts past its lookups cost forwards of their own.
+        closed: rows that propose nothing this round (their prompts are read in it: :mod:`batchspec.engine.riding`).
     """
 
     lookups: list[int]
@@ -273,9 +274,12 @@ class Reach:
     first: list[int | None] | None = None
     lag: list[int] | None = None
     per_row: bool = False
+    closed: frozenset[int] = frozenset()
 
     def available(self, row: int, cap: int) -> int:
         """Drafts row ``row`` can propose within ``cap``."""
+        if row in self.closed:
+            return 0
         return cap if self.uses_draft_model else min(cap, self.lookups[row])
 
 
@@ -294,6 +298,8 @@ class RoundRecord:
         seconds: the round's decode time but its realignment, of which ``draft_seconds`` were spent proposing.
         realign_seconds: the realignment at the round's start (what the round before it left unequal).
         draft_width: columns per row the draft's first forward read (its catch-up where it was idle; 0: no forward).
+        riding: prompt columns verified besides the rows' pending tokens and drafts (prompts read in the round:
+            :mod:`batchspec.engine.riding`); priced as drafts are, by the columns they add.
     """
 
     lengths: list[int]
@@ -306,30 +312,51 @@ class RoundRecord:
     draft_seconds: float = 0.0
     realign_seconds: float = 0.0
     draft_width: int = 0
+    riding: int = 0
+
+    def scored(self, ragged: bool) -> int:
+        """The extra tokens the round's verification scored past one a row: each row's own drafts where it is
+        ``ragged``, else ``k`` a row; and the riding prompt columns."""
+        return (sum(self.lengths) if ragged else len(self.lengths) * self.k) + self.riding
 
 
 class FixedLength:
-    """``k`` drafts per row, capped by each row's remaining budget."""
+    """``k`` drafts per row, capped by each row's remaining budget. Its rounds' seconds are fitted as the adaptive
+    planner's are (:class:`CostFit`, no draft share), for what a plain step and a verified column take."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, *, ragged: bool = False) -> None:
         self.k = k
         self.limit = k
         self.drafting = k > 0
-        self.planned_s: float | None = None  # no round's seconds are fitted here
+        self.ragged = ragged
+        self.planned_s: float | None = None  # no round's seconds are planned here
+        self.fits: dict[int, CostFit] = {}
 
     def lengths(self, rows, reach: Reach, sampled: bool, *, draining: bool = False,
                 cap: float | None = None) -> list[int]:
         return [reach.available(i, min(self.k, row.remaining - 1)) for i, row in enumerate(rows)]
 
     def observe(self, rows, record: RoundRecord) -> None:
-        return None
+        fit = self.fits.setdefault(len(rows), CostFit(prior_slope(len(rows), self.k, None), 0.0))
+        fit.observe(record.scored(self.ragged), record.forwards, record.seconds, record.draft_seconds)
 
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         return None
 
     def plain_step_s(self, rows: int, seconds: float) -> float:
-        """What a plain step of ``rows`` rows takes: the last round's ``seconds`` (no fit is kept here)."""
-        return seconds
+        """What a plain step of ``rows`` rows takes: :func:`fitted` (``seconds``, the last round's, before any)."""
+        return fitted(self.fits, rows, seconds)[0]
+
+    def column_s(self, rows: int) -> float | None:
+        """What a verified column adds to a round of ``rows`` rows: :func:`fitted` (None before any round)."""
+        return fitted(self.fits, rows, None)[1]
+
+
+def fitted(fits: dict[int, CostFit], rows: int, seconds: float | None) -> tuple[float | None, float | None]:
+    """``(c_0, c_v)``: a plain step of ``rows`` rows and what a verified column adds to it, as their rounds were
+    fitted (:class:`CostFit`); ``(seconds, None)`` before any round of ``rows`` rows was observed."""
+    fit = fits.get(rows)
+    return (seconds, None) if fit is None or fit.start is None else fit.theta
 
 
 class AdaptiveLength:
@@ -496,12 +523,13 @@ class AdaptiveLength:
         after = self.proposed == len(rows)  # the round before had drafts, over as many rows
         if after:
             fit.realigned(record.realign_seconds)
-        scored = sum(record.lengths) if self.ragged else len(record.lengths) * record.k  # extra tokens verified
-        self.proposed = len(rows) if scored else 0
+        drafted = record.scored(self.ragged) - record.riding  # extra tokens verified as drafts
+        self.proposed = len(rows) if drafted else 0
         steps, catch_up = self._draft_steps_read(rows, record, fit)
         if len(rows) > 1 and fit.start is not None:
-            self._account(record, fit, scored or record.forwards, catch_up, after)
-        fit.observe(scored, steps, record.seconds, record.draft_seconds)
+            riding = fit.theta[1] * record.riding  # what the prompt columns read in the round took
+            self._account(record, fit, drafted or record.forwards, catch_up + riding, after)
+        fit.observe(record.scored(self.ragged), steps, record.seconds, record.draft_seconds)
 
     def _account(self, record: RoundRecord, fit: CostFit, drafted: int, catch_up: float, after: bool) -> None:
         """A round of several rows into the :class:`Ledger`: where it ``drafted``, the seconds its accepted tokens
@@ -573,9 +601,12 @@ class AdaptiveLength:
 
     def plain_step_s(self, rows: int, seconds: float) -> float:
         """What a plain step of ``rows`` rows takes: the fitted intercept ``c_0`` of their rounds' cost, or the last
-        round's ``seconds`` before any round of ``rows`` rows was observed."""
-        fit = self.fits.get(rows)
-        return seconds if fit is None or fit.start is None else fit.theta[0]
+        round's ``seconds`` before any round of ``rows`` rows was observed (:func:`fitted`)."""
+        return fitted(self.fits, rows, seconds)[0]
+
+    def column_s(self, rows: int) -> float | None:
+        """What a verified column adds to a round of ``rows`` rows: the fitted ``c_v`` (None before any round)."""
+        return fitted(self.fits, rows, None)[1]
 
     def read(self, tokens: int, seconds: float, *, draft: bool) -> None:
         """Reading prompt columns (``tokens`` of them, over all rows) took one model ``seconds``.
@@ -680,9 +711,9 @@ def planner_for(config: SpecConfig, draft_share: float, *, ragged: bool, mixture
     it deals drafts out per row where the verification is ``ragged``. ``model_prior``: the draft model's first draft's
     chance before any was tested, where its proposer knows it better than :data:`FIRST_PRIOR` (None: that)."""
     if not config.speculative:
-        return FixedLength(0)
+        return FixedLength(0, ragged=ragged)
     if not config.adaptive:
-        return FixedLength(config.num_draft_tokens)
+        return FixedLength(config.num_draft_tokens, ragged=ragged)
     return AdaptiveLength(config.max_draft_tokens, draft_share, ragged=ragged, mixture=mixture, model_prior=model_prior)
 
 

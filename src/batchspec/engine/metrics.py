@@ -34,8 +34,9 @@ class GenerationStats:
     ``recomputed_columns`` counts target KV columns that rows already held and were fed again (a batch forward
     starts at the column its least-read row needs); the engine reads prompts apart so that it stays 0.
     ``prefill_chunks`` counts prompt readings (one per group of similar-length prompts read whole, several per
-    prompt read in chunks). ``prefix_hits`` counts rows that took a cached prompt prefix
-    (:mod:`batchspec.engine.prefix_cache`) and ``cached_tokens`` the prompt tokens they did not read.
+    prompt read in chunks), ``riding_columns`` the prompt columns read inside the rounds of decoding rows instead
+    (:mod:`batchspec.engine.riding`; their time is in ``verify_s``). ``prefix_hits`` counts rows that took a cached
+    prompt prefix (:mod:`batchspec.engine.prefix_cache`) and ``cached_tokens`` the prompt tokens they did not read.
     """
 
     generated_tokens: int = 0
@@ -50,6 +51,7 @@ class GenerationStats:
     realign_rows: int = 0
     recomputed_columns: int = 0
     prefill_chunks: int = 0
+    riding_columns: int = 0
     prefix_hits: int = 0
     cached_tokens: int = 0
     accepted_length_histogram: dict[int, int] = field(default_factory=dict)

@@ -52,6 +52,7 @@ from batchspec.engine.state import BatchState, KVLocation, Sequence
 FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
 GROUP_SPREAD = 16  # padding columns a prompt may read to share a forward with longer ones
 MIN_AUTO_CHUNK = 8
+MAX_RIDE = 64  # columns a riding row feeds in a round at most: a round's seconds fitted low would make it long
 SCORE_CHUNK = 64  # prompt columns per forward of prompt_logprobs: its float64 [1, chunk, V] logprobs stay ~80 MB
 TIMING_DECAY = 0.5  # weight of earlier measurements in the running estimates
 
@@ -82,6 +83,18 @@ class ChunkBudget:
     def limit(self, rows: int) -> int | None:
         """Columns ``rows`` new rows may read this round (None: all). A round reads its prompt chunk first."""
         return self._columns(rows, self.token_s, self.round_s)
+
+    def ride_limit(self, rows: int, column_s: float | None) -> int | None:
+        """Columns each of ``rows`` rows may read inside this round's verification (None: all;
+        :mod:`batchspec.engine.riding`), at ``column_s``, what a verified column adds to a round (None before any
+        round was fitted: a column read apart), and at most :data:`MAX_RIDE`."""
+        columns = self._columns(rows, column_s or self.token_s, self.round_s)
+        return columns if columns is None or self.setting != AUTO else min(columns, MAX_RIDE)
+
+    def rode(self, columns: int, column_s: float | None) -> None:
+        """The round's riding rows add ``columns`` to its verification, at ``column_s`` each (None: a column read
+        apart): what the round's decoding may take shrinks by as much (:meth:`round_cap`)."""
+        self.spent += columns * (column_s or self.token_s or 0.0)
 
     def catch_up_limit(self, rows: int) -> int | None:
         """Columns the draft may read for each of ``rows`` rows it catches up this round (None: all): what is left of

@@ -286,7 +286,7 @@ def layout_columns(layout: Layout, rows: list[Sequence], layers: tuple[int, int 
     slab's rows and shifts, and the tokens of the rows without KV."""
     host = _host_columns(layout, layers)
     per_source = [column for source in layout.sources for column in (source.dest, source.src, source.shift)]
-    fresh = [rows[i].prompt + rows[i].output for i in layout.fresh]
+    fresh = [rows[i].content for i in layout.fresh]
     return (host.pad, host.content, host.draft_cached, *per_source, *fresh)
 
 

@@ -83,6 +83,7 @@ class ModelRunner:
         keep: int,
         fed: torch.Tensor | None = None,
         vocabulary: int = 0,
+        scored: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Feed ``input_ids`` ``[B, q]`` as the columns right after the ones ``cache`` holds; returns the logits of
         the last ``keep`` inputs, ``[B, keep, V]``. Columns at or past the batch width (drafts) count as real.
@@ -94,14 +95,20 @@ class ModelRunner:
 
         ``vocabulary`` (a draft's; 0: all): on the fused integer forward, only the first ``vocabulary`` tokens'
         logits are computed and the others are far below them
-        (:meth:`~batchspec.exact.integer.forward.IntegerForward.output`); elsewhere every logit is."""
+        (:meth:`~batchspec.exact.integer.forward.IntegerForward.output`); elsewhere every logit is.
+
+        ``scored`` ``[B]`` (the fused integer forward only, with ``fed``): the logits are those of each row's first
+        ``keep`` inputs, of which row ``i`` needs its first ``scored[i]`` (:mod:`batchspec.engine.riding`: a row
+        reading its prompt feeds more columns than the round scores, and needs no logits)."""
         forward = integer_forward(model) if cache.write_at is None else None
         if forward is not None:  # the int8 model's own forward: the same bits as the model's, in fewer calls
             positions, visible = _placement(model, batch, cache, input_ids)
             if fed is not None:
                 queries = torch.arange(input_ids.shape[1], device=fed.device)  # [q]
                 visible = visible & (queries[None, None, :, None] < fed[:, None, None, None])  # [B, 1, q, end]
-            return forward.logits(input_ids, positions, visible, cache, keep, vocabulary)
+            return forward.logits(input_ids, positions, visible, cache, keep, vocabulary, scored)
+        if scored is not None:
+            raise InvariantError("only the fused integer forward scores each row's first inputs")
         end = cache.length + input_ids.shape[1]
         graphed = self.graphs is not None and _implementation(model) in GRAPHED_ATTENTION
         with attention_backends(self.device):

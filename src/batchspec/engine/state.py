@@ -77,6 +77,10 @@ class Sequence:
     ``prefix_namespace`` is who may share the row's prompt prefix through the prefix cache
     (:mod:`batchspec.engine.prefix_cache`), and ``cached_tokens`` how many prompt tokens it reused from there.
 
+    ``reading`` (None once its prompt is read): while the row's prompt is read inside the rounds of the rows that
+    decode (:mod:`batchspec.engine.riding`), the prompt tokens laid out so far; its content is then
+    ``prompt[:reading]``, the last of them pending, and it generates nothing.
+
     ``penalties`` and ``grammar`` shape the target's distribution (:mod:`batchspec.engine.shaping`); with
     ``logprobs`` set (the number of top alternatives, 0 for the chosen token's only) every output token gets its
     :class:`~batchspec.engine.logprobs.TokenLogprob` in ``token_logprobs``; with ``prompt_logprobs`` set, so does
@@ -102,6 +106,7 @@ class Sequence:
     prompt_token_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
     prefix_namespace: str = ""
     cached_tokens: int = 0
+    reading: int | None = None
     _grammar_state: GrammarState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,7 +128,12 @@ class Sequence:
 
     @property
     def content_len(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.output) if self.reading is None else self.reading
+
+    @property
+    def content(self) -> list[int]:
+        """The tokens laid out in the row's batch: its prompt and output, or the prompt's first ``reading``."""
+        return self.prompt + self.output if self.reading is None else self.prompt[: self.reading]
 
     @property
     def remaining(self) -> int:
@@ -135,8 +145,18 @@ class Sequence:
 
     @property
     def ready(self) -> bool:
-        """The target's KV covers every real token but the pending one: the row can decode (its prompt is read)."""
-        return self.kv is not None and self.kv.target_cached == self.content_len - 1
+        """The target's KV covers every real token but the pending one: the row can join a round (its prompt is
+        read, or it is read inside the rounds; a prompt of one token needs no reading)."""
+        return (0 if self.kv is None else self.kv.target_cached) == self.content_len - 1
+
+    def read_on(self, columns: int) -> None:
+        """``columns`` more prompt tokens were read inside a round: the row's pending token moves on by as many, and
+        once it is the prompt's last the row decodes like any other."""
+        if self.reading is None or not 0 < columns <= len(self.prompt) - self.reading:
+            raise InvariantError(f"row {self.index} cannot read {columns} more prompt tokens")
+        self.reading += columns
+        if self.reading == len(self.prompt):
+            self.reading = None
 
     def append(self, tokens: list[int], eos_token_ids: frozenset[int]) -> int:
         """Append accepted tokens, stopping after the first EOS or at the budget.
@@ -179,7 +199,7 @@ class Sequence:
         if not (0 <= kv.draft_cached <= self.content_len - 1):
             raise InvariantError(f"row {self.index}: draft KV covers {kv.draft_cached}")
         stored = kv.slab.tokens[kv.row, kv.start : kv.start + self.content_len].tolist()
-        if stored != self.prompt + self.output:
+        if stored != self.content:
             raise InvariantError(f"row {self.index}: stored tokens out of sync")
         # a row whose first chunk ended before its first token holds no target KV yet
         if kv.target_cached and kv.slab.target.length < kv.start + kv.target_cached:
@@ -301,7 +321,7 @@ class BatchState:
             if int(self.content[i]) != row.content_len:
                 raise InvariantError(f"row {row.index}: content length out of sync")
             real = self.tokens[i, int(self.pad[i]) :].tolist()
-            if real != row.prompt + row.output:
+            if real != row.content:
                 raise InvariantError(f"row {row.index}: token stream out of sync")
         if not (0 <= self.target_len <= width - 1):
             raise InvariantError(f"target KV covers {self.target_len} of {width - 1} columns")

@@ -121,6 +121,15 @@ class _Rows:
         taken = (column >= 0).nonzero().squeeze(1)  # [n]
         return _Kept(taken, (index // self.seq)[taken] * keep + column[taken])
 
+    def scored(self, counts: torch.Tensor, keep: int) -> _Kept:
+        """The read positions among each row's first ``counts[b]`` (``[B]``, at most ``keep``): their places in
+        :meth:`take`'s ``[N, C]`` and in a flat ``[B * keep]``. Example (the class's), ``counts = [0, 2]``,
+        ``keep = 2``: taken ``[1, 2]``, flat ``[2, 3]``."""
+        index = torch.arange(self.batch * self.seq, device=counts.device) if self.index is None else self.index  # [N]
+        row, column = index // self.seq, index % self.seq  # [N], [N]
+        taken = (column < counts[row]).nonzero().squeeze(1)  # [n]
+        return _Kept(taken, row[taken] * keep + column[taken])
+
     def spread(self, rows: torch.Tensor) -> torch.Tensor:
         """``[N, C]`` -> ``[B, S, C]``, zeros at the positions left out."""
         if self.index is None:
@@ -234,16 +243,22 @@ class IntegerForward:
         return cls(model, layers, queries // size, keys // size, size, recipe)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache: Any,
-               keep: int, vocabulary: int = 0) -> torch.Tensor:
+               keep: int, vocabulary: int = 0, scored: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` ``[B, S]`` at ``positions`` ``[B, S]`` appended to ``cache``, queries seeing the keys
         ``visible`` ``[B, 1, S, L]`` marks; the logits of the last ``keep`` inputs, ``[B, keep, V]``. With
-        ``vocabulary`` (0: all), only the first ``vocabulary`` tokens' logits are computed (see :meth:`output`)."""
+        ``vocabulary`` (0: all), only the first ``vocabulary`` tokens' logits are computed (see :meth:`output`).
+        With ``scored`` ``[B]`` (at most ``keep`` each), the logits of each row's first ``keep`` inputs instead, of
+        which only its first ``scored[b]`` are computed (zeros elsewhere): rows that feed more columns than are
+        scored (a prompt read inside a verification) run the output layer on none of them."""
         rows = _Rows.of(visible)
         decoded = self._decode(input_ids, positions, visible, cache, rows)  # [N, H]
-        if rows.index is None:
+        if rows.index is None and scored is None:
             last = decoded.view(rows.batch, rows.seq, -1)[:, -keep:]  # [B, keep, H]
             return self.output(self.norm(last), vocabulary)  # [B, keep, V]
-        kept = rows.kept(keep)  # [n]: which of the N read positions are among the last keep, as flat [B * keep]
+        # [n]: which of the N read positions are kept, as flat [B * keep]
+        kept = rows.kept(keep) if scored is None else rows.scored(scored, keep)
+        if not kept.taken.numel():  # no position scored (every row read a prompt)
+            return decoded.new_zeros(rows.batch, keep, self.head.out_features)  # [B, keep, V]
         out = self.output(self.norm(decoded.index_select(0, kept.taken)), vocabulary)  # [n, V]
         logits = out.new_zeros(rows.batch * keep, out.shape[-1]).index_copy_(0, kept.flat, out)  # [B * keep, V]
         return logits.view(rows.batch, keep, -1)  # [B, keep, V]: zeros at the positions left out
