@@ -16,6 +16,7 @@ from test_prefill import Arrivals
 from batchspec.config import SamplingParams, SpecConfig
 from batchspec.engine.core import Engine
 from batchspec.engine.errors import InvariantError
+from batchspec.engine.prefill import ChunkBudget
 from batchspec.engine.riding import Ride
 from batchspec.engine.sampling import derive_row_seeds
 from batchspec.engine.schedulers import make_scheduler
@@ -71,6 +72,35 @@ def test_a_riding_row_feeds_its_next_prompt_tokens_and_keeps_them_by_fiat():
     assert unridden.host_columns() == () and unridden.inputs(inputs) is inputs and unridden.scored(fed) is None
 
 
+def test_a_rounds_budget_goes_to_the_rows_that_came_first():
+    """The docstring's examples: riders of 30 and 5 prompt tokens left (the first to come first), a budget of 12:
+    11 and 1 columns, whatever their places in the batch; of 6 and 5 left: their prompts' ends; no budget: all."""
+    def riders(lefts: list[int], order: list[int]) -> list[Sequence]:
+        rows = [Sequence(index, list(range(left + 3)), 8, reading=3) for index, left in zip(order, lefts, strict=True)]
+        return [*rows, Sequence(9, [1, 2], 8)]
+
+    assert Ride.of(riders([30, 5], [0, 1]), 12).columns == [11, 1, 0]
+    assert Ride.of(riders([5, 30], [1, 0]), 12).columns == [1, 11, 0]
+    assert Ride.of(riders([6, 5], [0, 1]), 12).columns == [6, 5, 0]
+    assert Ride.of(riders([4, 3], [0, 1]), None).columns == [4, 3, 0]
+    assert Ride.of(riders([4, 3], [0, 1]), 1).columns == [1, 1, 0]  # each its pending token at least
+
+
+def test_the_ride_budget_adds_about_a_plain_step():
+    """Plain steps of 0.06 s: at 2.5 ms a column (what a column read apart took, or the fit's, whichever is more)
+    24 columns ride; at most 64; a fixed setting is its columns; unset, all."""
+    budget = ChunkBudget("auto")
+    assert budget.ride_budget(None) == 32  # nothing measured: the first chunk's columns
+    budget.decoded(0.06)
+    budget.read(tokens=100, seconds=0.25)
+    assert budget.ride_budget(0.002) == 24 and budget.ride_budget(None) == 24
+    assert budget.ride_budget(0.004) == 15
+    fast = ChunkBudget("auto")
+    fast.decoded(0.06)
+    assert fast.ride_budget(0.0001) == 64
+    assert ChunkBudget(5).ride_budget(0.002) == 5 and ChunkBudget(None).ride_budget(0.002) is None
+
+
 def test_a_row_closed_by_its_ride_proposes_nothing(quantized):
     """A riding row's lookups are the prompt's own, not a text it generates: the planner sees none, and no draft."""
     target, draft, bundle = quantized
@@ -85,11 +115,11 @@ def test_a_row_closed_by_its_ride_proposes_nothing(quantized):
     assert reach.available(0, 4) == 0 and reach.available(1, 4) == 4
 
 
-def _served(quantized, rows: list[Sequence], **settings) -> object:
-    """Drive ``rows`` as the server does (the online scheduler, three at a time, chunks of 4 columns): row 0 alone in
-    the first round, the others from the second, each taking a finished row's place. Returns the engine."""
+def _served(quantized, rows: list[Sequence], chunk: int | None = CHUNK, **settings) -> object:
+    """Drive ``rows`` as the server does (the online scheduler, three at a time, chunks of ``chunk`` columns): row 0
+    alone in the first round, the others from the second, each taking a finished row's place. Returns the engine."""
     target, draft, bundle = quantized
-    config = SpecConfig(batch_size=3, prefill_chunk=CHUNK, eos_token_ids=(bundle.eos_id,), pad_token_id=bundle.pad_id,
+    config = SpecConfig(batch_size=3, prefill_chunk=chunk, eos_token_ids=(bundle.eos_id,), pad_token_id=bundle.pad_id,
                         check_invariants=True, **settings)
     engine = engine_for(target, draft, config)
     with torch.inference_mode():
@@ -97,21 +127,25 @@ def _served(quantized, rows: list[Sequence], **settings) -> object:
     return engine
 
 
+@pytest.mark.parametrize("chunk", [CHUNK, None])
 @pytest.mark.parametrize(
     "method, proposer, k",
     [("autoregressive", None, 1), ("eqspec", "hybrid", "auto"), ("exspec", "draft", 2), ("eqspec", "ngram", 3)],
 )
-def test_prompts_read_inside_the_rounds_give_the_quantized_models_own_tokens(method, proposer, k, quantized):
+def test_prompts_read_inside_the_rounds_give_the_quantized_models_own_tokens(method, proposer, k, chunk, quantized):
     """Seven prompts of budgets 6 to 24: each row that joins while others decode reads its prompt inside their rounds,
-    and every answer is the quantized target's own."""
+    in chunks of 4 columns a round or (no chunk set, as offline) whole in one round, and every answer is the quantized
+    target's own."""
     target, _, bundle = quantized
     prompts = [prompt for prompt, _ in bundle.probe[:7]]
     budgets = [6 + 3 * i for i in range(7)]
     rows = [Sequence(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
-    engine = _served(quantized, rows, method=method, proposer=proposer, num_draft_tokens=k)
+    engine = _served(quantized, rows, chunk, method=method, proposer=proposer, num_draft_tokens=k)
     expected = [reference_greedy(target, p, n, bundle.eos_id) for p, n in zip(prompts, budgets, strict=True)]
     assert [row.output for row in rows] == expected
     assert engine.stats.riding_columns > 0 and engine.stats.recomputed_columns == 0
+    if chunk is None and method != "exspec":  # row 0's prompt apart, every other's in one round beside decoding rows
+        assert engine.stats.riding_columns == sum(len(p) - 1 for p in prompts[1:])  # (exspec may group newcomers)
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])

@@ -68,7 +68,7 @@ class Engine:
         self.planner = planner_for(config, share, ragged=ragged, mixture=mixture_of(target),
                                    model_prior=self.proposer.model_prior)
         self.chunks = ChunkBudget(config.prefill_chunk)
-        self.rides = ragged and config.prefill_chunk is not None  # prompts read inside the rounds: riding.py
+        self.rides = ragged  # prompts read while others decode ride in their rounds: riding.py
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None
 
@@ -147,10 +147,10 @@ class Engine:
 
     def ride(self, rows: list[Sequence]) -> Ride:
         """The prompt columns this round's riding rows feed: together, as many as take about as long as a plain step
-        (:meth:`ChunkBudget.ride_limit`), booked against the round's cap; where no row decodes, all they have left."""
+        (:meth:`ChunkBudget.ride_budget`), booked against the round's cap; where no row decodes, all they have left."""
         riding = sum(row.reading is not None for row in rows)
         column_s = self.planner.column_s(len(rows))
-        ride = Ride.of(rows, None if riding in (0, len(rows)) else self.chunks.ride_limit(riding, column_s))
+        ride = Ride.of(rows, None if riding in (0, len(rows)) else self.chunks.ride_budget(column_s))
         self.chunks.rode(ride.extra, column_s)
         self.stats.riding_columns += sum(ride.columns)
         return ride

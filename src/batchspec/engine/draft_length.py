@@ -526,9 +526,8 @@ class AdaptiveLength:
         drafted = record.scored(self.ragged) - record.riding  # extra tokens verified as drafts
         self.proposed = len(rows) if drafted else 0
         steps, catch_up = self._draft_steps_read(rows, record, fit)
-        if len(rows) > 1 and fit.start is not None:
-            riding = fit.theta[1] * record.riding  # what the prompt columns read in the round took
-            self._account(record, fit, drafted or record.forwards, catch_up + riding, after)
+        if len(rows) > 1 and fit.start is not None and not record.riding:  # a prompt's columns: neither way
+            self._account(record, fit, drafted or record.forwards, catch_up, after)
         fit.observe(record.scored(self.ragged), steps, record.seconds, record.draft_seconds)
 
     def _account(self, record: RoundRecord, fit: CostFit, drafted: int, catch_up: float, after: bool) -> None:

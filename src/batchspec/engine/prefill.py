@@ -52,7 +52,7 @@ from batchspec.engine.state import BatchState, KVLocation, Sequence
 FIRST_AUTO_CHUNK = 32  # columns of the first chunk, before anything is timed
 GROUP_SPREAD = 16  # padding columns a prompt may read to share a forward with longer ones
 MIN_AUTO_CHUNK = 8
-MAX_RIDE = 64  # columns a riding row feeds in a round at most: a round's seconds fitted low would make it long
+MAX_RIDE = 64  # prompt columns a round's riding rows feed at most (auto): estimates gone low would make it long
 SCORE_CHUNK = 64  # prompt columns per forward of prompt_logprobs: its float64 [1, chunk, V] logprobs stay ~80 MB
 TIMING_DECAY = 0.5  # weight of earlier measurements in the running estimates
 
@@ -84,11 +84,14 @@ class ChunkBudget:
         """Columns ``rows`` new rows may read this round (None: all). A round reads its prompt chunk first."""
         return self._columns(rows, self.token_s, self.round_s)
 
-    def ride_limit(self, rows: int, column_s: float | None) -> int | None:
-        """Columns each of ``rows`` rows may read inside this round's verification (None: all;
-        :mod:`batchspec.engine.riding`), at ``column_s``, what a verified column adds to a round (None before any
-        round was fitted: a column read apart), and at most :data:`MAX_RIDE`."""
-        columns = self._columns(rows, column_s or self.token_s, self.round_s)
+    def ride_budget(self, column_s: float | None) -> int | None:
+        """Prompt columns this round's verification may read besides its decoding (None: all;
+        :mod:`batchspec.engine.riding`): the setting, or (``"auto"``) as many as add about a plain step to the round
+        at ``column_s``, what a verified column adds to a round, fitted (None before any round was: a column read
+        apart), but never less than a prompt column read apart costs (a fit of the rounds' seconds can take a step's
+        cost for its columns'), and at most :data:`MAX_RIDE`."""
+        each = max((s for s in (column_s, self.token_s) if s is not None), default=None)
+        columns = self._columns(1, each, self.round_s)
         return columns if columns is None or self.setting != AUTO else min(columns, MAX_RIDE)
 
     def rode(self, columns: int, column_s: float | None) -> None:

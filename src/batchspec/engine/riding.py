@@ -49,13 +49,22 @@ class Ride:
     staged: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def of(cls, rows: list[Sequence], limit: int | None) -> Ride:
-        """The round's ride: each row that reads its prompt feeds at most ``limit`` (None: all) of its prompt's
-        tokens after its pending one, and never its prompt's last (that one it decodes from)."""
-        columns = []
-        for row in rows:
-            left = 0 if row.reading is None else len(row.prompt) - row.reading
-            columns.append(left if limit is None else min(left, limit))
+    def of(cls, rows: list[Sequence], budget: int | None) -> Ride:
+        """The round's ride: ``budget`` columns (None: all) over the rows that read their prompts, first come first
+        served (by :attr:`Sequence.index`), each at least its pending token, none past its prompt's last token (that
+        one it decodes from). A prompt read first is answered first; read side by side, every newcomer would wait for
+        all of them.
+
+        Example: riders of 30 and 5 prompt tokens left, in that order, a budget of 12: 11 and 1 columns; of 6 and 5
+        left: 6 and 5 (their prompts' ends), of 4 and 3 left with no budget: 4 and 3."""
+        columns = [0] * len(rows)
+        riders = sorted((i for i, row in enumerate(rows) if row.reading is not None), key=lambda i: rows[i].index)
+        spare = None if budget is None else max(budget - len(riders), 0)  # columns past each rider's pending one
+        for i in riders:
+            more = len(rows[i].prompt) - rows[i].reading - 1
+            more = more if spare is None else min(more, spare)
+            columns[i] = 1 + more
+            spare = None if spare is None else spare - more
         tokens = [row.prompt[row.reading : row.reading + c] if c else [] for row, c in zip(rows, columns, strict=True)]
         return cls(columns, tokens)
 
