@@ -127,25 +127,23 @@ def _served(quantized, rows: list[Sequence], chunk: int | None = CHUNK, **settin
     return engine
 
 
-@pytest.mark.parametrize("chunk", [CHUNK, None])
 @pytest.mark.parametrize(
     "method, proposer, k",
     [("autoregressive", None, 1), ("eqspec", "hybrid", "auto"), ("exspec", "draft", 2), ("eqspec", "ngram", 3)],
 )
-def test_prompts_read_inside_the_rounds_give_the_quantized_models_own_tokens(method, proposer, k, chunk, quantized):
+def test_prompts_read_inside_the_rounds_give_the_quantized_models_own_tokens(method, proposer, k, quantized):
     """Seven prompts of budgets 6 to 24: each row that joins while others decode reads its prompt inside their rounds,
-    in chunks of 4 columns a round or (no chunk set, as offline) whole in one round, and every answer is the quantized
-    target's own."""
+    4 columns a round, and every answer is the quantized target's own. With no chunk set (offline) prompts are read
+    apart, whole, as before."""
     target, _, bundle = quantized
     prompts = [prompt for prompt, _ in bundle.probe[:7]]
     budgets = [6 + 3 * i for i in range(7)]
-    rows = [Sequence(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
-    engine = _served(quantized, rows, chunk, method=method, proposer=proposer, num_draft_tokens=k)
     expected = [reference_greedy(target, p, n, bundle.eos_id) for p, n in zip(prompts, budgets, strict=True)]
-    assert [row.output for row in rows] == expected
-    assert engine.stats.riding_columns > 0 and engine.stats.recomputed_columns == 0
-    if chunk is None and method != "exspec":  # row 0's prompt apart, every other's in one round beside decoding rows
-        assert engine.stats.riding_columns == sum(len(p) - 1 for p in prompts[1:])  # (exspec may group newcomers)
+    for chunk in (CHUNK, None):
+        rows = [Sequence(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets, strict=True))]
+        engine = _served(quantized, rows, chunk, method=method, proposer=proposer, num_draft_tokens=k)
+        assert [row.output for row in rows] == expected
+        assert (engine.stats.riding_columns > 0) == (chunk is not None) and engine.stats.recomputed_columns == 0
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])

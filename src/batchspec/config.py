@@ -308,8 +308,8 @@ class SpecConfig:
         help="Columns of new prompts read per round while other rows decode (chunked prefill): a long prompt then "
         "delays the running streams a bounded amount per round. auto: as many columns as take about one decode "
         "round to read (measured as it runs), so a stream waits about two rounds at most. Unset (batchspec.generate's "
-        "default), every prompt is read in one piece. On the fused integer forward (int8, int4) a prompt read while "
-        "other rows decode rides in their verification forward instead of a forward of its own.",
+        "default), every prompt is read in one piece. On the fused integer forward (int8, int4) a chunk rides in the "
+        "decoding rows' verification forward instead of a forward of its own.",
     )
     cuda_graphs: CudaGraphs = option(
         CudaGraphs.AUTO, check=one_of(CudaGraphs),

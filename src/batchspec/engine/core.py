@@ -68,7 +68,7 @@ class Engine:
         self.planner = planner_for(config, share, ragged=ragged, mixture=mixture_of(target),
                                    model_prior=self.proposer.model_prior)
         self.chunks = ChunkBudget(config.prefill_chunk)
-        self.rides = ragged  # prompts read while others decode ride in their rounds: riding.py
+        self.rides = ragged and config.prefill_chunk is not None  # prompt chunks ride in the rounds: riding.py
         size = prefix_cache_bytes(config.prefix_cache_size, self.device)
         self.prefixes = PrefixCache(size) if size else None
 
