@@ -275,8 +275,7 @@ class Engine:
         return ride.decided(verdict), _scores(batch.rows, raw_logits, verdict.tokens)
 
     def accept(
-        self, batch: BatchState, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None = None,
-        ride: Ride | None = None,
+        self, batch: BatchState, proposal: Proposal, verdict: Verdict, scores: torch.Tensor | None, ride: Ride
     ) -> tuple[list[int], list[list[int]]]:
         """Read the verdict back (the round's one device→host read, with the logprobs rows asked for), append each
         row's gained tokens (cut at EOS or budget), advance their grammars and record where its KV now lives; a
@@ -284,7 +283,7 @@ class Engine:
         tokens gained (none for a riding row)."""
         logprobs = () if scores is None else (scores,)
         read = self.runner.fetch(verdict.accepted, verdict.tokens, *logprobs)  # [B][1 + k+1 (+ ...)]: the sync
-        columns = [0] * batch.size if ride is None else ride.columns
+        columns = ride.columns
         accepted = [0 if c else values[0] for c, values in zip(columns, read, strict=True)]
         gained = [[] if c else values[1 : values[0] + 2] for c, values in zip(columns, read, strict=True)]
         tokens = torch.cat([batch.tokens, verdict.tokens], dim=1)  # [B, L + k + 1] (as wide as a ride)
