@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 
 from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import BatchKVCache, Slab
-from batchspec.engine.realign import DRAFT_SLACK, assemble, compact, draft_catch_up, layout_columns, plan_layout
+from batchspec.engine.realign import (
+    DRAFT_SLACK,
+    assemble,
+    compact,
+    draft_catch_up,
+    layout_columns,
+    placed,
+    plan_layout,
+)
 from batchspec.engine.runner import ModelRunner
 from batchspec.engine.state import BatchState, HostColumns, KVLocation, Moved, Sequence
 
@@ -78,9 +86,14 @@ def scattered_rows(draw):
 def test_gathered_batch_holds_each_unpadded_row(rows, slack):
     layout = plan_layout(rows, slack=slack)
     batch = _assemble(layout, rows, (1, 1))
-    batch.check()  # I1, I2, every row's token stream, cache lengths within the width
     if not slack:
         assert min(layout.pad) == 0, "the longest row sets the width and has no padding"
+    _assert_unpadded(layout, batch, rows)
+
+
+def _assert_unpadded(layout, batch, rows) -> None:
+    """Every row of ``batch`` reads as its unpadded sequence: its cached keys and values and its positions."""
+    batch.check()  # I1, I2, every row's token stream, cache lengths within the width
     for i, row in enumerate(rows):
         pad = layout.pad[i]
         cached = 0 if row.kv is None else row.kv.target_cached
@@ -232,6 +245,87 @@ def test_the_rows_left_when_others_finished_move_up_within_their_storage():
         assert held[0, 1:].tolist() == [0, 1, 2]
         assert held[1].tolist() == [2000, 2001, 2002, 2003]
     batch.check()
+
+
+def test_placed_worked_example_from_its_docstring():
+    """Rows 0, 1 and 3 of a slab (row 2 finished) and a new row: the new row takes row 2's place; without it, row 3
+    does. Rows of another slab and rows that are not in the batch's first places follow, in the order given."""
+    a, b, c, d = (Sequence(i, [7] * 4, 8) for i in range(4))
+    make_slab([a, b, c, d], starts=[0] * 4, lags=[0] * 4, draft_lags=[0] * 4)
+    c.retire("stop")
+    e = Sequence(4, [9] * 3, 8)
+    assert placed([a, b, d, e]) == [a, b, e, d]
+    assert placed([d, b, a]) == [a, b, d]
+    assert placed([e]) == [e]
+
+
+@st.composite
+def slab_with_joiners(draw):
+    """A slab of 1..6 rows, some finished, and up to three rows joining (new, or from a slab of their own)."""
+    n = draw(st.integers(1, 6))
+    lengths = draw(st.lists(st.integers(1, 20), min_size=n, max_size=n))
+    home = [Sequence(i, [100 * i + j for j in range(c)], 8) for i, c in enumerate(lengths)]
+    starts = [draw(st.integers(0, 6)) for _ in home]
+    lags = [draw(st.integers(0, 2)) if row.content_len > 3 else 0 for row in home]
+    make_slab(home, starts, lags, [draw(st.integers(0, 3)) if row.content_len > 4 else 0 for row in home])
+    finished = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    for row, done in zip(home, finished, strict=True):
+        if done:
+            row.retire("stop")
+    joiners = [Sequence(10 + j, [100 * (10 + j) + t for t in range(draw(st.integers(1, 20)))], 8)
+               for j in range(draw(st.integers(0, 3)))]
+    elsewhere = [row for row in joiners if draw(st.booleans())]
+    if elsewhere:
+        make_slab(elsewhere, [0] * len(elsewhere), [0] * len(elsewhere), [0] * len(elsewhere))
+    rows = [row for row in home if row.kv is not None] + joiners
+    return home[0].kv.slab if home[0].kv else home[0], draw(st.permutations(rows)) if rows else rows
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(slab_with_joiners(), st.sampled_from([0, 4]))
+def test_rows_joining_a_slab_take_its_free_rows_without_a_new_storage(case, slack):
+    """Rows placed (:func:`placed`) in a slab whose rows finished: where its storage holds the batch, the batch runs
+    in it, rows from elsewhere are copied into the free rows, and only those and the rows that shift or change rows
+    are copied; every row reads as its unpadded sequence."""
+    _, rows = case
+    if not rows:
+        return
+    home = max({id(r.kv.slab): r.kv.slab for r in rows if r.kv}.values(),
+               key=lambda slab: sum(r.kv is not None and r.kv.slab is slab for r in rows), default=None)
+    rows = placed(rows)
+    before = None if home is None else {row.index: (row.kv.row, row.kv.start) for row in rows
+                                        if row.kv is not None and row.kv.slab is home}
+    layout = plan_layout(rows, slack=slack)
+    batch = _assemble(layout, rows, (1, 1))
+    _assert_unpadded(layout, batch, rows)
+    if home is None or len(rows) > home.size or layout.target_len == 0:  # no room, or no column kept: nothing to move
+        return
+    assert batch.slab.target.storage.data_ptr() == home.target.storage.data_ptr(), "no storage was allocated"
+    copied = sum(1 for i, row in enumerate(rows) if row.kv is not None and (
+        row.kv.slab is not home or before[row.index] != (i, layout.pad[i])))
+    assert batch.moved.rows == copied
+
+
+def test_a_row_joins_in_the_rows_a_batch_left_before():
+    """A slab of three rows runs two (row 1 finished) on its storage's first two, then a new row joins: the batch
+    grows back into the same storage, and the rows that run on do not move."""
+    rows = [Sequence(i, [7] * (4 + i), 8) for i in range(3)]
+    slab = make_slab(rows, starts=[2, 1, 0], lags=[0, 0, 0], draft_lags=[0, 0, 0])
+    rows[1].retire("stop")
+    two = placed([rows[0], rows[2]])
+    layout = plan_layout(two)
+    batch = _assemble(layout, two, (1, 1))
+    assert batch.slab.target.storage.shape[2] == 2 and batch.moved.rows == 1  # row 2 into row 1's place
+    for i, row in enumerate(two):
+        row.kv = KVLocation(batch.slab, i, layout.pad[i], row.content_len - 1, row.content_len - 1)
+    new = Sequence(5, [9] * 3, 8)
+    three = placed([new, *two])
+    assert three == [rows[0], rows[2], new]
+    layout = plan_layout(three)
+    batch = _assemble(layout, three, (1, 1))
+    _assert_unpadded(layout, batch, three)
+    assert batch.slab.target.storage.data_ptr() == slab.target.storage.data_ptr()
+    assert batch.slab.target.storage.shape[2] == 3 and batch.moved.rows == 0
 
 
 def test_new_rows_without_kv_start_from_zero_cache():

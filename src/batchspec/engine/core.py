@@ -30,7 +30,7 @@ from batchspec.engine.proposers import NoDraftProposer, Proposal, ProposalPlan, 
 from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.engine.proposers.ngram import NgramProposer
 from batchspec.engine.proposers.text import TextDraftProposer
-from batchspec.engine.realign import LEFT_SLACK, assemble, draft_catch_up, layout_columns, plan_layout
+from batchspec.engine.realign import LEFT_SLACK, assemble, draft_catch_up, layout_columns, placed, plan_layout
 from batchspec.engine.retokenize import bridge_of
 from batchspec.engine.riding import Ride
 from batchspec.engine.runner import Floats, ModelRunner
@@ -83,7 +83,9 @@ class Engine:
 
     def decode(self, rows: list[Sequence], *, draining: bool = False) -> None:
         """One round: plan on the host, propose and verify on the device, and read the verdict back once. Rows whose
-        prompts are read in the round (:mod:`batchspec.engine.riding`) feed their next prompt tokens instead."""
+        prompts are read in the round (:mod:`batchspec.engine.riding`) feed their next prompt tokens instead. The rows
+        take the places in the batch that move the fewest of them (:func:`~batchspec.engine.realign.placed`)."""
+        rows = placed(rows)
         ride = self.ride(rows)
         reach = ride.closed(self.proposer.reach(rows, self.planner.limit))
         sampled = any(not row.sampling.greedy for row in rows if row.reading is None)

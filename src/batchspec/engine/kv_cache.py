@@ -88,8 +88,10 @@ class _StoreLayer(CacheLayerMixin):
 class BatchKVCache(Cache):
     """KV cache of one model for one batch; every layer holds ``length`` columns between forwards."""
 
-    def __init__(self, num_layers: int, storage: torch.Tensor | None = None, length: int = 0) -> None:
+    def __init__(self, num_layers: int, storage: torch.Tensor | None = None, length: int = 0,
+                 whole: torch.Tensor | None = None) -> None:
         self.storage = storage  # [num_layers, 2, B, H, capacity, D]
+        self.whole = storage if whole is None else whole  # [num_layers, 2, rows, H, capacity, D]: storage = its first B
         self.length = length
         self.write_at: torch.Tensor | None = None  # [q] the columns a static-mode forward writes
         super().__init__(layers=[_StoreLayer(self, i) for i in range(num_layers)])
@@ -120,6 +122,9 @@ class BatchKVCache(Cache):
             grown = self.storage.new_zeros((*self.storage.shape[:4], needed + GROWTH, self.storage.shape[5]))
             grown[..., : self.storage.shape[4], :] = self.storage
             self.storage = grown
+        else:
+            return self.storage
+        self.whole = self.storage
         return self.storage
 
     def crop(self, length: int) -> None:

@@ -18,11 +18,12 @@ the batch grew from width ``L`` to ``L'`` moves by ``delta[i] = (L' - L) - n[i]`
 New column ``j`` of row ``i`` reads old column ``j - delta[i]``; columns that map before the row's start are
 padding and only need finite values, since the attention mask hides them. A batch made of all the rows of
 one slab, in order and unshifted, is in *lockstep*: the slab is reused as it is and its caches are only
-cropped (dropping rejected drafts). Some of one slab's rows in order (EqSpec after rows accepted different counts,
-or after rows finished) are moved within the slab's own storage, which keeps its address (what CUDA graphs replay
-on: :mod:`batchspec.engine.graphs`): only the rows that shift or change rows move, and where rows finished the batch
-runs on the storage's first rows. Anything else — rows joining, or from other slabs — is copied row by row into
-fresh storage (a row's columns lie together for each layer and head).
+cropped (dropping rejected drafts). Where the batch holds every row still in one slab (EqSpec after rows accepted
+different counts, or after rows finished), its rows move within that slab's storage, which keeps its address (what
+CUDA graphs replay on: :mod:`batchspec.engine.graphs`): only the rows that shift or change rows move, rows joining
+(new prompts, rows of other slabs) are copied into the places of finished rows (:func:`placed` chooses the places),
+and the batch runs on the storage's first rows. Anything else is copied row by row into fresh storage (a row's
+columns lie together for each layer and head).
 
 With ``slack`` (the engine's on the fused integer forward, whose bits padding cannot change) the width is chosen so
 that most of the content stays where it is: where a few rows gained more than the rest, they move left into their
@@ -39,6 +40,7 @@ keep what they have (``draft_cached``), lag, and are caught up before the draft 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -110,6 +112,30 @@ class Layout:
     def padded(self) -> bool:
         """Rows of different lengths share the batch: an unpad–append–repad realignment."""
         return any(self.pad)
+
+
+def placed(rows: list[Sequence]) -> list[Sequence]:
+    """``rows`` in the order that moves the fewest of them: the rows of the slab most of them are in keep their rows of
+    it where the batch has that many (laid out in lockstep or within that slab's storage: :func:`assemble`), and the
+    others (rows of that slab past the batch's size, rows of other slabs, new rows) take the places left, in the
+    order given. Rows decode alike at any place in a batch, so only what a layout copies depends on it.
+
+    Example: rows ``a, b, d`` of one slab (its rows 0, 1 and 3; row 2 finished) and a new row ``e`` in that order:
+    ``a, b, e, d``, so ``e`` joins in row 2's place and no row moves. Without ``e``: ``a, b, d``, and ``d`` moves into
+    row 2 (rows past the batch's size move into the places left)."""
+    homes = Counter(id(row.kv.slab) for row in rows if row.kv is not None and not row.kv.slab.shared)
+    if not homes:
+        return rows
+    home = homes.most_common(1)[0][0]
+    places: list[Sequence | None] = [None] * len(rows)
+    rest = []
+    for row in rows:
+        if row.kv is not None and id(row.kv.slab) == home and row.kv.row < len(rows):
+            places[row.kv.row] = row
+        else:
+            rest.append(row)
+    others = iter(rest)
+    return [row if row is not None else next(others) for row in places]
 
 
 def plan_layout(rows: list[Sequence], *, draft_slack: int | None = DRAFT_SLACK, slack: int = 0) -> Layout:
@@ -350,17 +376,49 @@ def _gather_tokens(
 def _move_cache(layout: Layout, sources: list[_Staged], pick, num_layers: int,
                 length: int) -> tuple[BatchKVCache, Moved]:
     """The cache of the new layout (``pick`` chooses the target's or the draft's) and what making it copied: moved
-    within its storage where the batch is some of one slab's rows, in order, and the storage holds ``length``
-    columns; else gathered."""
-    if len(sources) == 1 and not layout.fresh and _only_holders(sources[0].source):
-        source = sources[0].source
-        cache = pick(source.slab)
-        ascending = source.src == sorted(set(source.src))
-        if ascending and cache is not None and cache.storage is not None and 0 < length <= cache.storage.shape[4]:
-            if cache.length <= 0:
-                raise InvariantError("a shifted cache holds columns")
-            return _move_within(cache, source, layout.pad, num_layers, length)
-    return _gather_cache(layout, sources, pick, num_layers, length)
+    within the storage of the slab most of its rows come from (:func:`_host`), the rest copied into its free rows;
+    else gathered into fresh storage."""
+    size = len(layout.pad)
+    host = _host(sources, pick, length, size)
+    if host is None:
+        return _gather_cache(layout, sources, pick, num_layers, length)
+    cache = pick(host.slab)
+    if cache.length <= 0:
+        raise InvariantError("a shifted cache holds columns")
+    storage = cache.storage if cache.storage.shape[2] == size else cache.whole[:, :, :size]  # [N, 2, B, H, C, D]
+    moved = _copy_rows(cache, host, storage, layout.pad, length)
+    for staged in sources:
+        joined = pick(staged.source.slab)
+        if staged.source is not host and joined is not None and joined.storage is not None:
+            moved = moved + _copy_rows(joined, staged.source, storage, layout.pad, length)
+    return BatchKVCache(num_layers, storage, length, whole=cache.whole), moved
+
+
+def _host(sources: list[_Staged], pick, length: int, size: int) -> SourceRows | None:
+    """The source whose storage the batch of ``size`` rows runs in, without allocating: the one of most rows whose
+    slab's rows still in use are all in the batch (:func:`_only_holders`), whose storage holds ``size`` rows and
+    ``length`` columns, and whose rows can move within it in their order (:func:`_in_place`); None: a gather."""
+    fits = [staged.source for staged in sources
+            if (cache := pick(staged.source.slab)) is not None and cache.storage is not None
+            and 0 < length <= cache.whole.shape[4] and size <= cache.whole.shape[2]
+            and _only_holders(staged.source) and _in_place(staged.source)]
+    return max(fits, key=lambda source: len(source.src), default=None)
+
+
+def _in_place(source: SourceRows) -> bool:
+    """Whether copying ``source``'s rows one by one, in order, into their new rows of the same storage reads every
+    row before any copy overwrites it: no row goes where a row not yet copied still is. Rows that stay, rows moving
+    up into the places of finished rows and rows moving into free rows pass; a swap does not.
+
+    Example: ``src = [0, 2, 3]`` to ``dest = [0, 1, 2]`` passes (row 2 is copied into row 1 before row 3 into row 2);
+    so does ``src = [0, 3, 2]`` to ``dest = [0, 1, 2]`` (row 3 into the finished row 1's place, row 2 stays); ``src =
+    [1, 0]`` to ``dest = [0, 1]`` does not (row 0 would be overwritten before it is read)."""
+    pending = set(source.src)
+    for dest, src in zip(source.dest, source.src, strict=True):
+        pending.discard(src)
+        if dest != src and dest in pending:
+            return False
+    return True
 
 
 def _only_holders(source: SourceRows) -> bool:
@@ -371,19 +429,18 @@ def _only_holders(source: SourceRows) -> bool:
     return not slab.shared and kept == len(source.src)
 
 
-def _move_within(cache: BatchKVCache, source: SourceRows, pad: list[int], num_layers: int,
-                 length: int) -> tuple[BatchKVCache, Moved]:
-    """Rows ``source.src`` of ``cache`` (ascending) as rows ``0 .. b-1`` of the same storage, each at its new columns:
-    a row that neither shifts nor changes rows stays where it is. Where rows finished, the rows after them move up
-    (row ``k`` from row ``src[k] >= k``, whose place no row still unread holds) and the batch runs on the storage's
-    first ``b`` rows; a gather would allocate the whole batch afresh, and fresh pages cost more than the copy."""
+def _copy_rows(cache: BatchKVCache, source: SourceRows, storage: torch.Tensor, pad: list[int],
+               length: int) -> Moved:
+    """``source``'s rows of ``cache`` into their rows of ``storage`` (possibly ``cache``'s own, rows in an order
+    :func:`_in_place` allows) at their new columns; a row of the same storage that neither shifts nor changes rows
+    stays where it is. Returns what was copied."""
+    own = storage.data_ptr() == cache.storage.data_ptr()
     copied = moved = 0
-    for dest, src, shift in zip(source.dest, source.src, source.shift, strict=True):  # dest: 0 .. b-1
-        if shift or src != dest:
-            copied += _copy_row(cache, src, cache.storage, dest, pad[dest], shift, length)
+    for dest, src, shift in zip(source.dest, source.src, source.shift, strict=True):
+        if shift or src != dest or not own:
+            copied += _copy_row(cache, src, storage, dest, pad[dest], shift, length)
             moved += 1
-    storage = cache.storage if len(source.src) == cache.storage.shape[2] else cache.storage[:, :, : len(source.src)]
-    return BatchKVCache(num_layers, storage, length), Moved(copied, moved)
+    return Moved(copied, moved)
 
 
 def _copy_row(cache: BatchKVCache, src: int, storage: torch.Tensor, dest: int, pad: int, shift: int,
@@ -398,7 +455,7 @@ def _copy_row(cache: BatchKVCache, src: int, storage: torch.Tensor, dest: int, p
     if count <= 0:
         return 0
     part = cache.storage[:, :, src, :, old : old + count]  # [N, 2, H, count, D]
-    if storage is cache.storage and src == dest:
+    if src == dest and storage.data_ptr() == cache.storage.data_ptr():
         _shift_within(part, storage[:, :, dest, :, pad : pad + count])
     else:
         storage[:, :, dest, :, pad : pad + count] = part
@@ -424,12 +481,10 @@ def _gather_cache(layout: Layout, sources: list[_Staged], pick, num_layers: int,
         return BatchKVCache(num_layers), Moved(0, 0)
     n, two, _, heads, _, dim = stores[0][1].storage.shape
     storage = stores[0][1].storage.new_zeros((n, two, len(layout.pad), heads, length + GROWTH, dim))
-    copied = rows = 0
+    moved = Moved(0, 0)
     for source, cache in stores:
-        for dest, src, shift in zip(source.dest, source.src, source.shift, strict=True):
-            copied += _copy_row(cache, src, storage, dest, layout.pad[dest], shift, length)
-            rows += 1
-    return BatchKVCache(num_layers, storage, length), Moved(copied, rows)
+        moved = moved + _copy_rows(cache, source, storage, layout.pad, length)
+    return BatchKVCache(num_layers, storage, length), moved
 
 
 def compact(rows: list[Sequence]) -> int:

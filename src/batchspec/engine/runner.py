@@ -280,11 +280,15 @@ def as_mask(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor | dic
 
 def _as_4d(model: torch.nn.Module, visible: torch.Tensor) -> torch.Tensor:
     """``visible`` ``[B, 1, q, width]`` as the model's attention implementation takes a 4D mask: boolean for sdpa
-    and the exact int8 attention, additive for eager."""
+    and the exact int8 attention, additive for eager. Additive, a query that sees no key (padding) is left to see
+    every key: eager attention takes its softmax in float32, where a float64 mask's minimum is ``-inf``, and a row of
+    ``-inf`` alone would give the padding's keys and values in the layers after NaN. Padding columns may be laid out
+    again under other rows' real ones (realign.py), where the mask hides them but NaN would not stay hidden."""
     if _implementation(model) in _BOOLEAN_MASKS:
         return visible
     dtype = next(model.parameters()).dtype
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+    hidden = ~visible & visible.any(-1, keepdim=True)  # [B, 1, q, width]
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(hidden, torch.finfo(dtype).min)
 
 
 def _static_call(

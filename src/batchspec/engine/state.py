@@ -230,6 +230,9 @@ class Moved:
     bytes: int
     rows: int
 
+    def __add__(self, other: Moved) -> Moved:
+        return Moved(self.bytes + other.bytes, self.rows + other.rows)
+
 
 @dataclass
 class BatchState:
