@@ -58,7 +58,8 @@ def test_mask_gives_transformers_own_logits(implementation):
     """Prefill 9 columns of rows padded by 0, 3 and 6, then decode 1 and then 4 columns: at every real query the
     runner's logits equal those of the same forward with transformers' 2D padding mask, bit for bit, and are finite
     (eager attention in transformers itself gives NaN at real queries of padded rows: its padding queries see no key,
-    a row of ``-inf``, and their keys and values are NaN in the layers after; the runner's padding sees every key)."""
+    a row of ``-inf``, and their keys and values are NaN in the layers after; the runner's padding sees every key).
+    Every real query's logits also match each row's own unpadded forward, to float32's rounding."""
     model = tiny_models.build_llama(seed=5)
     model.set_attn_implementation(implementation)
     pad = [0, 3, 6]
@@ -66,9 +67,11 @@ def test_mask_gives_transformers_own_logits(implementation):
     tokens = torch.randint(0, tiny_models.VOCAB_SIZE, (3, 14), generator=generator)
     ours, theirs = BatchKVCache.for_model(model), BatchKVCache.for_model(model)
     batch = _batch(pad, 14, ours)
+    chunks = []
     for start, end in ((0, 9), (9, 10), (10, 14)):
         columns = tokens[:, start:end]
         mine = CPU.logits(model, batch, ours, columns, keep=end - start)  # [3, q, V]
+        chunks.append(mine)
         reference = model(
             input_ids=columns,
             attention_mask=batch.attention_mask(end),
@@ -82,6 +85,10 @@ def test_mask_gives_transformers_own_logits(implementation):
             assert torch.isfinite(mine[i, real]).all()
             finite = torch.isfinite(reference[i, real])  # [q', V]
             torch.testing.assert_close(mine[i, real][finite], reference[i, real][finite], rtol=0, atol=0)
+    logits = torch.cat(chunks, dim=1)  # [3, 14, V]
+    for i, p in enumerate(pad):
+        alone = model(input_ids=tokens[i : i + 1, p:]).logits[0]  # [14 - p, V]: the row without padding
+        torch.testing.assert_close(logits[i, p:], alone, rtol=1e-4, atol=1e-4)
 
 
 CONFIGS = [

@@ -117,14 +117,11 @@ class BatchKVCache(Cache):
         """Storage with room for ``needed`` columns; allocated on first use, grown (one copy) when full."""
         if self.storage is None:
             batch, heads, _, dim = key_states.shape
-            self.storage = key_states.new_zeros((len(self.layers), 2, batch, heads, needed + GROWTH, dim))
+            self.storage = self.whole = key_states.new_zeros((len(self.layers), 2, batch, heads, needed + GROWTH, dim))
         elif self.storage.shape[4] < needed:
             grown = self.storage.new_zeros((*self.storage.shape[:4], needed + GROWTH, self.storage.shape[5]))
             grown[..., : self.storage.shape[4], :] = self.storage
-            self.storage = grown
-        else:
-            return self.storage
-        self.whole = self.storage
+            self.storage = self.whole = grown
         return self.storage
 
     def crop(self, length: int) -> None:
