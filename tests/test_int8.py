@@ -862,3 +862,20 @@ def test_sampled_pairs_follow_the_quantized_targets_distribution(method, propose
     assert 0.05 < result.stats.acceptance_rate < 0.95
     joint = exact_joint(target, prompt, SamplingParams(**sampling))
     assert joint_pvalue([s[:2] for s in result.sequences], joint) > 1e-3
+
+
+def test_a_shared_quantization_is_each_threads_own():
+    """q, k and v of one layer share their input's quantization; a forward of another thread on the same model (two
+    servers of one process) between them neither takes those rows nor lets them go: the third reader of this thread
+    still gets the rows its first made. On one state for all threads the other thread's readers let them go, and a
+    race between the check and the read gave ``None[1]`` (a served chat's 500)."""
+    import threading
+
+    shared = linear.SharedQuantization(readers=3)
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    first = shared(x)
+    other = threading.Thread(target=lambda: [shared(y) for _ in range(3)])
+    other.start()
+    other.join()
+    assert shared(x) is first and shared(x) is first
+    assert shared(x) is not first, "after its readers, the next call quantizes afresh"

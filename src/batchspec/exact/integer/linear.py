@@ -13,6 +13,7 @@ output does not depend on the other tokens or rows of the call, nor on how the i
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -237,21 +238,24 @@ def quantize_activations(x: torch.Tensor) -> QuantizedRows:
 class SharedQuantization:
     """One quantization for ``readers`` layers called one after another on the same input tensor (an attention's q,
     k and v projections read one ``hidden_states``): the rows are reused while the input is that same tensor object,
-    which is held (so no other tensor can take its place in memory) until the last reader has had them."""
+    which is held (so no other tensor can take its place in memory) until the last reader has had them. Each thread
+    keeps its own: two engines may run one model from two threads (two servers of one process), and a forward must
+    not take the other's rows or see them let go between its check and its read."""
 
     def __init__(self, readers: int) -> None:
         self.readers = readers
-        self._last: tuple[torch.Tensor, QuantizedRows] | None = None
-        self._served = 0
+        self._local = threading.local()  # .last: (input, its rows) or None; .served: readers that had them
 
     def __call__(self, x: torch.Tensor) -> QuantizedRows:
-        if self._last is None or self._last[0] is not x:
-            self._last, self._served = (x, quantize_activations(x)), 0
-        rows = self._last[1]
-        self._served += 1
-        if self._served == self.readers:
-            self._last = None
-        return rows
+        state = self._local
+        last = getattr(state, "last", None)
+        if last is None or last[0] is not x:
+            last = state.last = (x, quantize_activations(x))
+            state.served = 0
+        state.served += 1
+        if state.served == self.readers:
+            state.last = None
+        return last[1]
 
 
 class Int4Linear(torch.nn.Module):
