@@ -246,6 +246,12 @@ class SharedQuantization:
         self.readers = readers
         self._local = threading.local()  # .last: (input, its rows) or None; .served: readers that had them
 
+    def __getstate__(self) -> dict:  # a model copied (deepcopy, pickle) shares no thread's rows
+        return {"readers": self.readers}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["readers"])
+
     def __call__(self, x: torch.Tensor) -> QuantizedRows:
         state = self._local
         last = getattr(state, "last", None)
