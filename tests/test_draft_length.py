@@ -641,3 +641,22 @@ def test_a_round_the_planner_calls_idle_is_one_its_full_pricing_leaves_plain(see
         planner.observe(rows, RoundRecord(lengths, accepted, looked, shadow, k, k if model else 0, seconds,
                                           0.01 * k if model else 0.0))
     assert idle_rounds > 0 and busy_rounds > 0  # both kinds of round were checked
+
+
+def test_one_noisy_round_of_few_extra_tokens_leaves_the_slope_near_its_prior_and_wide_rounds_teach_it():
+    """A shared host's plain rounds spread by 5-8%, more than one extra verified token costs at several rows: one
+    round of one extra token that ran 8% under the plain step must not fit a free verification (it did with the
+    prior at its least weight: the next round verified 10 lookups for each of 7 rows, 4.5 plain steps long), while
+    rounds of dozens of extra tokens measure the slope. Where the plain rounds do not spread, the same round does teach
+    the slope."""
+    c0, true_slope = 0.08, 0.003  # seconds: a plain step of 8 rows and what one more verified token adds
+    for spread, kept in ((0.06, 0.5), (0.0, 0.0)):
+        fit = AdaptiveLength(max_k=10, draft_ratio=0.3, ragged=True)._fit(8)
+        prior = fit.slope * c0  # c0 / KNEE_TOKENS
+        for i in range(40):
+            fit.observe(0, 0, c0 * (1 + spread * (-1) ** i), 0.0)
+        fit.observe(1, 0, 0.92 * c0, 0.0)
+        assert (fit.theta[1] > kept * prior) if kept else fit.theta[1] == 0.0
+        for _ in range(3):
+            fit.observe(40, 0, c0 + 40 * true_slope, 0.0)
+        assert fit.theta[1] == pytest.approx(true_slope, rel=0.2)

@@ -97,7 +97,8 @@ DRAFT_DECAY = 0.8  # weight of the earlier draft-forward timings in their runnin
 READ_DECAY = 0.5  # weight of the earlier prompt-reading timings in their running mean
 CATCH_UP_ROUNDS = 16  # rounds of drafts a draft model's catch-up is spread over, at most
 REALIGN_DECAY = 0.8  # weight of the earlier realignments after a round with drafts in their running mean
-RIDGE = 0.5
+RIDGE = 0.5  # pseudo-observations of the prior, the least it weighs (see CostFit)
+SLOPE_SPREAD = 0.5  # how far the prior slope is taken to be from the true one, as a share of it (see CostFit)
 UNEQUAL_MARGIN = 1.5  # what drafting adds to a round of several rows is priced at, over its fitted seconds: see CostFit
 TRUST_DECAY = 0.95  # weight of a source's earlier rounds of drafts in its Trust
 TRUST_PRIOR = 2.0  # expected tokens taken as borne out in a source's Trust: a few rejections do not halve it
@@ -120,6 +121,15 @@ class CostFit:
     is never negative), and ``draft_s``, the measured seconds of one draft forward (``draft_share * c_0`` until the
     draft has run).
 
+    The prior slope weighs what the rounds' noise says it should: a round of ``x`` extra tokens tells the slope with
+    the weight ``x^2`` and the noise ``s``, the spread of the plain rounds' seconds, and the prior, taken to be within
+    :data:`SLOPE_SPREAD` of the truth, with ``s^2 / (SLOPE_SPREAD c_0 slope)^2`` (at least :data:`RIDGE`). On a
+    shared host a plain round's seconds spread by 5-8% (2 vCPUs of a Zen 4, B = 1, 4 and 8), a few times what one
+    more verified token costs at several rows, so a round of one or two extra tokens says little about the slope,
+    and a round of dozens a lot. With the prior at 0.5 one round of one extra token 8% faster than the plain step
+    (B = 8, SpecBench writing) fitted a slope of 0, and the next round verified 10 lookups for each of 7 rows, 4.5
+    plain steps long, with 10 accepted.
+
     ``margin``: what drafting adds to a round (its verified tokens, draft forwards, realignment and catch-up) is
     priced at that many times its fitted seconds when the planner chooses. 1 for one row; for several,
     :data:`UNEQUAL_MARGIN`: rows that gain unequally cost what no round's seconds show (KV gathers the rounds after,
@@ -139,6 +149,7 @@ class CostFit:
     realign_s: float = 0.0
     gram: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed sums of 1, K, K^2
     moment: tuple[float, float] = (0.0, 0.0)  # decayed sums of t, K t
+    plain: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed sums of 1, t, t^2 over the plain rounds
     theta: tuple[float, float] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +162,9 @@ class CostFit:
         ones, ks, squares = self.gram
         self.gram = (COST_DECAY * ones + 1, COST_DECAY * ks + k, COST_DECAY * squares + k * k)
         self.moment = (COST_DECAY * self.moment[0] + target, COST_DECAY * self.moment[1] + k * target)
+        if not k:
+            count, total, squares = self.plain
+            self.plain = (COST_DECAY * count + 1, COST_DECAY * total + target, COST_DECAY * squares + target * target)
         if forwards:
             each = draft_seconds / forwards
             self.draft_s = each if self.draft_s is None else DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * each
@@ -159,14 +173,20 @@ class CostFit:
     def _solve(self) -> tuple[float, float]:
         """``(c_0, c_v)`` by two solves: the first fixes the intercept the prior is scaled to, the second the slope."""
         ones, ks, squares = self.gram
-        a, b, d = ones + RIDGE, ks, squares + RIDGE  # the system's matrix [[a, b], [b, d]]
         c0 = 1.0 if self.start is None else self.start
         c_v = 0.0
         for _ in range(2):
-            r0, r1 = self.moment[0] + RIDGE * c0, self.moment[1] + RIDGE * self.slope * c0
+            ridge = max(RIDGE, self._variance() / (SLOPE_SPREAD * self.slope * c0) ** 2)
+            a, b, d = ones + RIDGE, ks, squares + ridge  # the system's matrix [[a, b], [b, d]]
+            r0, r1 = self.moment[0] + RIDGE * c0, self.moment[1] + ridge * self.slope * c0
             det = a * d - b * b
             c0, c_v = max((d * r0 - b * r1) / det, 1e-9), (a * r1 - b * r0) / det
         return c0, max(c_v, 0.0)
+
+    def _variance(self) -> float:
+        """The spread of the plain rounds' seconds, squared (0 before two were observed)."""
+        count, total, squares = self.plain
+        return max(squares / count - (total / count) ** 2, 0.0) if count > 1 else 0.0
 
     def predict(self, x: int, steps: int) -> float:
         """:meth:`seconds`, what drafting adds to a plain step priced at :attr:`margin` times its fitted seconds."""
