@@ -163,8 +163,8 @@ class CostFit:
         self.gram = (COST_DECAY * ones + 1, COST_DECAY * ks + k, COST_DECAY * squares + k * k)
         self.moment = (COST_DECAY * self.moment[0] + target, COST_DECAY * self.moment[1] + k * target)
         if not k:
-            count, total, squares = self.plain
-            self.plain = (COST_DECAY * count + 1, COST_DECAY * total + target, COST_DECAY * squares + target * target)
+            count, total, total_sq = self.plain
+            self.plain = (COST_DECAY * count + 1, COST_DECAY * total + target, COST_DECAY * total_sq + target * target)
         if forwards:
             each = draft_seconds / forwards
             self.draft_s = each if self.draft_s is None else DRAFT_DECAY * self.draft_s + (1 - DRAFT_DECAY) * each
