@@ -127,20 +127,27 @@ def test_seeded_sampling_with_a_draft_of_another_tokenizer_does_not_depend_on_th
         assert batched.sequences == alone.sequences
 
 
-@pytest.mark.parametrize(("proposer", "k"), [("draft", 3), ("hybrid", "auto")])
-def test_smollm2_drafts_for_gemma3_through_text(reference, proposer, k):
-    """Two real models of two tokenizers (Gemma 3 270M's 262k tokens, SmolLM2-135M's 49k), both int8 on the fused
-    forward: the draft's text is handed over and the output is Gemma's own greedy output, prompt by prompt."""
+@pytest.fixture(scope="module")
+def gemma3_with_smollm2(reference):
+    """Gemma 3 270M drafted for by SmolLM2-135M through text, both int8, loaded once; three prompts and the target's
+    own greedy 20 tokens of each."""
     cached_or_skip("gemma3")
     cached_or_skip("smollm2")
     pair = load_pair(target="gemma3:target", draft="smollm2:target", quantize="int8", progress=False)
-    assert bridge_of(pair.draft) is not None and forward_in_use(pair.draft) == "fused"
-    assert pair.precision.endswith("fused forward, the draft through text")
-    assert pair.served()["draft_tokenizer"] == "its own, through text"
     texts = ("def fibonacci(n):\n", "The capital of France is", "Once upon a time, in a small village,")
     prompts = [pair.tokenizer.encode(text) for text in texts]
     eos = pair.target.generation_config.eos_token_id
-    expected = [reference(pair.target, ids, 20, eos) for ids in prompts]
+    return pair, prompts, [reference(pair.target, ids, 20, eos) for ids in prompts]
+
+
+@pytest.mark.parametrize(("proposer", "k"), [("draft", 3), ("hybrid", "auto")])
+def test_smollm2_drafts_for_gemma3_through_text(gemma3_with_smollm2, proposer, k):
+    """Two real models of two tokenizers (Gemma 3 270M's 262k tokens, SmolLM2-135M's 49k), both int8 on the fused
+    forward: the draft's text is handed over and the output is Gemma's own greedy output, prompt by prompt."""
+    pair, prompts, expected = gemma3_with_smollm2
+    assert bridge_of(pair.draft) is not None and forward_in_use(pair.draft) == "fused"
+    assert pair.precision.endswith("fused forward, the draft through text")
+    assert pair.served()["draft_tokenizer"] == "its own, through text"
     result = batchspec.generate(pair.target, pair.draft, prompts, proposer=proposer, num_draft_tokens=k,
                                 batch_size=2, max_new_tokens=20, check_invariants=True)
     assert result.sequences == expected
