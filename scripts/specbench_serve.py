@@ -5,9 +5,9 @@ HumanEval problems and the first 4 writing, 4 qa, 4 summarization, 4 math_reason
 prompts of SpecBench. ``N`` closed-loop streaming clients share them: each sends the next chat as soon as its last
 answer has ended, until none is left. A cell is one server at one ``N``: tokens/s (answer tokens over the cell's
 wall), time to first token (p50 and mean) and the gap between streamed events (p50 and p99, over every stream; an
-event carries the tokens one round gave a row). The first tokens' times are bimodal (28 chats; the 4 summarization
-prompts arrive together and wait 8-15 s, most others under 1 s), so their median can move by a second where their
-mean does not: at 4 clients one run had p50 0.95 / 1.05 s plain / default and means 2.78 / 2.82 s.
+event carries the tokens one round gave a row). The first tokens' times are bimodal (the 4 summarization prompts
+arrive together and wait 8-15 s, most others under a second), so their median can jump by a second from run to run of
+one server; the mean is reported beside it.
 
 Each cell starts its own server, so that no load finds another's prompts in the prefix cache: for each repeat and
 each ``N``, the plain server (``--method autoregressive``), then the default one (no method flags), so that the host's

@@ -595,19 +595,26 @@ def test_overrated_drafts_lose_the_planners_trust_and_are_proposed_less():
     assert sum(proposed[-20:]) < 0.75 * sum(proposed[:20])
 
 
+def _wide_lookup_rounds() -> tuple[AdaptiveLength, list[Sequence], Reach]:
+    """A planner of 8 rows that has observed rounds of every width up to 8 extra tokens a row, at ``c0 (1 + x / 16)``
+    with ``c0`` 0.1 s, every draft accepted; the rows, and a reach of 10 lookups each."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
+    rows = [Sequence(i, [1, 2, 3], 10**9) for i in range(8)]
+    reach = Reach([10] * 8, uses_draft_model=False, first=[7] * 8)
+    for n in range(12):
+        lengths = [n % 9] * 8
+        looked = [[True] * (max(lengths) + 1) for _ in rows]
+        seconds = 0.1 * (1 + sum(lengths) / 16)
+        planner.observe(rows, RoundRecord(lengths, lengths, looked, [None] * 8, max(lengths), 0, seconds))
+    return planner, rows, reach
+
+
 def test_a_capped_round_drafts_no_further_than_its_seconds_allow():
     """B = 8, every row's 10 lookups accepted 90% of the time: uncapped, the planner verifies most of them (a wide
     round, three plain steps long on 2 CPU cores); capped at the seconds a streamed round may take (the server's:
     :meth:`~batchspec.engine.prefill.ChunkBudget.round_cap`), its round's fitted seconds stay within the cap, and
     it still drafts where the cap leaves room."""
-    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
-    rows = [Sequence(i, [1, 2, 3], 10**9) for i in range(8)]
-    reach = Reach([10] * 8, uses_draft_model=False, first=[7] * 8)
-    for n in range(12):  # rounds of every width up to 8 extra tokens a row, at c0 (1 + x / 16), all accepted
-        lengths = [n % 9] * 8
-        looked = [[True] * (max(lengths) + 1) for _ in rows]
-        seconds = 0.1 * (1 + sum(lengths) / 16)
-        planner.observe(rows, RoundRecord(lengths, lengths, looked, [None] * 8, max(lengths), 0, seconds))
+    planner, rows, reach = _wide_lookup_rounds()
     fit = planner._fit(8)
     free = planner.lengths(rows, reach, False)
     cap = 1.5 * fit.theta[0]
@@ -642,14 +649,7 @@ def test_a_capped_round_keeps_its_drafts_within_the_cap_over_how_far_drafted_rou
     1.25 in turn (a noisy host): capped at 1.5 plain steps, the planner learns how far its plans run over and plans
     within the cap over that, so a round running 1.25x its plan still ends within the cap; where it had not learnt
     it (the factor 1), it drafts more, up to the cap itself."""
-    planner = AdaptiveLength(max_k=10, draft_ratio=0.0, ragged=True)
-    rows = [Sequence(i, [1, 2, 3], 10**9) for i in range(8)]
-    reach = Reach([10] * 8, uses_draft_model=False, first=[7] * 8)
-    for n in range(12):  # rounds of every width up to 8 extra tokens a row, at c0 (1 + x / 16), all accepted
-        lengths = [n % 9] * 8
-        looked = [[True] * (max(lengths) + 1) for _ in rows]
-        seconds = 0.1 * (1 + sum(lengths) / 16)
-        planner.observe(rows, RoundRecord(lengths, lengths, looked, [None] * 8, max(lengths), 0, seconds))
+    planner, rows, reach = _wide_lookup_rounds()
     cap = 1.5 * planner._fit(8).theta[0]
     for turn in range(3 * OVERRUN_LEAST):
         lengths = planner.lengths(rows, reach, False, cap=cap)
