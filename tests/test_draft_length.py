@@ -671,25 +671,34 @@ def test_a_capped_round_keeps_its_drafts_within_the_cap_over_how_far_drafted_rou
 @pytest.mark.parametrize("seed", range(6))
 def test_a_round_the_planner_calls_idle_is_one_its_full_pricing_leaves_plain(seed, monkeypatch):
     """The bound that spares pricing every option (``AdaptiveLength._idle``) says no draft can pay only where the full
-    pricing proposes nothing: random rows, lookups, draft models, widths, acceptance and timings, round after round."""
+    pricing proposes nothing: random rows, lookups, draft models, widths, acceptance and timings, round after round,
+    in batches that drain (rows of one budget that gain unequally) or not."""
     rng = random.Random(seed)
     batch = rng.choice([2, 4, 8])
+    draining = seed % 2 == 1
     planner = AdaptiveLength(max_k=rng.choice([3, 10]), draft_ratio=rng.choice([0.0, 0.1, 0.3]),
                              ragged=rng.random() < 0.5, margin=rng.choice([1.0, draft_length.UNEQUAL_MARGIN]))
-    rows = [Sequence(i, [1, 2, 3], rng.choice([2, 64, 10**6])) for i in range(batch)]
+    budgets = [rng.choice([64, 300])] * batch if draining else [rng.choice([2, 64, 10**6]) for _ in range(batch)]
+    rows = [Sequence(i, [1, 2, 3], budget) for i, budget in enumerate(budgets)]
     model = rng.random() < 0.5
     chance = rng.random()
+    said = []
+    bound = AdaptiveLength._idle
+    monkeypatch.setattr(AdaptiveLength, "_idle", lambda self, *args: said.append(bound(self, *args)) or said[-1])
     idle_rounds = busy_rounds = 0
     for _ in range(120):
         lookups = [rng.choice([0, 0, 1, 3, 8]) for _ in rows]
         reach = Reach(lookups, uses_draft_model=model, first=[7 if n else None for n in lookups])
-        fit = planner._fit(batch)
-        idle = planner._idle(rows, reach, fit)
-        monkeypatch.setattr(AdaptiveLength, "_idle", lambda self, *args: False)
-        lengths = planner.lengths(rows, reach, False)
-        monkeypatch.undo()
+        said.clear()
+        bounded = planner.lengths(rows, reach, False, draining=draining)
+        idle = said == [True]
+        with monkeypatch.context() as full:
+            full.setattr(AdaptiveLength, "_idle", lambda self, *args: False)
+            lengths = planner.lengths(rows, reach, False, draining=draining)
         if idle:
-            assert lengths == [0] * batch
+            assert bounded == lengths == [0] * batch
+        else:
+            assert bounded == lengths
         idle_rounds += idle
         busy_rounds += any(lengths)
         k = max(lengths)
@@ -699,6 +708,8 @@ def test_a_round_the_planner_calls_idle_is_one_its_full_pricing_leaves_plain(see
         shadow = [None if n or not found else rng.random() < chance for n, found in zip(lengths, lookups, strict=True)]
         planner.observe(rows, RoundRecord(lengths, accepted, looked, shadow, k, k if model else 0, seconds,
                                           0.01 * k if model else 0.0))
+        for row, a in zip(rows, accepted, strict=True):  # rows gain unequally, and none finishes
+            row.output.extend([5] * min(a + 1, max(row.remaining - 1, 0)))
     assert idle_rounds > 0 and busy_rounds > 0  # both kinds of round were checked
 
 

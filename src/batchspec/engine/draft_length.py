@@ -438,37 +438,42 @@ class AdaptiveLength:
         longer than a plain one would make its rows' clients wait longer for their next tokens than plain decoding ever
         makes them wait: on SpecBench's served chats at 8 clients, the longest gaps were rounds verifying 10 lookups
         for each of 8 rows, three plain steps long."""
-        self.planned_s = None
+        self.planned_s, self.expected, self.worth = None, None, []
         if len(rows) > 1 and not self.ledger.paying:
-            self.expected, self.worth = None, []
             return [0] * len(rows)
         fit = self._fit(len(rows))
-        if not (sampled or draining) and self._idle(rows, reach, fit):
-            self.expected, self.worth = None, []
-            return [0] * len(rows)
         limits = [min(self.max_k, row.remaining - 1) for row in rows]
         variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
         if reach.uses_draft_model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
             variants.append([min(limit, found) for limit, found in zip(limits, reach.lookups, strict=True)])
         shares = [self._shares(row) for row in rows]
-        catch_up_s = self._catch_up_s(reach)
-        left = self._expected_left(rows) if catch_up_s else 0.0
         raw = [[_gains(cap, found, row_shares, reach.uses_draft_model)
                 for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)] for caps in variants]
-        self.expected = raw[0]  # what each row's drafts were expected to give: see _calibrate
         trust = (self.trust["lookup"].factor, self.trust["model"].factor)
         gains_of = [[_trusted(row, found, trust) for row, found in zip(gains, reach.lookups, strict=True)]
                     for gains in raw]
         # a row's rate where the batch drains: the tokens it gains where it drafts all it can
         worth = self._worth(rows, fit, [1 + sum(row) for row in gains_of[0]]) if draining else [1.0] * len(rows)
-        self.worth = worth
+        if not sampled and self._idle([row[0] if row else 0.0 for row in raw[0]], worth, fit):
+            return [0] * len(rows)
+        self.expected, self.worth = raw[0], worth  # what each row's drafts were expected to give: see _calibrate
+        return self._best(rows, reach, sampled, (variants, gains_of, worth), fit, cap)
+
+    def _best(self, rows, reach: Reach, sampled: bool, plan: tuple[list[list[int]], list[list[list[float]]],
+              list[float]], fit: CostFit, cap: float | None) -> list[int]:
+        """The rows' drafts of the highest expected rate: over the ``plan``'s variants (each row's drafts at most, and
+        their trusted gains) and every longest proposal ``K``, each dealt by :meth:`_deal` at the rows' ``worth``
+        and priced with the draft's catch-up; none past the ``cap`` over the :class:`Overrun`."""
+        variants, gains_of, worth = plan
+        catch_up_s = self._catch_up_s(reach)
+        left = self._expected_left(rows) if catch_up_s else 0.0
         best, best_rate = [0] * len(rows), 0.0
         limit = math.inf if cap is None else cap / self.overrun.factor  # a drafted round's seconds within the cap
+        deal = self._deal_rows if reach.per_row else self._deal
         for caps, gains in zip(variants, gains_of, strict=True):
             totals = [list(accumulate(row, initial=0)) for row in gains]  # totals[i][n]: the sum of gains[i][:n]
             ranked = _ranked(gains, worth) if self.ragged else []
             for k in range(max(caps, default=0) + 1):
-                deal = self._deal_rows if reach.per_row else self._deal
                 lengths, value, extra, steps = deal(totals, ranked, worth, (k, _draft_steps(k, caps, reach, sampled)),
                                                     fit, reach.lookups, limit)
                 tokens = len(rows) + sum(total[n] for total, n in zip(totals, lengths, strict=True))
@@ -480,20 +485,18 @@ class AdaptiveLength:
                     best, best_rate, self.planned_s = lengths, rate, fit.seconds(extra, steps)
         return best
 
-    def _idle(self, rows, reach: Reach, fit: CostFit) -> bool:
-        """Whether no draft can pay this round, by a bound that spares pricing every option (each row's token worth
-        the same: not draining). A round whose verification scores ``x`` extra tokens gives at most ``x g`` more, ``g``
-        the best draft's gain (a row's first, at its source's share, times the larger trust: gains only fall along a
-        row), and costs at least ``c_0 + margin c_v x``; it beats a plain step's ``B / c_0`` only if
-        ``g c_0 > B margin c_v``. Where it cannot, :meth:`lengths` would choose nothing: a property test checks it."""
-        best = 0.0
-        for row, found in zip(rows, reach.lookups, strict=True):
-            if row.remaining > 1 and (found or reach.uses_draft_model):
-                shares = self._shares(row)
-                best = max(best, shares.lookup_first if found else shares.model_first)
+    def _idle(self, firsts: list[float], worth: list[float], fit: CostFit) -> bool:
+        """Whether no draft can pay this round, by a bound that spares pricing every option. ``firsts``: each row's
+        first draft's gain (0: none), at its source's share; ``worth``: what a token of each row is worth
+        (:meth:`_worth`; 1 each where the batch does not drain). A round whose verification scores ``x`` extra tokens
+        gives at most ``x G`` more worth, ``G = max_i worth_i g_i`` times the larger trust (gains only fall along a
+        row), and costs at least ``c_0 + margin c_v x``; it beats a plain step's ``sum(worth) / c_0`` only if
+        ``G c_0 > sum(worth) margin c_v``. Where it cannot, :meth:`lengths` would choose nothing: a property test
+        checks it, draining and not."""
+        best = max((w * g for w, g in zip(worth, firsts, strict=True)), default=0.0)
         c0, per_token = fit.theta
         trust = max(self.trust["lookup"].factor, self.trust["model"].factor)
-        return best * trust * c0 <= len(rows) * fit.margin * per_token
+        return best * trust * c0 <= sum(worth) * fit.margin * per_token
 
     def _deal(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
               round_: tuple[int, int], fit: CostFit, found: list[int],
