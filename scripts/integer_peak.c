@@ -9,7 +9,8 @@
  * values do not matter to the timing (integer instructions take the same time on any data); the float inputs are
  * kept finite and normal.
  *
- * Built with the package build's compiler and flags (native.py's _build_plan) plus one of -DPEAK_AVX512 (avx512.c),
+ * Built with the package build's compiler and flags (native.py's _build_plan) plus one of -DPEAK_AMX (avx512.c with
+ * its int8 product on AMX tiles), -DPEAK_AVX512 (avx512.c),
  * -DPEAK_AVXVNNI (avx2.c with VNNI) or -DPEAK_AVX2 (avx2.c without). Every stream runs on `threads` OpenMP threads (the
  * libgomp the products run on, one parallel region as each product call is), each thread `iters` iterations;
  * peak_run returns the region's wall seconds. */
@@ -28,6 +29,11 @@ typedef struct {
     double ops; /* counted operations an iteration and thread: 2 per multiply-add of a code by a weight */
     body_t body;
 } stream_t;
+
+#if defined(PEAK_AMX) /* the amx build: avx512.c's streams, its int8 product's on tiles */
+#define PEAK_AVX512 1
+#include <string.h>
+#endif
 
 #if defined(PEAK_AVX512)
 #define DP(a, b, d) OP3("vpdpbusd", a, b, d)
@@ -122,9 +128,48 @@ static void avx512_int4(int64_t iters, int32_t *sink) {
     *sink = _mm512_reduce_add_epi32(_mm512_cvttps_epi32(total));
 }
 
+#if defined(PEAK_AMX)
+/* avx512.c's tile_sums_pair, one step of its loop (16 groups of four inputs, 32 rows by 32 outputs): four tdpbusd
+ * into the four tiles of sums, tiles 4 and 5 holding the codes, 6 and 7 the weight already (a tdpbusd on full tiles:
+ * 16 x 16 x 64 u8 x s8 products) */
+static void amx_int8(int64_t iters, int32_t *sink) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t bytes[16];
+        uint8_t rows[16];
+    } config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.bytes[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t it = 0; it < iters; it++) {
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+    }
+    int32_t sums[16 * 16];
+    _tile_stored(0, sums, 64);
+    _tile_release();
+    *sink = sums[0];
+}
+#endif
+
 static const stream_t STREAMS[] = {
     {"vpdpbusd_zmm_12", 12 * 64 * 2, vpdpbusd_zmm},
+#if defined(PEAK_AMX)
+    {"int8", 4 * 16 * 16 * 64 * 2, amx_int8},
+#else
     {"int8", 24 * 64 * 2, avx512_int8},
+#endif
     {"int4", 8 * 4 * 6 * 2 * 64 * 2, avx512_int4},
 };
 

@@ -19,6 +19,9 @@ registers.)
 * ``avx512vnni`` ``int8`` (``avx512.c``, ``panel_rows``): a step is 24 ``vpdpbusd`` zmm (4 weight vectors of 64
   outputs by 6 rows), 24 independent accumulators. ``vpdpbusd_zmm_12`` is docs/integer.md's ceiling, twelve
   independent ``vpdpbusd`` zmm chains and nothing else: the reference every build's share is also given against.
+* ``amx`` ``int8`` (``avx512.c``'s ``tile_sums_pair``): a step is 4 ``tdpbusd`` (two tiles of codes by two of the
+  weight, 16 x 16 x 64 multiply-adds each) into 4 tiles of sums, the input tiles loaded once; its ``int4`` and
+  ``vpdpbusd_zmm_12`` are avx512vnni's (the amx build's int4 product is avx512vnni's).
 * ``avx512vnni`` ``int4`` (``panel4_rows``, a super-block of 8 sub-blocks, 6 rows, 16 outputs): per step (8 inputs)
   the nibbles' unpacking (``vpandd``, ``vpsrlw``, ``vpandd``) and each row's two chained ``vpdpbusd``; per sub-block
   the scales' ``vpmovzxbd`` and each row's ``vpmulld``, ``vpaddd`` (and the zeroing ``vpxord``); per super-block each
@@ -77,7 +80,8 @@ import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("integer_peak.c")
-MACROS = {"avx512vnni": "PEAK_AVX512", "avxvnni": "PEAK_AVXVNNI", "avx2": "PEAK_AVX2"}  # builds with a stream
+# the builds with a stream
+MACROS = {"amx": "PEAK_AMX", "avx512vnni": "PEAK_AVX512", "avxvnni": "PEAK_AVXVNNI", "avx2": "PEAK_AVX2"}
 REFERENCE = ("avx512vnni", "vpdpbusd_zmm_12")  # docs/integer.md's ceiling
 # the 1.5B target's products in a decoder layer: (name, inputs, the stacked outputs' widths)
 SHAPES = (("qkv", 1536, (1536, 256, 256)), ("o", 1536, (1536,)), ("gate_up", 1536, (8960, 8960)),

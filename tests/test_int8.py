@@ -31,7 +31,7 @@ from ragged import alone_one_token_at_a_time, ragged_forwards
 
 import batchspec
 from batchspec.config import SamplingParams
-from batchspec.exact.integer import attention, check_quantize, linear, native, quantization, quantize_model
+from batchspec.exact.integer import attention, check_quantize, linear, native, product, quantization, quantize_model
 from batchspec.exact.integer.arithmetic import (
     EXP2_COEFFICIENTS,
     exact_gelu_tanh,
@@ -433,6 +433,32 @@ def test_every_product_kernel_gives_the_exact_sum_rounded_once(rows, inner, cols
     assert high.abs().max().item() <= 64 and set(low.unique().tolist()) <= {0, 1}
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.onednn, "qlinear_pointwise"),
+                    reason="this torch has no oneDNN quantized linear")
+def test_the_onednn_check_refuses_a_product_inexact_only_on_long_rows_of_a_batch(monkeypatch):
+    """oneDNN's product runs only where its check finds the exact sums. On a CPU with AMX-INT8 its product is exact
+    on 256 inputs at any row count but not on 1,024 inputs or more at 8 rows or more (measured on a Sapphire
+    Rapids-class Xeon): a stand-in kernel wrong just there passes a check of 256 inputs and 1, 2 and 33 rows (the old
+    one) and fails the check that runs, which an exact stand-in passes."""
+
+    def stand_in(wrong: bool):
+        def fake(codes, weight, dtype):  # codes: q [N, K] as float64 here; weight: w [O, K]
+            exact = (codes @ weight.T).float()  # [N, O]
+            if wrong and codes.shape[0] >= 8 and codes.shape[1] >= 1024:
+                exact[-1, 0] = torch.nextafter(exact[-1, 0], torch.tensor(math.inf))
+            return exact
+
+        monkeypatch.setattr(product, "pack_weight", lambda w, kernel: w.double())
+        monkeypatch.setattr(product, "activation_codes", lambda q, kernel: q.double())
+        monkeypatch.setattr(product, "int_product", fake)
+
+    stand_in(wrong=True)
+    assert product._exact_on("onednn", *product._extreme_operands(), (1, 2, 33))
+    assert not product._onednn_exact.__wrapped__()
+    stand_in(wrong=False)
+    assert product._onednn_exact.__wrapped__()
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's ISA cap is an x86 setting")
 def test_a_cpu_without_native_kernels_gets_the_same_bits(tmp_path):
     """With no native build (``BATCHSPEC_CPU_ISA=none``), oneDNN capped at AVX2 and torch's own kernels at their
@@ -684,7 +710,6 @@ def test_each_fallback_says_once_what_it_fell_to(caplog, bundles):
     """Heads larger than the native kernel takes run the attention in torch, an integer model the fused forward cannot
     run (here one computed in float64) runs through transformers' forward, and a build whose product fails its
     exactness check hands the products to another kernel: each says so in one log line, once."""
-    from batchspec.exact.integer import product
     from batchspec.exact.integer.forward import integer_forward
 
     size = native.MAX_HEAD_SIZE + 16

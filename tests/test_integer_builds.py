@@ -123,6 +123,8 @@ def test_the_builds_table_gives_each_cpu_its_flags_and_each_compiler_its_library
     assert native._build_flags("avxvnni", zen4) == ("-mavx2", "-mavx512vl", "-mavx512vnni", "-mf16c")
     assert native._build_flags("avxvnni", frozenset({"avx2", "f16c", "avx_vnni"})) == ("-mavx2", "-mavxvnni", "-mf16c")
     assert native._build_flags("avx512vnni", frozenset({"avx2", "f16c"})) is None
+    assert native._build_flags("amx", zen4) is None
+    assert native._build_flags("amx", zen4 | {"amx_tile", "amx_int8"})[-2:] == ("-mamx-tile", "-mamx-int8")
     assert native._build_flags("avx2", frozenset({"avx2"})) is None
     assert native._build_flags("neon", frozenset({"fp", "asimd", "asimddp"})) == ("-march=armv8.2-a+dotprod",)
     assert native._build_flags("neon", zen4) is None and native._build_flags("neon", frozenset({"asimd"})) is None
@@ -145,7 +147,7 @@ def test_a_build_the_cpu_lacks_or_an_unknown_name_is_refused(monkeypatch):
         assert native.host_isas() == ("avx2", "portable")
         with pytest.raises(ValueError, match="this CPU runs avx2, portable"), native.using("avx512vnni"):
             pass
-        known = "one of avx512vnni, avxvnni, avx2, neon, portable, none"
+        known = "one of amx, avx512vnni, avxvnni, avx2, neon, portable, none"
         with pytest.raises(ValueError, match=known), native.using("x"):
             pass
         with pytest.raises(ValueError, match="this CPU runs avx2, portable"), native.using("neon"):
@@ -231,6 +233,63 @@ def test_each_build_gives_the_torch_paths_bits(isa, rows, inner, outputs, seed, 
         for got, want in zip(native.quantize_gated_blocks(x, up, EXP2_COEFFICIENTS, 32, gelu),
                              native.quantize_blocks(torch_path[4], 32), strict=True):
             assert torch.equal(got, want)
+
+
+def test_amx_is_a_build_only_where_linux_grants_the_tiles(monkeypatch):
+    """A CPU listing AMX runs the ``amx`` build only where Linux grants the process the tiles' state: refused, the
+    tiles' features are dropped from the CPU's flags (so ``amx`` is not a build here, and forcing it is refused), and a
+    CPU without AMX is never asked."""
+    spr = frozenset({"avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"})
+    assert not native._tiles_permitted(spr - native._TILE_FEATURES)
+    monkeypatch.setattr(native, "_features", lambda lines, machine: spr)
+    monkeypatch.setattr(native.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    for granted, builds in ((True, ("amx", "avx512vnni")), (False, ("avx512vnni", "avxvnni"))):
+        monkeypatch.setattr(native, "_tiles_permitted", lambda flags, granted=granted: granted)
+        native._cpu_flags.cache_clear()
+        native.host_isas.cache_clear()
+        try:
+            assert native.host_isas()[:2] == builds
+            if not granted:
+                assert not native._cpu_flags() & native._TILE_FEATURES
+                with pytest.raises(ValueError, match="this CPU runs avx512vnni, avxvnni"), native.using("amx"):
+                    pass
+        finally:
+            native._cpu_flags.cache_clear()
+            native.host_isas.cache_clear()
+            native._default.cache_clear()
+
+
+TILED = pytest.mark.skipif("amx" not in native.host_isas(), reason="this CPU lacks AMX-INT8 (or Linux refuses it)")
+
+
+@TILED
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), tiles=st.integers(1, 5), extra=st.sampled_from([0, 4, 60]),
+       widths=st.sampled_from([(64,), (1,), (150,), (64, 86), (128, 64, 3)]), seed=st.integers(0, 2**16),
+       residual=st.booleans())
+def test_the_tiled_product_gives_the_vector_products_bits(rows, tiles, extra, widths, seed, residual):
+    """The ``amx`` build's int8 product (row blocks on AMX tiles where the inner size is whole tiles' rows of 64 codes,
+    the vector kernel where it is not) gives the exact product's bits and ``avx512vnni``'s: any row count (whole tiles
+    of 16 rows and a part), stacked layers' outputs (a panel's part past the last output unwritten), the bias and the
+    residual, and the largest magnitudes (codes of +-127 times weights of +-127)."""
+    generator = torch.Generator().manual_seed(seed)
+    inner, outputs = 64 * tiles + extra, sum(widths)
+    q = torch.randint(-127, 128, (rows, inner), generator=generator).float()  # [N, K]
+    q[0] = 127.0
+    w = torch.randint(-127, 128, (outputs, inner), dtype=torch.int8, generator=generator)  # [O, K]
+    w[0] = -127
+    scale, w_scale = torch.rand(rows, 1, generator=generator), torch.rand(outputs, generator=generator)
+    bias = torch.randn(outputs, generator=generator)
+    add = torch.randn(rows, outputs, generator=generator) if residual and len(widths) == 1 else None
+    want = (q.double() @ w.double().T).float() * scale * w_scale + bias  # [N, O]
+    want = want + add if add is not None else want
+    codes, panels = native.codes(q), native.pack(w)
+    got = {}
+    for isa in ("amx", "avx512vnni"):
+        with native.using(isa):
+            got[isa] = torch.cat(native.linear_parts(codes, *panels, scale, w_scale, bias, widths, add), 1)
+    assert torch.equal(got["amx"], want) and torch.equal(got["avx512vnni"], want)
 
 
 @pytest.mark.parametrize("isa", BUILDS)

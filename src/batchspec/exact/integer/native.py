@@ -26,6 +26,9 @@ row holding an inf or a NaN quantizes to scale NaN and codes 0
 There is one build per instruction set (:data:`BUILDS`: name, source, CPU features, flags), the first this CPU runs
 chosen once per process, with one log line naming it:
 
+* ``amx`` (``csrc/avx512.c`` with AMX-INT8): ``avx512vnni``'s kernels with the int8 product's row blocks on AMX
+  tiles (``tdpbusd``: 16 rows by 64 codes times 64 codes by 16 outputs a tile, read from the same panels), where
+  Linux grants the process the tiles' state (Sapphire Rapids and later Xeons);
 * ``avx512vnni`` (``csrc/avx512.c``): 16-lane ``vpdpbusd`` on a weight laid out as panels of 64 outputs
   ``[P, G, 64, 4]``, streamed once per 240 rows (its read rates against oneDNN's, measured: docs/integer.md,
   "Speed");
@@ -41,13 +44,13 @@ chosen once per process, with one log line naming it:
   (SSE2 on x86-64, NEON on aarch64): every CPU with a C compiler and OpenMP, of any architecture (x86-64 without
   AVX2, aarch64 without ``sdot``), the same bits, slower than the SIMD builds.
 
-``BATCHSPEC_CPU_ISA=avx512vnni|avxvnni|avx2|neon|portable|none`` in the environment picks another build this CPU runs
-(to compare, or to test each), or none: the int8 forward then runs in torch (``torch._int_mm`` and float64 products,
-the same bits, far slower). Asking for an instruction set the CPU lacks is an error, never an emulation. The C source is
-compiled with the system C compiler (``$CC``, else ``cc``) into the cache directory the first time a process asks for
-a build (under a second) and loaded through ``ctypes``; its OpenMP loops run on the ``libgomp`` torch has already
-loaded. Where the compiler or OpenMP is missing, :func:`library` is None and one log line says why (the torch path
-then runs).
+``BATCHSPEC_CPU_ISA=amx|avx512vnni|avxvnni|avx2|neon|portable|none`` in the environment picks another build this CPU
+runs (to compare, or to test each), or none: the int8 forward then runs in torch (``torch._int_mm`` and float64
+products, the same bits, far slower). Asking for an instruction set the CPU lacks is an error, never an emulation. The C
+source is compiled with the system C compiler (``$CC``, else ``cc``) into the cache directory the first time a process
+asks for a build (under a second) and loaded through ``ctypes``; its OpenMP loops run on the ``libgomp`` torch has
+already loaded. Where the compiler or OpenMP is missing, :func:`library` is None and one log line says why (the torch
+path then runs).
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ class Build:
 # every build, fastest first; a new build is a row here and its source. Every CPU with AVX2 has F16C, which the SIMD
 # builds' int4 product reads the weight's float16 scales with (the portable build converts them with bit operations).
 BUILDS: tuple[Build, ...] = (
+    Build("amx", "avx512.c", (  # avx512vnni's kernels with the int8 product on AMX tiles (Sapphire Rapids and later)
+        (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "amx_tile", "amx_int8"}),
+         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mamx-tile", "-mamx-int8")),
+    )),
     Build("avx512vnni", "avx512.c", (
         (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"}),
          ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c")),
@@ -687,9 +694,25 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
     try:
         with open("/proc/cpuinfo") as info:
-            return _features(info, platform.machine())
+            flags = _features(info, platform.machine())
     except OSError:
         return frozenset()
+    return flags if _tiles_permitted(flags) else flags - _TILE_FEATURES
+
+
+_TILE_FEATURES = frozenset({"amx_tile", "amx_int8", "amx_bf16"})
+# Linux's arch_prctl: a process asks once for the AMX tiles' state (XFEATURE_XTILEDATA) before it runs an AMX
+# instruction; without that permission the first one raises SIGILL
+_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def _tiles_permitted(flags: frozenset[str]) -> bool:
+    """Whether this process may use the CPU's AMX tiles: False where the CPU has none, else Linux's answer to the
+    process's request for them (granted for every thread of the process, once asked)."""
+    if not flags & _TILE_FEATURES or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
 
 
 def _features(lines: Iterable[str], machine: str) -> frozenset[str]:

@@ -127,11 +127,12 @@ def _say_inexact(isa: str, kernel: str) -> None:
                    "run on %s", isa, kernel)
 
 
-def _extreme_operands() -> tuple[torch.Tensor, torch.Tensor]:
-    """Worst-case int8 operands ``a`` ``[33, 256]`` and ``w`` ``[64, 256]``: full-range rows and columns, both signs."""
+def _extreme_operands(inner: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worst-case int8 operands ``a`` ``[33, inner]`` and ``w`` ``[64, inner]``: full-range rows and columns, both
+    signs."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (33, 256), dtype=torch.int8, generator=generator)
-    w = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (64, 256), dtype=torch.int8, generator=generator)
+    a = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (33, inner), dtype=torch.int8, generator=generator)
+    w = torch.randint(-INT8_LEVELS, INT8_LEVELS + 1, (64, inner), dtype=torch.int8, generator=generator)
     a[0], a[1], w[0], w[1] = INT8_LEVELS, -INT8_LEVELS, INT8_LEVELS, -INT8_LEVELS
     return a, w
 
@@ -157,15 +158,21 @@ def _native_exact(isa: str) -> bool:
     return _exact_on("native", a[:, :-3], w[:, :-3], (1, 7, 33))  # [33, 253], [64, 253]
 
 
+ONEDNN_CHECK_INNER = 2048  # inputs of _onednn_exact's operands: 127 * 127 * 2048 > 2**24
+
+
 @functools.cache
 def _onednn_exact() -> bool:
     """Whether oneDNN's prepacked quantized linear exists here and gives the exact sums, rounded once to float32, on
-    worst-case operands for 1, 2 and 33 rows (checked once per process)."""
+    worst-case operands for 1, 2, 8 and 33 rows of 2048 inputs, whose sums pass 2**24 (checked once per process). On
+    CPUs with AMX-INT8 (a 2-core Sapphire Rapids Xeon, torch 2.13.0) its product of 8 rows or more and over 1,024
+    inputs differs from the exact sum rounded once in a few outputs of each row (as if its int32 sums of blocks were
+    added in float32), while 256 inputs are exact at any row count: so the check takes sums past float32's integers."""
     quantized = getattr(torch.ops, "onednn", None)
     if quantized is None or not hasattr(quantized, "qlinear_pointwise") or not torch.backends.mkldnn.is_available():
         return False
     try:
-        return _exact_on("onednn", *_extreme_operands(), (1, 2, 33))
+        return _exact_on("onednn", *_extreme_operands(ONEDNN_CHECK_INNER), (1, 2, 8, 33))
     except RuntimeError:
         return False
 
