@@ -60,7 +60,7 @@ moment that a stream's run of ``--seconds`` cannot, so on a shared host a fracti
 its own process with ``BATCHSPEC_CPU_ISA`` set (native.py reads it once), with the allocator setting batchspec's
 commands run under (:func:`batchspec.memory.keep_freed_memory`): each call's outputs reuse the last call's memory.
 Without it, every output over 32 MiB (gate and up at 1,200 rows: 86 MB) was mapped afresh and its pages faulted in
-on every call, and the int8 products at 1,200 rows measured 66% of their stream on a Zen 5 instead of 92%.
+on every call, and the int8 products at 1,200 rows measured 66% of their stream on a Zen 5 instead of 88%.
 
 Output: JSON on stdout (or ``--out FILE``, the table then in ``FILE`` with ``.md``), and a markdown table on stderr
 with each build's layer rate, its fraction of the build's own stream (``of_stream``) and of ``vpdpbusd_zmm_12``
