@@ -40,8 +40,8 @@ class Calibration:
         lengths, observe = draft_length.AdaptiveLength.lengths, draft_length.AdaptiveLength.observe
         calibration = self
 
-        def wrapped_lengths(planner, rows, reach, sampled, *, draining=False):
-            chosen = lengths(planner, rows, reach, sampled, draining=draining)
+        def wrapped_lengths(planner, rows, reach, sampled, **options):
+            chosen = lengths(planner, rows, reach, sampled, **options)
             shares = [planner._shares(row) for row in rows]
             calibration._pending = (chosen, list(reach.lookups), shares, reach.uses_draft_model)
             return chosen
