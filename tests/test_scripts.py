@@ -103,3 +103,28 @@ def test_draft_agreement_walks_an_answer_round_by_round():
     assert module.accepted_length([match], 2) == 2.0
     assert module.accepted_length([match], 1) == 4 / 3
     assert module.accepted_length([[False] * 5], 4) == 1.0
+
+
+def test_planner_calibration_wraps_the_planner_as_the_engine_calls_it(monkeypatch):
+    """scripts/planner_calibration.py wraps ``AdaptiveLength.lengths`` and ``observe``: called as the engine calls them
+    (with ``draining`` and the round's ``cap``), the wrapped planner plans as before and the calibration keeps each
+    tested draft. One row, a lookup of 2 drafts, the first accepted and the second not: two drafts kept, one
+    accepted."""
+    from batchspec.engine import draft_length
+    from batchspec.engine.draft_length import AdaptiveLength, Reach, RoundRecord
+    from batchspec.engine.state import Sequence
+
+    monkeypatch.setattr(draft_length.AdaptiveLength, "lengths", draft_length.AdaptiveLength.lengths)
+    monkeypatch.setattr(draft_length.AdaptiveLength, "observe", draft_length.AdaptiveLength.observe)
+    spec = importlib.util.spec_from_file_location("planner_calibration", ROOT / "scripts" / "planner_calibration.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calibration = module.Calibration()
+    calibration.install()
+    planner = AdaptiveLength(max_k=4, draft_ratio=0.0)
+    rows = [Sequence(0, [1, 2, 3], 10**9)]
+    reach = Reach([2], uses_draft_model=False, first=[7])
+    lengths = planner.lengths(rows, reach, False, draining=False, cap=None)
+    assert lengths == [2]
+    planner.observe(rows, RoundRecord(lengths, [1], [[True, True, True]], [None], 2, 0, 0.1))
+    assert [(source, accepted) for source, _, _, accepted in calibration.drafts] == [("lookup", 1), ("lookup", 0)]
