@@ -64,13 +64,13 @@ def main() -> int:
     lscpu(args.output / "lscpu.txt")
     pair = load_pair("qwen2.5-coder", quantize=args.quantize, progress=False)
     vocabulary = SpecConfig().draft_vocabulary
-    costs = _costs(pair, vocabulary)
+    costs = forward_costs(pair, vocabulary, range(1, max(KS) + 2), (1, 2))
     cells = {}
     for category in args.categories.split(","):
         prompts = format_prompts(load_prompts(args.questions, category=category, limit=args.limit), pair.tokenizer)
         runs = _runs(pair, prompts, args)
-        matches = [_agreement(pair.draft, prompt, answer, vocabulary) for prompt, answer in
-                   zip(prompts, runs["answers"], strict=True)]
+        matches = [[c == t for c, t in zip(draft_choices(pair.draft, prompt, answer, vocabulary), answer, strict=True)]
+                   for prompt, answer in zip(prompts, runs["answers"], strict=True)]
         cells[category] = _cell(matches, costs, runs)
         print(f"one_row_bound: {category}: {json.dumps(cells[category]['summary'])}", file=sys.stderr, flush=True)
     report = {"costs_s": costs, "fixed": args.fixed, "categories": cells}
@@ -80,15 +80,17 @@ def main() -> int:
     return 0
 
 
-def _costs(pair, vocabulary: int) -> dict[str, dict[int, float]]:
-    """Medians of three alternated passes: ``c_t(1, n)`` for n = 1 .. 7 and the draft's ``c_d(1, n)`` for n = 1, 2."""
-    target = {n: [] for n in range(1, max(KS) + 2)}
-    draft = {n: [] for n in (1, 2)}
+def forward_costs(pair, vocabulary: int, target_widths, draft_widths) -> dict[str, dict[int, float]]:
+    """Medians of three alternated passes at one row after :data:`CONTEXT` cached columns: the target's forward of
+    ``n`` tokens ``c_t(1, n)`` for each of ``target_widths`` and the draft's ``c_d(1, n)`` (over its drafting
+    ``vocabulary``) for each of ``draft_widths``; 7 timed repeats of each below 32 tokens, 2 from there."""
+    target = {n: [] for n in target_widths}
+    draft = {n: [] for n in draft_widths}
     for _ in range(3):
         for n in target:
-            target[n].append(time_forward(pair.target, 1, n, CONTEXT, 7))
+            target[n].append(time_forward(pair.target, 1, n, CONTEXT, 7 if n < 32 else 2))
         for n in draft:
-            draft[n].append(time_forward(pair.draft, 1, n, CONTEXT, 7, vocabulary))
+            draft[n].append(time_forward(pair.draft, 1, n, CONTEXT, 7 if n < 32 else 2, vocabulary))
     return {"target": {n: statistics.median(v) for n, v in target.items()},
             "draft": {n: statistics.median(v) for n, v in draft.items()}}
 
@@ -117,9 +119,9 @@ def _runs(pair, prompts: list[list[int]], args: argparse.Namespace) -> dict:
 
 
 @torch.inference_mode()
-def _agreement(draft, prompt: list[int], answer: list[int], vocabulary: int) -> list[bool]:
-    """Per answer position, whether the draft's argmax (over its drafting vocabulary, on its own forward) after the
-    prompt and the answer before it is the answer's token."""
+def draft_choices(draft, prompt: list[int], answer: list[int], vocabulary: int) -> list[int]:
+    """Per answer position, the draft's argmax (over its drafting vocabulary, on its own forward) after the prompt
+    and the answer before it: what it proposes there along a correct prefix."""
     runner = ModelRunner(next(draft.parameters()).device)
     ids = torch.tensor([prompt + answer])  # [1, P+A]
     cache = BatchKVCache.for_model(draft)
@@ -127,7 +129,7 @@ def _agreement(draft, prompt: list[int], answer: list[int], vocabulary: int) -> 
     runner.read(draft, batch, cache, ids[:, : len(prompt) - 1])
     logits = runner.logits(draft, batch, cache, ids[:, len(prompt) - 1 : -1], keep=len(answer),
                            vocabulary=vocabulary)  # [1, A, V]
-    return (logits[0].argmax(-1) == torch.tensor(answer)).tolist()
+    return logits[0].argmax(-1).tolist()
 
 
 def _cell(matches: list[list[bool]], costs: dict, runs: dict) -> dict:

@@ -42,7 +42,7 @@ class Calibration:
 
         def wrapped_lengths(planner, rows, reach, sampled, **options):
             chosen = lengths(planner, rows, reach, sampled, **options)
-            shares = [planner._shares(row) for row in rows]
+            shares = [planner._shares(row, alone=len(rows) == 1) for row in rows]
             calibration._pending = (chosen, list(reach.lookups), shares, reach.uses_draft_model)
             return chosen
 

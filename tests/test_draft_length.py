@@ -577,6 +577,30 @@ def test_a_sources_trust_is_what_its_drafts_gave_of_what_they_were_expected_to()
     assert better.factor == 1.0
 
 
+def test_a_row_alone_drafts_on_its_own_share_whatever_the_trust():
+    """The draft model's factor fell to 0.09 (drafts expected to give 20 tokens gave none): four rows whose first
+    draft model guess is priced at 0.7 propose nothing, while a row alone, priced on its own share, still drafts."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1, ragged=True)
+    planner.trust["model"].observe(20.0, 0)
+    assert planner.trust["model"].factor == pytest.approx(2 / 22)
+    assert planner._trust(1) == (1.0, 1.0)
+    assert planner._trust(4) == (1.0, pytest.approx(2 / 22))
+    four = [Sequence(i, [1, 2, 3], 100) for i in range(4)]
+    assert planner.lengths(four, Reach([0] * 4, uses_draft_model=True, lag=[0] * 4), False) == [0] * 4
+    assert planner.lengths(four[:1], Reach([0], uses_draft_model=True, lag=[0]), False)[0] > 0
+
+
+def test_one_rejection_moves_a_row_alone_less_than_a_row_among_others():
+    """A row's first draft model guess, rejected once where the engine-wide share is 0.7: among other rows its share
+    is (0 + 0.7) / (1 + 1) = 0.35; alone, the engine-wide share (its own longer memory) weighs 4 observations:
+    (0 + 4 * 0.7) / (1 + 4) = 0.56."""
+    planner = AdaptiveLength(max_k=10, draft_ratio=0.1, ragged=True)
+    row = Sequence(0, [1, 2, 3], 100)
+    row.acceptance.model.first.observe(0, 1, draft_length.ROW_DECAY)
+    assert planner._shares(row).model_first == pytest.approx(0.35)
+    assert planner._shares(row, alone=True).model_first == pytest.approx(0.56)
+
+
 def test_overrated_drafts_lose_the_planners_trust_and_are_proposed_less():
     """Rows whose lookups look good (a first lookup checked for free is always right) but whose proposed drafts
     are never accepted: the planner's expected tokens of its proposals are not borne out, and its trust in lookups

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import tiny_models
@@ -21,6 +22,8 @@ from hypothesis import strategies as st
 
 from batchspec.config import SpecConfig
 from batchspec.engine.lookup import NgramIndex, lookup_on_device
+from batchspec.engine.proposers.draft import PAST_MODEL_NGRAM, _RoundDrafts
+from batchspec.engine.proposers.ngram import NgramProposer
 from batchspec.engine.schedulers import make_scheduler
 from batchspec.engine.schedulers.drive import Offline, drive
 from batchspec.engine.state import Sequence
@@ -170,6 +173,30 @@ def test_matches_reference(target, proposer, draft, k, method, batch_size, repea
     assert result.stats.recomputed_columns == 0
     if repeating and proposer != "draft" and k != "auto":  # auto proposes only where the host's timings make it pay
         assert result.stats.draft_tokens_proposed > 0, "lookups found nothing in repeating prompts"
+
+
+@pytest.mark.parametrize(("text", "sampled", "found"), [
+    ([1, 2, 3, 4, 7, 8, 2, 3], False, 7), ([1, 2, 3, 4, 7, 8, 9, 3], False, None), ([1, 2, 3, 4, 7, 8, 9, 3], True, 7),
+], ids=["three-token suffix", "two-token suffix", "two-token suffix, sampling row"])
+def test_a_lookup_past_a_draft_models_draft_must_copy(text, sampled, found):
+    """The model drafted 4 after the row's text, past its (empty) lookup chain: the next position is looked up over
+    the text and that draft. Where ``2 3 4`` occurred before (followed by 7) the lookup takes the position; where
+    only ``3 4`` did, a suffix shorter than :data:`PAST_MODEL_NGRAM` (3), it leaves the position to the model in a
+    greedy row; a sampling row's draft follows the lookup's own minimum (1) wherever its round began."""
+    assert PAST_MODEL_NGRAM == 3
+    k = 2
+    batch = SimpleNamespace(tokens=torch.tensor([text]), size=1, pad=torch.tensor([0]))  # [1, L]
+    staged = (torch.tensor([k]), torch.zeros((1, k + 1), dtype=torch.long), torch.tensor([0]))  # [1], [1, k+1], [1]
+    plan = SimpleNamespace(staged=staged, host=SimpleNamespace(lengths=[k]), lookups=[0])
+    drafts = _RoundDrafts(batch, plan, NgramProposer(1, 5), torch.tensor([True]) if sampled else None)
+    needed = [[True] * k + [False]]
+    assert not drafts.past_chains(0, needed) and drafts.past_chains(1, needed)
+    drafts.fill(0, torch.tensor([4]))
+    drafts.look_up(1, read=True)
+    assert drafts.looked_up[0].tolist() == [False, found is not None, False]
+    assert drafts.chained(1, needed) == (found is not None)
+    if found is not None:
+        assert drafts.tokens[0, 1].item() == found
 
 
 # ---- per-row lengths ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from host_reads import HostReads
 from batchspec.engine.core import Engine
 from batchspec.engine.errors import InvariantError
 from batchspec.engine.kv_cache import BatchKVCache, Slab
+from batchspec.engine.proposers import draft as draft_proposer
 from batchspec.engine.proposers.draft import DraftModelProposer
 from batchspec.engine.runner import Floats, ModelRunner
 from batchspec.engine.state import BatchState, HostColumns
@@ -133,7 +134,10 @@ def test_one_device_read_per_round(method, proposer, temperature, bs, llama, ref
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_hybrid_reads_lookup_hits_only_where_reads_are_free(temperature, bs, llama, monkeypatch):
     """With ``free_reads`` (the CPU) the hybrid proposer reads its device lookups' hits and skips the draft forwards
-    they make unnecessary; without (a GPU) it runs them. The tokens are the same either way."""
+    they make unnecessary; without (a GPU) it runs them. The tokens are the same either way. (A greedy row's lookup
+    past a model draft is taken at a suffix of one token here, as a sampling row's is, so that every row finds one:
+    which suffix counts is :func:`test_proposers.test_a_lookup_past_a_draft_models_draft_must_copy`'s subject.)"""
+    monkeypatch.setattr(draft_proposer, "PAST_MODEL_NGRAM", 1)
     forwards, free = [], [True]
     decode, step = Engine.decode, DraftModelProposer._model_step
 

@@ -128,3 +128,24 @@ def test_planner_calibration_wraps_the_planner_as_the_engine_calls_it(monkeypatc
     assert lengths == [2]
     planner.observe(rows, RoundRecord(lengths, [1], [[True, True, True]], [None], 2, 0, 0.1))
     assert [(source, accepted) for source, _, _, accepted in calibration.drafts] == [("lookup", 1), ("lookup", 0)]
+
+
+@pytest.mark.parametrize(("right", "rounds"), [(True, 2), (False, 8)], ids=["draft always right", "always wrong"])
+def test_one_row_replay_walks_the_engines_rounds(right, rounds, monkeypatch):
+    """scripts/one_row_replay.py at a fixed k = 3, a prompt and an 8-token answer that share no token (no lookup
+    finds anything): where the draft's choice is always the answer's token, two rounds of 3 drafts and the target's
+    token give the 8; where it is never, each round gains the target's token alone. Every forward of the target
+    costs 1 s and the draft's nothing: 3 s against plain decoding's 9 (a prompt read and 8 steps), or 9 against 9.
+    The default planner replays too, and drafts where the draft is always right."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    module = importlib.import_module("one_row_replay")
+    answer = list(range(10, 18))
+    cell = {"prompts": [list(range(1, 7))], "answers": [answer], "choices": [answer if right else [0] * 8]}
+    widths = (1, 2, 4, 8, 16, 64, 128)
+    costs = module.Costs.fitted({"target": dict.fromkeys(widths, 1.0), "draft": dict.fromkeys(widths, 0.0)})
+    data = {"draft_share": 0.0, "eos": 99, "max_new_tokens": 8}
+    fixed = module.replay(cell, 3, costs, data)
+    assert (fixed["rounds"], fixed["tokens"]) == (rounds, 8)
+    assert fixed["seconds"] == pytest.approx(1 + rounds) and fixed["plain_s"] == pytest.approx(9)
+    default = module.replay(cell, "auto", costs, data)
+    assert default["tokens"] == 8 and (default["ratio"] > 1.5) == right

@@ -59,9 +59,10 @@ sooner they end the batch (:meth:`AdaptiveLength._worth`): rows that hold the ba
 not at all. Where rows end at EOS instead of their budget, any of them may turn out the longest, and the tokens
 are weighed alike again, by the share of finished rows that ran to their budget.
 
-Two corrections keep a round from drafting where it would pay by a little, and lose: each source's expected gains
-are scaled by how far its proposed drafts gave what they were expected to (:class:`Trust`: drafts proposed because
-their shares were high are overrated), and at several rows what drafting adds to a round is priced at
+Two corrections keep a round of several rows from drafting where it would pay by a little, and lose: each source's
+expected gains are scaled by how far its proposed drafts gave what they were expected to (:class:`Trust`: the rows
+that propose are the ones whose shares were high, and their drafts are overrated; a row alone is priced on its own
+share, :meth:`AdaptiveLength._trust`), and what drafting adds to a round is priced at
 :data:`UNEQUAL_MARGIN` times its fitted seconds (:class:`CostFit`: rows that gain unequally cost later what no
 round's seconds show). And at several rows a :class:`Ledger` keeps what drafting has earned, measured: where its
 recent rounds lost more than a small share of the time, the next rounds propose nothing until the loss has faded.
@@ -90,6 +91,7 @@ ROW_DECAY = 0.8  # weight of a row's earlier rounds when a round is observed
 ENGINE_DECAY = 0.97
 IDLE_DECAY = 0.97  # per idle round: how fast unobserved counts fade toward their prior
 PRIOR_WEIGHT = 1.0  # pseudo-observations of the engine-wide share in a row's estimate
+LONE_PRIOR_WEIGHT = 4.0  # the same for a row alone in its batch (see AdaptiveLength._shares)
 ENGINE_PRIOR_WEIGHT = 4.0  # pseudo-observations of FIRST_PRIOR in the engine-wide share: one rejection of a
 # draft that has just started does not halve it
 COST_DECAY = 0.95
@@ -446,15 +448,15 @@ class AdaptiveLength:
         variants = [[reach.available(i, limit) for i, limit in enumerate(limits)]]
         if reach.uses_draft_model and any(reach.lookups):  # also: the lookups alone, no draft forward for the rest
             variants.append([min(limit, found) for limit, found in zip(limits, reach.lookups, strict=True)])
-        shares = [self._shares(row) for row in rows]
+        shares = [self._shares(row, alone=len(rows) == 1) for row in rows]
         raw = [[_gains(cap, found, row_shares, reach.uses_draft_model)
                 for cap, found, row_shares in zip(caps, reach.lookups, shares, strict=True)] for caps in variants]
-        trust = (self.trust["lookup"].factor, self.trust["model"].factor)
+        trust = self._trust(len(rows))
         gains_of = [[_trusted(row, found, trust) for row, found in zip(gains, reach.lookups, strict=True)]
                     for gains in raw]
         # a row's rate where the batch drains: the tokens it gains where it drafts all it can
         worth = self._worth(rows, fit, [1 + sum(row) for row in gains_of[0]]) if draining else [1.0] * len(rows)
-        if not sampled and self._idle([row[0] if row else 0.0 for row in raw[0]], worth, fit):
+        if not sampled and self._idle([row[0] if row else 0.0 for row in raw[0]], worth, fit, trust):
             return [0] * len(rows)
         self.expected, self.worth = raw[0], worth  # what each row's drafts were expected to give: see _calibrate
         return self._best(rows, reach, sampled, (variants, gains_of, worth), fit, cap)
@@ -485,18 +487,33 @@ class AdaptiveLength:
                     best, best_rate, self.planned_s = lengths, rate, fit.seconds(extra, steps)
         return best
 
-    def _idle(self, firsts: list[float], worth: list[float], fit: CostFit) -> bool:
+    def _idle(self, firsts: list[float], worth: list[float], fit: CostFit, trust: tuple[float, float]) -> bool:
         """Whether no draft can pay this round, by a bound that spares pricing every option. ``firsts``: each row's
         first draft's gain (0: none), at its source's share; ``worth``: what a token of each row is worth
-        (:meth:`_worth`; 1 each where the batch does not drain). A round whose verification scores ``x`` extra tokens
+        (:meth:`_worth`; 1 each where the batch does not drain); ``trust``: the sources' factors (:meth:`_trust`). A
+        round whose verification scores ``x`` extra tokens
         gives at most ``x G`` more worth, ``G = max_i worth_i g_i`` times the larger trust (gains only fall along a
         row), and costs at least ``c_0 + margin c_v x``; it beats a plain step's ``sum(worth) / c_0`` only if
         ``G c_0 > sum(worth) margin c_v``. Where it cannot, :meth:`lengths` would choose nothing: a property test
         checks it, draining and not."""
         best = max((w * g for w, g in zip(worth, firsts, strict=True)), default=0.0)
         c0, per_token = fit.theta
-        trust = max(self.trust["lookup"].factor, self.trust["model"].factor)
-        return best * trust * c0 <= sum(worth) * fit.margin * per_token
+        return best * max(trust) * c0 <= sum(worth) * fit.margin * per_token
+
+    def _trust(self, rows: int) -> tuple[float, float]:
+        """The lookups' and the draft model's :attr:`Trust.factor` in a round of ``rows`` rows; 1 each for one row.
+
+        Trust corrects the choice among rows: of several rows, the ones whose shares happen to be high propose, and
+        their drafts are overrated. A row alone proposes or not on its own share, which counts every draft it was
+        tested on; there the factor only repeated one rejection. On SpecBench at one row (int8, the preset pair, the
+        planner replayed over the target's answers, the draft's own choices at each of their positions and the
+        measured forward costs: ``scripts/one_row_replay.py``) one draft model chain of 7 rejected at its first draft
+        halved the model's factor, and the draft then sat out the 58 rounds left of that writing prompt, whose first
+        drafts it would have got right 70% of the time. Rounds of one row still teach the factors, for the rounds of
+        several rows after them."""
+        if rows == 1:
+            return 1.0, 1.0
+        return self.trust["lookup"].factor, self.trust["model"].factor
 
     def _deal(self, totals: list[list[float]], ranked: list[tuple[float, int, int]], worth: list[float],
               round_: tuple[int, int], fit: CostFit, found: list[int],
@@ -706,17 +723,25 @@ class AdaptiveLength:
         the draft read, and the bonus token; a round's first draft forward re-reads them."""
         return self.max_k + 1
 
-    def _shares(self, row) -> Shares:
+    def _shares(self, row, *, alone: bool = False) -> Shares:
         """The row's chances of acceptance by source and place. A ``first`` share is pulled toward the engine-wide
         one; a ``later`` share toward the engine-wide ``later`` share, which is itself pulled toward the row's own
         ``first`` until enough ``later`` drafts were tested: a later draft is proposed only where the first's share
-        makes it pay, and an engine-wide prior alone could keep it from ever being tested."""
-        return Shares(*self._source_shares(row, "lookup"), *self._source_shares(row, "model"))
+        makes it pay, and an engine-wide prior alone could keep it from ever being tested.
 
-    def _source_shares(self, row, source: str) -> tuple[float, float]:
+        The engine-wide share weighs :data:`PRIOR_WEIGHT` observations in a row's estimate, :data:`LONE_PRIOR_WEIGHT`
+        where the row is ``alone`` in its batch: rows differ (one copies its prompt, the next does not), but a row
+        alone has no other rows to differ from, and the engine-wide share is then its own longer memory (this
+        row's drafts and the rows' before it). With one pseudo-observation, a row's two good rounds priced the draft
+        model's later drafts at 0.95 and one rejected chain halved its first share; on SpecBench at one row (the
+        replay of :meth:`_trust`) the weight of 4 gave 1.9% more tokens per second than 1, with the factor at 1."""
+        weight = LONE_PRIOR_WEIGHT if alone else PRIOR_WEIGHT
+        return Shares(*self._source_shares(row, "lookup", weight), *self._source_shares(row, "model", weight))
+
+    def _source_shares(self, row, source: str, weight: float) -> tuple[float, float]:
         engine, mine = getattr(self.engine, source), getattr(row.acceptance, source)
-        first = mine.first.estimate(engine.first.estimate(self.first_prior[source], ENGINE_PRIOR_WEIGHT), PRIOR_WEIGHT)
-        return first, mine.later.estimate(engine.later.estimate(first, ENGINE_PRIOR_WEIGHT), PRIOR_WEIGHT)
+        first = mine.first.estimate(engine.first.estimate(self.first_prior[source], ENGINE_PRIOR_WEIGHT), weight)
+        return first, mine.later.estimate(engine.later.estimate(first, ENGINE_PRIOR_WEIGHT), weight)
 
     def _fit(self, rows: int) -> CostFit:
         """The cost fit of ``rows`` rows, started from the nearest batch size's plain step. A mixture's plain step of

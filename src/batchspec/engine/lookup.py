@@ -103,14 +103,14 @@ def _record(ends: dict[tuple[int, ...], int], tail: tuple[int, ...], end: int, n
 
 
 def lookup_on_device(
-    text: torch.Tensor, start: torch.Tensor, n_min: int, n_max: int
+    text: torch.Tensor, start: torch.Tensor, n_min: int | torch.Tensor, n_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The lookup of :meth:`NgramIndex.chain` (its first draft) for every row at once, on the device (no read back).
 
     ``text`` ``[B, T]`` holds row ``i``'s text in columns ``start[i] .. T-1`` (``start`` ``[B]``: its left padding);
     returns the draft for position ``T`` ``[B]`` and whether a suffix of ``n_min .. n_max`` tokens occurred before
-    ``[B]`` (bool; where it did not, the draft is filler). As on the host: the longest such suffix, at its earliest
-    occurrence with a next token.
+    ``[B]`` (bool; where it did not, the draft is filler; ``n_min`` may be ``[B]``, each row's own). As on the host:
+    the longest such suffix, at its earliest occurrence with a next token.
 
     Worked example, one row ``a b x a b y a b`` (``start = 0``, ``n_max = 3``): a candidate end ``e`` (0 .. 6, each
     has a next token) matches the suffix for ``run[e]`` tokens back: ``run = [0, 2, 0, 0, 2, 0, 0]`` (``e = 1``:

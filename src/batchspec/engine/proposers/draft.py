@@ -17,6 +17,13 @@ from batchspec.engine.runner import ModelRunner
 from batchspec.engine.sampling import RoundSampling, Stream, sample_draft, warp_rows
 from batchspec.engine.state import BatchState, Sequence
 
+# the shortest suffix a greedy row's lookup past a draft model's draft matches: it takes the place of the model's next
+# draft, so it must copy. On SpecBench at one row (int8, the preset pair; scripts/one_row_replay.py) a suffix of 1
+# token, the lookup's own minimum, found a draft after nearly every model draft and the planner counted them as the
+# model's later drafts: 0.5 of them were accepted where the model's own are 0.65-0.75 (its first lookup drafts
+# 0.1-0.3), and the planner drafted less for it; with 3, 5.7% more tokens per second over the seven categories
+PAST_MODEL_NGRAM = 3
+
 
 class DraftModelProposer:
     """Drafts ``d_1 .. d_k`` (``k`` = the longest row's length) for every row of the batch at once.
@@ -32,7 +39,9 @@ class DraftModelProposer:
     (:mod:`batchspec.engine.lookup`) and the draft model fills only the positions where the lookup finds nothing. A
     row's lookups up to its first miss are its lookup chain, found on the host when the round is planned; after the
     draft model drafts a position, the row's next lookups go on from the drafted token, on the device
-    (:func:`~batchspec.engine.lookup.lookup_on_device`), so nothing is read back. A step runs no draft forward when
+    (:func:`~batchspec.engine.lookup.lookup_on_device`), so nothing is read back; such a lookup takes the place of the
+    model's own draft, and in a greedy row needs a suffix of :data:`PAST_MODEL_NGRAM` tokens (a sampling row's draft
+    at a position must not depend on where the round began: :class:`_RoundDrafts`). A step runs no draft forward when
     every row that needs it has a chain draft there (its tokens are fed at the next forward), so the draft's cache stays
     right for every row. Lookup drafts of sampling rows have a one-hot ``q``; which positions were looked up is read
     back with the round's verdict.
@@ -71,7 +80,7 @@ class DraftModelProposer:
         k = max(lengths, default=0)
         sampled = sampling is not None and sampling.any_sampled
         steps = k + int(sampled)
-        drafts = _RoundDrafts(batch, plan, self.lookup)
+        drafts = _RoundDrafts(batch, plan, self.lookup, sampling.sampled if sampled else None)
         if steps == 0:
             return drafts.proposal(plan.host)
         needed = _needed(lengths, sampling.rows if sampled else (), steps)
@@ -167,12 +176,25 @@ class _RoundDrafts:
     past a row's chain is looked up on the device from the drafts before it (:meth:`look_up`), else drafted by the
     model (:meth:`fill`).
 
-    Example: row 0's chain is ``[5]``; the model drafts 9 at position 1; the lookup of position 2 over the row's
-    text then ``5 9`` finds 4: ``tokens[0] = [5, 9, 4]``, ``looked_up[0] = [T, F, T]``.
+    A lookup past a model draft matches a suffix of :data:`PAST_MODEL_NGRAM` tokens or more in a greedy row, whose
+    output is the target's whatever its drafts. A sampling row's tokens follow its drafts' ``q``, and they must not
+    depend on the batch or ``k`` (:mod:`batchspec.engine.sampling`): its draft at a position must be the same whether
+    the position begins a round (the lookup chain, from the lookup's own minimum) or follows a model draft, so it
+    keeps the lookup's own minimum there too (``sampled`` ``[B]``: the rows that sample; None: none does).
+
+    Example: row 0's text ends ``.. 3 5`` and its chain is ``[5]``; the model drafts 9 at position 1; the lookup of
+    position 2 over the row's text then ``5 5 9`` finds 4 (the text held ``5 5 9 4``): ``tokens[0] = [5, 9, 4]``,
+    ``looked_up[0] = [T, F, T]``.
     """
 
-    def __init__(self, batch: BatchState, plan: ProposalPlan, lookup: NgramProposer | None) -> None:
+    def __init__(self, batch: BatchState, plan: ProposalPlan, lookup: NgramProposer | None,
+                 sampled: torch.Tensor | None = None) -> None:
         self.batch, self.lookup = batch, lookup
+        self.n_min: int | torch.Tensor = 0  # [B] where a row samples
+        if lookup is not None:
+            self.n_min = max(lookup.n_min, min(PAST_MODEL_NGRAM, lookup.n_max))
+            if sampled is not None:
+                self.n_min = torch.where(sampled, lookup.n_min, self.n_min)  # [B]
         self.lengths = plan.staged[0]  # [B]
         self.chain_lengths = plan.lookups or [0] * batch.size  # host copy of self.found
         self.hits: dict[int, list[bool]] = {}  # position → rows whose device lookup found a draft, where read
@@ -201,11 +223,12 @@ class _RoundDrafts:
         return any(need[j] and j > n for need, n in zip(needed, self.chain_lengths, strict=True))
 
     def look_up(self, j: int, read: bool) -> None:
-        """Look up position ``j`` (> 0) of the rows past their chains, from their text and drafts ``< j``. With
+        """Look up position ``j`` (> 0) of the rows past their chains, from their text and drafts ``< j`` (a suffix of
+        :attr:`n_min` tokens or more, a row's own where rows sample). With
         ``read`` (where reading the device back costs no synchronisation: the CPU) the host reads which rows found
         one, so that a step where all did skips the draft forward; on a GPU the forward runs instead of a wait."""
         text = torch.cat([self.batch.tokens, self.tokens[:, :j]], dim=1)  # [B, L + j]
-        draft, hit = lookup_on_device(text, self.batch.pad, self.lookup.n_min, self.lookup.n_max)  # [B], [B]
+        draft, hit = lookup_on_device(text, self.batch.pad, self.n_min, self.lookup.n_max)  # [B], [B]
         hit &= self.found < j
         self.tokens[:, j] = torch.where(hit, draft, self.tokens[:, j])
         self.looked_up[:, j] |= hit
