@@ -10,7 +10,7 @@ this replays the planner over what the models do instead of timing them. First, 
 2. the draft's choice at every answer position (:func:`one_row_bound.draft_choices`, its own forward over its
    drafting vocabulary): along a correct prefix, what it proposes there;
 3. forward costs at one row after 200 cached columns (:func:`one_row_bound.forward_costs`): the target's and the
-   draft's of 1 to 256 tokens, each fitted by two lines, up to 16 tokens (a round) and from 64 (a prompt).
+   draft's of 1 to 256 tokens (:class:`Costs` interpolates between them).
 
 Then each category runs through the engine's own planner (:func:`~batchspec.engine.draft_length.planner_for`) and the
 hybrid proposer's rules, one prompt after another as ``generate`` runs them at ``batch_size=1``: a round's drafts are
@@ -51,7 +51,6 @@ from batchspec.models.loading import load_pair
 
 TARGET_WIDTHS = (*range(1, 12), 16, 32, 64, 128, 256)
 DRAFT_WIDTHS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256)
-ROUND = 16  # the widest forward fitted as a round's; wider ones are prompts
 
 
 def main() -> int:
@@ -109,43 +108,37 @@ def gather(args: argparse.Namespace) -> dict:
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds of a forward of ``n`` tokens at one row: ``a + b n``, one line per model up to :data:`ROUND` tokens
-    and another from 64 (prompts), the larger of the two in between and beyond."""
+    """Seconds of a forward of ``n`` tokens at one row, as measured: between two measured widths on the line through
+    them, past the widest on the line through the two widest. (Not one fitted line: the int8 forward's seconds rise in
+    steps, e.g. 45 ms for 1-3 tokens and 57 for 4-6 on 2 vCPUs of a Zen 4, and a line through them prices a plain
+    step 9% low.)"""
 
-    target: tuple[tuple[float, float], tuple[float, float]]
-    draft: tuple[tuple[float, float], tuple[float, float]]
+    target: tuple[tuple[int, float], ...]
+    draft: tuple[tuple[int, float], ...]
 
     @classmethod
     def fitted(cls, measured: dict[str, dict]) -> Costs:
-        lines = {}
-        for model, points in measured.items():
-            widths = {int(n): seconds for n, seconds in points.items()}
-            lines[model] = (_line({n: s for n, s in widths.items() if n <= ROUND}),
-                            _line({n: s for n, s in widths.items() if n >= 64}))
-        return cls(lines["target"], lines["draft"])
+        points = {model: tuple(sorted((int(n), seconds) for n, seconds in widths.items()))
+                  for model, widths in measured.items()}
+        return cls(points["target"], points["draft"])
 
     def t(self, n: int) -> float:
-        return _priced(self.target, n)
+        return _interpolated(self.target, n)
 
     def d(self, n: int) -> float:
-        return _priced(self.draft, n)
+        return _interpolated(self.draft, n)
 
     def summary(self) -> dict:
-        return {"target_1_s": self.t(1), "draft_1_s": self.d(1), "target_column_s": self.target[0][1],
-                "target_prompt_column_s": self.target[1][1], "draft_prompt_column_s": self.draft[1][1]}
+        return {"target_1_s": self.t(1), "draft_1_s": self.d(1), "target_256_s": self.t(256),
+                "draft_256_s": self.d(256)}
 
 
-def _line(points: dict[int, float]) -> tuple[float, float]:
-    """Least squares ``(a, b)`` of ``seconds = a + b n``."""
-    design = torch.tensor([[1.0, n] for n in points], dtype=torch.float64)  # [N, 2]
-    seconds = torch.tensor(list(points.values()), dtype=torch.float64)[:, None]  # [N, 1]
-    a, b = torch.linalg.lstsq(design, seconds).solution[:, 0].tolist()
-    return a, b
-
-
-def _priced(lines, n: int) -> float:
-    (a, b), (a_wide, b_wide) = lines
-    return a + b * n if n <= ROUND else max(a + b * n, a_wide + b_wide * n)
+def _interpolated(points: tuple[tuple[int, float], ...], n: int) -> float:
+    """The seconds at width ``n`` on the line through the two measured ``points`` around it (the two widest past
+    them; the narrowest below them)."""
+    right = next((i for i, (width, _) in enumerate(points) if width >= n), len(points) - 1)
+    (n0, s0), (n1, s1) = points[max(right - 1, 0)], points[max(right, 1)]
+    return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
 
 
 def replay(cell: dict, policy: int | str, costs: Costs, data: dict) -> dict:
