@@ -15,7 +15,7 @@ this replays the planner over what the models do instead of timing them. First, 
 Then each category runs through the engine's own planner (:func:`~batchspec.engine.draft_length.planner_for`) and the
 hybrid proposer's rules, one prompt after another as ``generate`` runs them at ``batch_size=1``: a round's drafts are
 the row's lookup chain (``NgramProposer``), past it the draft model's choices, and past a model draft a lookup on the
-device (``lookup_on_device`` over a suffix of ``PAST_MODEL_NGRAM`` tokens) where it finds one, which takes the place
+device (``lookup_on_device`` over a suffix of ``past_model_n_min`` tokens) where it finds one, which takes the place
 without a forward. The target accepts the longest prefix equal to its answer (every replayed answer must be the
 target's). A round costs ``c_t(1 + n)`` and its draft forwards ``c_d(width)``, the first reading what the draft
 lacks (the whole prompt where it never ran); reading a prompt costs ``c_t(P)``, and ``c_d(P)`` more where the draft
@@ -43,7 +43,7 @@ from batchspec.config import SpecConfig
 from batchspec.data.prompts import format_prompts, load_prompts
 from batchspec.engine.draft_length import RoundRecord, planner_for
 from batchspec.engine.lookup import lookup_on_device
-from batchspec.engine.proposers.draft import PAST_MODEL_NGRAM
+from batchspec.engine.proposers.draft import past_model_n_min
 from batchspec.engine.proposers.ngram import NgramProposer
 from batchspec.engine.state import FINISH_EOS, FINISH_LENGTH, Sequence
 from batchspec.model_checks import forward_weights
@@ -73,7 +73,7 @@ def main() -> int:
         (args.output / "data.json").write_text(json.dumps(data) + "\n")
     else:
         data = json.loads(args.data.read_text())
-    costs = Costs.fitted(data["costs"])
+    costs = Costs.measured(data["costs"])
     policies = ["auto", *(int(k) for k in args.fixed.split(",") if k)]
     report = {"costs": costs.summary(), "policies": {}}
     for policy in policies:
@@ -117,7 +117,7 @@ class Costs:
     draft: tuple[tuple[int, float], ...]
 
     @classmethod
-    def fitted(cls, measured: dict[str, dict]) -> Costs:
+    def measured(cls, measured: dict[str, dict]) -> Costs:
         points = {model: tuple(sorted((int(n), seconds) for n, seconds in widths.items()))
                   for model, widths in measured.items()}
         return cls(points["target"], points["draft"])
@@ -199,10 +199,10 @@ def _round(row: Sequence, planner, lookup: NgramProposer, state: tuple[list[int]
 def _drafts(row: Sequence, lookup: NgramProposer, n: int, truth: tuple[list[int], list[int]],
             lacking: int) -> tuple[list[int], list[tuple[int, int]]]:
     """The ``n`` drafts of the round and its draft forwards (the position each drafts, the columns it reads), as the
-    hybrid proposer makes them: the
-    chain's lookups, then at each position the device lookup past a model draft (a suffix of ``PAST_MODEL_NGRAM``)
-    or else a forward of the draft over the columns it lacks and the lookups since (its choice where every draft
-    before it is the answer's token; after a wrong draft nothing is accepted, and -1 stands for it)."""
+    hybrid proposer makes them: the chain's lookups, then at each position the device lookup past a model draft
+    (:func:`~batchspec.engine.proposers.draft.past_model_n_min`) or else a forward of the draft over the columns it
+    lacks and the lookups since (its choice where every draft before it is the answer's token; after a wrong draft
+    nothing is accepted, and -1 stands for it)."""
     answer, choices = truth
     at = len(row.output)
     chain = lookup.chains([row], n + 1)[0] if n else []
@@ -222,9 +222,9 @@ def _drafts(row: Sequence, lookup: NgramProposer, n: int, truth: tuple[list[int]
 
 
 def _looked_up(row: Sequence, drafts: list[int], lookup: NgramProposer) -> int | None:
-    """The device lookup of the position after ``drafts`` (None: no suffix of ``PAST_MODEL_NGRAM`` tokens)."""
+    """The device lookup of the position after ``drafts`` (None: no suffix of ``past_model_n_min`` tokens)."""
     text = torch.tensor([row.content + drafts])  # [1, T]
-    n_min = max(lookup.n_min, min(PAST_MODEL_NGRAM, lookup.n_max))
+    n_min = past_model_n_min(lookup.n_min, lookup.n_max)
     token, hit = lookup_on_device(text, torch.zeros(1, dtype=torch.long), n_min, lookup.n_max)  # [1], [1]
     return int(token[0]) if bool(hit[0]) else None
 

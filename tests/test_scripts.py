@@ -142,7 +142,7 @@ def test_one_row_replay_walks_the_engines_rounds(right, rounds, monkeypatch):
     answer = list(range(10, 18))
     cell = {"prompts": [list(range(1, 7))], "answers": [answer], "choices": [answer if right else [0] * 8]}
     widths = (1, 2, 4, 8, 16, 64, 128)
-    costs = module.Costs.fitted({"target": dict.fromkeys(widths, 1.0), "draft": dict.fromkeys(widths, 0.0)})
+    costs = module.Costs.measured({"target": dict.fromkeys(widths, 1.0), "draft": dict.fromkeys(widths, 0.0)})
     data = {"draft_share": 0.0, "eos": 99, "max_new_tokens": 8}
     fixed = module.replay(cell, 3, costs, data)
     assert (fixed["rounds"], fixed["tokens"]) == (rounds, 8)

@@ -491,11 +491,10 @@ class AdaptiveLength:
         """Whether no draft can pay this round, by a bound that spares pricing every option. ``firsts``: each row's
         first draft's gain (0: none), at its source's share; ``worth``: what a token of each row is worth
         (:meth:`_worth`; 1 each where the batch does not drain); ``trust``: the sources' factors (:meth:`_trust`). A
-        round whose verification scores ``x`` extra tokens
-        gives at most ``x G`` more worth, ``G = max_i worth_i g_i`` times the larger trust (gains only fall along a
-        row), and costs at least ``c_0 + margin c_v x``; it beats a plain step's ``sum(worth) / c_0`` only if
-        ``G c_0 > sum(worth) margin c_v``. Where it cannot, :meth:`lengths` would choose nothing: a property test
-        checks it, draining and not."""
+        round whose verification scores ``x`` extra tokens gives at most ``x G`` more worth, ``G = max_i worth_i g_i``
+        times the larger trust (gains only fall along a row), and costs at least ``c_0 + margin c_v x``; it beats a
+        plain step's ``sum(worth) / c_0`` only if ``G c_0 > sum(worth) margin c_v``. Where it cannot, :meth:`lengths`
+        would choose nothing: a property test checks it, draining and not."""
         best = max((w * g for w, g in zip(worth, firsts, strict=True)), default=0.0)
         c0, per_token = fit.theta
         return best * max(trust) * c0 <= sum(worth) * fit.margin * per_token
@@ -734,7 +733,7 @@ class AdaptiveLength:
         alone has no other rows to differ from, and the engine-wide share is then its own longer memory (this
         row's drafts and the rows' before it). With one pseudo-observation, a row's two good rounds priced the draft
         model's later drafts at 0.95 and one rejected chain halved its first share; on SpecBench at one row (the
-        replay of :meth:`_trust`) the weight of 4 gave 1.9% more tokens per second than 1, with the factor at 1."""
+        replay of :meth:`_trust`) the weight of 4 gave 1.6-1.8% more tokens per second than 1, with the factor at 1."""
         weight = LONE_PRIOR_WEIGHT if alone else PRIOR_WEIGHT
         return Shares(*self._source_shares(row, "lookup", weight), *self._source_shares(row, "model", weight))
 

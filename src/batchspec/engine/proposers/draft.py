@@ -21,8 +21,14 @@ from batchspec.engine.state import BatchState, Sequence
 # draft, so it must copy. On SpecBench at one row (int8, the preset pair; scripts/one_row_replay.py) a suffix of 1
 # token, the lookup's own minimum, found a draft after nearly every model draft and the planner counted them as the
 # model's later drafts: 0.5 of them were accepted where the model's own are 0.65-0.75 (its first lookup drafts
-# 0.1-0.3), and the planner drafted less for it; with 3, 5.7% more tokens per second over the seven categories
+# 0.1-0.3), and the planner drafted less for it; with 3, 1.3% more tokens per second over the seven categories, 1.6%
+# beside the planner's pricing of a row alone (draft_length.AdaptiveLength._trust)
 PAST_MODEL_NGRAM = 3
+
+
+def past_model_n_min(n_min: int, n_max: int) -> int:
+    """The shortest suffix a greedy row's lookup past a model draft matches, for a lookup of ``n_min .. n_max``."""
+    return max(n_min, min(PAST_MODEL_NGRAM, n_max))
 
 
 class DraftModelProposer:
@@ -192,7 +198,7 @@ class _RoundDrafts:
         self.batch, self.lookup = batch, lookup
         self.n_min: int | torch.Tensor = 0  # [B] where a row samples
         if lookup is not None:
-            self.n_min = max(lookup.n_min, min(PAST_MODEL_NGRAM, lookup.n_max))
+            self.n_min = past_model_n_min(lookup.n_min, lookup.n_max)
             if sampled is not None:
                 self.n_min = torch.where(sampled, lookup.n_min, self.n_min)  # [B]
         self.lengths = plan.staged[0]  # [B]
