@@ -374,3 +374,28 @@ def test_missing_local_path_and_unreachable_hub(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(FileNotFoundError, match="could not be found locally or on the Hugging Face Hub"):
         loading.load_model("batchspec-test/no-such-model")
+
+
+def test_dequantizing_parses_a_gguf_file_once(tmp_path, monkeypatch):
+    """transformers builds one ``GGUFReader`` for the config, one for the tokenizer and one for the weights; within
+    the dequantization they share the first (each parse of a 262k-token vocabulary took 21 s), and gguf's own class
+    is back afterwards."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list(["<s>", "a", "bc"])
+    writer.add_tensor("blk.0.ffn_norm.weight", np.arange(8, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    built = gguf.GGUFReader
+    parsed = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, mode="r": parsed.append(p) or built(p, mode))
+    counting = gguf.GGUFReader
+    with gguf_module._one_reader():
+        readers = [gguf.GGUFReader(str(path)) for _ in range(3)]
+    assert len(parsed) == 1 and readers[0] is readers[1] is readers[2]
+    assert [t.name for t in readers[0].tensors] == ["blk.0.ffn_norm.weight"]
+    assert gguf.GGUFReader is counting
