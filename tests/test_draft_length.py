@@ -367,16 +367,23 @@ def test_a_round_whose_draft_caught_up_times_the_catch_up_not_the_draft_step():
     """B = 1, a draft step at 0.1 plain steps, 60% acceptance. The draft's first round also reads 200 columns it
     lacked (a first forward 201 columns wide: 1 s, at 5 ms a column). Booked as a draft step, it would price every
     later step at 1 s and the draft would never run again; instead the step keeps its price and the catch-up's
-    columns get theirs (1 s less the step's 0.025 s, over the 189 columns past what a round re-reads)."""
+    columns get theirs (1 s less the step's 0.025 s, over the 200 columns past the step's one: 5 ms, as read).
+
+    A short catch-up is priced alike: 15 columns wide (14 past the step's, 3 past the 12 a round re-reads) at the same
+    5 ms, its column costs 5 ms, not 14 / 3 times that."""
     planner = AdaptiveLength(max_k=10, draft_ratio=0.1)
     row = Sequence(0, [1] * 200, 1000)
     planner.observe([row], RoundRecord([0], [0], [[False]], [None], 0, 0, 0.25))
     planner.observe([row], RoundRecord([1], [1], [[False, False]], [None], 1, 1, 1.25 + 0.025, 1.025,
                                        draft_width=201))
-    assert planner.read_s[True] == pytest.approx(1.0 / 189)
+    assert planner.read_s[True] == pytest.approx(1.0 / 200)
     assert planner.lengths([row], Reach([0], uses_draft_model=True, lag=[1]), False)[0] > 0
     planner.observe([row], RoundRecord([1], [1], [[False, False]], [None], 1, 1, 0.3, 0.05, draft_width=2))
     assert planner.fits[1].draft_s == pytest.approx(0.05)
+    step = planner.fits[1].draft(1)
+    planner.observe([row], RoundRecord([1], [1], [[False, False]], [None], 1, 1, 0.3 + 0.07, step + 0.07,
+                                       draft_width=15))
+    assert planner.read_s[True] == pytest.approx(0.005)
 
 
 def test_length_groups_bound_each_rows_padding():
