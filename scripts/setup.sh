@@ -21,6 +21,10 @@ fi
 # instead of 116-125 s for the whole install on a Zen 5); Python compiles the modules it imports, once (the demo's
 # first load then took 64.5 s against 53.8 s for its second)
 pip=(.venv/bin/python -m pip --disable-pip-version-check --quiet)
+# ... and so that "once" holds where PYTHONDONTWRITEBYTECODE is set (CI hosts set it): without it every process
+# compiled every module it imported again, 13 s of the 24 s pytest took to collect the suite on a Zen 4, again in
+# each of its two workers and in each Python process a test starts (servers, the CLI, Ray's workers)
+unset PYTHONDONTWRITEBYTECODE
 # torch first, pinned, so nothing later resolves a CUDA build
 "${pip[@]}" install --no-compile -c constraints/cpu.txt torch
 "${pip[@]}" install --no-compile -c constraints/cpu.txt -e ".[test,ray,load]"
